@@ -1,0 +1,90 @@
+"""The FastAPI application factory."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from megacache_server import __version__
+from megacache_server.errors import ApiError, ServiceUnavailable
+from megacache_server.routes_ac import router as ac_router
+from megacache_server.routes_cas import router as cas_router
+from megacache_server.settings import Settings
+from megacache_server.storage import Storage, build_storage
+
+
+def create_app(settings: Settings | None = None, storage: Storage | None = None) -> FastAPI:
+    """Build the app. Storage is opened at start-up and closed at shutdown."""
+    settings = settings or Settings()
+    storage = storage or build_storage(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await storage.open()
+        try:
+            yield
+        finally:
+            await storage.close()
+
+    app = FastAPI(
+        title="megacache",
+        version=__version__,
+        summary="Remote compile cache for PyTorch 2: content-addressed Mega-Cache bundles.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.storage = storage
+    app.include_router(cas_router)
+    app.include_router(ac_router)
+    _add_health_routes(app, storage)
+    _add_error_handlers(app)
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """Factory for `uvicorn --factory` worker processes: settings come from MEGACACHE_*."""
+    return create_app(Settings())
+
+
+def _add_health_routes(app: FastAPI, storage: Storage) -> None:
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """The process is up."""
+        return {"status": "ok", "version": __version__}
+
+    @app.get("/readyz", tags=["health"], responses={503: {}})
+    async def readyz() -> dict[str, str]:
+        """Storage is reachable: 503 with the reason when it is not."""
+        for part in (storage.blobs, storage.index):
+            try:
+                await part.ping()
+            except ApiError:
+                raise
+            except Exception as exc:  # any backend failure means not ready
+                raise ServiceUnavailable(f"{part.name} unavailable: {exc}") from exc
+        return {"status": "ready", "blobs": storage.blobs.name, "index": storage.index.name}
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+                  for e in exc.errors()]
+        body = {"error": {"status": 422, "code": "invalid_request",
+                          "message": "request parameters are invalid", "errors": errors}}
+        return JSONResponse(body, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        body = {"error": {"status": exc.status_code, "code": "http_error",
+                          "message": str(exc.detail)}}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)

@@ -1,0 +1,89 @@
+"""The blob store interface: immutable bytes addressed by their sha256.
+
+A store must never make bytes visible under an address they do not hash to, and never
+show a partial blob. Each backend does that its own way (temp file + rename, temp key +
+copy); the digest check itself is shared here so every backend enforces the same rule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+
+from megacache_server.errors import BadRequest
+
+READ_CHUNK = 1024 * 1024
+"""Large chunks both ways: fewer thread hops and syscalls per byte served."""
+
+
+class DigestVerifier:
+    """Hashes and counts bytes as they stream in; `check()` says whether they may be committed."""
+
+    def __init__(self, digest: str, expected_size: int) -> None:
+        self.digest = digest
+        self.expected_size = expected_size
+        self.received = 0
+        self._sha = hashlib.sha256()
+
+    def update(self, data: bytes) -> None:
+        self.received += len(data)
+        if self.received > self.expected_size:
+            raise BadRequest(
+                f"body is longer than Content-Length {self.expected_size}", code="size_mismatch"
+            )
+        self._sha.update(data)
+
+    def check(self) -> None:
+        if self.received != self.expected_size:
+            raise BadRequest(
+                f"truncated upload: got {self.received} of {self.expected_size} bytes",
+                code="truncated",
+            )
+        actual = self._sha.hexdigest()
+        if actual != self.digest:
+            raise BadRequest(
+                f"digest mismatch: body hashes to {actual}, not {self.digest}",
+                code="digest_mismatch",
+                actual=actual,
+            )
+
+
+class BlobStore(ABC):
+    """Content-addressed bytes. Digests passed in are already validated as 64 lowercase hex."""
+
+    name: str = "abstract"
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Connect or create what the store needs; called once at app start."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; called once at app stop."""
+
+    @abstractmethod
+    async def stat(self, digest: str) -> int | None:
+        """Size of a stored blob, or None when absent."""
+
+    @abstractmethod
+    async def put(self, digest: str, size: int, body: AsyncIterator[bytes]) -> bool:
+        """Store `body` under `digest` if it hashes to it. True if new, False if it existed.
+
+        Raises BadRequest on mismatch or truncation, InsufficientStorage when out of room;
+        in every failure case nothing is left behind.
+        """
+
+    @abstractmethod
+    def read(self, digest: str, start: int = 0, end: int | None = None) -> AsyncIterator[bytes]:
+        """Bytes [start, end) of a blob in large chunks. The caller has checked it exists."""
+
+    @abstractmethod
+    async def delete(self, digest: str) -> bool:
+        """Remove a blob; True if it was there."""
+
+    @abstractmethod
+    def digests(self) -> AsyncIterator[tuple[str, int]]:
+        """Every stored blob as (digest, size): for consistency checks and garbage collection."""
+
+    @abstractmethod
+    async def ping(self) -> None:
+        """Raise if the store cannot serve requests (readiness)."""

@@ -1,0 +1,78 @@
+"""Errors that carry their HTTP status, so storage code can fail precisely without knowing HTTP.
+
+Every error reaches the client as JSON: {"error": {"status", "code", "message", ...}}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    status: int = 500
+    code: str = "internal"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        **detail: Any,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+        if code is not None:
+            self.code = code
+        self.detail = detail
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"status": self.status, "code": self.code, "message": self.message,
+                          **self.detail}}
+
+
+class BadRequest(ApiError):
+    status, code = 400, "bad_request"
+
+
+class NotFound(ApiError):
+    status, code = 404, "not_found"
+
+
+class Conflict(ApiError):
+    status, code = 409, "conflict"
+
+
+class LengthRequired(ApiError):
+    status, code = 411, "length_required"
+
+
+class PreconditionFailed(ApiError):
+    status, code = 412, "precondition_failed"
+
+
+class PayloadTooLarge(ApiError):
+    status, code = 413, "payload_too_large"
+
+
+class RangeNotSatisfiable(ApiError):
+    status, code = 416, "range_not_satisfiable"
+
+
+class Unprocessable(ApiError):
+    status, code = 422, "unprocessable"
+
+
+class FailedDependency(ApiError):
+    """A manifest names a blob the store does not hold: refused, never a dangling entry."""
+
+    status, code = 424, "missing_blobs"
+
+
+class ServiceUnavailable(ApiError):
+    status, code = 503, "unavailable"
+
+
+class InsufficientStorage(ApiError):
+    status, code = 507, "insufficient_storage"

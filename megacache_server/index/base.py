@@ -1,0 +1,111 @@
+"""The index interface: fingerprint key → manifest, plus what the store knows of its blobs.
+
+The index is the service's metadata: entries (the action cache), the size of every blob
+committed to the CAS (for the store budget and, later, eviction), and nothing else. Blob
+bytes live in a BlobStore.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from megacache_server.errors import PreconditionFailed
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    key: str
+    manifest_json: bytes
+    etag: str
+    created_at: float
+    updated_at: float
+    last_access: float
+
+
+@dataclass(frozen=True)
+class Precondition:
+    """HTTP conditional-request headers for an entry write (RFC 9110 §13)."""
+
+    if_match: str | None = None
+    if_none_match: str | None = None
+
+
+class Index(ABC):
+    name: str = "abstract"
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Connect or create schema; called once at app start."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; called once at app stop."""
+
+    @abstractmethod
+    async def get(self, key: str, *, touch: bool = True) -> StoredEntry | None:
+        """The entry for `key`; `touch` records the access for LRU eviction."""
+
+    @abstractmethod
+    async def put(
+        self,
+        key: str,
+        manifest_json: bytes,
+        *,
+        model: str,
+        env_digest: str,
+        hw_digest: str,
+        blob_digests: list[str],
+        created_at: float,
+        condition: Precondition,
+    ) -> tuple[StoredEntry, bool]:
+        """Write an entry atomically with its precondition; returns (entry, created).
+
+        Raises PreconditionFailed when the condition does not hold at write time.
+        """
+
+    @abstractmethod
+    async def list(
+        self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int
+    ) -> list[StoredEntry]:
+        """Entries matching every given filter, newest (by manifest created_at) first."""
+
+    @abstractmethod
+    async def delete(self, key: str) -> bool:
+        """Remove an entry; True if it was there."""
+
+    @abstractmethod
+    async def record_blob(self, digest: str, size: int) -> None:
+        """Note a blob committed to the CAS (idempotent)."""
+
+    @abstractmethod
+    async def stored_bytes(self) -> int:
+        """Total size of recorded blobs: what the store budget is checked against."""
+
+    @abstractmethod
+    async def ping(self) -> None:
+        """Raise if the index cannot serve requests (readiness)."""
+
+
+def check_precondition(condition: Precondition, current_etag: str | None) -> None:
+    """Shared by every backend so they agree on conditional-write semantics."""
+    if condition.if_match is not None:
+        tags = _tags(condition.if_match)
+        if current_etag is None or ("*" not in tags and current_etag not in tags):
+            raise PreconditionFailed(
+                "If-Match does not match the current entry", current_etag=current_etag
+            )
+    if condition.if_none_match is not None:
+        tags = _tags(condition.if_none_match)
+        if current_etag is not None and ("*" in tags or current_etag in tags):
+            raise PreconditionFailed(
+                "If-None-Match: the entry already exists", current_etag=current_etag
+            )
+
+
+def _tags(header: str) -> set[str]:
+    return {t.strip().removeprefix("W/") for t in header.split(",") if t.strip()}
+
+
+def entry_etag(manifest_json: bytes) -> str:
+    """A strong ETag for an entry: changes whenever its stored manifest bytes change."""
+    return '"' + hashlib.sha256(manifest_json).hexdigest()[:32] + '"'

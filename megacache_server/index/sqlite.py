@@ -1,0 +1,210 @@
+"""Index in SQLite (WAL): the embedded default, safe across several uvicorn workers.
+
+Each process holds one connection guarded by a lock and used from worker threads;
+processes coordinate through SQLite's own locking (WAL + busy timeout). Conditional
+writes run inside `BEGIN IMMEDIATE` so check-then-write is atomic across processes.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from anyio import to_thread
+
+from megacache_server.errors import ServiceUnavailable
+from megacache_server.index.base import (
+    Index,
+    Precondition,
+    StoredEntry,
+    check_precondition,
+    entry_etag,
+)
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    key          TEXT PRIMARY KEY,
+    manifest     BLOB NOT NULL,
+    etag         TEXT NOT NULL,
+    model        TEXT NOT NULL,
+    env_digest   TEXT NOT NULL,
+    hw_digest    TEXT NOT NULL,
+    created_at   REAL NOT NULL,
+    updated_at   REAL NOT NULL,
+    last_access  REAL NOT NULL,
+    pinned       INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS entries_by_model ON entries (model, created_at DESC);
+CREATE TABLE IF NOT EXISTS entry_blobs (
+    key    TEXT NOT NULL REFERENCES entries(key) ON DELETE CASCADE,
+    digest TEXT NOT NULL,
+    PRIMARY KEY (key, digest)
+);
+CREATE INDEX IF NOT EXISTS entry_blobs_by_digest ON entry_blobs (digest);
+CREATE TABLE IF NOT EXISTS blobs (
+    digest      TEXT PRIMARY KEY,
+    size        INTEGER NOT NULL,
+    created_at  REAL NOT NULL
+);
+"""
+
+ENTRY_COLUMNS = "key, manifest, etag, created_at, updated_at, last_access"
+
+
+class SqliteIndex(Index):
+    name = "sqlite"
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._conn: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+
+    async def open(self) -> None:
+        await to_thread.run_sync(self._open_sync)
+
+    def _open_sync(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(
+            self.path, timeout=30, isolation_level=None, check_same_thread=False
+        )
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        with _transaction(conn, immediate=True):
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+        self._conn = conn
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._run(lambda c: c.close())
+            self._conn = None
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        def call() -> T:
+            if self._conn is None:
+                raise ServiceUnavailable("index is not open", code="index_unavailable")
+            with self._lock:
+                try:
+                    return fn(self._conn)
+                except sqlite3.OperationalError as exc:
+                    raise ServiceUnavailable(
+                        f"index error: {exc}", code="index_unavailable"
+                    ) from exc
+
+        return await to_thread.run_sync(call)
+
+    async def get(self, key: str, *, touch: bool = True) -> StoredEntry | None:
+        def op(c: sqlite3.Connection) -> StoredEntry | None:
+            row = c.execute(f"SELECT {ENTRY_COLUMNS} FROM entries WHERE key=?", (key,)).fetchone()
+            if row is None:
+                return None
+            if touch:
+                c.execute("UPDATE entries SET last_access=? WHERE key=?", (time.time(), key))
+            return _entry(row)
+
+        return await self._run(op)
+
+    async def put(
+        self,
+        key: str,
+        manifest_json: bytes,
+        *,
+        model: str,
+        env_digest: str,
+        hw_digest: str,
+        blob_digests: list[str],
+        created_at: float,
+        condition: Precondition,
+    ) -> tuple[StoredEntry, bool]:
+        etag = entry_etag(manifest_json)
+
+        def op(c: sqlite3.Connection) -> tuple[StoredEntry, bool]:
+            now = time.time()
+            with _transaction(c, immediate=True):
+                row = c.execute("SELECT etag FROM entries WHERE key=?", (key,)).fetchone()
+                check_precondition(condition, row[0] if row else None)
+                c.execute(
+                    """INSERT INTO entries (key, manifest, etag, model, env_digest, hw_digest,
+                                            created_at, updated_at, last_access)
+                       VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+                       ON CONFLICT(key) DO UPDATE SET manifest=excluded.manifest,
+                         etag=excluded.etag, model=excluded.model,
+                         env_digest=excluded.env_digest, hw_digest=excluded.hw_digest,
+                         created_at=excluded.created_at, updated_at=excluded.updated_at,
+                         last_access=excluded.last_access""",
+                    (key, manifest_json, etag, model, env_digest, hw_digest, created_at, now, now),
+                )
+                c.execute("DELETE FROM entry_blobs WHERE key=?", (key,))
+                c.executemany(
+                    "INSERT INTO entry_blobs (key, digest) VALUES (?, ?)",
+                    [(key, d) for d in blob_digests],
+                )
+            entry = StoredEntry(key, manifest_json, etag, created_at, now, now)
+            return entry, row is None
+
+        return await self._run(op)
+
+    async def list(
+        self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int
+    ) -> list[StoredEntry]:
+        where, args = [], []
+        for column, value in (("model", model), ("env_digest", env_digest),
+                              ("hw_digest", hw_digest)):
+            if value is not None:
+                where.append(f"{column}=?")
+                args.append(value)
+        sql = f"SELECT {ENTRY_COLUMNS} FROM entries"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY created_at DESC, key LIMIT ?"
+        args.append(limit)
+        return await self._run(lambda c: [_entry(r) for r in c.execute(sql, args).fetchall()])
+
+    async def delete(self, key: str) -> bool:
+        def op(c: sqlite3.Connection) -> bool:
+            with _transaction(c, immediate=True):
+                return c.execute("DELETE FROM entries WHERE key=?", (key,)).rowcount > 0
+
+        return await self._run(op)
+
+    async def record_blob(self, digest: str, size: int) -> None:
+        await self._run(lambda c: c.execute(
+            "INSERT OR IGNORE INTO blobs (digest, size, created_at) VALUES (?, ?, ?)",
+            (digest, size, time.time()),
+        ))
+
+    async def stored_bytes(self) -> int:
+        return await self._run(
+            lambda c: int(c.execute("SELECT COALESCE(SUM(size), 0) FROM blobs").fetchone()[0])
+        )
+
+    async def ping(self) -> None:
+        await self._run(lambda c: c.execute("SELECT 1").fetchone())
+
+
+class _transaction:
+    """BEGIN … COMMIT/ROLLBACK on an autocommit connection."""
+
+    def __init__(self, conn: sqlite3.Connection, immediate: bool = False) -> None:
+        self.conn = conn
+        self.begin = "BEGIN IMMEDIATE" if immediate else "BEGIN"
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute(self.begin)
+        return self.conn
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _entry(row: tuple) -> StoredEntry:
+    key, manifest, etag, created_at, updated_at, last_access = row
+    return StoredEntry(key, bytes(manifest), etag, created_at, updated_at, last_access)

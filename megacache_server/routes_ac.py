@@ -1,0 +1,156 @@
+"""`/v1/ac`: the index from fingerprint key to manifest (the "action cache")."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from pydantic import ValidationError
+
+from megacache_client.manifest import Manifest, component_digest
+from megacache_server.errors import (
+    FailedDependency,
+    NotFound,
+    PayloadTooLarge,
+    Unprocessable,
+)
+from megacache_server.index.base import Precondition
+from megacache_server.storage import Storage, get_storage
+from megacache_server.validation import request_body, require_content_length, require_hex64
+
+router = APIRouter(prefix="/v1/ac", tags=["ac"])
+StorageDep = Annotated[Storage, Depends(get_storage)]
+
+MANIFEST_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": Manifest.model_json_schema()}},
+    }
+}
+
+
+def _json(data: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(data, status_code=status, headers=headers, media_type="application/json")
+
+
+@router.put(
+    "/{key}",
+    status_code=201,
+    openapi_extra=MANIFEST_BODY,
+    responses={200: {"description": "replaced"}, 400: {}, 411: {}, 412: {}, 413: {}, 422: {},
+               424: {"description": "a blob the manifest names is not stored"}},
+)
+async def put_entry(key: str, request: Request, storage: StorageDep) -> Response:
+    """Write the manifest for `key`. Every blob it names must already be stored (424 if not).
+
+    `If-None-Match: *` writes only if absent; `If-Match: <etag>` only over that version.
+    """
+    require_hex64(key, "key")
+    limit = int(storage.settings.max_manifest_size)
+    require_content_length(request.headers.get("content-length"), limit, "manifest")
+    body = await _read_limited(request, limit)
+    manifest = _parse_manifest(body, key)
+    await _require_blobs(manifest, storage)
+    stored = manifest.to_json()
+    fp = manifest.fingerprint
+    entry, created = await storage.index.put(
+        key,
+        stored,
+        model=fp.model,
+        env_digest=component_digest(fp.env),
+        hw_digest=component_digest(fp.hw),
+        blob_digests=[b.digest for b in manifest.blobs],
+        created_at=manifest.created_at.timestamp(),
+        condition=Precondition(
+            if_match=request.headers.get("if-match"),
+            if_none_match=request.headers.get("if-none-match"),
+        ),
+    )
+    return _json(stored, 201 if created else 200, {"etag": entry.etag})
+
+
+@router.get("/{key}", responses={200: {"content": {"application/json": {
+    "schema": Manifest.model_json_schema()}}}, 304: {}, 400: {}, 404: {}})
+async def get_entry(key: str, request: Request, storage: StorageDep) -> Response:
+    """The manifest for `key`, with its ETag."""
+    require_hex64(key, "key")
+    entry = await storage.index.get(key)
+    if entry is None:
+        raise NotFound(f"no entry for key {key}", code="entry_not_found")
+    if request.headers.get("if-none-match") == entry.etag:
+        return Response(status_code=304, headers={"etag": entry.etag})
+    return _json(entry.manifest_json, headers={"etag": entry.etag})
+
+
+@router.get("", responses={200: {"description": "{\"entries\": [manifest, ...]}"}})
+async def list_entries(
+    storage: StorageDep,
+    model: Annotated[str | None, Query(max_length=256)] = None,
+    env: Annotated[str | None, Query(description="component_digest(env)")] = None,
+    hw: Annotated[str | None, Query(description="component_digest(hw)")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+) -> Response:
+    """Entries newest first, filtered by model and by env / hw component digests."""
+    for value, what in ((env, "env"), (hw, "hw")):
+        if value is not None:
+            require_hex64(value, what)
+    entries = await storage.index.list(model=model, env_digest=env, hw_digest=hw, limit=limit)
+    return _json(b'{"entries":[' + b",".join(e.manifest_json for e in entries) + b"]}")
+
+
+@router.delete("/{key}", status_code=204, responses={400: {}, 404: {}})
+async def delete_entry(key: str, storage: StorageDep) -> Response:
+    """Remove an entry (its blobs stay until garbage collection)."""
+    require_hex64(key, "key")
+    if not await storage.index.delete(key):
+        raise NotFound(f"no entry for key {key}", code="entry_not_found")
+    return Response(status_code=204)
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    body = bytearray()
+    async for chunk in request_body(request):
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"manifest is over {limit} bytes", limit=limit)
+    return bytes(body)
+
+
+def _parse_manifest(body: bytes, key: str) -> Manifest:
+    try:
+        data: Any = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Unprocessable(f"manifest is not valid JSON: {exc}", code="malformed_json") from None
+    try:
+        manifest = Manifest.model_validate(data)
+    except ValidationError as exc:
+        raise Unprocessable(
+            "manifest does not match the schema",
+            code="invalid_manifest",
+            errors=[{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+                    for e in exc.errors(include_url=False, include_input=False)],
+        ) from None
+    if manifest.key != key:
+        raise Unprocessable(f"manifest key {manifest.key} differs from the URL key {key}",
+                            code="key_mismatch")
+    return manifest
+
+
+async def _require_blobs(manifest: Manifest, storage: Storage) -> None:
+    missing, wrong_size = [], []
+    for blob in manifest.blobs:
+        size = await storage.blobs.stat(blob.digest)
+        if size is None:
+            missing.append(blob.digest)
+        elif size != blob.size:
+            wrong_size.append({"digest": blob.digest, "declared": blob.size, "stored": size})
+    if missing:
+        raise FailedDependency(
+            f"{len(missing)} blob(s) named by the manifest are not stored; upload them first",
+            missing=missing,
+        )
+    if wrong_size:
+        raise Unprocessable("blob sizes in the manifest differ from the stored blobs",
+                            code="size_mismatch", blobs=wrong_size)
+

@@ -1,0 +1,98 @@
+"""`/v1/cas/{digest}`: immutable blobs addressed by their sha256."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from megacache_server.errors import InsufficientStorage, NotFound
+from megacache_server.ranges import parse_range
+from megacache_server.storage import Storage, get_storage
+from megacache_server.validation import request_body, require_content_length, require_hex64
+
+router = APIRouter(prefix="/v1/cas", tags=["cas"])
+StorageDep = Annotated[Storage, Depends(get_storage)]
+
+IMMUTABLE = "public, max-age=31536000, immutable"
+
+
+def _blob_headers(digest: str, size: int) -> dict[str, str]:
+    return {
+        "etag": f'"{digest}"',
+        "cache-control": IMMUTABLE,
+        "accept-ranges": "bytes",
+        "content-length": str(size),
+    }
+
+
+@router.put(
+    "/{digest}",
+    status_code=201,
+    responses={200: {"description": "already stored"}, 400: {}, 411: {}, 413: {}, 507: {}},
+)
+async def put_blob(digest: str, request: Request, storage: StorageDep) -> JSONResponse:
+    """Upload a blob; the body must hash to `digest`. Idempotent."""
+    require_hex64(digest, "digest")
+    size = require_content_length(
+        request.headers.get("content-length"), int(storage.settings.max_blob_size), "blob"
+    )
+    budget = storage.settings.store_budget
+    if budget is not None and await storage.blobs.stat(digest) is None:
+        used = await storage.index.stored_bytes()
+        if used + size > budget:
+            raise InsufficientStorage(
+                f"store budget {int(budget)} bytes: {used} used, {size} more do not fit",
+                code="store_full", used=used, budget=int(budget),
+            )
+    created = await storage.blobs.put(digest, size, request_body(request))
+    await storage.index.record_blob(digest, size)
+    return JSONResponse(
+        {"digest": digest, "size": size, "created": created},
+        status_code=201 if created else 200,
+        headers={"etag": f'"{digest}"'},
+    )
+
+
+@router.head("/{digest}", responses={404: {}})
+async def head_blob(digest: str, storage: StorageDep) -> Response:
+    """Whether a blob is stored (HEAD before PUT lets clients skip uploads)."""
+    require_hex64(digest, "digest")
+    size = await storage.blobs.stat(digest)
+    if size is None:
+        return Response(status_code=404)
+    return Response(status_code=200, headers=_blob_headers(digest, size))
+
+
+@router.get(
+    "/{digest}",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}, 206: {}, 404: {}, 416: {}},
+)
+async def get_blob(digest: str, request: Request, storage: StorageDep) -> Response:
+    """Stream a blob in large chunks; honours `Range` (206) and `If-None-Match` (304)."""
+    require_hex64(digest, "digest")
+    size = await storage.blobs.stat(digest)
+    if size is None:
+        raise NotFound(f"blob {digest} is not stored", code="blob_not_found")
+    headers = _blob_headers(digest, size)
+    if request.headers.get("if-none-match") in (f'"{digest}"', "*"):
+        return Response(status_code=304, headers={"etag": headers["etag"]})
+    span = None
+    if_range = request.headers.get("if-range")
+    if if_range is None or if_range == headers["etag"]:
+        span = parse_range(request.headers.get("range"), size)
+    status = 200
+    start, end = 0, size
+    if span is not None:
+        start, end = span
+        status = 206
+        headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
+        headers["content-length"] = str(end - start)
+    return StreamingResponse(
+        storage.blobs.read(digest, start, end),
+        status_code=status,
+        headers=headers,
+        media_type="application/octet-stream",
+    )

@@ -1,0 +1,40 @@
+"""Server settings: CLI flags override `MEGACACHE_*` environment variables override an env file.
+
+Sizes accept units (`512MiB`, `4GiB`, `10GB`) as well as plain byte counts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import ByteSize, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MEGACACHE_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="address to bind; loopback by default")
+    port: int = Field(8787, ge=0, le=65535, description="TCP port")
+    data_dir: Path = Field(Path("./megacache-data"), description="blobs, temp files and index")
+    index: str = Field(
+        "", description="index URL: sqlite:///path (default: <data_dir>/index.sqlite3)"
+    )
+    max_blob_size: ByteSize = Field(
+        ByteSize(8 * 1024**3), description="largest blob a PUT may send (413 above)"
+    )
+    store_budget: ByteSize | None = Field(
+        None, description="total blob bytes the store may hold (507 above); unset = disk-bound"
+    )
+    min_free_disk: ByteSize = Field(
+        ByteSize(256 * 1024**2), description="free disk to keep in reserve (507 below)"
+    )
+    max_manifest_size: ByteSize = Field(ByteSize(64 * 1024), description="largest manifest body")
+    workers: int = Field(1, ge=1, le=64, description="uvicorn worker processes")
+    log_level: LogLevel = Field("info", description="log level")
+
+    def index_url(self) -> str:
+        return self.index or f"sqlite:///{self.data_dir / 'index.sqlite3'}"

@@ -1,0 +1,52 @@
+"""The storage a running app serves from: a blob store and an index, built from settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from fastapi import Request
+
+from megacache_server.blobstore.base import BlobStore
+from megacache_server.blobstore.fs import FsBlobStore
+from megacache_server.index.base import Index
+from megacache_server.index.sqlite import SqliteIndex
+from megacache_server.settings import Settings
+
+
+@dataclass
+class Storage:
+    settings: Settings
+    blobs: BlobStore
+    index: Index
+
+    async def open(self) -> None:
+        await self.blobs.open()
+        await self.index.open()
+
+    async def close(self) -> None:
+        await self.index.close()
+        await self.blobs.close()
+
+
+def build_storage(settings: Settings) -> Storage:
+    blobs = FsBlobStore(settings.data_dir, min_free_bytes=int(settings.min_free_disk))
+    return Storage(settings, blobs, build_index(settings.index_url()))
+
+
+def build_index(url: str) -> Index:
+    parsed = urlparse(url)
+    if parsed.scheme == "sqlite":
+        return SqliteIndex(_sqlite_path(url))
+    raise ValueError(f"unsupported index URL {url!r}: expected sqlite:///path")
+
+
+def _sqlite_path(url: str) -> str:
+    # sqlite:///relative/or/abs  → everything after the third slash is the path as written
+    path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else url[len("sqlite://"):]
+    return path or "index.sqlite3"
+
+
+def get_storage(request: Request) -> Storage:
+    """FastAPI dependency: the app's storage."""
+    return request.app.state.storage  # type: ignore[no-any-return]

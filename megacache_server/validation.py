@@ -1,0 +1,47 @@
+"""Checks on the shape of request inputs, shared by every route."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import ClientDisconnect, Request
+
+from megacache_client.manifest import is_hex64
+from megacache_server.errors import BadRequest, LengthRequired, PayloadTooLarge
+
+
+def require_hex64(value: str, what: str) -> str:
+    """Digests and keys are 64 lowercase hex: anything else (`..`, `/`, upper case) is refused."""
+    if not is_hex64(value):
+        raise BadRequest(
+            f"{what} must be 64 lowercase hex characters (a sha256), got {value[:80]!r}",
+            code=f"malformed_{what}",
+        )
+    return value
+
+
+def require_content_length(header: str | None, limit: int, what: str) -> int:
+    """The declared body size, checked against `limit` before a byte of the body is read."""
+    if header is None:
+        raise LengthRequired(f"{what} upload needs a Content-Length header")
+    try:
+        length = int(header)
+    except ValueError:
+        raise BadRequest(f"Content-Length {header[:40]!r} is not a number") from None
+    if length < 0:
+        raise BadRequest("Content-Length is negative")
+    if length > limit:
+        raise PayloadTooLarge(
+            f"{what} of {length} bytes is over the limit of {limit} bytes", limit=limit
+        )
+    return length
+
+
+async def request_body(request: Request) -> AsyncIterator[bytes]:
+    """The body as it streams in; a client that hangs up mid-body becomes a clean 400."""
+    try:
+        async for chunk in request.stream():
+            yield chunk
+    except ClientDisconnect:
+        raise BadRequest("client disconnected before the body was complete",
+                         code="truncated") from None
