@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT: Literal[1] = 1
 """Bump when the manifest or the fingerprint recipe changes incompatibly; it is hashed into keys."""
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")

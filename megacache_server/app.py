@@ -36,6 +36,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         version=__version__,
         summary="Remote compile cache for PyTorch 2: content-addressed Mega-Cache bundles.",
         lifespan=lifespan,
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.storage = storage

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
 
 from fastapi import Request
@@ -37,7 +38,7 @@ def build_storage(settings: Settings) -> Storage:
 def build_index(url: str) -> Index:
     parsed = urlparse(url)
     if parsed.scheme == "sqlite":
-        return SqliteIndex(_sqlite_path(url))
+        return SqliteIndex(Path(_sqlite_path(url)))
     raise ValueError(f"unsupported index URL {url!r}: expected sqlite:///path")
 
 

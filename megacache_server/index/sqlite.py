@@ -155,7 +155,8 @@ class SqliteIndex(Index):
     async def list(
         self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int
     ) -> list[StoredEntry]:
-        where, args = [], []
+        where: list[str] = []
+        args: list[str | int] = []
         for column, value in (("model", model), ("env_digest", env_digest),
                               ("hw_digest", hw_digest)):
             if value is not None:
