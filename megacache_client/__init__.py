@@ -1,3 +1,17 @@
-"""megacache client: load and publish torch.compile Mega-Cache bundles from a remote cache."""
+"""megacache client: load and publish torch.compile Mega-Cache bundles from a remote cache.
+
+    import megacache_client
+    megacache_client.enable(url="http://cache:8787", model="dlrm-v3", code=GIT_SHA)
+
+or set MEGACACHE_URL (and optionally MEGACACHE_MODEL, MEGACACHE_CODE, ...) and let the
+autoload hook do it in every process, `torchrun` workers included.
+"""
 
 __version__ = "0.1.0"
+
+from megacache_client.api import cached, disable, enable, session  # noqa: E402
+from megacache_client.config import ClientConfig  # noqa: E402
+from megacache_client.session import MegacacheError, Session  # noqa: E402
+
+__all__ = ["ClientConfig", "MegacacheError", "Session", "cached", "disable", "enable",
+           "session", "__version__"]

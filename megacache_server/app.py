@@ -14,6 +14,7 @@ from megacache_server import __version__
 from megacache_server.errors import ApiError, ServiceUnavailable
 from megacache_server.routes_ac import router as ac_router
 from megacache_server.routes_cas import router as cas_router
+from megacache_server.routes_events import router as events_router
 from megacache_server.settings import Settings
 from megacache_server.storage import Storage, build_storage
 
@@ -42,6 +43,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.state.storage = storage
     app.include_router(cas_router)
     app.include_router(ac_router)
+    app.include_router(events_router)
     _add_health_routes(app, storage)
     _add_error_handlers(app)
     return app

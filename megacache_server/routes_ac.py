@@ -95,7 +95,9 @@ async def list_entries(
     for value, what in ((env, "env"), (hw, "hw")):
         if value is not None:
             require_hex64(value, what)
-    entries = await storage.index.list(model=model, env_digest=env, hw_digest=hw, limit=limit)
+    entries = await storage.index.list_entries(
+        model=model, env_digest=env, hw_digest=hw, limit=limit
+    )
     return _json(b'{"entries":[' + b",".join(e.manifest_json for e in entries) + b"]}")
 
 

@@ -11,6 +11,7 @@ import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from megacache_client.events import OUTCOMES, Event
 from megacache_server.errors import PreconditionFailed
 
 
@@ -30,6 +31,28 @@ class Precondition:
 
     if_match: str | None = None
     if_none_match: str | None = None
+
+
+@dataclass
+class ModelStats:
+    model: str
+    runs: int = 0
+    outcomes: dict[str, int] | None = None
+    compile_s: float = 0.0
+    saved_s: float = 0.0
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+    def __post_init__(self) -> None:
+        if self.outcomes is None:
+            self.outcomes = dict.fromkeys(OUTCOMES, 0)
+
+    @property
+    def hit_rate(self) -> float:
+        """Runs that started warm (exact or fallback) over all runs."""
+        assert self.outcomes is not None
+        warm = self.outcomes["hit"] + self.outcomes["fallback"]
+        return warm / self.runs if self.runs else 0.0
 
 
 class Index(ABC):
@@ -64,7 +87,7 @@ class Index(ABC):
         """
 
     @abstractmethod
-    async def list(
+    async def list_entries(
         self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int
     ) -> list[StoredEntry]:
         """Entries matching every given filter, newest (by manifest created_at) first."""
@@ -80,6 +103,14 @@ class Index(ABC):
     @abstractmethod
     async def stored_bytes(self) -> int:
         """Total size of recorded blobs: what the store budget is checked against."""
+
+    @abstractmethod
+    async def add_event(self, event: Event) -> None:
+        """Store one client run's event (for stats, metrics and the dashboard)."""
+
+    @abstractmethod
+    async def stats(self, *, since: float | None = None) -> list[ModelStats]:
+        """Per-model aggregates of the events since `since` (epoch seconds), busiest first."""
 
     @abstractmethod
     async def ping(self) -> None:
@@ -109,3 +140,20 @@ def _tags(header: str) -> set[str]:
 def entry_etag(manifest_json: bytes) -> str:
     """A strong ETag for an entry: changes whenever its stored manifest bytes change."""
     return '"' + hashlib.sha256(manifest_json).hexdigest()[:32] + '"'
+
+
+def aggregate_stats(
+    rows: list[tuple[str, str, int, float, float, int, int]],
+) -> list[ModelStats]:
+    """Fold (model, outcome, count, compile_s, saved_s, bytes_down, bytes_up) rows per model."""
+    by_model: dict[str, ModelStats] = {}
+    for model, outcome, count, compile_s, saved_s, down, up in rows:
+        s = by_model.setdefault(model, ModelStats(model))
+        assert s.outcomes is not None
+        s.runs += count
+        s.outcomes[outcome] = s.outcomes.get(outcome, 0) + count
+        s.compile_s += compile_s or 0.0
+        s.saved_s += saved_s or 0.0
+        s.bytes_down += down or 0
+        s.bytes_up += up or 0
+    return sorted(by_model.values(), key=lambda s: (-s.runs, s.model))

@@ -16,11 +16,14 @@ from typing import TypeVar
 
 from anyio import to_thread
 
+from megacache_client.events import Event
 from megacache_server.errors import ServiceUnavailable
 from megacache_server.index.base import (
     Index,
+    ModelStats,
     Precondition,
     StoredEntry,
+    aggregate_stats,
     check_precondition,
     entry_etag,
 )
@@ -47,6 +50,19 @@ CREATE TABLE IF NOT EXISTS entry_blobs (
     PRIMARY KEY (key, digest)
 );
 CREATE INDEX IF NOT EXISTS entry_blobs_by_digest ON entry_blobs (digest);
+CREATE TABLE IF NOT EXISTS events (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    created_at  REAL NOT NULL,
+    model       TEXT NOT NULL,
+    key         TEXT NOT NULL,
+    outcome     TEXT NOT NULL,
+    compile_s   REAL NOT NULL,
+    saved_s     REAL NOT NULL,
+    bytes_down  INTEGER NOT NULL,
+    bytes_up    INTEGER NOT NULL,
+    event       BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_time ON events (created_at);
 CREATE TABLE IF NOT EXISTS blobs (
     digest      TEXT PRIMARY KEY,
     size        INTEGER NOT NULL,
@@ -152,7 +168,7 @@ class SqliteIndex(Index):
 
         return await self._run(op)
 
-    async def list(
+    async def list_entries(
         self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int
     ) -> list[StoredEntry]:
         where: list[str] = []
@@ -186,6 +202,27 @@ class SqliteIndex(Index):
         return await self._run(
             lambda c: int(c.execute("SELECT COALESCE(SUM(size), 0) FROM blobs").fetchone()[0])
         )
+
+    async def add_event(self, event: Event) -> None:
+        await self._run(lambda c: c.execute(
+            """INSERT INTO events (created_at, model, key, outcome, compile_s, saved_s,
+                                   bytes_down, bytes_up, event) VALUES (?,?,?,?,?,?,?,?,?)""",
+            (event.created_at.timestamp(), event.model, event.key, event.outcome,
+             event.compile_s, event.saved_s, event.bytes_down, event.bytes_up,
+             event.model_dump_json().encode()),
+        ))
+
+    async def stats(self, *, since: float | None = None) -> list[ModelStats]:
+        def op(c: sqlite3.Connection) -> list[ModelStats]:
+            rows = c.execute(
+                """SELECT model, outcome, COUNT(*), SUM(compile_s), SUM(saved_s),
+                          SUM(bytes_down), SUM(bytes_up)
+                   FROM events WHERE created_at >= ? GROUP BY model, outcome""",
+                (since or 0.0,),
+            ).fetchall()
+            return aggregate_stats(rows)
+
+        return await self._run(op)
 
     async def ping(self) -> None:
         await self._run(lambda c: c.execute("SELECT 1").fetchone())

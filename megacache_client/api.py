@@ -1,0 +1,74 @@
+"""The public entry points: `enable()`, `session()` (context manager) and `cached` (decorator)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from megacache_client import hook
+from megacache_client.config import ClientConfig
+from megacache_client.session import Session
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def enable(*, model: str | None = None, code: str | None = None,
+           compile_options: dict[str, Any] | None = None, load_now: bool = False,
+           **config: Any) -> Session:
+    """Turn the cache on for this process.
+
+    Configuration comes from keyword arguments, else `MEGACACHE_*` variables (`url`, `token`,
+    `mode`, ...). The first `torch.compile` call loads the matching bundle; the process exit
+    (or `session.close()`) publishes what was compiled and reports the run. With no URL, or
+    `mode="off"`, this returns a session that does nothing.
+    """
+    cfg = ClientConfig.from_env(model=model, code=code, **config)
+    session = Session(cfg, compile_options=compile_options)
+    if cfg.enabled:
+        hook.install(session)
+        atexit.register(_close_at_exit, session)
+        if load_now:
+            session.load(options=compile_options)
+    return session
+
+
+def disable(session: Session | None = None) -> None:
+    """Publish and report (bounded wait), then restore torch.compile."""
+    target = session or hook.active_session()
+    if target is not None:
+        target.close()
+    hook.uninstall(target)
+
+
+@contextlib.contextmanager
+def session(**kwargs: Any) -> Iterator[Session]:
+    """`with megacache_client.session(model="mlp"): ...` — publish and report at exit."""
+    s = enable(**kwargs)
+    try:
+        yield s
+    finally:
+        disable(s)
+
+
+def cached(**kwargs: Any) -> Callable[[F], F]:
+    """Decorator form: the wrapped function (a training entry point) runs inside a session."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            with session(**kwargs):
+                return fn(*args, **kw)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def _close_at_exit(s: Session) -> None:
+    try:
+        s.close()
+    finally:
+        hook.uninstall(s)

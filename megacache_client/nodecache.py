@@ -1,0 +1,75 @@
+"""Node-local blob cache: each blob is downloaded once per node, whatever the rank count.
+
+The first local rank to want a blob takes a file lock and downloads it; the others wait on
+the lock and then read the verified file from disk. A file is only ever renamed into place
+after its digest checked out, and is checked again (size + sha256, cheap next to a
+download) every time it is reused, so a corrupted disk copy is replaced, never loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from megacache_client.transport import TransportError, sha256_file
+
+
+class NodeCache:
+    def __init__(self, root: Path, lock_timeout_s: float = 600.0) -> None:
+        self.root = Path(root)
+        self.blob_dir = self.root / "blobs"
+        self.lock_dir = self.root / "locks"
+        self.lock_timeout_s = lock_timeout_s
+
+    def path(self, digest: str) -> Path:
+        return self.blob_dir / digest
+
+    def fetch(self, digest: str, size: int,
+              download: Callable[[Path], None]) -> tuple[Path, int]:
+        """The verified local path of a blob, and the bytes this call downloaded (0 if cached).
+
+        `download(tmp_path)` must write the blob to `tmp_path` (and may raise).
+        """
+        self.blob_dir.mkdir(parents=True, exist_ok=True)
+        self.lock_dir.mkdir(parents=True, exist_ok=True)
+        final = self.path(digest)
+        try:
+            with FileLock(str(self.lock_dir / f"{digest}.lock"), timeout=self.lock_timeout_s):
+                if self.verified(final, digest, size):
+                    return final, 0
+                tmp = final.with_name(f".{digest}.{os.getpid()}.part")
+                try:
+                    download(tmp)
+                    os.replace(tmp, final)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        tmp.unlink()
+                return final, size
+        except Timeout:
+            raise TransportError(
+                f"waited {self.lock_timeout_s:.0f}s for another rank to download {digest[:12]}…"
+            ) from None
+
+    def add(self, digest: str, source: Path) -> Path:
+        """Adopt a file this process produced (a pack it will upload) as a cached blob."""
+        self.blob_dir.mkdir(parents=True, exist_ok=True)
+        final = self.path(digest)
+        os.replace(source, final)
+        return final
+
+    @staticmethod
+    def verified(path: Path, digest: str, size: int) -> bool:
+        try:
+            if path.stat().st_size != size:
+                path.unlink()
+                return False
+        except FileNotFoundError:
+            return False
+        if sha256_file(path) != digest:
+            path.unlink(missing_ok=True)
+            return False
+        return True

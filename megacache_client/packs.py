@@ -1,0 +1,141 @@
+"""Packing files into blobs and back: deterministic zstd tarballs, unpacked defensively.
+
+The Mega-Cache bundle carries generated source, not compiled code; without the compiled
+kernel `.so` files and the precompiled header a new machine still runs g++ for minutes.
+Those files travel as packs. Packs are deterministic (sorted names, zeroed metadata), so
+the same files give the same digest and the CAS stores them once.
+
+Unpacking treats the blob as hostile: regular files only, relative names without `..`,
+an allow-list of suffixes, a cap on decompressed bytes, and each file written to a temp
+name then renamed, so a reader never sees half a kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tarfile
+import uuid
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+from typing import IO
+
+import zstandard
+
+ZSTD_LEVEL = 3
+
+
+class PackError(ValueError):
+    """A pack or bundle is malformed, unsafe or over its size cap."""
+
+
+def compress_bytes(raw: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(raw)
+
+
+def decompress_bytes(data: bytes, raw_size: int, raw_sha256: str | None, cap: int) -> bytes:
+    """Decompress a bundle, refusing anything over `cap` or not matching its raw digest."""
+    if raw_size > cap:
+        raise PackError(f"bundle would decompress to {raw_size} bytes, over the cap of {cap}")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
+    except zstandard.ZstdError as exc:
+        raise PackError(f"bundle is not valid zstd: {exc}") from None
+    if len(raw) != raw_size:
+        raise PackError(f"bundle decompressed to {len(raw)} bytes, manifest says {raw_size}")
+    if raw_sha256 is not None and hashlib.sha256(raw).hexdigest() != raw_sha256:
+        raise PackError("bundle's decompressed bytes do not match the manifest's raw_sha256")
+    return raw
+
+
+def write_pack(files: Iterable[tuple[str, Path]], dest: Path) -> tuple[int, int]:
+    """Write (name, path) pairs as a deterministic zstd tar; returns (raw, stored) sizes."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    raw_size = 0
+    with open(dest, "wb") as out:
+        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1)
+        with cctx.stream_writer(out, closefd=False) as zw, \
+                tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+            for name, path in sorted(files):
+                info = tarfile.TarInfo(_safe_name(name))
+                info.size = path.stat().st_size
+                info.mode = 0o755 if name.endswith(".so") else 0o644
+                info.mtime = 0
+                with open(path, "rb") as f:
+                    tar.addfile(info, f)
+                raw_size += info.size
+    return raw_size, dest.stat().st_size
+
+
+def pack_names(pack: Path, cap: int) -> list[str]:
+    """The file names inside a pack (validated), without extracting it."""
+    return [m.name for m in _members(pack, cap, suffixes=None, into=None)]
+
+
+def unpack(pack: Path, into: Path, *, suffixes: tuple[str, ...], cap: int) -> list[str]:
+    """Extract a pack's allowed files into `into`, skipping files already present.
+
+    Returns the names written. Raises PackError on an unsafe or oversized pack; files
+    written before the error stay (each is complete and content-keyed by torch).
+    """
+    return [m.name for m in _members(pack, cap, suffixes=suffixes, into=into)]
+
+
+def _members(pack: Path, cap: int, *, suffixes: tuple[str, ...] | None,
+             into: Path | None) -> list[tarfile.TarInfo]:
+    seen: list[tarfile.TarInfo] = []
+    total = 0
+    try:
+        with open(pack, "rb") as raw, \
+                zstandard.ZstdDecompressor().stream_reader(raw) as zr, \
+                tarfile.open(fileobj=zr, mode="r|") as tar:
+            for member in tar:
+                if not member.isfile():
+                    raise PackError(f"pack entry {member.name!r} is not a regular file")
+                name = _safe_name(member.name)
+                total += member.size
+                if total > cap:
+                    raise PackError(f"pack expands past the cap of {cap} bytes")
+                if suffixes is not None and not name.endswith(suffixes):
+                    raise PackError(f"pack entry {name!r} has a suffix not allowed here")
+                if into is not None:
+                    target = into / name
+                    if not target.exists():
+                        src = tar.extractfile(member)
+                        assert src is not None
+                        _write_atomic(target, src, member.size, executable=name.endswith(".so"))
+                        seen.append(member)
+                else:
+                    seen.append(member)
+    except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+        raise PackError(f"pack is malformed: {exc}") from None
+    return seen
+
+
+def _safe_name(name: str) -> str:
+    path = PurePosixPath(name)
+    if path.is_absolute() or ".." in path.parts or not path.parts or "\\" in name \
+            or any(p in ("", ".") for p in path.parts):
+        raise PackError(f"unsafe file name in pack: {name!r}")
+    return str(path)
+
+
+def _write_atomic(target: Path, src: IO[bytes], size: int,
+                  executable: bool) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.part")
+    try:
+        with open(tmp, "wb") as out:
+            remaining = size
+            while remaining > 0:
+                chunk = src.read(min(remaining, 1 << 20))
+                if not chunk:
+                    raise PackError("pack ended in the middle of a file")
+                out.write(chunk)
+                remaining -= len(chunk)
+        os.chmod(tmp, 0o755 if executable else 0o644)
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()

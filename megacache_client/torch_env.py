@@ -1,0 +1,209 @@
+"""Everything the client asks of torch, in one place, imported only once torch is in use.
+
+Fingerprint facts (versions, ISA, compiler), where torch keeps its caches, its compile
+metrics and hit counters, and the Mega-Cache save/load calls. Keeping torch behind this
+module means the rest of the client imports without torch and can be reasoned about alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import platform
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from megacache_client.manifest import Scalar, canonical_json
+
+
+def torch_module() -> Any:
+    import torch
+
+    return torch
+
+
+def torch_version() -> str:
+    return str(torch_module().__version__)
+
+
+def triton_version() -> str | None:
+    try:
+        return metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def torch_prefix() -> str:
+    """Where torch is installed: compiled-kernel keys embed it (g++ include paths)."""
+    return str(Path(torch_module().__file__).resolve().parent)
+
+
+def env_component() -> dict[str, Scalar]:
+    torch = torch_module()
+    return {
+        "torch": torch_version(),
+        "triton": triton_version(),
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+    }
+
+
+def hw_component() -> dict[str, Scalar]:
+    """What the compiled code depends on about the machine — never which machine it is."""
+    torch = torch_module()
+    hw: dict[str, Scalar] = {
+        "arch": platform.machine(),
+        "cpu_isa": str(torch.backends.cpu.get_cpu_capability()).lower(),
+        "cxx": cxx_version(),
+        "gpu": None,
+        "cc": None,
+    }
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        hw["gpu"] = torch.cuda.get_device_name(0)
+        hw["cc"] = f"{major}.{minor}"
+        if getattr(torch.version, "hip", None):
+            hw["gcn_arch"] = getattr(torch.cuda.get_device_properties(0), "gcnArchName", None)
+    return hw
+
+
+@functools.cache
+def cxx_version() -> str | None:
+    """First line of `<compiler> --version` for the compiler Inductor will use."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        compiler = get_cpp_compiler()
+    except Exception:
+        compiler = shutil.which("g++") or "g++"
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = out.strip().splitlines()[0] if out.strip() else None
+    return first[:200] if first else None
+
+
+def config_component(options: dict[str, Any] | None) -> dict[str, Scalar]:
+    """Compile-relevant settings: torch.compile arguments, threads, torch's cache tag."""
+    torch = torch_module()
+    opts = dict(options or {})
+    backend = opts.pop("backend", "inductor")
+    inductor_options = opts.pop("options", None)
+    return {
+        "backend": backend if isinstance(backend, str) else _qualname(backend),
+        "mode": opts.pop("mode", None) or "default",
+        "dynamic": _scalar(opts.pop("dynamic", None)),
+        "fullgraph": bool(opts.pop("fullgraph", False)),
+        "options": _digest(inductor_options) if inductor_options else None,
+        "other": _digest(opts) if opts else None,
+        "threads": torch.get_num_threads(),
+        "cache_key_tag": str(getattr(torch.compiler.config, "cache_key_tag", "") or ""),
+    }
+
+
+def model_name(module: Any) -> str:
+    target = getattr(module, "_orig_mod", module)
+    cls = target if inspect.isclass(target) or inspect.isfunction(target) else type(target)
+    return str(getattr(cls, "__qualname__", "model"))
+
+
+def code_digest(module: Any) -> str:
+    """Hash of the source of the user classes in a module tree (torch's own are versioned)."""
+    torch = torch_module()
+    sources: dict[str, str] = {}
+    target = getattr(module, "_orig_mod", module)
+    objects = [type(m) for m in target.modules()] if isinstance(target, torch.nn.Module) \
+        else [target]
+    for obj in objects:
+        mod = getattr(obj, "__module__", "") or ""
+        if mod.startswith("torch."):
+            continue
+        try:
+            sources[_qualname(obj)] = inspect.getsource(obj)
+        except (OSError, TypeError):
+            sources[_qualname(obj)] = ""
+    return "src:" + hashlib.sha256(canonical_json(sources)).hexdigest()[:20]
+
+
+def inductor_cache_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def header_dir() -> Path:
+    """Where Inductor keeps precompiled headers (under TMPDIR, not the cache dir)."""
+    from torch._inductor import codecache
+
+    return Path(codecache._HEADER_DIR)
+
+
+def compile_seconds() -> float:
+    """Seconds torch spent compiling in this process, by its own metrics."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    return float(calculate_time_spent().get("total_wall_time", 0.0))
+
+
+def cache_counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return {
+        "fxgraph_hit": int(inductor["fxgraph_cache_hit"]),
+        "fxgraph_miss": int(inductor["fxgraph_cache_miss"]),
+        "aot_hit": int(aot["autograd_cache_hit"]),
+        "aot_miss": int(aot["autograd_cache_miss"]),
+    }
+
+
+def load_bundle(raw: bytes) -> dict[str, list[str]] | None:
+    """Hot-load Mega-Cache bytes; the artifact keys per type, or None if torch refused them."""
+    info = torch_module().compiler.load_cache_artifacts(raw)
+    return None if info is None else {k: list(v) for k, v in info.artifacts.items()}
+
+
+def save_bundle() -> tuple[bytes, dict[str, list[str]]] | None:
+    result = torch_module().compiler.save_cache_artifacts()
+    if result is None:
+        return None
+    raw, info = result
+    return raw, {k: list(v) for k, v in info.artifacts.items()}
+
+
+def set_job_id(job_id: str) -> str:
+    """Give PGO a job id so automatic-dynamic profiles are recorded and travel in bundles."""
+    config = torch_module().compiler.config
+    if not config.job_id:
+        config.job_id = job_id
+    return str(config.job_id)
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(canonical_json(_jsonable(value))).hexdigest()[:16]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return _qualname(value) if callable(value) else repr(value)
+
+
+def _scalar(value: Any) -> Scalar:
+    return value if isinstance(value, (str, int, float, bool)) or value is None else repr(value)
