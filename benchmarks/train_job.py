@@ -1,0 +1,120 @@
+"""One small training job in this process: what a trainer does, measured.
+
+    python benchmarks/train_job.py --model mlp --steps 3 --megacache explicit --result r.json
+
+`--megacache off` compiles with torch alone; `explicit` calls `megacache_client.enable()`;
+`env` relies on the autoload hook (MEGACACHE_URL set, no code). Timings are from process
+start, so imports count, as they do for a real job. Used by the demo, tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import time
+
+PROCESS_START = time.time()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--megacache", choices=("off", "explicit", "env"), default="off")
+    parser.add_argument("--name", help="model name for the fingerprint (default: class name)")
+    parser.add_argument("--code", help="code id for the fingerprint (default: source hash)")
+    parser.add_argument("--shapes", choices=("fixed", "varying"), default="fixed",
+                        help="varying: batch sizes change after step 1 (automatic dynamic)")
+    parser.add_argument("--load-bundle", type=Path,
+                        help="torch's load_cache_artifacts of this file only (no megacache)")
+    parser.add_argument("--save-bundle", type=Path, help="save_cache_artifacts to this file")
+    parser.add_argument("--result", type=Path, help="write the measurements here as JSON")
+    args = parser.parse_args()
+
+    import torch
+
+    import models
+
+    session = None
+    if args.megacache == "explicit":
+        import megacache_client
+
+        session = megacache_client.enable(model=args.name, code=args.code)
+    if args.load_bundle:
+        torch.compiler.load_cache_artifacts(args.load_bundle.read_bytes())
+
+    model, make_batch, loss_fn = models.build(args.model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = torch.compile(model)
+    sizes = [0] * args.steps if args.shapes == "fixed" else \
+        [8 + 4 * (i % 3) for i in range(args.steps)]
+    step_times = []
+    first_step_end = None
+    for size in sizes:
+        t = time.time()
+        inputs, target = make_batch(size)
+        loss = loss_fn(compiled(*inputs), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        step_times.append(time.time() - t)
+        if first_step_end is None:
+            first_step_end = time.time()
+
+    from torch._dynamo.utils import counters
+
+    from megacache_client import torch_env
+
+    result = {
+        "model": args.model,
+        "time_to_first_step_s": round((first_step_end or time.time()) - PROCESS_START, 3),
+        "first_step_s": round(step_times[0], 3),
+        "steady_step_s": round(sorted(step_times[1:])[len(step_times[1:]) // 2], 4)
+        if len(step_times) > 1 else None,
+        "compile_s": round(torch_env.compile_seconds(), 3),
+        "counters": torch_env.cache_counters(),
+        "frames": int(counters["stats"]["unique_graphs"]),
+        "loss": float(loss.detach()),
+    }
+    if args.save_bundle:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved:
+            args.save_bundle.write_bytes(saved[0])
+    if args.megacache == "env":
+        from megacache_client import hook
+
+        session = hook.active_session()
+    if session is not None:
+        event = session.close()
+        lr, pr = session.load_result, session.publish_result
+        result["megacache"] = {
+            "outcome": event.outcome if event else lr.outcome,
+            "reason": lr.reason,
+            "differing": lr.differing,
+            "key": lr.key,
+            "entry_key": lr.entry.key if lr.entry else None,
+            "saved_s": event.saved_s if event else 0.0,
+            "load_s": round(lr.seconds, 3),
+            "bytes_down": lr.bytes_down,
+            "placed": lr.placed,
+            "skipped": lr.skipped,
+            "published": pr.published,
+            "publish_reason": pr.reason,
+            "bytes_up": pr.bytes_up,
+        }
+    line = json.dumps(result)
+    print(line, flush=True)
+    if args.result:
+        args.result.write_text(line)
+    os.environ.pop("MEGACACHE_URL", None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
