@@ -218,6 +218,14 @@ class RemoteCache:
         is deleted and CorruptBlobError raised.
         """
         dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._download_to(digest, size, dest, progress)
+        except BaseException:
+            dest.unlink(missing_ok=True)
+            raise
+
+    def _download_to(self, digest: str, size: int, dest: Path,
+                     progress: Progress | None) -> None:
         attempts = self.config.retries + 1
         with open(dest, "wb") as f:
             for attempt in range(attempts):
@@ -234,7 +242,6 @@ class RemoteCache:
         actual_size = dest.stat().st_size
         actual = sha256_file(dest)
         if actual_size != size or actual != digest:
-            dest.unlink(missing_ok=True)
             raise CorruptBlobError(
                 f"blob {digest[:12]}… is corrupt: got {actual_size} bytes hashing to "
                 f"{actual[:12]}…, expected {size} bytes"

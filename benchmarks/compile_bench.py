@@ -1,0 +1,705 @@
+"""Time to first training step with and without a remote compile cache, job by job.
+
+    python benchmarks/compile_bench.py --quick
+    python benchmarks/compile_bench.py --models mlp,transformer,dlrm --repeats 3 --write-results
+
+Every job is a fresh `train_job.py` process with its own Inductor/Triton cache dirs and its
+own TMPDIR (Inductor keeps precompiled headers there), so each one sees what a new machine
+or container would see. Scenarios (SCENARIOS below): cold, warm-local, mega-only,
+torch-redis (torch's own remote caches) and megacache (our server, a new machine per job).
+
+The key figure is megacache / warm-local (goal: <= 1.25). Repeats are interleaved
+(repeat r runs every scenario) so background noise hits all scenarios alike. g++ is
+wrapped to count the compiler invocations each job really pays for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata, util
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+TRAIN_JOB = BENCH_DIR / "train_job.py"
+DEFAULT_OUT = BENCH_DIR / "results" / "compile.json"
+RESULTS_MD = BENCH_DIR / "RESULTS.md"
+
+MODELS = ("mlp", "transformer", "dlrm", "conv")
+# Scenario -> what a job of it is; the order is the run order within a repeat.
+SCENARIOS = {
+    "cold": "empty caches, torch alone (it also saves its Mega-Cache bundle for mega-only)",
+    "warm-local": "the cold run's cache dirs again: a job restarting on the same node, "
+                  "the best case",
+    "mega-only": "empty caches + torch.compiler.load_cache_artifacts of the cold run's "
+                 "bundle, nothing else",
+    "torch-redis": "empty caches + torch's own FX-graph and AOT-autograd remote caches on a "
+                   "local redis, filled first by one untimed producer job",
+    "megacache": "empty caches + an empty node cache + our server, filled first by one "
+                 "untimed producer job: every timed job is a brand-new machine",
+}
+NEEDS_COLD = ("cold", "warm-local", "mega-only")  # these reuse the repeat's cold run
+GOAL_VS_WARM = 1.25
+GXX_LOG_VAR = "COMPILE_BENCH_GXX_LOG"
+# Variables of the calling shell that would leak caches or settings into the jobs.
+SCRUBBED_PREFIXES = ("MEGACACHE_", "TORCHINDUCTOR_", "TRITON_", "TORCH_COMPILE_")
+SCRUBBED_VARS = ("CXX", "TMPDIR")
+
+# One line per g++ call: "<kind>\t<first args>". Classified here, in bash, because the
+# full command lines are several KB and parallel compile workers append concurrently:
+# a short line is one atomic append, a long one might interleave.
+GXX_WRAPPER = """#!/bin/bash
+if [ -n "${LOG_VAR}" ]; then
+  case " $* " in
+    " --version "|" -v "|" -dumpversion "|" -dumpfullversion "|" -dumpmachine ") kind=query ;;
+    *" -E "*) kind=preprocess ;;
+    *" c++-header "*) kind=pch ;;
+    *" -c "*) kind=compile ;;
+    *) kind=compile+link ;;
+  esac
+  line="$*"
+  printf '%s\\t%s\\n' "$kind" "${line:0:160}" >> "${LOG_VAR}"
+fi
+exec "REAL_GXX" "$@"
+"""
+
+
+START = time.time()
+
+
+def log(message: str) -> None:
+    """Progress on stderr, stamped with the time since the benchmark started."""
+    print(f"[{time.time() - START:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+# -- processes the benchmark owns --------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def background(cmd: Sequence[str], log_path: Path, cwd: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Run a service for the duration of a block, and always stop it (only it) afterwards."""
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wait_until(ready: Any, proc: subprocess.Popen[bytes], what: str, log_path: Path,
+               timeout_s: float = 30.0) -> None:
+    """Poll `ready()` until true; fail with the service's log if it exits or never gets ready."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            break
+        if ready():
+            return
+        time.sleep(0.1)
+    tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+    raise RuntimeError(f"{what} did not become ready (exit={proc.poll()}): {tail}")
+
+
+def redis_pings(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def healthz_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=1) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+@contextlib.contextmanager
+def redis_service(root: Path) -> Iterator[dict[str, str]]:
+    """A throwaway redis on loopback; yields the env that points torch's remote caches at it."""
+    port = free_port()
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+           "--appendonly", "no", "--daemonize", "no"]
+    log_path = root / "redis.log"
+    with background(cmd, log_path, cwd=root) as proc:
+        wait_until(lambda: redis_pings(port), proc, "redis-server", log_path)
+        # torch 2.13 remote_cache.RedisRemoteCacheBackend reads TORCHINDUCTOR_REDIS_HOST/PORT
+        # (or TORCHINDUCTOR_REDIS_URL); the two caches are switched on separately.
+        yield {
+            "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1",
+            "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",
+            "TORCHINDUCTOR_REDIS_HOST": "127.0.0.1",
+            "TORCHINDUCTOR_REDIS_PORT": str(port),
+        }
+
+
+@contextlib.contextmanager
+def megacache_service(root: Path) -> Iterator[dict[str, str]]:
+    """Our server on loopback with an empty data dir; yields the env that points clients at it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "megacache_server", "--host", "127.0.0.1", "--port", str(port),
+           "--data-dir", str(root / "megacache-data"), "--log-level", "warning"]
+    log_path = root / "megacache-server.log"
+    with background(cmd, log_path, cwd=REPO) as proc:
+        wait_until(lambda: healthz_ok(url), proc, "megacache server", log_path)
+        yield {"MEGACACHE_URL": url}
+
+
+# -- one job -----------------------------------------------------------------------------
+
+@dataclass
+class Sandbox:
+    """Per-job cache locations: a 'machine' is exactly this set of dirs."""
+
+    root: Path
+
+    @classmethod
+    def fresh(cls, root: Path) -> Sandbox:
+        for sub in ("inductor", "triton", "tmp"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+        return cls(root)
+
+    def env(self) -> dict[str, str]:
+        return {
+            "TORCHINDUCTOR_CACHE_DIR": str(self.root / "inductor"),
+            "TRITON_CACHE_DIR": str(self.root / "triton"),
+            "TMPDIR": str(self.root / "tmp"),
+        }
+
+    def node_cache_env(self) -> dict[str, str]:
+        """A node-local megacache blob cache private to this machine."""
+        return {"MEGACACHE_NODE_CACHE_DIR": str(self.root / "node-cache")}
+
+
+@dataclass
+class Bench:
+    """What every job shares: the temp root, the g++ wrapper and the scrubbed base env."""
+
+    root: Path
+    steps: int
+    timeout_s: float
+    base_env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, root: Path, steps: int, timeout_s: float) -> Bench:
+        bench = cls(root, steps, timeout_s)
+        bin_dir = root / "bin"
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        real = shutil.which("g++")
+        if real is None:
+            raise SystemExit("g++ not found on PATH: Inductor's CPU backend needs it")
+        # Inductor runs config.cpp.cxx = $CXX or "g++" through PATH (cpp_builder
+        # .get_cpp_compiler -> cpp_compiler_search), so a g++ first on PATH sees every call
+        # as long as CXX is unset, which base_env guarantees.
+        wrapper = bin_dir / "g++"
+        wrapper.write_text(GXX_WRAPPER.replace("LOG_VAR", GXX_LOG_VAR).replace("REAL_GXX", real))
+        wrapper.chmod(0o755)
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(SCRUBBED_PREFIXES) and k not in SCRUBBED_VARS}
+        env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+        env["PYTHONUNBUFFERED"] = "1"
+        bench.base_env = env
+        return bench
+
+    def sandbox(self, *parts: str) -> Sandbox:
+        return Sandbox.fresh(self.root.joinpath(*parts))
+
+    def run_job(self, label: str, env: dict[str, str], args: Sequence[str]) -> dict[str, Any]:
+        """Run train_job.py in a fresh process; its JSON result plus g++ counts, or an error."""
+        result_path = self.root / "results" / f"{label}.json"
+        gxx_log = self.root / "gxx" / f"{label}.log"
+        for p in (result_path, gxx_log):
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.unlink(missing_ok=True)
+        cmd = [sys.executable, str(TRAIN_JOB), "--steps", str(self.steps),
+               "--result", str(result_path), *args]
+        job_env = {**self.base_env, **env, GXX_LOG_VAR: str(gxx_log)}
+        t0 = time.time()
+        record: dict[str, Any] = {"ok": False}
+        try:
+            proc = subprocess.run(cmd, env=job_env, cwd=REPO, capture_output=True, text=True,
+                                  timeout=self.timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            record["error"] = f"timed out after {self.timeout_s:.0f}s"
+        else:
+            if proc.returncode != 0 or not result_path.exists():
+                record["error"] = (f"exit {proc.returncode}: "
+                                   + (proc.stderr or proc.stdout).strip()[-1500:])
+            else:
+                record.update(json.loads(result_path.read_text()), ok=True)
+                warnings = [ln for ln in proc.stderr.splitlines() if "megacache" in ln.lower()]
+                if warnings:
+                    record["megacache_log"] = warnings[-5:]
+        record["wall_s"] = round(time.time() - t0, 3)
+        record["gxx"] = gxx_counts(gxx_log)
+        return record
+
+
+def gxx_counts(log_path: Path) -> dict[str, int]:
+    """Compiler calls by kind; `calls` counts the ones that do work (not version queries)."""
+    kinds: Counter[str] = Counter()
+    if log_path.exists():
+        for line in log_path.read_text(errors="replace").splitlines():
+            if line.strip():
+                kinds[line.split("\t", 1)[0]] += 1
+    counts = dict(sorted(kinds.items()))
+    counts["calls"] = sum(n for k, n in kinds.items() if k != "query")
+    return counts
+
+
+# -- scenarios ---------------------------------------------------------------------------
+
+@dataclass
+class Remote:
+    """A shared cache service and the env its producers and consumers need (or why not)."""
+
+    env: dict[str, str] | None = None
+    skipped: str | None = None
+
+
+def redis_unavailable() -> str | None:
+    if util.find_spec("redis") is None:
+        return (f"python package 'redis' is not installed in {sys.executable}: torch's "
+                "remote caches need it (pip install redis)")
+    if shutil.which("redis-server") is None:
+        return "redis-server is not on PATH"
+    return None
+
+
+def run_benchmark(bench: Bench, models: Sequence[str], scenarios: Sequence[str],
+                  repeats: int) -> list[dict[str, Any]]:
+    """All jobs, models in turn, scenarios interleaved within each repeat."""
+    jobs: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        remotes = {name: start_remote(stack, bench.root, name)
+                   for name in ("torch-redis", "megacache") if name in scenarios}
+        for model in models:
+            produced = {name: produce(bench, model, name, remote)
+                        for name, remote in remotes.items()}
+            for r in range(1, repeats + 1):
+                jobs += run_repeat(bench, model, scenarios, r, repeats, remotes, produced)
+                shutil.rmtree(bench.root / model / f"r{r}", ignore_errors=True)
+    return jobs
+
+
+def start_remote(stack: contextlib.ExitStack, root: Path, name: str) -> Remote:
+    """Start the service behind a remote scenario, or say why the scenario cannot run."""
+    if name == "torch-redis" and (why := redis_unavailable()):
+        log(f"torch-redis skipped: {why}")
+        return Remote(skipped=why)
+    try:
+        service = redis_service(root) if name == "torch-redis" else megacache_service(root)
+        env = stack.enter_context(service)
+    except (RuntimeError, OSError) as exc:
+        log(f"{name} skipped: {exc}")
+        return Remote(skipped=f"could not start the service: {exc}")
+    log(f"{name}: service up ({', '.join(f'{k}={v}' for k, v in env.items())})")
+    return Remote(env=env)
+
+
+def remote_job(bench: Bench, model: str, name: str, remote: Remote, sandbox: Sandbox,
+               label: str) -> dict[str, Any]:
+    """One job of a remote scenario on a new machine (producer and consumers alike)."""
+    assert remote.env is not None
+    env = {**sandbox.env(), **remote.env}
+    args = ["--model", model, "--megacache", "off"]
+    if name == "megacache":
+        env.update(sandbox.node_cache_env())
+        args[-1] = "explicit"
+    return bench.run_job(label, env, args)
+
+
+def produce(bench: Bench, model: str, name: str, remote: Remote) -> dict[str, Any] | None:
+    """Fill a remote cache with one untimed job, as the first job of a fleet would."""
+    if remote.env is None:
+        return None
+    log(f"{model} {name}: untimed producer")
+    record = remote_job(bench, model, name, remote, bench.sandbox(model, "producer", name),
+                        f"{model}-{name}-producer")
+    log(f"{model} {name}: producer {describe(record)}")
+    shutil.rmtree(bench.root / model / "producer" / name, ignore_errors=True)
+    return record
+
+
+def run_repeat(bench: Bench, model: str, scenarios: Sequence[str], r: int, repeats: int,
+               remotes: dict[str, Remote], produced: dict[str, dict[str, Any] | None]
+               ) -> list[dict[str, Any]]:
+    """Repeat r of every selected scenario, in the fixed order of SCENARIOS."""
+    jobs: list[dict[str, Any]] = []
+    cold_box = bench.sandbox(model, f"r{r}", "cold")
+    for name in SCENARIOS:
+        if name not in scenarios and not (name == "cold" and set(NEEDS_COLD) & set(scenarios)):
+            continue
+        log(f"{model} {name} r{r}/{repeats}")
+        if name in remotes:
+            record = remote_repeat(bench, model, name, remotes[name], r, produced.get(name))
+        else:
+            record = local_job(bench, model, name, r, cold_box)
+        log(f"{model} {name} r{r}/{repeats}: {describe(record)}")
+        if name in scenarios:
+            jobs.append({"model": model, "scenario": name, "repeat": r, **record})
+    return jobs
+
+
+def local_job(bench: Bench, model: str, name: str, r: int, cold_box: Sandbox
+              ) -> dict[str, Any]:
+    """cold, warm-local or mega-only: torch alone, around the repeat's cold cache dirs."""
+    label, bundle = f"{model}-{name}-r{r}", cold_box.root / "megacache.bin"
+    args = ["--model", model, "--megacache", "off"]
+    if name == "cold":
+        record = bench.run_job(label, cold_box.env(), [*args, "--save-bundle", str(bundle)])
+        record["bundle_bytes"] = bundle.stat().st_size if bundle.exists() else 0
+        return record
+    if name == "warm-local":
+        return bench.run_job(label, cold_box.env(), args)
+    if not bundle.exists():
+        return {"ok": False, "error": "no bundle: the cold run of this repeat failed"}
+    return bench.run_job(label, bench.sandbox(model, f"r{r}", name).env(),
+                         [*args, "--load-bundle", str(bundle)])
+
+
+def remote_repeat(bench: Bench, model: str, name: str, remote: Remote, r: int,
+                  producer: dict[str, Any] | None) -> dict[str, Any]:
+    """A timed consumer of torch-redis or megacache on a new machine, or why it was skipped."""
+    if remote.env is None:
+        return {"ok": False, "skipped": remote.skipped}
+    record = remote_job(bench, model, name, remote, bench.sandbox(model, f"r{r}", name),
+                        f"{model}-{name}-r{r}")
+    record["producer"] = summarize_producer(producer)
+    return record
+
+
+def summarize_producer(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    keep = ("ok", "error", "time_to_first_step_s", "counters", "gxx", "megacache")
+    return {k: record[k] for k in keep if k in record}
+
+
+def describe(record: dict[str, Any]) -> str:
+    if record.get("skipped"):
+        return f"skipped ({record['skipped']})"
+    if not record.get("ok"):
+        return f"FAILED: {str(record.get('error', '?'))[-300:]}"
+    c = record["counters"]
+    mega = record.get("megacache") or {}
+    extra = f", megacache {mega.get('outcome')} {mb(mega.get('bytes_down'))} MB down" \
+        if mega else ""
+    return (f"first step at {record['time_to_first_step_s']:.2f}s (compile "
+            f"{record['compile_s']:.2f}s, fx {c['fxgraph_hit']}/{c['fxgraph_miss']}, "
+            f"g++ {record['gxx']['calls']}{extra})")
+
+
+# -- summary -----------------------------------------------------------------------------
+
+def mb(n: Any) -> float:
+    return round((n or 0) / 1e6, 2)
+
+
+def median(values: Sequence[float | int | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return float(statistics.median(present)) if present else None
+
+
+def summarize(jobs: Sequence[dict[str, Any]], models: Sequence[str],
+              scenarios: Sequence[str]) -> list[dict[str, Any]]:
+    """Median and range per model and scenario, with the ratios against the baselines."""
+    rows: list[dict[str, Any]] = []
+    for model in models:
+        model_rows = [summarize_one(model, name, [j for j in jobs if j["model"] == model
+                                                  and j["scenario"] == name])
+                      for name in SCENARIOS if name in scenarios]
+        medians = {row["scenario"]: row["ttfs_median_s"] for row in model_rows}
+        for row in model_rows:
+            for base in ("warm-local", "cold"):
+                b, v = medians.get(base), row["ttfs_median_s"]
+                row[f"vs_{base}"] = round(v / b, 2) if v is not None and b else None
+        rows += model_rows
+    return rows
+
+
+def summarize_one(model: str, name: str, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    ok = [j for j in runs if j.get("ok")]
+    ttfs = [j["time_to_first_step_s"] for j in ok]
+    return {
+        "model": model, "scenario": name, "runs": len(runs), "ok": len(ok),
+        "errors": [j.get("error") or j.get("skipped") for j in runs if not j.get("ok")],
+        "ttfs_median_s": median(ttfs),
+        "ttfs_min_s": min(ttfs) if ttfs else None,
+        "ttfs_max_s": max(ttfs) if ttfs else None,
+        "first_step_s": median([j["first_step_s"] for j in ok]),
+        "steady_step_s": median([j["steady_step_s"] for j in ok]),
+        "compile_s": median([j["compile_s"] for j in ok]),
+        "counters": {k: median([j["counters"][k] for j in ok])
+                     for k in ("fxgraph_hit", "fxgraph_miss", "aot_hit", "aot_miss")},
+        "gxx_calls": median([j["gxx"]["calls"] for j in ok]),
+        "mb_down": median([mb(j["megacache"].get("bytes_down")) for j in ok
+                           if j.get("megacache")]),
+        "outcomes": sorted({j["megacache"].get("outcome") for j in ok if j.get("megacache")}),
+    }
+
+
+HEADER = ("model", "scenario", "ttfs med s", "min-max s", "1st step s", "compile s",
+          "fx hit/miss", "aot hit/miss", "g++", "MB down", "x warm", "x cold")
+
+
+def table_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    def num(v: float | None, fmt: str = "{:.2f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    def pair(a: float | None, b: float | None) -> str:
+        return "-" if a is None else f"{a:g}/{b:g}"
+
+    cells = []
+    for r in rows:
+        if not r["ok"]:
+            reason = (r["errors"] or ["?"])[0] or "?"
+            cells.append([r["model"], r["scenario"], "n/a", reason.splitlines()[0][:70]]
+                         + [""] * (len(HEADER) - 4))
+            continue
+        c = r["counters"]
+        spread = f"{r['ttfs_min_s']:.2f}-{r['ttfs_max_s']:.2f}"
+        if r["ok"] < r["runs"]:
+            spread += f" ({r['runs'] - r['ok']} failed)"
+        cells.append([
+            r["model"], r["scenario"], num(r["ttfs_median_s"]), spread,
+            num(r["first_step_s"]), num(r["compile_s"]),
+            pair(c["fxgraph_hit"], c["fxgraph_miss"]), pair(c["aot_hit"], c["aot_miss"]),
+            num(r["gxx_calls"], "{:g}"), num(r["mb_down"]), num(r.get("vs_warm-local")),
+            num(r.get("vs_cold")),
+        ])
+    return cells
+
+
+def render_text(rows: Sequence[dict[str, Any]]) -> str:
+    cells = [list(HEADER)] + table_cells(rows)
+    widths = [max(len(row[i]) for row in cells) for i in range(len(HEADER))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |"
+              for row in table_cells(rows)]
+    return "\n".join(lines)
+
+
+def over_goal(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if r["scenario"] == "megacache" and r.get("vs_warm-local")
+            and r["vs_warm-local"] > GOAL_VS_WARM]
+
+
+# -- outputs -----------------------------------------------------------------------------
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers depend on: CPU, cores, RAM, toolchain and library versions."""
+    def first(path: str, key: str) -> str | None:
+        with contextlib.suppress(OSError):
+            for line in Path(path).read_text().splitlines():
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+        return None
+
+    def version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    def output(cmd: Sequence[str]) -> str | None:
+        try:
+            out = subprocess.run(list(cmd), capture_output=True, text=True, timeout=10,
+                                 check=False, cwd=REPO).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.splitlines()[0] if out else None
+
+    mem_kb = first("/proc/meminfo", "MemTotal")
+    return {
+        "cpu": first("/proc/cpuinfo", "model name") or platform.processor() or None,
+        "cores": os.cpu_count(),
+        "ram_gb": round(int(mem_kb.split()[0]) / 1024**2, 1) if mem_kb else None,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "redis_py": version("redis"),
+        "gxx": output(["g++", "--version"]),
+        "redis_server": output(["redis-server", "--version"]),
+        "git_commit": output(["git", "rev-parse", "--short", "HEAD"]),
+    }
+
+
+def write_chart(rows: Sequence[dict[str, Any]], path: Path) -> bool:
+    """Grouped bars of median time-to-first-step; skipped (False) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not importable: no chart (pip install matplotlib)")
+        return False
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    names = list(dict.fromkeys(r["scenario"] for r in rows))
+    width = 0.8 / max(len(names), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(models)), 4.5))
+    for i, name in enumerate(names):
+        by_model = {r["model"]: r for r in rows if r["scenario"] == name}
+        xs = [m + (i - (len(names) - 1) / 2) * width for m in range(len(models))]
+        med = [by_model[m]["ttfs_median_s"] or 0.0 for m in models]
+        err = [[(by_model[m]["ttfs_median_s"] or 0) - (by_model[m]["ttfs_min_s"] or 0)
+                for m in models],
+               [(by_model[m]["ttfs_max_s"] or 0) - (by_model[m]["ttfs_median_s"] or 0)
+                for m in models]]
+        ax.bar(xs, med, width, yerr=err, capsize=2, label=name)
+    ax.set_xticks(range(len(models)), models)
+    ax.set_ylabel("time to first step, s (median, min-max)")
+    ax.set_title("torch.compile: time to first training step on a new job")
+    ax.legend(fontsize="small")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_results_md(report: dict[str, Any], chart: Path | None) -> None:
+    """Regenerate RESULTS.md from one run; nothing in it is written by hand."""
+    m, rows = report["machine"], report["summary"]
+    lines = [
+        "# Compile benchmark results",
+        "",
+        "Generated by `benchmarks/compile_bench.py` (do not edit by hand):",
+        "",
+        f"    python benchmarks/compile_bench.py {' '.join(report['argv'])}",
+        "",
+        f"- date: {report['date']}",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['ram_gb']} GB RAM, {m['os']}",
+        f"- torch {m['torch']}, Python {m['python']}, {m['gxx']}, "
+        f"redis-py {m['redis_py']}, {m['redis_server'] or 'no redis-server'}",
+        f"- commit {m['git_commit']}; {report['repeats']} repeats of {report['steps']} "
+        "training steps, each job a fresh process with fresh cache dirs",
+        "",
+        "`ttfs` is the time from process start to the end of the first training step "
+        "(imports included). Medians over repeats; `x warm` / `x cold` divide the median by "
+        f"the warm-local / cold median. Goal: megacache <= {GOAL_VS_WARM} x warm-local.",
+        "",
+        render_markdown(rows),
+        "",
+    ]
+    if chart is not None:
+        lines += [f"![time to first step]({os.path.relpath(chart, BENCH_DIR)})", ""]
+    misses = over_goal(rows)
+    if misses:
+        lines += ["Over the goal: " + ", ".join(
+            f"{r['model']} ({r['vs_warm-local']:.2f}x warm-local)" for r in misses), ""]
+    lines += ["## Scenarios", ""]
+    lines += [f"- `{name}`: {what}" for name, what in SCENARIOS.items()]
+    lines += ["", "Every job runs with a `g++` wrapper first on PATH; `g++` counts the "
+              "compiler invocations that did work (version queries excluded).", ""]
+    RESULTS_MD.write_text("\n".join(lines))
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated, from {', '.join(MODELS)}")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"comma-separated, from {', '.join(SCENARIOS)}")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="training steps per job")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: mlp, cold+megacache, 1 repeat, 2 steps")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="JSON results (the chart goes next to it as .png)")
+    parser.add_argument("--write-results", action="store_true",
+                        help=f"regenerate {RESULTS_MD.relative_to(REPO)}")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
+    parser.add_argument("--keep-temp", action="store_true", help="keep the temp root")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.scenarios, args.repeats, args.steps = "mlp", "cold,megacache", 1, 2
+    args.models = [m for m in args.models.split(",") if m]
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    for kind, chosen, known in (("model", args.models, MODELS),
+                                ("scenario", args.scenarios, SCENARIOS)):
+        unknown = sorted(set(chosen) - set(known))
+        if unknown:
+            parser.error(f"unknown {kind}(s) {', '.join(unknown)}: choose from "
+                         f"{', '.join(known)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="compile_bench."))
+    log(f"temp root {root}; models {','.join(args.models)}; scenarios "
+        f"{','.join(args.scenarios)}; {args.repeats} repeats of {args.steps} steps")
+    try:
+        bench = Bench.create(root, args.steps, args.timeout)
+        jobs = run_benchmark(bench, args.models, args.scenarios, args.repeats)
+    finally:
+        if args.keep_temp:
+            log(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    rows = summarize(jobs, args.models, args.scenarios)
+    report = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "argv": argv, "repeats": args.repeats, "steps": args.steps,
+        "machine": machine_info(), "summary": rows, "jobs": jobs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    chart = args.out.with_suffix(".png")
+    have_chart = write_chart(rows, chart)
+    print(render_text(rows))
+    for r in over_goal(rows):
+        print(f"note: {r['model']} megacache is {r['vs_warm-local']:.2f}x warm-local "
+              f"(goal <= {GOAL_VS_WARM})")
+    if args.write_results:
+        write_results_md(report, chart if have_chart else None)
+    log(f"wrote {args.out}" + (f", {chart}" if have_chart else "")
+        + (f", {RESULTS_MD}" if args.write_results else ""))
+    return 0 if all(j.get("ok") or j.get("skipped") for j in jobs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
