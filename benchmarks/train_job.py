@@ -37,9 +37,8 @@ def main() -> int:
     parser.add_argument("--result", type=Path, help="write the measurements here as JSON")
     args = parser.parse_args()
 
-    import torch
-
     import models
+    import torch
 
     session = None
     if args.megacache == "explicit":
