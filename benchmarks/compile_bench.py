@@ -140,7 +140,7 @@ def redis_pings(port: int) -> bool:
 def healthz_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/healthz", timeout=1) as resp:
-            return resp.status == 200
+            return bool(resp.status == 200)
     except (OSError, urllib.error.URLError):
         return False
 

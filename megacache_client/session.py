@@ -31,7 +31,7 @@ from megacache_client.packs import (
     unpack,
     write_pack,
 )
-from megacache_client.transport import CorruptBlobError, RemoteCache, sha256_file
+from megacache_client.transport import CorruptBlobError, Progress, RemoteCache, sha256_file
 
 log = logging.getLogger("megacache")
 
@@ -179,7 +179,8 @@ class Session:
                 result.skipped[blob.role] = skip
                 continue
             path, downloaded = self.node.fetch(
-                blob.digest, blob.size, functools.partial(_download, remote, blob))
+                blob.digest, blob.size,
+                functools.partial(remote.download_blob, blob.digest, blob.size))
             result.bytes_down += downloaded
             paths[blob.role] = path
         if "megacache" not in paths:
@@ -300,19 +301,16 @@ class Session:
         res = self.publish_result
         try:
             assert self.fp is not None
-            blobs = [self._bundle_blob(raw)]
+            blobs = [self.bundle_blob(raw)]
             if self.config.ship_kernels and kernels:
                 blobs.append(self._pack_blob("kernels", kernels))
             if self.config.ship_toolchain:
                 toolchain = self._toolchain_blob()
                 if toolchain is not None:
                     blobs.append(toolchain)
-            manifest = self._manifest(blobs, counts, compile_s)
+            manifest = self.manifest_for(blobs, counts, compile_s)
             with RemoteCache(self.config) as remote:
-                for blob in blobs:
-                    if not remote.has_blob(blob.digest):  # HEAD before PUT
-                        remote.upload_blob(self.node.path(blob.digest), blob.digest)
-                        res.bytes_up += blob.size
+                res.bytes_up += upload_blobs(remote, self.node, blobs)
                 same_key = self.load_result.outcome == "hit" and self.load_result.etag
                 etag = remote.put_entry(
                     manifest,
@@ -330,7 +328,7 @@ class Session:
             res.reason = f"publish failed: {type(exc).__name__}: {exc}"
             self._warn(res.reason)
 
-    def _bundle_blob(self, raw: bytes) -> BlobRef:
+    def bundle_blob(self, raw: bytes) -> BlobRef:
         data = compress_bytes(raw)
         digest = sha256_hex(data)
         tmp = self.node.blob_dir / f".{uuid.uuid4().hex}.new"
@@ -360,7 +358,7 @@ class Session:
             return entry.blob("toolchain")
         return self._pack_blob("toolchain", files)
 
-    def _manifest(self, blobs: list[BlobRef], counts: dict[str, int],
+    def manifest_for(self, blobs: list[BlobRef], counts: dict[str, int],
                   compile_s: float) -> Manifest:
         """cold_compile_s stays the cold time: a partly warm run only raises it, never lowers."""
         assert self.fp is not None
@@ -445,8 +443,15 @@ class Session:
             log.info("megacache: %s", message)
 
 
-def _download(remote: RemoteCache, blob: BlobRef, tmp: Path) -> None:
-    remote.download_blob(blob.digest, blob.size, tmp)
+def upload_blobs(remote: RemoteCache, node: NodeCache, blobs: list[BlobRef],
+                 progress: Progress | None = None) -> int:
+    """Upload the blobs the server lacks (HEAD before PUT); returns the bytes sent."""
+    sent = 0
+    for blob in blobs:
+        if not remote.has_blob(blob.digest):
+            remote.upload_blob(node.path(blob.digest), blob.digest, progress)
+            sent += blob.size
+    return sent
 
 
 def _differing(a: Fingerprint, b: Fingerprint) -> list[str]:

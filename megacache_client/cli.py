@@ -1,0 +1,234 @@
+"""`megacache`: the client from a terminal — inspect, pre-fetch and publish bundles.
+
+    megacache fingerprint --model dlrm-v3 --code $GIT_SHA
+    megacache ls --model dlrm-v3
+    megacache show KEY
+    megacache pull KEY            # pre-fetch a node before the job starts
+    megacache push bundle.bin --model dlrm-v3 --code $GIT_SHA --cold-compile-s 180
+    megacache stats
+    megacache autoload install    # zero-code hook for this environment
+
+Server URL and token come from --url/--token or MEGACACHE_URL/MEGACACHE_TOKEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import sysconfig
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from megacache_client.config import ClientConfig, ConfigError
+from megacache_client.manifest import is_hex64
+from megacache_client.nodecache import NodeCache
+from megacache_client.transport import RemoteCache, TransportError
+
+
+class ProgressBar:
+    """A transfer progress line on stderr; redraws at most 10 times a second."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.started = time.monotonic()
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self._last < 0.1 and done < total:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        rate = done / max(now - self.started, 1e-6) / 1e6
+        bar = "#" * int(frac * 30)
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r{self.label:<24} [{bar:<30}] {frac:6.1%} "
+                         f"{done / 1e6:8.1f}/{total / 1e6:.1f} MB {rate:7.1f} MB/s{end}")
+        sys.stderr.flush()
+
+
+def _config(args: argparse.Namespace, **overrides: Any) -> ClientConfig:
+    config = ClientConfig.from_env(url=args.url, token=args.token, **overrides)
+    if not config.url:
+        raise ConfigError("no server: pass --url or set MEGACACHE_URL")
+    return config
+
+
+def cmd_fingerprint(args: argparse.Namespace) -> int:
+    from megacache_client.session import Session
+
+    options = {"mode": args.compile_mode} if args.compile_mode else None
+    config = ClientConfig.from_env(url=args.url or "http://unused", model=args.model,
+                                   code=args.code)
+    fp = Session(config, compile_options=options).fingerprint()
+    print(json.dumps({"key": fp.key(), **fp.model_dump()}, indent=2))
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with RemoteCache(_config(args)) as remote:
+        entries = remote.list_entries(model=args.model, limit=args.limit)
+    if args.json:
+        print(json.dumps([json.loads(m.to_json()) for m in entries], indent=2))
+        return 0
+    rows = [(m.key[:16], m.fingerprint.model, m.fingerprint.code[:20], m.torch_version,
+             f"{sum(b.size for b in m.blobs) / 1e6:.1f}", f"{m.cold_compile_s:.1f}",
+             m.created_at.strftime("%Y-%m-%d %H:%M")) for m in entries]
+    _table(("key", "model", "code", "torch", "MB", "cold s", "created"), rows)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with RemoteCache(_config(args)) as remote:
+        found = remote.get_entry(_key(args.key))
+    if found is None:
+        print(f"megacache: no entry {args.key}", file=sys.stderr)
+        return 1
+    print(json.dumps(json.loads(found[0].to_json()), indent=2))
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    config = _config(args)
+    node = NodeCache(config.node_cache_dir, config.lock_timeout_s)
+    with RemoteCache(config) as remote:
+        found = remote.get_entry(_key(args.key))
+        if found is None:
+            print(f"megacache: no entry {args.key}", file=sys.stderr)
+            return 1
+        for blob in found[0].blobs:
+            download = functools.partial(remote.download_blob, blob.digest, blob.size,
+                                         progress=ProgressBar(f"{blob.role} {blob.digest[:8]}"))
+            path, got = node.fetch(blob.digest, blob.size, download)
+            print(f"{blob.role:<10} {path}  ({'downloaded' if got else 'already on node'})")
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from megacache_client.session import Session, upload_blobs
+
+    config = _config(args, model=args.model, code=args.code)
+    session = Session(config)
+    session.fingerprint()
+    raw = args.bundle.read_bytes()
+    blob = session.bundle_blob(raw)
+    manifest = session.manifest_for([blob], {}, args.cold_compile_s)
+    with RemoteCache(config) as remote:
+        sent = upload_blobs(remote, session.node, [blob], ProgressBar("megacache"))
+        etag = remote.put_entry(manifest)
+    print(f"pushed {manifest.key} ({sent} bytes uploaded, etag {etag})")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with RemoteCache(_config(args)) as remote:
+        stats = remote.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    rows = []
+    for m in stats["models"]:
+        o = m["outcomes"]
+        rows.append((m["model"], m["runs"], o["hit"], o["fallback"], o["miss"],
+                     o["invalid"] + o["error"] + o["inert"], f"{m['hit_rate']:.0%}",
+                     f"{m['saved_s'] / 3600:.2f}", f"{m['bytes_down'] / 1e6:.0f}"))
+    t = stats["total"]
+    rows.append(("TOTAL", t["runs"], "", "", "", "", f"{t['hit_rate']:.0%}",
+                 f"{t['saved_hours']:.2f}", f"{t['bytes_down'] / 1e6:.0f}"))
+    _table(("model", "runs", "hit", "fallback", "miss", "failed", "hit rate", "hours saved",
+            "MB down"), rows)
+    return 0
+
+
+def cmd_autoload(args: argparse.Namespace) -> int:
+    source = Path(__file__).resolve().parent.parent / "megacache_autoload.pth"
+    text = source.read_text() if source.exists() else _AUTOLOAD_LINE
+    target = Path(args.target or sysconfig.get_paths()["purelib"]) / "megacache_autoload.pth"
+    if args.action == "install":
+        target.write_text(text)
+        print(f"installed {target}: processes with MEGACACHE_URL set now use the cache")
+    else:
+        target.unlink(missing_ok=True)
+        print(f"removed {target}")
+    return 0
+
+
+_AUTOLOAD_LINE = ('import os; os.environ.get("MEGACACHE_URL") and '
+                  '__import__("megacache_client.autoload").autoload.activate_from_env()\n')
+
+
+def _key(value: str) -> str:
+    if not is_hex64(value):
+        raise ConfigError(f"a key is 64 lowercase hex characters, not {value!r}")
+    return value
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for n, row in enumerate(cells):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megacache", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="server URL [MEGACACHE_URL]")
+    parser.add_argument("--token", help="bearer token [MEGACACHE_TOKEN]")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("fingerprint", help="print this environment's key and its components")
+    p.add_argument("--model")
+    p.add_argument("--code")
+    p.add_argument("--compile-mode", help="torch.compile mode the job uses")
+    p.set_defaults(fn=cmd_fingerprint)
+
+    p = sub.add_parser("ls", help="list entries, newest first")
+    p.add_argument("--model")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_ls)
+
+    p = sub.add_parser("show", help="print an entry's manifest")
+    p.add_argument("key")
+    p.set_defaults(fn=cmd_show)
+
+    p = sub.add_parser("pull", help="download an entry's blobs into the node cache")
+    p.add_argument("key")
+    p.set_defaults(fn=cmd_pull)
+
+    p = sub.add_parser("push", help="publish a Mega-Cache bundle file for this environment")
+    p.add_argument("bundle", type=Path, help="bytes from torch.compiler.save_cache_artifacts()")
+    p.add_argument("--model", required=True)
+    p.add_argument("--code", required=True)
+    p.add_argument("--cold-compile-s", type=float, default=0.0)
+    p.set_defaults(fn=cmd_push)
+
+    p = sub.add_parser("stats", help="runs, hit rate and compile time saved per model")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_stats)
+
+    p = sub.add_parser("autoload", help="install or remove the zero-code .pth hook")
+    p.add_argument("action", choices=("install", "remove"))
+    p.add_argument("--target", help="site-packages directory (default: this environment's)")
+    p.set_defaults(fn=cmd_autoload)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except (ConfigError, TransportError, OSError) as exc:
+        print(f"megacache: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,128 @@
+"""The `megacache` command and the packaging of the zero-code hook."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from helpers import ServerProcess, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def megacache(*args: str, env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEGACACHE_")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "megacache_client.cli", *args],
+                          capture_output=True, text=True, env=full_env, cwd=cwd, timeout=120)
+
+
+def test_fingerprint_is_the_same_on_any_host_and_names_no_host(tmp_path: Path):
+    pytest.importorskip("torch")
+    outputs = []
+    for i in range(2):
+        host_env = {"HOSTNAME": f"node-{i}", "TMPDIR": str(tmp_path / f"tmp{i}"),
+                    "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"ind{i}"), "RANK": str(i),
+                    "LOCAL_RANK": str(i), "HOME": str(tmp_path / f"home{i}")}
+        for d in ("tmp", "home"):
+            (tmp_path / f"{d}{i}").mkdir()
+        r = megacache("fingerprint", "--model", "dlrm", "--code", "abc123", env=host_env,
+                      cwd=tmp_path / f"home{i}")
+        assert r.returncode == 0, r.stderr
+        outputs.append(r.stdout)
+    assert outputs[0] == outputs[1]
+    fp = json.loads(outputs[0])
+    assert len(fp["key"]) == 64 and fp["model"] == "dlrm" and fp["code"] == "abc123"
+    assert set(fp["hw"]) >= {"arch", "cpu_isa", "cxx", "gpu", "cc"}
+    assert fp["env"]["torch"].startswith("2.")
+    text = outputs[0]
+    assert str(tmp_path) not in text and "node-" not in text
+    hostname = socket.gethostname()
+    if len(hostname) > 4:
+        assert hostname not in text
+    other = megacache("fingerprint", "--model", "dlrm", "--code", "abc124")
+    assert json.loads(other.stdout)["key"] != fp["key"]
+
+
+def test_push_ls_show_pull_stats(server: ServerProcess, tmp_path: Path):
+    pytest.importorskip("torch")
+    env = {"MEGACACHE_URL": server.url, "MEGACACHE_NODE_CACHE_DIR": str(tmp_path / "node")}
+    bundle = tmp_path / "bundle.bin"
+    bundle.write_bytes(os.urandom(300_000))
+    pushed = megacache("push", str(bundle), "--model", "cli-model", "--code", "c1",
+                       "--cold-compile-s", "42", env=env)
+    assert pushed.returncode == 0, pushed.stderr
+    key = pushed.stdout.split()[1]
+    listing = megacache("ls", "--model", "cli-model", env=env)
+    assert key[:16] in listing.stdout and "42.0" in listing.stdout
+    shown = json.loads(megacache("show", key, env=env).stdout)
+    assert shown["key"] == key and shown["cold_compile_s"] == 42.0
+    assert shown["blobs"][0]["raw_size"] == 300_000
+    env["MEGACACHE_NODE_CACHE_DIR"] = str(tmp_path / "other-node")  # another machine
+    pulled = megacache("pull", key, env=env)
+    assert pulled.returncode == 0 and "downloaded" in pulled.stdout
+    digest = shown["blobs"][0]["digest"]
+    assert (tmp_path / "other-node" / "blobs" / digest).stat().st_size == shown["blobs"][0]["size"]
+    again = megacache("pull", key, env=env)
+    assert "already on node" in again.stdout
+    stats = megacache("stats", env=env)
+    assert stats.returncode == 0 and "hit rate" in stats.stdout and "TOTAL" in stats.stdout
+
+
+def test_cli_errors_are_clear(tmp_path: Path):
+    r = megacache("ls")
+    assert r.returncode == 2 and "MEGACACHE_URL" in r.stderr
+    r = megacache("show", "not-a-key", "--help")
+    assert r.returncode == 0
+    r = megacache("--url", "http://127.0.0.1:1", "show", "nothex")
+    assert r.returncode == 2 and "64 lowercase hex" in r.stderr
+    r = megacache("--url", f"http://127.0.0.1:{free_port()}", "ls",
+                  env={"MEGACACHE_RETRIES": "0"})
+    assert r.returncode == 2 and r.stderr.startswith("megacache: list entries")
+    assert "Traceback" not in r.stderr
+
+
+def test_autoload_install_and_remove(tmp_path: Path):
+    r = megacache("autoload", "install", "--target", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    pth = tmp_path / "megacache_autoload.pth"
+    assert pth.read_text() == (ROOT / "megacache_autoload.pth").read_text()
+    megacache("autoload", "remove", "--target", str(tmp_path))
+    assert not pth.exists()
+
+
+def test_wheel_ships_the_autoload_hook_and_no_server_deps(tmp_path: Path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+                   check=True, capture_output=True, timeout=300)
+    wheel = next(tmp_path.glob("megacache-*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        assert "megacache_autoload.pth" in names
+        meta = zf.read(next(n for n in names if n.endswith("METADATA"))).decode()
+    base = [line for line in meta.splitlines()
+            if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    assert base and not any(dep in line for line in base
+                            for dep in ("fastapi", "uvicorn", "torch"))
+
+
+def test_pth_costs_nothing_without_a_url(tmp_path: Path):
+    """Every Python start runs the .pth line: without MEGACACHE_URL it must import nothing."""
+    code = ("import site, sys; site.addsitedir(sys.argv[1]); "
+            "print('megacache_client' in sys.modules)")
+    (tmp_path / "megacache_autoload.pth").write_text((ROOT / "megacache_autoload.pth").read_text())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGACACHE_")}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, env=env, check=True).stdout.strip()
+    assert out == "False"
+    out = subprocess.run([sys.executable, "-c", code + "; print('torch' in sys.modules)",
+                          str(tmp_path)], capture_output=True, text=True, check=True,
+                         env={**env, "MEGACACHE_URL": "http://127.0.0.1:1"}).stdout.split()
+    assert out == ["True", "False"]  # enabled lazily: torch is not imported by the hook
