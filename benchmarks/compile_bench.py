@@ -31,7 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata, util
 from pathlib import Path
@@ -81,7 +81,6 @@ fi
 exec "REAL_GXX" "$@"
 """
 
-
 START = time.time()
 
 
@@ -91,6 +90,12 @@ def log(message: str) -> None:
 
 
 # -- processes the benchmark owns --------------------------------------------------------
+
+def scrubbed_env() -> dict[str, str]:
+    """This process's environment without cache settings that would leak into jobs/services."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(SCRUBBED_PREFIXES) and k not in SCRUBBED_VARS}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -102,7 +107,8 @@ def free_port() -> int:
 def background(cmd: Sequence[str], log_path: Path, cwd: Path) -> Iterator[subprocess.Popen[bytes]]:
     """Run a service for the duration of a block, and always stop it (only it) afterwards."""
     with log_path.open("wb") as out:
-        proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
+        proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                                env=scrubbed_env())
         try:
             yield proc
         finally:
@@ -114,7 +120,7 @@ def background(cmd: Sequence[str], log_path: Path, cwd: Path) -> Iterator[subpro
                 proc.wait()
 
 
-def wait_until(ready: Any, proc: subprocess.Popen[bytes], what: str, log_path: Path,
+def wait_until(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log_path: Path,
                timeout_s: float = 30.0) -> None:
     """Poll `ready()` until true; fail with the service's log if it exits or never gets ready."""
     deadline = time.time() + timeout_s
@@ -226,8 +232,7 @@ class Bench:
         wrapper = bin_dir / "g++"
         wrapper.write_text(GXX_WRAPPER.replace("LOG_VAR", GXX_LOG_VAR).replace("REAL_GXX", real))
         wrapper.chmod(0o755)
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(SCRUBBED_PREFIXES) and k not in SCRUBBED_VARS}
+        env = scrubbed_env()
         env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
         env["PYTHONUNBUFFERED"] = "1"
         bench.base_env = env
@@ -255,8 +260,9 @@ class Bench:
             record["error"] = f"timed out after {self.timeout_s:.0f}s"
         else:
             if proc.returncode != 0 or not result_path.exists():
-                record["error"] = (f"exit {proc.returncode}: "
-                                   + (proc.stderr or proc.stdout).strip()[-1500:])
+                tail = (proc.stderr or proc.stdout or "").strip()
+                last = tail.splitlines()[-1] if tail else "no output"
+                record.update(error=f"exit {proc.returncode}: {last}", output_tail=tail[-1500:])
             else:
                 record.update(json.loads(result_path.read_text()), ok=True)
                 warnings = [ln for ln in proc.stderr.splitlines() if "megacache" in ln.lower()]
@@ -486,7 +492,7 @@ def table_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     for r in rows:
         if not r["ok"]:
             reason = (r["errors"] or ["?"])[0] or "?"
-            cells.append([r["model"], r["scenario"], "n/a", reason.splitlines()[0][:70]]
+            cells.append([r["model"], r["scenario"], "n/a", reason.splitlines()[0][:100]]
                          + [""] * (len(HEADER) - 4))
             continue
         c = r["counters"]

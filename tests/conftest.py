@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 from helpers import ServerProcess  # noqa: E402
 

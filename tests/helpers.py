@@ -3,79 +3,20 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import httpx
-
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
+from megacache_server.local import LOOPBACK, LocalServer, free_port
 
-LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
+__all__ = ["LOOPBACK", "ServerProcess", "free_port", "make_fingerprint", "make_manifest",
+           "raw_http", "sha256"]
 
 
-class ServerProcess:
-    """`megacache-server` run exactly as a user runs it, in its own process."""
 
-    def __init__(self, data_dir: Path, *extra_args: str, env: dict[str, str] | None = None):
-        self.data_dir = data_dir
-        self.extra_args = list(extra_args)
-        self.env = env or {}
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = data_dir.parent / f"server-{self.port}.log"
-
-    @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
-
-    def start(self, timeout: float = 30.0) -> ServerProcess:
-        cmd = [sys.executable, "-m", "megacache_server", "--host", LOOPBACK,
-               "--port", str(self.port), "--log-level", "warning", *self.extra_args]
-        if "MEGACACHE_DATA_DIR" not in self.env:
-            cmd += ["--data-dir", str(self.data_dir)]
-        env = {**os.environ, **self.env}
-        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"server did not come up in {timeout}s:\n{self.log()}")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def kill(self) -> None:
-        self.stop(signal.SIGKILL)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+class ServerProcess(LocalServer):
+    """A LocalServer the tests can look inside."""
 
     def temp_files(self) -> list[Path]:
         return sorted((self.data_dir / "tmp").glob("*"))
@@ -99,7 +40,7 @@ def raw_http(port: int, request: bytes, *, close_write: bool = False,
         if close_write:
             s.shutdown(socket.SHUT_WR)
         response = b""
-        while b"\r\n\r\n" not in response:
+        while not _complete(response):
             chunk = s.recv(65536)
             if not chunk:
                 break
@@ -107,6 +48,17 @@ def raw_http(port: int, request: bytes, *, close_write: bool = False,
     if not response:
         return 0, b""
     return int(response.split(b" ", 2)[1]), response
+
+
+def _complete(response: bytes) -> bool:
+    head, sep, body = response.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return True
 
 
 def make_fingerprint(model: str = "mlp", code: str = "c0", **overrides: object) -> Fingerprint:

@@ -8,102 +8,39 @@ local torch caches: they only have to show the trainer completes, and that keeps
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 from helpers import ServerProcess, free_port
+from jobs import TRAIN_JOB, GxxCounter, JobRun, Machine, run_job
 
 pytest.importorskip("torch", reason="torch is needed for the client end-to-end tests")
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAIN_JOB = ROOT / "benchmarks" / "train_job.py"
 MODEL, CODE = "tiny-mlp", "v1"
-BUILD_OUTPUT = re.compile(r" -o \S+\.(so|gch)(\s|$)")  # kernel or precompiled-header builds
-
-
-@dataclass
-class Machine:
-    """A host's worth of local state: torch caches, TMPDIR and the node blob cache."""
-
-    root: Path
-
-    def __post_init__(self) -> None:
-        for sub in ("inductor", "tmp", "node"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
-
-    def env(self) -> dict[str, str]:
-        return {"TORCHINDUCTOR_CACHE_DIR": str(self.root / "inductor"),
-                "TMPDIR": str(self.root / "tmp"),
-                "MEGACACHE_NODE_CACHE_DIR": str(self.root / "node")}
-
-
-@dataclass
-class Run:
-    result: dict
-    stderr: str
-    gxx_builds: int
-    returncode: int
-
-    @property
-    def mc(self) -> dict:
-        return self.result["megacache"]
-
-    def warnings(self) -> list[str]:
-        return [line for line in self.stderr.splitlines() if line.startswith("megacache:")]
 
 
 @pytest.fixture(scope="module")
-def gxx_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A g++ on PATH that logs its calls and runs the real compiler.
-
-    Builds are the calls that write a `.so` (kernels, ISA probes) or a `.gch` (precompiled
-    header); Inductor also preprocesses its header (`-E`) to key the `.gch`, which is cheap.
-    """
-    bin_dir = tmp_path_factory.mktemp("bin")
-    log = bin_dir / "gxx.log"
-    real = shutil.which("g++")
-    assert real, "g++ is needed for Inductor's CPU backend"
-    wrapper = bin_dir / "g++"
-    wrapper.write_text(
-        "#!/bin/sh\n"
-        'case "$*" in *--version*|*-dumpversion*) ;; *) echo "$PPID $*" >> "$GXX_LOG";; esac\n'
-        f'exec {real} "$@"\n')
-    wrapper.chmod(0o755)
-    return log
+def gxx(tmp_path_factory: pytest.TempPathFactory) -> GxxCounter:
+    return GxxCounter(tmp_path_factory.mktemp("bin"))
 
 
-def run_job(machine: Machine, gxx_log: Path, *args: str, url: str | None = None,
-            extra_env: dict[str, str] | None = None, runner: list[str] | None = None,
-            check: bool = True, timeout: float = 300) -> Run:
-    log = gxx_log.with_name(f"gxx-{time.monotonic_ns()}.log")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGACACHE_")}
-    env.update(machine.env())
-    env["PATH"] = f"{gxx_log.parent}{os.pathsep}{env['PATH']}"
-    env["GXX_LOG"] = str(log)
-    if url:
-        env["MEGACACHE_URL"] = url
+def run_on(machine: Machine, gxx: GxxCounter, *args: str, url: str | None = None,
+           extra_env: dict[str, str] | None = None, runner: list[str] | None = None,
+           check: bool = True) -> JobRun:
+    env = {"MEGACACHE_URL": url} if url else {}
     env.update(extra_env or {})
-    cmd = (runner or [sys.executable, str(TRAIN_JOB)]) + list(args)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"job failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    result = json.loads(lines[-1]) if lines else {}
-    calls = log.read_text().splitlines() if log.exists() else []
-    builds = sum(1 for call in calls if BUILD_OUTPUT.search(call))
-    return Run(result, proc.stderr, builds, proc.returncode)
+    job = run_job(machine, *args, env=env, gxx=gxx, runner=runner, timeout=300)
+    if check and job.returncode != 0:
+        raise AssertionError(f"job failed ({job.returncode}):\n{job.stderr[-4000:]}")
+    return job
 
 
 def job_args(*extra: str, name: str = MODEL, code: str = CODE) -> list[str]:
@@ -120,20 +57,20 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def producer(cache: ServerProcess, gxx_log: Path,
-             tmp_path_factory: pytest.TempPathFactory) -> tuple[Machine, Run]:
+def producer(cache: ServerProcess, gxx: GxxCounter,
+             tmp_path_factory: pytest.TempPathFactory) -> tuple[Machine, JobRun]:
     """Machine A compiles cold and publishes."""
     machine = Machine(tmp_path_factory.mktemp("machine-a"))
-    run = run_job(machine, gxx_log, *job_args(), url=cache.url)
+    run = run_on(machine, gxx, *job_args(), url=cache.url)
     assert run.mc["outcome"] == "miss", run.mc
     assert run.mc["published"], run.mc
     assert run.gxx_builds > 0  # it really compiled kernels
     return machine, run
 
 
-def test_new_machine_starts_warm(cache, producer, gxx_log, tmp_path):
+def test_new_machine_starts_warm(cache, producer, gxx, tmp_path):
     _, cold = producer
-    run = run_job(Machine(tmp_path / "b"), gxx_log, *job_args(), url=cache.url)
+    run = run_on(Machine(tmp_path / "b"), gxx, *job_args(), url=cache.url)
     assert run.mc["outcome"] == "hit", run.mc
     assert run.result["counters"]["fxgraph_hit"] > 0
     assert run.result["counters"]["fxgraph_miss"] == 0
@@ -150,12 +87,12 @@ def test_new_machine_starts_warm(cache, producer, gxx_log, tmp_path):
     assert models[MODEL]["saved_s"] > 0
 
 
-def test_two_local_ranks_download_once(cache, producer, gxx_log, tmp_path):
+def test_two_local_ranks_download_once(cache, producer, gxx, tmp_path):
     shared_node = tmp_path / "node"
     machines = [Machine(tmp_path / f"rank{i}") for i in range(2)]
 
-    def rank(i: int) -> Run:
-        return run_job(machines[i], gxx_log, *job_args(), url=cache.url,
+    def rank(i: int) -> JobRun:
+        return run_on(machines[i], gxx, *job_args(), url=cache.url,
                        extra_env={"LOCAL_RANK": str(i), "RANK": str(i),
                                   "MEGACACHE_NODE_CACHE_DIR": str(shared_node)})
 
@@ -170,21 +107,21 @@ def test_two_local_ranks_download_once(cache, producer, gxx_log, tmp_path):
                                             "run compiled")
 
 
-def test_changed_code_falls_back_and_names_the_component(cache, producer, gxx_log, tmp_path):
-    run = run_job(Machine(tmp_path / "c"), gxx_log, *job_args(code="v2"), url=cache.url)
+def test_changed_code_falls_back_and_names_the_component(cache, producer, gxx, tmp_path):
+    run = run_on(Machine(tmp_path / "c"), gxx, *job_args(code="v2"), url=cache.url)
     assert run.mc["outcome"] == "fallback", run.mc
     assert run.mc["differing"] == ["code"]
     assert run.result["counters"]["fxgraph_hit"] > 0  # the model's graphs did not change
     assert run.mc["published"]  # the new code gets its own entry
     machine, _ = producer
-    miss = run_job(machine, gxx_log, *job_args(code="v3"), url=cache.url,
+    miss = run_on(machine, gxx, *job_args(code="v3"), url=cache.url,
                    extra_env={"MEGACACHE_FALLBACK": "0"})
     assert miss.mc["outcome"] == "miss"
     assert "code" in miss.mc["differing"]
     assert "code (" in miss.mc["reason"], miss.mc["reason"]
 
 
-def test_corrupt_blob_is_rejected_before_torch_sees_it(cache, producer, gxx_log, tmp_path):
+def test_corrupt_blob_is_rejected_before_torch_sees_it(cache, producer, gxx, tmp_path):
     entry_key = producer[1].mc["key"]
     entry = httpx.get(f"{cache.url}/v1/ac/{entry_key}").json()
     bundle = next(b for b in entry["blobs"] if b["role"] == "megacache")
@@ -195,7 +132,7 @@ def test_corrupt_blob_is_rejected_before_torch_sees_it(cache, producer, gxx_log,
                          + original[200:])  # same size, different bytes: bit rot on disk
         machine, _ = producer
         fresh_node = {"MEGACACHE_NODE_CACHE_DIR": str(tmp_path / "node")}
-        run = run_job(machine, gxx_log, *job_args(), url=cache.url, extra_env=fresh_node)
+        run = run_on(machine, gxx, *job_args(), url=cache.url, extra_env=fresh_node)
     finally:
         path.write_bytes(original)
     assert run.mc["outcome"] == "invalid", run.mc
@@ -217,11 +154,11 @@ def hanging_server() -> Iterator[str]:
 
 
 @pytest.mark.parametrize("where", ["down", "hanging"])
-def test_unreachable_server_never_hurts_the_trainer(producer, gxx_log, where, hanging_server):
+def test_unreachable_server_never_hurts_the_trainer(producer, gxx, where, hanging_server):
     url = f"http://127.0.0.1:{free_port()}" if where == "down" else hanging_server
     machine, _ = producer
     started = time.monotonic()
-    run = run_job(machine, gxx_log, *job_args(), url=url,
+    run = run_on(machine, gxx, *job_args(), url=url,
                   extra_env={"MEGACACHE_READ_TIMEOUT_S": "1", "MEGACACHE_CONNECT_TIMEOUT_S": "1"})
     assert run.returncode == 0
     assert run.mc["outcome"] == "error", run.mc
@@ -231,16 +168,16 @@ def test_unreachable_server_never_hurts_the_trainer(producer, gxx_log, where, ha
     assert time.monotonic() - started < 120
 
 
-def test_required_mode_raises(producer, gxx_log):
+def test_required_mode_raises(producer, gxx):
     machine, _ = producer
-    run = run_job(machine, gxx_log, *job_args(), url=f"http://127.0.0.1:{free_port()}",
+    run = run_on(machine, gxx, *job_args(), url=f"http://127.0.0.1:{free_port()}",
                   extra_env={"MEGACACHE_MODE": "required", "MEGACACHE_RETRIES": "0"},
                   check=False)
     assert run.returncode != 0
     assert "MegacacheError" in run.stderr
 
 
-def test_zero_code_autoload(cache, producer, gxx_log, tmp_path):
+def test_zero_code_autoload(cache, producer, gxx, tmp_path):
     """The .pth hook enables the client from MEGACACHE_* alone: no code change in the job."""
     site_dir = tmp_path / "site"
     site_dir.mkdir()
@@ -251,19 +188,19 @@ def test_zero_code_autoload(cache, producer, gxx_log, tmp_path):
               f"import site, runpy, sys; site.addsitedir({str(site_dir)!r}); "
               f"sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
               str(TRAIN_JOB)]
-    run = run_job(Machine(tmp_path / "z"), gxx_log, "--model", "mlp", "--steps", "2",
+    run = run_on(Machine(tmp_path / "z"), gxx, "--model", "mlp", "--steps", "2",
                   "--megacache", "env", url=cache.url, runner=runner,
                   extra_env={"MEGACACHE_MODEL": MODEL, "MEGACACHE_CODE": CODE})
     assert run.mc["outcome"] == "hit", run.mc
     assert run.gxx_builds == 0
 
 
-def test_pgo_profile_travels_in_the_bundle(cache, gxx_log, tmp_path):
+def test_pgo_profile_travels_in_the_bundle(cache, gxx, tmp_path):
     """Two input shapes: the producer compiles static then dynamic; a consumer goes dynamic."""
     args = job_args("--shapes", "varying", "--steps", "3", name="pgo-mlp")
-    producer = run_job(Machine(tmp_path / "p"), gxx_log, *args, url=cache.url)
+    producer = run_on(Machine(tmp_path / "p"), gxx, *args, url=cache.url)
     assert producer.result["frames"] == 2, producer.result
-    consumer = run_job(Machine(tmp_path / "c"), gxx_log, *args, url=cache.url)
+    consumer = run_on(Machine(tmp_path / "c"), gxx, *args, url=cache.url)
     assert consumer.mc["outcome"] == "hit"
     assert consumer.result["frames"] == 1, consumer.result  # straight to the dynamic graph
     assert consumer.result["counters"]["fxgraph_miss"] == 0

@@ -1,0 +1,112 @@
+"""Running training jobs as fresh processes on simulated machines.
+
+Shared by the demo, the benchmarks and the end-to-end tests. A "machine" is the local state
+a real host would have: Inductor's cache dir, TMPDIR (where precompiled headers live) and
+megacache's node-local blob cache. A new machine is three empty directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TRAIN_JOB = Path(__file__).resolve().parent / "train_job.py"
+BUILD_OUTPUT = re.compile(r" -o \S+\.(so|gch)(\s|$)")
+"""g++ calls that write a kernel/probe `.so` or a precompiled header: real builds. Inductor
+also preprocesses its header (`-E`) to key the `.gch` and asks `--version`; those are cheap."""
+
+
+@dataclass
+class Machine:
+    root: Path
+
+    def __post_init__(self) -> None:
+        for sub in ("inductor", "triton", "tmp", "node"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    def env(self) -> dict[str, str]:
+        return {"TORCHINDUCTOR_CACHE_DIR": str(self.root / "inductor"),
+                "TRITON_CACHE_DIR": str(self.root / "triton"),
+                "TMPDIR": str(self.root / "tmp"),
+                "MEGACACHE_NODE_CACHE_DIR": str(self.root / "node")}
+
+
+class GxxCounter:
+    """A `g++` first on PATH that logs each call to a per-job file, then runs the real one."""
+
+    def __init__(self, bin_dir: Path) -> None:
+        real = shutil.which("g++")
+        if real is None:
+            raise RuntimeError("g++ not found: Inductor's CPU backend needs it")
+        self.bin_dir = bin_dir
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        wrapper = bin_dir / "g++"
+        wrapper.write_text(
+            "#!/bin/sh\n"
+            'case "$*" in *--version*|*-dumpversion*) ;; '
+            '*) [ -n "$GXX_LOG" ] && echo "$*" >> "$GXX_LOG";; esac\n'
+            f'exec {real} "$@"\n')
+        wrapper.chmod(0o755)
+
+    def env(self, log: Path) -> dict[str, str]:
+        return {"PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+                "GXX_LOG": str(log)}
+
+    @staticmethod
+    def builds(log: Path) -> int:
+        calls = log.read_text().splitlines() if log.exists() else []
+        return sum(1 for call in calls if BUILD_OUTPUT.search(call))
+
+
+@dataclass
+class JobRun:
+    result: dict[str, Any]
+    stderr: str
+    returncode: int
+    gxx_builds: int | None
+    wall_s: float
+
+    @property
+    def mc(self) -> dict[str, Any]:
+        return dict(self.result.get("megacache", {}))
+
+    def warnings(self) -> list[str]:
+        return [ln for ln in self.stderr.splitlines() if ln.startswith("megacache:")]
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without megacache settings or torch cache locations."""
+    drop = ("MEGACACHE_", "TORCHINDUCTOR_", "TRITON_CACHE_DIR", "TORCH_COMPILE_JOB_ID")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+def run_job(machine: Machine, *args: str, env: dict[str, str] | None = None,
+            gxx: GxxCounter | None = None, runner: list[str] | None = None,
+            timeout: float = 900) -> JobRun:
+    """Run train_job.py (or `runner` + args) on `machine` in a fresh process."""
+    full_env = clean_env()
+    full_env.update(machine.env())
+    log = machine.root / f"gxx-{time.monotonic_ns()}.log"
+    if gxx is not None:
+        full_env.update(gxx.env(log))
+    full_env.update(env or {})
+    cmd = (runner or [sys.executable, str(TRAIN_JOB)]) + list(args)
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        return JobRun({}, f"timed out after {timeout}s: {exc}", -1, None,
+                      time.monotonic() - started)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {}
+    builds = GxxCounter.builds(log) if gxx is not None else None
+    return JobRun(result, proc.stderr, proc.returncode, builds, time.monotonic() - started)
