@@ -8,8 +8,10 @@ local torch caches: they only have to show the trainer completes, and that keeps
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import ServerProcess, free_port
-from jobs import TRAIN_JOB, GxxCounter, JobRun, Machine, run_job
+from jobs import TRAIN_JOB, GxxCounter, JobRun, Machine, clean_env, run_job
 
 pytest.importorskip("torch", reason="torch is needed for the client end-to-end tests")
 
@@ -205,3 +207,31 @@ def test_pgo_profile_travels_in_the_bundle(cache, gxx, tmp_path):
     assert consumer.result["frames"] == 1, consumer.result  # straight to the dynamic graph
     assert consumer.result["counters"]["fxgraph_miss"] == 0
     assert consumer.result["counters"]["fxgraph_hit"] > 0
+
+
+def test_server_stopped_mid_run(producer, gxx, tmp_path):
+    """The server dies after the job loaded (missed) and before it publishes: one warning."""
+    server = ServerProcess(tmp_path / "data", log_level="info").start()
+    machine, _ = producer
+    env = {**machine.env(), "MEGACACHE_URL": server.url}
+    env.update(gxx.env(tmp_path / "gxx.log"))
+    cmd = [sys.executable, str(TRAIN_JOB), *job_args(code="mid-run", name="mid-run")]
+    full_env = {**clean_env(), **env}
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "GET /v1/ac?" not in server.log() and time.monotonic() < deadline:  # loaded
+            time.sleep(0.05)
+        server.kill()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        server.stop()
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["loss"] > 0
+    assert result["megacache"]["outcome"] == "miss"
+    assert not result["megacache"]["published"]
+    assert "publish failed" in result["megacache"]["publish_reason"]
+    assert len([ln for ln in err.splitlines() if ln.startswith("megacache:")]) == 1, err
