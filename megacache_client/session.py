@@ -301,15 +301,15 @@ class Session:
         res = self.publish_result
         try:
             assert self.fp is not None
-            blobs = [self.bundle_blob(raw)]
-            if self.config.ship_kernels and kernels:
-                blobs.append(self._pack_blob("kernels", kernels))
-            if self.config.ship_toolchain:
-                toolchain = self._toolchain_blob()
-                if toolchain is not None:
-                    blobs.append(toolchain)
-            manifest = self.manifest_for(blobs, counts, compile_s)
             with RemoteCache(self.config) as remote:
+                blobs = [self.bundle_blob(raw)]
+                if self.config.ship_kernels and kernels:
+                    blobs.append(self._pack_blob("kernels", kernels))
+                if self.config.ship_toolchain:
+                    toolchain = self._toolchain_blob(remote)
+                    if toolchain is not None:
+                        blobs.append(toolchain)
+                manifest = self.manifest_for(blobs, counts, compile_s)
                 res.bytes_up += upload_blobs(remote, self.node, blobs)
                 same_key = self.load_result.outcome == "hit" and self.load_result.etag
                 etag = remote.put_entry(
@@ -338,25 +338,43 @@ class Session:
         return BlobRef(digest=digest, size=len(data), role="megacache", compression="zstd",
                        raw_size=len(raw), raw_sha256=sha256_hex(raw))
 
-    def _pack_blob(self, role: str, files: dict[str, Path]) -> BlobRef:
+    def _pack_blob(self, role: str, files: dict[str, Path], names: str | None = None
+                   ) -> BlobRef:
         tmp = self.node.blob_dir / f".{uuid.uuid4().hex}.new"
         raw_size, size = write_pack(files.items(), tmp)
         digest = sha256_file(tmp)
         self.node.add(digest, tmp)
+        meta = {"torch_prefix": torch_env.torch_prefix(), "files": str(len(files))}
+        if names is not None:
+            meta["names"] = names
         return BlobRef(digest=digest, size=size, role=role, compression="zstd",
-                       raw_size=raw_size,
-                       meta={"torch_prefix": torch_env.torch_prefix(), "files": str(len(files))})
+                       raw_size=raw_size, meta=meta)
 
-    def _toolchain_blob(self) -> BlobRef | None:
-        """The precompiled header: model-independent, so reuse the loaded one when it matches."""
+    def _toolchain_blob(self, remote: RemoteCache) -> BlobRef | None:
+        """The precompiled header pack, reusing one already stored when it holds our files.
+
+        The header is model-independent but g++ does not write it byte-identically twice, so
+        content addressing alone would store a new ~21 MB copy per cold producer. Its file
+        names are content keys (of header text + flags), recorded in the blob's meta: a
+        stored pack with the same names and torch path is the same toolchain.
+        """
         files = _files(torch_env.header_dir(), TOOLCHAIN_SUFFIXES, exclude=("locks",))
         if not files:
             return None
-        entry = self.load_result.entry
-        if entry is not None and entry.blob("toolchain") is not None and \
-                set(files) <= self._entry_pack_names(entry, "toolchain"):
-            return entry.blob("toolchain")
-        return self._pack_blob("toolchain", files)
+        names = ",".join(sorted(files))
+        prefix = torch_env.torch_prefix()
+        loaded = [self.load_result.entry] if self.load_result.entry is not None else []
+        assert self.fp is not None
+        try:
+            stored = remote.list_entries(env=self.fp.env, hw=self.fp.hw, limit=20)
+        except Exception:
+            stored = []
+        for entry in loaded + stored:
+            blob = entry.blob("toolchain")
+            if blob is not None and blob.meta.get("names") == names \
+                    and blob.meta.get("torch_prefix") == prefix:
+                return blob
+        return self._pack_blob("toolchain", files, names=names)
 
     def manifest_for(self, blobs: list[BlobRef], counts: dict[str, int],
                   compile_s: float) -> Manifest:

@@ -197,11 +197,23 @@ def test_zero_code_autoload(cache, producer, gxx, tmp_path):
     assert run.gxx_builds == 0
 
 
-def test_pgo_profile_travels_in_the_bundle(cache, gxx, tmp_path):
-    """Two input shapes: the producer compiles static then dynamic; a consumer goes dynamic."""
+def _toolchain(cache: ServerProcess, key: str) -> dict:
+    entry = httpx.get(f"{cache.url}/v1/ac/{key}").json()
+    return next(b for b in entry["blobs"] if b["role"] == "toolchain")
+
+
+def test_pgo_profile_travels_in_the_bundle(cache, producer, gxx, tmp_path):
+    """Two input shapes: the producer compiles static then dynamic; a consumer goes dynamic.
+
+    The second cold producer on this env + hw also reuses the stored precompiled header
+    instead of uploading its own ~21 MB copy.
+    """
     args = job_args("--shapes", "varying", "--steps", "3", name="pgo-mlp")
-    producer = run_on(Machine(tmp_path / "p"), gxx, *args, url=cache.url)
-    assert producer.result["frames"] == 2, producer.result
+    producer_b = run_on(Machine(tmp_path / "p"), gxx, *args, url=cache.url)
+    assert producer_b.result["frames"] == 2, producer_b.result
+    first_toolchain = _toolchain(cache, producer[1].mc["key"])
+    assert _toolchain(cache, producer_b.mc["key"]) == first_toolchain
+    assert producer_b.mc["bytes_up"] < first_toolchain["size"]
     consumer = run_on(Machine(tmp_path / "c"), gxx, *args, url=cache.url)
     assert consumer.mc["outcome"] == "hit"
     assert consumer.result["frames"] == 1, consumer.result  # straight to the dynamic graph
