@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     fields = Settings.model_fields
-    for name in ("host", "port", "data_dir", "index", "max_blob_size", "store_budget",
+    for name in ("host", "port", "data_dir", "index", "blob_store", "s3_bucket", "s3_prefix",
+                 "s3_endpoint", "s3_region", "s3_redirect", "max_blob_size", "store_budget",
                  "min_free_disk", "workers", "log_level"):
         flag = "--" + name.replace("_", "-")
         env = "MEGACACHE_" + name.upper()

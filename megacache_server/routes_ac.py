@@ -140,6 +140,9 @@ def _parse_manifest(body: bytes, key: str) -> Manifest:
 
 
 async def _require_blobs(manifest: Manifest, storage: Storage) -> None:
+    """Every named blob must be stored. Touching them first keeps garbage collection, which
+    spares recently touched blobs, from deleting one between this check and the write."""
+    await storage.index.touch_blobs([b.digest for b in manifest.blobs])
     missing, wrong_size = [], []
     for blob in manifest.blobs:
         size = await storage.blobs.stat(blob.digest)

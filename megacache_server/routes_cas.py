@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
 from megacache_server.errors import InsufficientStorage, NotFound
 from megacache_server.ranges import parse_range
@@ -79,6 +79,10 @@ async def get_blob(digest: str, request: Request, storage: StorageDep) -> Respon
     headers = _blob_headers(digest, size)
     if request.headers.get("if-none-match") in (f'"{digest}"', "*"):
         return Response(status_code=304, headers={"etag": headers["etag"]})
+    presign = getattr(storage.blobs, "presigned_url", None)
+    if storage.settings.s3_redirect and presign is not None:
+        return RedirectResponse(presign(digest), status_code=307,
+                                headers={"etag": headers["etag"]})
     span = None
     if_range = request.headers.get("if-range")
     if if_range is None or if_range == headers["etag"]:

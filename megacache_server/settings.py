@@ -23,6 +23,18 @@ class Settings(BaseSettings):
     index: str = Field(
         "", description="index URL: sqlite:///path (default: <data_dir>/index.sqlite3)"
     )
+    redis_prefix: str = Field("megacache:", description="key prefix of a Redis index")
+    blob_store: Literal["fs", "s3"] = Field("fs", description="where blob bytes live")
+    s3_bucket: str = Field("megacache", description="S3 bucket")
+    s3_prefix: str = Field("", description="key prefix inside the bucket")
+    s3_endpoint: str | None = Field(None, description="S3 endpoint URL (non-AWS stores)")
+    s3_region: str | None = Field(None, description="S3 region")
+    s3_access_key: str | None = Field(None, description="S3 key id (else AWS_* / profile)")
+    s3_secret_key: str | None = Field(None, description="S3 secret (else AWS_* / profile)")
+    s3_create_bucket: bool = Field(False, description="create the bucket if missing")
+    s3_redirect: bool = Field(
+        False, description="answer blob GETs with a 307 to a presigned URL (bytes bypass us)"
+    )
     max_blob_size: ByteSize = Field(
         ByteSize(8 * 1024**3), description="largest blob a PUT may send (413 above)"
     )

@@ -31,15 +31,30 @@ class Storage:
 
 
 def build_storage(settings: Settings) -> Storage:
-    blobs = FsBlobStore(settings.data_dir, min_free_bytes=int(settings.min_free_disk))
-    return Storage(settings, blobs, build_index(settings.index_url()))
+    return Storage(settings, build_blob_store(settings),
+                   build_index(settings.index_url(), redis_prefix=settings.redis_prefix))
 
 
-def build_index(url: str) -> Index:
+def build_blob_store(settings: Settings) -> BlobStore:
+    if settings.blob_store == "s3":
+        from megacache_server.blobstore.s3 import S3BlobStore
+
+        return S3BlobStore(
+            settings.s3_bucket, settings.s3_prefix, endpoint_url=settings.s3_endpoint,
+            region=settings.s3_region, access_key=settings.s3_access_key,
+            secret_key=settings.s3_secret_key, create_bucket=settings.s3_create_bucket)
+    return FsBlobStore(settings.data_dir, min_free_bytes=int(settings.min_free_disk))
+
+
+def build_index(url: str, redis_prefix: str = "megacache:") -> Index:
     parsed = urlparse(url)
     if parsed.scheme == "sqlite":
         return SqliteIndex(Path(_sqlite_path(url)))
-    raise ValueError(f"unsupported index URL {url!r}: expected sqlite:///path")
+    if parsed.scheme in ("redis", "rediss", "unix"):
+        from megacache_server.index.redis import RedisIndex
+
+        return RedisIndex(url, prefix=redis_prefix)
+    raise ValueError(f"unsupported index URL {url!r}: expected sqlite:///path or redis://host")
 
 
 def _sqlite_path(url: str) -> str:

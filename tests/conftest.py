@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,24 +14,94 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 from helpers import ServerProcess  # noqa: E402
 
+from megacache_server.local import LocalRedis, LocalSeaweedS3  # noqa: E402
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A real megacache-server on a free loopback port with the embedded defaults."""
-    proc = ServerProcess(tmp_path_factory.mktemp("srv") / "data").start()
+_names = itertools.count()
+
+
+def service_missing(what: str, why: object) -> None:
+    """In CI a missing service fails the run; on a laptop the test skips and says why."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{what} is required in CI but unavailable: {why}")
+    pytest.skip(f"{what} unavailable: {why}")
+
+
+@pytest.fixture(scope="session")
+def redis_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
+    """A real redis-server of our own on a free loopback port."""
+    try:
+        redis = LocalRedis(tmp_path_factory.mktemp("redis")).start()
+    except (FileNotFoundError, RuntimeError) as exc:
+        service_missing("redis-server", exc)
+    yield redis
+    redis.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweedS3]:
+    """A real S3-compatible store (SeaweedFS) on a free loopback port."""
+    try:
+        weed = LocalSeaweedS3(tmp_path_factory.mktemp("seaweed")).start()
+    except (FileNotFoundError, RuntimeError) as exc:
+        service_missing("SeaweedFS (weed)", exc)
+    yield weed
+    weed.stop()
+
+
+def backend_args(backend: str, request: pytest.FixtureRequest
+                 ) -> tuple[list[str], dict[str, str]]:
+    """Server flags and environment for a `index+blobstore` backend pair."""
+    index, blobs = backend.split("+")
+    args: list[str] = []
+    env: dict[str, str] = {}
+    n = next(_names)
+    if index == "redis":
+        redis: LocalRedis = request.getfixturevalue("redis_service")
+        args += ["--index", f"redis://127.0.0.1:{redis.port}/0"]
+        env["MEGACACHE_REDIS_PREFIX"] = f"t{n}:"
+    if blobs == "s3":
+        s3: LocalSeaweedS3 = request.getfixturevalue("s3_service")
+        args += ["--blob-store", "s3", "--s3-endpoint", s3.endpoint,
+                 "--s3-bucket", f"test-bucket-{n}"]
+        env.update({"MEGACACHE_S3_CREATE_BUCKET": "true", "AWS_ACCESS_KEY_ID": "test",
+                    "AWS_SECRET_ACCESS_KEY": "test"})
+    return args, env
+
+
+BACKENDS = ["sqlite+fs", "redis+s3"]
+
+
+def _configured(proc: ServerProcess, backend: str, args: list[str]) -> ServerProcess:
+    """Tell the test-side helper where the server keeps its blobs."""
+    proc.backend = backend
+    if "--s3-endpoint" in args:
+        proc.s3_endpoint = args[args.index("--s3-endpoint") + 1]
+        proc.s3_bucket = args[args.index("--s3-bucket") + 1]
+    return proc
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A real megacache-server on a free loopback port, once per storage backend pair."""
+    args, env = backend_args(request.param, request)
+    proc = _configured(ServerProcess(tmp_path_factory.mktemp("srv") / "data", *args, env=env),
+                       request.param, args).start()
     yield proc
     proc.stop()
     assert "Traceback" not in proc.log(), proc.log()
 
 
-@pytest.fixture(scope="module")
-def limited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=BACKENDS)
+def limited_server(request: pytest.FixtureRequest,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server with a 1 MiB blob limit, a 3 MiB store budget and a 2 KiB manifest limit."""
-    proc = ServerProcess(
-        tmp_path_factory.mktemp("limited") / "data",
+    args, env = backend_args(request.param, request)
+    proc = _configured(ServerProcess(
+        tmp_path_factory.mktemp("limited") / "data", *args,
         "--max-blob-size", "1MiB", "--store-budget", "3MiB",
-        env={"MEGACACHE_MAX_MANIFEST_SIZE": "2KiB"},
-    ).start()
+        env={"MEGACACHE_MAX_MANIFEST_SIZE": "2KiB", **env},
+    ), request.param, args).start()
     yield proc
     proc.stop()
     assert "Traceback" not in proc.log(), proc.log()

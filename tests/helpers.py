@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import socket
 from datetime import datetime, timezone
-from pathlib import Path
+from typing import Any
 
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
 from megacache_server.local import LOOPBACK, LocalServer, free_port
@@ -16,13 +16,37 @@ __all__ = ["LOOPBACK", "ServerProcess", "free_port", "make_fingerprint", "make_m
 
 
 class ServerProcess(LocalServer):
-    """A LocalServer the tests can look inside."""
+    """A LocalServer the tests can look inside, whichever blob store it uses."""
 
-    def temp_files(self) -> list[Path]:
-        return sorted((self.data_dir / "tmp").glob("*"))
+    backend = "sqlite+fs"
+    s3_endpoint: str | None = None
+    s3_bucket: str | None = None
 
-    def blob_files(self) -> list[Path]:
-        return sorted(p for p in (self.data_dir / "cas").glob("*/*"))
+    def _s3(self) -> Any:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.s3_endpoint, region_name="us-east-1",
+                            aws_access_key_id="test", aws_secret_access_key="test")
+
+    def temp_files(self) -> list[str]:
+        """Uploads in flight: fs temp files, or S3 multipart uploads not completed."""
+        if self.s3_endpoint:
+            uploads = self._s3().list_multipart_uploads(Bucket=self.s3_bucket)
+            return sorted(u["Key"] for u in uploads.get("Uploads", []))
+        return sorted(p.name for p in (self.data_dir / "tmp").glob("*"))
+
+    def blob_names(self) -> list[str]:
+        """Digests of the blobs visible in the store."""
+        if self.s3_endpoint:
+            listing = self._s3().list_objects_v2(Bucket=self.s3_bucket)
+            return sorted(o["Key"].rsplit("/", 1)[-1] for o in listing.get("Contents", []))
+        return sorted(p.name for p in (self.data_dir / "cas").glob("*/*"))
+
+    def read_stored(self, digest: str) -> bytes:
+        if self.s3_endpoint:
+            obj = self._s3().get_object(Bucket=self.s3_bucket, Key=f"cas/{digest[:2]}/{digest}")
+            return bytes(obj["Body"].read())
+        return (self.data_dir / "cas" / digest[:2] / digest).read_bytes()
 
 
 def sha256(data: bytes) -> str:

@@ -23,6 +23,16 @@ class StoredEntry:
     created_at: float
     updated_at: float
     last_access: float
+    pinned: bool = False
+
+
+@dataclass(frozen=True)
+class BlobRecord:
+    """What the index knows of a committed blob; `touched_at` guards it from early GC."""
+
+    digest: str
+    size: int
+    touched_at: float
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,30 @@ class Index(ABC):
     @abstractmethod
     async def stored_bytes(self) -> int:
         """Total size of recorded blobs: what the store budget is checked against."""
+
+    @abstractmethod
+    async def set_pinned(self, key: str, pinned: bool) -> bool:
+        """Pin (never evict) or unpin an entry; False if there is no such entry."""
+
+    @abstractmethod
+    async def lru_entries(self, limit: int) -> list[StoredEntry]:
+        """Unpinned entries, least recently accessed first: eviction candidates."""
+
+    @abstractmethod
+    async def blob_records(self) -> list[BlobRecord]:
+        """Every blob the index has recorded."""
+
+    @abstractmethod
+    async def referenced(self, digests: list[str]) -> set[str]:
+        """Which of `digests` some entry names."""
+
+    @abstractmethod
+    async def touch_blobs(self, digests: list[str]) -> None:
+        """Mark blobs as just used (a manifest naming them is being written)."""
+
+    @abstractmethod
+    async def forget_blob(self, digest: str) -> None:
+        """Drop a blob's record after the store deleted it."""
 
     @abstractmethod
     async def add_event(self, event: Event) -> None:

@@ -19,6 +19,7 @@ from anyio import to_thread
 from megacache_client.events import Event
 from megacache_server.errors import ServiceUnavailable
 from megacache_server.index.base import (
+    BlobRecord,
     Index,
     ModelStats,
     Precondition,
@@ -66,11 +67,13 @@ CREATE INDEX IF NOT EXISTS events_by_time ON events (created_at);
 CREATE TABLE IF NOT EXISTS blobs (
     digest      TEXT PRIMARY KEY,
     size        INTEGER NOT NULL,
-    created_at  REAL NOT NULL
+    created_at  REAL NOT NULL,
+    touched_at  REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS entries_by_access ON entries (pinned, last_access);
 """
 
-ENTRY_COLUMNS = "key, manifest, etag, created_at, updated_at, last_access"
+ENTRY_COLUMNS = "key, manifest, etag, created_at, updated_at, last_access, pinned"
 
 
 class SqliteIndex(Index):
@@ -163,7 +166,8 @@ class SqliteIndex(Index):
                     "INSERT INTO entry_blobs (key, digest) VALUES (?, ?)",
                     [(key, d) for d in blob_digests],
                 )
-            entry = StoredEntry(key, manifest_json, etag, created_at, now, now)
+            pinned = c.execute("SELECT pinned FROM entries WHERE key=?", (key,)).fetchone()[0]
+            entry = StoredEntry(key, manifest_json, etag, created_at, now, now, bool(pinned))
             return entry, row is None
 
         return await self._run(op)
@@ -193,10 +197,45 @@ class SqliteIndex(Index):
         return await self._run(op)
 
     async def record_blob(self, digest: str, size: int) -> None:
+        now = time.time()
         await self._run(lambda c: c.execute(
-            "INSERT OR IGNORE INTO blobs (digest, size, created_at) VALUES (?, ?, ?)",
-            (digest, size, time.time()),
+            """INSERT INTO blobs (digest, size, created_at, touched_at) VALUES (?, ?, ?, ?)
+               ON CONFLICT(digest) DO UPDATE SET touched_at=excluded.touched_at""",
+            (digest, size, now, now),
         ))
+
+    async def set_pinned(self, key: str, pinned: bool) -> bool:
+        return await self._run(lambda c: c.execute(
+            "UPDATE entries SET pinned=? WHERE key=?", (int(pinned), key)).rowcount > 0)
+
+    async def lru_entries(self, limit: int) -> list[StoredEntry]:
+        return await self._run(lambda c: [_entry(r) for r in c.execute(
+            f"SELECT {ENTRY_COLUMNS} FROM entries WHERE pinned=0 "
+            "ORDER BY last_access, key LIMIT ?", (limit,)).fetchall()])
+
+    async def blob_records(self) -> list[BlobRecord]:
+        return await self._run(lambda c: [BlobRecord(*r) for r in c.execute(
+            "SELECT digest, size, touched_at FROM blobs ORDER BY digest").fetchall()])
+
+    async def referenced(self, digests: list[str]) -> set[str]:
+        def op(c: sqlite3.Connection) -> set[str]:
+            found: set[str] = set()
+            for i in range(0, len(digests), 500):
+                part = digests[i:i + 500]
+                marks = ",".join("?" * len(part))
+                found.update(r[0] for r in c.execute(
+                    f"SELECT DISTINCT digest FROM entry_blobs WHERE digest IN ({marks})", part))
+            return found
+
+        return await self._run(op)
+
+    async def touch_blobs(self, digests: list[str]) -> None:
+        now = time.time()
+        await self._run(lambda c: c.executemany(
+            "UPDATE blobs SET touched_at=? WHERE digest=?", [(now, d) for d in digests]))
+
+    async def forget_blob(self, digest: str) -> None:
+        await self._run(lambda c: c.execute("DELETE FROM blobs WHERE digest=?", (digest,)))
 
     async def stored_bytes(self) -> int:
         return await self._run(
@@ -244,5 +283,6 @@ class _transaction:
 
 
 def _entry(row: tuple) -> StoredEntry:
-    key, manifest, etag, created_at, updated_at, last_access = row
-    return StoredEntry(key, bytes(manifest), etag, created_at, updated_at, last_access)
+    key, manifest, etag, created_at, updated_at, last_access, pinned = row
+    return StoredEntry(key, bytes(manifest), etag, created_at, updated_at, last_access,
+                       bool(pinned))
