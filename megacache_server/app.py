@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -10,13 +13,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from megacache_server import __version__
+from megacache_server import __version__, eviction
 from megacache_server.errors import ApiError, ServiceUnavailable
 from megacache_server.routes_ac import router as ac_router
 from megacache_server.routes_cas import router as cas_router
 from megacache_server.routes_events import router as events_router
 from megacache_server.settings import Settings
 from megacache_server.storage import Storage, build_storage
+
+log = logging.getLogger("megacache.server")
 
 
 def create_app(settings: Settings | None = None, storage: Storage | None = None) -> FastAPI:
@@ -27,9 +32,16 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await storage.open()
+        gc_task = None
+        if settings.gc_interval_s > 0:
+            gc_task = asyncio.create_task(_gc_forever(storage))
         try:
             yield
         finally:
+            if gc_task is not None:
+                gc_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await gc_task
             await storage.close()
 
     app = FastAPI(
@@ -47,6 +59,27 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     _add_health_routes(app, storage)
     _add_error_handlers(app)
     return app
+
+
+async def _gc_forever(storage: Storage) -> None:
+    """Periodic eviction and garbage collection; one replica at a time (a shared lock)."""
+    settings = storage.settings
+    while True:
+        await asyncio.sleep(settings.gc_interval_s)
+        try:
+            if await storage.index.acquire_lock("gc", ttl_s=max(60.0, settings.gc_interval_s)):
+                try:
+                    done = await eviction.collect(
+                        storage, budget=int(settings.store_budget)
+                        if settings.store_budget is not None else None,
+                        grace_s=settings.gc_grace_s, low_water=settings.gc_low_water)
+                    if done.evicted or done.deleted:
+                        log.info("gc: evicted %d entries, deleted %d blobs, freed %d bytes",
+                                 done.evicted, done.deleted, done.freed_bytes)
+                finally:
+                    await storage.index.release_lock("gc")
+        except Exception as exc:  # storage down: try again next period
+            log.warning("gc failed: %s", exc)
 
 
 def app_from_env() -> FastAPI:

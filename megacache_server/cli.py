@@ -8,24 +8,35 @@ one worker or many.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from megacache_client.manifest import is_hex64
+from megacache_server import eviction
+from megacache_server.errors import ApiError
 from megacache_server.settings import Settings
+from megacache_server.storage import build_storage
 
 
 def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    _add_serve_flags(common)
     parser = argparse.ArgumentParser(
-        prog="megacache-server",
+        prog="megacache-server", parents=[common],
         description="Remote compile cache for PyTorch 2 (content-addressed Mega-Cache bundles).",
     )
     sub = parser.add_subparsers(dest="command")
-    serve = sub.add_parser("serve", help="run the HTTP service (the default command)")
-    _add_serve_flags(serve)
-    _add_serve_flags(parser)
+    sub.add_parser("serve", parents=[common], help="run the HTTP service (the default command)")
+    gc = sub.add_parser("gc", parents=[common],
+                        help="evict over-budget entries (LRU) and collect unreferenced blobs")
+    gc.add_argument("--dry-run", action="store_true", help="show what would go; change nothing")
+    for name, what in (("pin", "never evict"), ("unpin", "let eviction age out")):
+        p = sub.add_parser(name, parents=[common], help=f"{what} an entry")
+        p.add_argument("key")
     return parser
 
 
@@ -44,7 +55,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
-    values = {k: v for k, v in vars(args).items() if k not in ("command", "env_file")}
+    values = {k: v for k, v in vars(args).items()
+              if k not in ("command", "env_file", "dry_run", "key")}
     env_file = getattr(args, "env_file", None)
     return Settings(_env_file=env_file, **values)  # type: ignore[call-arg]
 
@@ -79,6 +91,46 @@ def _export(settings: Settings) -> None:
     os.environ["MEGACACHE_INDEX"] = settings.index or f"sqlite:///{data_dir / 'index.sqlite3'}"
 
 
+async def run_gc(settings: Settings, *, dry_run: bool) -> int:
+    storage = build_storage(settings)
+    await storage.open()
+    try:
+        budget = int(settings.store_budget) if settings.store_budget is not None else None
+        gc_plan = await eviction.plan(storage, budget=budget, grace_s=settings.gc_grace_s,
+                                      low_water=settings.gc_low_water)
+        print(f"stored {gc_plan.stored_bytes} bytes; budget "
+              f"{gc_plan.budget if gc_plan.budget is not None else 'none'}; "
+              f"{gc_plan.kept_in_grace} unreferenced blob(s) within the "
+              f"{settings.gc_grace_s:.0f}s grace period kept")
+        for key, why in gc_plan.evict:
+            print(f"evict entry {key}  {why}")
+        for digest, size, why in gc_plan.delete:
+            print(f"delete blob {digest}  {size} bytes  {why}")
+        if dry_run:
+            print(f"dry run: would evict {len(gc_plan.evict)} entries and delete "
+                  f"{len(gc_plan.delete)} blobs ({gc_plan.freed_bytes} bytes)")
+            return 0
+        done = await eviction.apply(storage, gc_plan, grace_s=settings.gc_grace_s)
+        print(f"evicted {done.evicted} entries, deleted {done.deleted} blobs "
+              f"({done.freed_bytes} bytes), spared {done.spared}")
+        return 0
+    finally:
+        await storage.close()
+
+
+async def set_pinned(settings: Settings, key: str, pinned: bool) -> int:
+    storage = build_storage(settings)
+    await storage.open()
+    try:
+        if not is_hex64(key) or not await storage.index.set_pinned(key, pinned):
+            print(f"megacache-server: no entry {key}", file=sys.stderr)
+            return 1
+        print(f"{'pinned' if pinned else 'unpinned'} {key}")
+        return 0
+    finally:
+        await storage.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -88,7 +140,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command in (None, "serve"):
         serve(settings)
-    return 0
+        return 0
+    try:
+        if args.command == "gc":
+            return asyncio.run(run_gc(settings, dry_run=args.dry_run))
+        return asyncio.run(set_pinned(settings, args.key, args.command == "pin"))
+    except ApiError as exc:
+        print(f"megacache-server: {exc.message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

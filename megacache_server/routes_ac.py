@@ -110,6 +110,25 @@ async def delete_entry(key: str, storage: StorageDep) -> Response:
     return Response(status_code=204)
 
 
+@router.put("/{key}/pin", status_code=204, responses={400: {}, 404: {}})
+async def pin_entry(key: str, storage: StorageDep) -> Response:
+    """Pin an entry: eviction never removes it (nor, so, its blobs)."""
+    return await _set_pinned(storage, key, True)
+
+
+@router.delete("/{key}/pin", status_code=204, responses={400: {}, 404: {}})
+async def unpin_entry(key: str, storage: StorageDep) -> Response:
+    """Unpin an entry: it ages out by last access like any other."""
+    return await _set_pinned(storage, key, False)
+
+
+async def _set_pinned(storage: Storage, key: str, pinned: bool) -> Response:
+    require_hex64(key, "key")
+    if not await storage.index.set_pinned(key, pinned):
+        raise NotFound(f"no entry for key {key}", code="entry_not_found")
+    return Response(status_code=204)
+
+
 async def _read_limited(request: Request, limit: int) -> bytes:
     body = bytearray()
     async for chunk in request_body(request):

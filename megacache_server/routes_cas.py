@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
+from megacache_server import eviction
 from megacache_server.errors import InsufficientStorage, NotFound
 from megacache_server.ranges import parse_range
 from megacache_server.storage import Storage, get_storage
@@ -40,12 +41,7 @@ async def put_blob(digest: str, request: Request, storage: StorageDep) -> JSONRe
     )
     budget = storage.settings.store_budget
     if budget is not None and await storage.blobs.stat(digest) is None:
-        used = await storage.index.stored_bytes()
-        if used + size > budget:
-            raise InsufficientStorage(
-                f"store budget {int(budget)} bytes: {used} used, {size} more do not fit",
-                code="store_full", used=used, budget=int(budget),
-            )
+        await _make_room(storage, size, int(budget))
     created = await storage.blobs.put(digest, size, request_body(request))
     await storage.index.record_blob(digest, size)
     return JSONResponse(
@@ -53,6 +49,27 @@ async def put_blob(digest: str, request: Request, storage: StorageDep) -> JSONRe
         status_code=201 if created else 200,
         headers={"etag": f'"{digest}"'},
     )
+
+
+async def _make_room(storage: Storage, size: int, budget: int) -> None:
+    """Evict least-recently-used entries if `size` more bytes would break the budget."""
+    used = await storage.index.stored_bytes()
+    if used + size <= budget:
+        return
+    settings = storage.settings
+    if await storage.index.acquire_lock("gc", ttl_s=120):
+        try:
+            await eviction.collect(storage, budget=max(0, budget - size),
+                                   grace_s=settings.gc_grace_s, low_water=settings.gc_low_water)
+        finally:
+            await storage.index.release_lock("gc")
+        used = await storage.index.stored_bytes()
+    if used + size > budget:
+        raise InsufficientStorage(
+            f"store budget {budget} bytes: {used} used, {size} more do not fit even after "
+            "evicting unpinned entries",
+            code="store_full", used=used, budget=budget,
+        )
 
 
 @router.head("/{digest}", responses={404: {}})

@@ -45,6 +45,13 @@ class Settings(BaseSettings):
         ByteSize(256 * 1024**2), description="free disk to keep in reserve (507 below)"
     )
     max_manifest_size: ByteSize = Field(ByteSize(64 * 1024), description="largest manifest body")
+    gc_grace_s: float = Field(
+        3600, ge=0, description="unreferenced blobs younger than this are never collected"
+    )
+    gc_interval_s: float = Field(300, ge=0, description="background GC period; 0 disables")
+    gc_low_water: float = Field(
+        0.9, gt=0, le=1, description="eviction stops at this fraction of the store budget"
+    )
     workers: int = Field(1, ge=1, le=64, description="uvicorn worker processes")
     log_level: LogLevel = Field("info", description="log level")
 

@@ -127,6 +127,18 @@ class Index(ABC):
         """Every blob the index has recorded."""
 
     @abstractmethod
+    async def blob_record(self, digest: str) -> BlobRecord | None:
+        """One blob's record, or None."""
+
+    @abstractmethod
+    async def acquire_lock(self, name: str, ttl_s: float) -> bool:
+        """Take a named lock shared by every replica (True if taken); it expires after ttl."""
+
+    @abstractmethod
+    async def release_lock(self, name: str) -> None:
+        """Release a lock this process took."""
+
+    @abstractmethod
     async def referenced(self, digests: list[str]) -> set[str]:
         """Which of `digests` some entry names."""
 

@@ -51,6 +51,7 @@ class RedisIndex(Index):
         self.url = url
         self.p = prefix
         self._r: aioredis.Redis | None = None
+        self._owner = uuid.uuid4().hex
 
     async def open(self) -> None:
         self._r = aioredis.from_url(self.url, socket_timeout=5, socket_connect_timeout=3,
@@ -258,6 +259,27 @@ class RedisIndex(Index):
                            for d, s in sizes.items()), key=lambda b: b.digest)
 
         return await self._do(op)
+
+    async def blob_record(self, digest: str) -> BlobRecord | None:
+        async def op() -> BlobRecord | None:
+            size = await self.r.hget(self.k("blobs"), digest)
+            if size is None:
+                return None
+            touched = await self.r.zscore(self.k("blob_touched"), digest)
+            return BlobRecord(digest, int(size), float(touched or 0.0))
+
+        return await self._do(op)
+
+    async def acquire_lock(self, name: str, ttl_s: float) -> bool:
+        return bool(await self._do(lambda: self.r.set(
+            self.k("lock", name), self._owner, nx=True, px=int(ttl_s * 1000))))
+
+    async def release_lock(self, name: str) -> None:
+        async def op() -> None:
+            if _str(await self.r.get(self.k("lock", name))) == self._owner:
+                await self.r.delete(self.k("lock", name))
+
+        await self._do(op)
 
     async def referenced(self, digests: list[str]) -> set[str]:
         async def op() -> set[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -70,6 +71,11 @@ CREATE TABLE IF NOT EXISTS blobs (
     created_at  REAL NOT NULL,
     touched_at  REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS locks (
+    name        TEXT PRIMARY KEY,
+    owner       TEXT NOT NULL,
+    expires_at  REAL NOT NULL
+);
 CREATE INDEX IF NOT EXISTS entries_by_access ON entries (pinned, last_access);
 """
 
@@ -83,6 +89,7 @@ class SqliteIndex(Index):
         self.path = Path(path)
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()
+        self._owner = uuid.uuid4().hex
 
     async def open(self) -> None:
         await to_thread.run_sync(self._open_sync)
@@ -99,6 +106,9 @@ class SqliteIndex(Index):
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
+            blob_columns = {r[1] for r in conn.execute("PRAGMA table_info(blobs)")}
+            if "touched_at" not in blob_columns:  # data dirs from 0.1.0 development builds
+                conn.execute("ALTER TABLE blobs ADD COLUMN touched_at REAL NOT NULL DEFAULT 0")
         self._conn = conn
 
     async def close(self) -> None:
@@ -216,6 +226,29 @@ class SqliteIndex(Index):
     async def blob_records(self) -> list[BlobRecord]:
         return await self._run(lambda c: [BlobRecord(*r) for r in c.execute(
             "SELECT digest, size, touched_at FROM blobs ORDER BY digest").fetchall()])
+
+    async def blob_record(self, digest: str) -> BlobRecord | None:
+        row = await self._run(lambda c: c.execute(
+            "SELECT digest, size, touched_at FROM blobs WHERE digest=?", (digest,)).fetchone())
+        return BlobRecord(*row) if row else None
+
+    async def acquire_lock(self, name: str, ttl_s: float) -> bool:
+        def op(c: sqlite3.Connection) -> bool:
+            now = time.time()
+            with _transaction(c, immediate=True):
+                row = c.execute("SELECT owner, expires_at FROM locks WHERE name=?",
+                                (name,)).fetchone()
+                if row and row[0] != self._owner and row[1] > now:
+                    return False
+                c.execute("INSERT OR REPLACE INTO locks (name, owner, expires_at) "
+                          "VALUES (?, ?, ?)", (name, self._owner, now + ttl_s))
+                return True
+
+        return await self._run(op)
+
+    async def release_lock(self, name: str) -> None:
+        await self._run(lambda c: c.execute("DELETE FROM locks WHERE name=? AND owner=?",
+                                            (name, self._owner)))
 
     async def referenced(self, digests: list[str]) -> set[str]:
         def op(c: sqlite3.Connection) -> set[str]:

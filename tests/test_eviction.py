@@ -1,0 +1,211 @@
+"""Eviction and garbage collection rules, on every index + blob store pair."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import BACKENDS, backend_args
+from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
+
+from megacache_client.manifest import Manifest, component_digest
+from megacache_server import eviction
+from megacache_server.index.base import Precondition
+from megacache_server.settings import Settings
+from megacache_server.storage import Storage, build_storage
+
+
+@pytest.fixture(params=BACKENDS)
+def settings(request: pytest.FixtureRequest, tmp_path: Path,
+             monkeypatch: pytest.MonkeyPatch) -> Settings:
+    args, env = backend_args(request.param, request)
+    values: dict[str, object] = {"data_dir": tmp_path / "data"}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        values[flag.removeprefix("--").replace("-", "_")] = value
+    for name, value in env.items():
+        if name.startswith("MEGACACHE_"):
+            values[name.removeprefix("MEGACACHE_").lower()] = value
+        else:
+            monkeypatch.setenv(name, value)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+def run(settings: Settings, scenario: Callable[[Storage], Awaitable[None]]) -> None:
+    async def main() -> None:
+        storage = build_storage(settings)
+        await storage.open()
+        try:
+            await scenario(storage)
+        finally:
+            await storage.close()
+
+    asyncio.run(main())
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def add_blob(storage: Storage, data: bytes) -> str:
+    digest = sha256(data)
+    await storage.blobs.put(digest, len(data), _chunks(data))
+    await storage.index.record_blob(digest, len(data))
+    return digest
+
+
+async def add_entry(storage: Storage, manifest: Manifest) -> None:
+    await storage.index.touch_blobs([b.digest for b in manifest.blobs])
+    fp = manifest.fingerprint
+    await storage.index.put(manifest.key, manifest.to_json(), model=fp.model,
+                            env_digest=component_digest(fp.env),
+                            hw_digest=component_digest(fp.hw),
+                            blob_digests=[b.digest for b in manifest.blobs],
+                            created_at=manifest.created_at.timestamp(),
+                            condition=Precondition())
+
+
+async def entries_with_own_blobs(storage: Storage, n: int, size: int = 1000) -> list[Manifest]:
+    made = []
+    for i in range(n):
+        data = os.urandom(size)
+        await add_blob(storage, data)
+        m = make_manifest({"megacache": data}, make_fingerprint(code=f"e{i}"))
+        await add_entry(storage, m)
+        made.append(m)
+        await asyncio.sleep(0.02)  # distinct access times
+    return made
+
+
+def test_over_budget_evicts_least_recently_used_first(settings: Settings):
+    async def scenario(storage: Storage) -> None:
+        e = await entries_with_own_blobs(storage, 4)
+        await storage.index.get(e[0].key)  # the oldest entry is used again: now the newest
+        plan = await eviction.plan(storage, budget=3000, grace_s=0, low_water=0.9)
+        assert [k for k, _ in plan.evict] == [e[1].key, e[2].key]  # 4000 → 2000 ≤ 2700
+        assert {d for d, _, _ in plan.delete} == {e[1].blobs[0].digest, e[2].blobs[0].digest}
+        done = await eviction.apply(storage, plan, grace_s=0)
+        assert (done.evicted, done.deleted, done.freed_bytes) == (2, 2, 2000)
+        assert await storage.index.get(e[1].key) is None
+        assert await storage.index.get(e[0].key) is not None
+        assert await storage.blobs.stat(e[1].blobs[0].digest) is None
+        assert await storage.blobs.stat(e[0].blobs[0].digest) == 1000
+        assert await storage.index.stored_bytes() == 2000
+
+    run(settings, scenario)
+
+
+def test_pinned_entries_are_never_evicted(settings: Settings):
+    async def scenario(storage: Storage) -> None:
+        e = await entries_with_own_blobs(storage, 3)
+        assert await storage.index.set_pinned(e[0].key, True)
+        plan = await eviction.plan(storage, budget=2000, grace_s=0, low_water=0.5)
+        assert [k for k, _ in plan.evict] == [e[1].key, e[2].key]
+        for m in e:
+            await storage.index.set_pinned(m.key, True)
+        plan = await eviction.plan(storage, budget=10, grace_s=0)
+        assert plan.evict == [] and plan.delete == []
+        assert not await storage.index.set_pinned("0" * 64, True)
+
+    run(settings, scenario)
+
+
+def test_unreferenced_blobs_wait_out_the_grace_period(settings: Settings):
+    async def scenario(storage: Storage) -> None:
+        orphan = await add_blob(storage, os.urandom(500))
+        [kept] = await entries_with_own_blobs(storage, 1)
+        plan = await eviction.plan(storage, budget=None, grace_s=3600)
+        assert plan.delete == [] and plan.kept_in_grace == 1
+        plan = await eviction.plan(storage, budget=None, grace_s=0.0, now=time.time() + 1)
+        assert [(d, why) for d, _, why in plan.delete] == [(orphan, "no entry names it")]
+        await eviction.apply(storage, plan, grace_s=0)
+        assert await storage.blobs.stat(orphan) is None
+        assert await storage.blobs.stat(kept.blobs[0].digest) is not None
+
+    run(settings, scenario)
+
+
+def test_a_blob_named_after_planning_is_spared(settings: Settings):
+    async def scenario(storage: Storage) -> None:
+        data = os.urandom(700)
+        digest = await add_blob(storage, data)
+        await asyncio.sleep(0.05)
+        plan = await eviction.plan(storage, budget=None, grace_s=0.01)
+        assert [d for d, _, _ in plan.delete] == [digest]
+        # a manifest naming it is written between plan and apply
+        await add_entry(storage, make_manifest({"megacache": data},
+                                               make_fingerprint(code="late")))
+        done = await eviction.apply(storage, plan, grace_s=0.01)
+        assert (done.deleted, done.spared) == (0, 1)
+        assert await storage.blobs.stat(digest) == 700
+
+    run(settings, scenario)
+
+
+def test_a_shared_blob_stays_while_any_entry_names_it(settings: Settings):
+    async def scenario(storage: Storage) -> None:
+        shared, a, b = os.urandom(2000), os.urandom(100), os.urandom(100)
+        for data in (shared, a, b):
+            await add_blob(storage, data)
+        ma = make_manifest({"megacache": a, "toolchain": shared}, make_fingerprint(code="a"))
+        await add_entry(storage, ma)
+        await asyncio.sleep(0.02)
+        mb = make_manifest({"megacache": b, "toolchain": shared}, make_fingerprint(code="b"))
+        await add_entry(storage, mb)
+        plan = await eviction.plan(storage, budget=2150, grace_s=0, low_water=1.0)
+        assert [k for k, _ in plan.evict] == [ma.key]
+        assert [d for d, _, _ in plan.delete] == [sha256(a)]  # not the shared one
+
+    run(settings, scenario)
+
+
+def test_budget_pressure_at_upload_evicts_instead_of_refusing(tmp_path: Path):
+    server = ServerProcess(tmp_path / "data", "--store-budget", "3MiB",
+                           env={"MEGACACHE_GC_GRACE_S": "0"}).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            keys = []
+            for i in range(3):
+                data = os.urandom(1000 * 1024)
+                assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+                m = make_manifest({"megacache": data}, make_fingerprint(code=f"u{i}"))
+                assert c.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+                keys.append(m.key)
+                time.sleep(0.02)
+            assert c.put(f"/v1/ac/{keys[0]}/pin").status_code == 204
+            extra = os.urandom(600 * 1024)
+            assert c.put(f"/v1/cas/{sha256(extra)}", content=extra).status_code == 201
+            assert c.get(f"/v1/ac/{keys[0]}").status_code == 200  # pinned
+            assert c.get(f"/v1/ac/{keys[1]}").status_code == 404  # least recently used
+            assert c.get(f"/v1/ac/{keys[2]}").status_code == 200
+            assert c.put(f"/v1/ac/{'0' * 64}/pin").status_code == 404
+    finally:
+        server.stop()
+
+
+def test_gc_command_dry_run_then_apply(tmp_path: Path):
+    data_dir = tmp_path / "data"
+    server = ServerProcess(data_dir).start()
+    orphan = os.urandom(1234)
+    with httpx.Client(base_url=server.url) as c:
+        c.put(f"/v1/cas/{sha256(orphan)}", content=orphan)
+    server.stop()
+
+    def gc(*args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "megacache_server", "gc", "--data-dir",
+                              str(data_dir), *args], capture_output=True, text=True,
+                             env={**os.environ, "MEGACACHE_GC_GRACE_S": "0"}, check=True)
+        return out.stdout
+
+    dry = gc("--dry-run")
+    assert f"delete blob {sha256(orphan)}  1234 bytes  no entry names it" in dry
+    assert "dry run: would evict 0 entries and delete 1 blobs (1234 bytes)" in dry
+    assert (data_dir / "cas" / sha256(orphan)[:2] / sha256(orphan)).exists()
+    assert "deleted 1 blobs (1234 bytes)" in gc()
+    assert not (data_dir / "cas" / sha256(orphan)[:2] / sha256(orphan)).exists()
