@@ -1,0 +1,87 @@
+"""Several stateless replicas sharing one Redis index and one S3 bucket."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from conftest import _configured, backend_args
+from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
+
+
+@pytest.fixture
+def replicas(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[list[ServerProcess]]:
+    args, env = backend_args("redis+s3", request)
+    procs = [_configured(ServerProcess(tmp_path_factory.mktemp(f"replica{i}") / "data", *args,
+                                       env=env), "redis+s3", args).start() for i in range(3)]
+    yield procs
+    for p in procs:
+        p.stop()
+
+
+def test_write_through_one_read_through_the_others(replicas):
+    data = os.urandom(20 * 1024 * 1024)  # multipart on S3
+    m = make_manifest({"megacache": data}, make_fingerprint(code="replicated"))
+    with httpx.Client(base_url=replicas[0].url, timeout=60) as c:
+        assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+        assert c.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+    for replica in replicas[1:]:
+        with httpx.Client(base_url=replica.url, timeout=60) as c:
+            assert c.get(f"/v1/ac/{m.key}").json()["key"] == m.key
+            assert c.get(f"/v1/cas/{sha256(data)}").content == data
+            r = c.get(f"/v1/cas/{sha256(data)}", headers={"range": "bytes=-10"})
+            assert (r.status_code, r.content) == (206, data[-10:])
+            assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 200
+
+
+def test_concurrent_writers_of_one_key_across_replicas(replicas):
+    bundle = os.urandom(4096)
+    with httpx.Client(base_url=replicas[0].url) as c:
+        c.put(f"/v1/cas/{sha256(bundle)}", content=bundle)
+    fp = make_fingerprint(code="raced")
+    manifests = [make_manifest({"megacache": bundle}, fp, cold_compile_s=float(i))
+                 for i in range(20)]
+
+    def write(i: int) -> int:
+        with httpx.Client(base_url=replicas[i % 3].url, timeout=30) as c:
+            return c.put(f"/v1/ac/{fp.key()}", content=manifests[i].to_json(),
+                         headers={"if-none-match": "*"}).status_code
+
+    with ThreadPoolExecutor(20) as pool:
+        codes = list(pool.map(write, range(20)))
+    assert sorted(codes) == [201] + [412] * 19
+    seen = {httpx.get(f"{r.url}/v1/ac/{fp.key()}").json()["cold_compile_s"] for r in replicas}
+    assert len(seen) == 1  # every replica sees the one winner
+
+
+def test_killed_replica_leaves_nothing_partial(replicas):
+    data = os.urandom(40 * 1024 * 1024)
+    digest = sha256(data)
+    victim, survivors = replicas[0], replicas[1:]
+    sock = socket.create_connection(("127.0.0.1", victim.port))
+    sock.sendall(f"PUT /v1/cas/{digest} HTTP/1.1\r\nHost: x\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data[:24 * 1024 * 1024])
+    deadline = time.monotonic() + 30
+    while not victim.temp_files() and time.monotonic() < deadline:
+        time.sleep(0.05)  # a multipart upload is under way
+    assert victim.temp_files(), "the upload never reached the store"
+    victim.kill()
+    sock.close()
+    m = make_manifest({"megacache": data}, make_fingerprint(code="after-kill"))
+    for replica in survivors:
+        with httpx.Client(base_url=replica.url, timeout=60) as c:
+            assert c.get("/readyz").status_code == 200
+            assert c.head(f"/v1/cas/{digest}").status_code == 404
+            assert c.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 424
+    assert digest not in survivors[0].blob_names()
+    with httpx.Client(base_url=survivors[0].url, timeout=60) as c:
+        assert c.put(f"/v1/cas/{digest}", content=data).status_code == 201  # the retry
+        assert c.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+    with httpx.Client(base_url=survivors[1].url, timeout=60) as c:
+        assert c.get(f"/v1/cas/{digest}").content == data
