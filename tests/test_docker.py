@@ -1,0 +1,113 @@
+"""The Docker image and compose file, checked without a container engine (none runs here).
+
+hadolint lints the Dockerfile, docker-compose validates the compose file, and the image's
+own ENTRYPOINT + CMD + ENV run locally, with its HEALTHCHECK command as the probe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import free_port, sha256
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+COMPOSE = ROOT / "docker" / "compose.yaml"
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name) or str(Path(sys.executable).parent / name)
+    if not Path(path).exists():
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{name} is required in CI (pip install -e '.[dev]')")
+        pytest.skip(f"{name} not installed")
+    return path
+
+
+def test_dockerfile_passes_hadolint():
+    r = subprocess.run([tool("hadolint"), str(DOCKERFILE)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_dockerfile_shape():
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.12-slim$", text, re.M)
+    assert re.search(r"^USER 10001", text, re.M)  # non-root
+    assert 'VOLUME ["/data"]' in text
+    assert "HEALTHCHECK" in text and "/healthz" in text
+
+
+@pytest.mark.parametrize("profile", [None, "scale"])
+def test_compose_file_is_valid(profile: str | None):
+    cmd = [tool("docker-compose"), "-f", str(COMPOSE)]
+    if profile:
+        cmd += ["--profile", profile]
+    assert subprocess.run(cmd + ["config", "-q"], capture_output=True).returncode == 0
+    config = json.loads(subprocess.run(cmd + ["config", "--format", "json"], check=True,
+                                       capture_output=True, text=True).stdout)
+    services = config["services"]
+    if profile is None:
+        assert set(services) == {"megacache"}
+        server = services["megacache"]
+        assert server["volumes"][0]["target"] == "/data"
+        assert server["ports"][0]["target"] == 8787
+    else:
+        assert {"redis", "seaweedfs", "replica-1", "replica-2", "lb"} <= set(services)
+        for name in ("replica-1", "replica-2"):
+            env = services[name]["environment"]
+            assert env["MEGACACHE_INDEX"].startswith("redis://redis:")
+            assert env["MEGACACHE_BLOB_STORE"] == "s3"
+
+
+def _dockerfile_runtime() -> tuple[dict[str, str], list[str], list[str]]:
+    """The ENV, ENTRYPOINT + CMD and HEALTHCHECK command the image would run."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for line in re.findall(r"^ENV (.+)$", text, re.M):
+        for item in shlex.split(line):
+            key, _, value = item.partition("=")
+            env[key] = value
+    entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
+    cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
+    health = json.loads(re.search(r"HEALTHCHECK .*? CMD (\[.*\])$", text, re.M).group(1))
+    return env, entry + cmd, health
+
+
+def test_the_image_entrypoint_runs_with_the_image_settings(tmp_path: Path):
+    env, command, health = _dockerfile_runtime()
+    assert command == ["megacache-server", "serve"]
+    assert env["MEGACACHE_DATA_DIR"] == "/data" and env["MEGACACHE_WORKERS"] == "2"
+    # same settings, except: loopback only here, a free port, a temp dir for /data
+    env.update({"MEGACACHE_HOST": "127.0.0.1", "MEGACACHE_PORT": str(free_port()),
+                "MEGACACHE_DATA_DIR": str(tmp_path / "data")})
+    exe = str(Path(sys.executable).parent / command[0])
+    proc = subprocess.Popen([exe, *command[1:]], env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        healthy = False
+        for _ in range(100):
+            probe = subprocess.run([sys.executable, *health[1:]], env={**os.environ, **env},
+                                   capture_output=True)
+            if probe.returncode == 0:
+                healthy = True
+                break
+            time.sleep(0.2)
+        assert healthy, "the image's HEALTHCHECK never passed"
+        url = f"http://127.0.0.1:{env['MEGACACHE_PORT']}"
+        data = os.urandom(1000)
+        assert httpx.put(f"{url}/v1/cas/{sha256(data)}", content=data).status_code == 201
+        assert (tmp_path / "data" / "index.sqlite3").exists()
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=20)[0].decode()
+    assert "workers=2" in out
