@@ -85,3 +85,25 @@ def test_killed_replica_leaves_nothing_partial(replicas):
         assert c.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
     with httpx.Client(base_url=survivors[1].url, timeout=60) as c:
         assert c.get(f"/v1/cas/{digest}").content == data
+
+
+def test_presigned_redirect_lets_reads_bypass_the_server(request, tmp_path):
+    args, env = backend_args("redis+s3", request)
+    server = _configured(ServerProcess(tmp_path / "data", *args, "--s3-redirect", "true",
+                                       env=env), "redis+s3", args).start()
+    try:
+        data = os.urandom(3 * 1024 * 1024)
+        digest = sha256(data)
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            assert c.put(f"/v1/cas/{digest}", content=data).status_code == 201
+            r = c.get(f"/v1/cas/{digest}")
+            assert r.status_code == 307
+            assert r.headers["location"].startswith(server.s3_endpoint)
+        from megacache_client.config import ClientConfig
+        from megacache_client.transport import RemoteCache
+
+        with RemoteCache(ClientConfig(url=server.url)) as remote:  # follows, verifies
+            remote.download_blob(digest, len(data), tmp_path / "got")
+        assert (tmp_path / "got").read_bytes() == data
+    finally:
+        server.stop()
