@@ -100,6 +100,7 @@ def main() -> int:
             "entry_key": lr.entry.key if lr.entry else None,
             "saved_s": event.saved_s if event else 0.0,
             "load_s": round(lr.seconds, 3),
+            "load_steps": lr.steps,
             "bytes_down": lr.bytes_down,
             "placed": lr.placed,
             "skipped": lr.skipped,

@@ -89,7 +89,7 @@ def _members(pack: Path, cap: int, *, suffixes: tuple[str, ...] | None,
     try:
         with open(pack, "rb") as raw, \
                 zstandard.ZstdDecompressor().stream_reader(raw) as zr, \
-                tarfile.open(fileobj=zr, mode="r|") as tar:
+                tarfile.open(fileobj=zr, mode="r|", bufsize=1 << 20) as tar:
             for member in tar:
                 if not member.isfile():
                     raise PackError(f"pack entry {member.name!r} is not a regular file")

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -57,6 +58,18 @@ class LoadResult:
     placed: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    steps: dict[str, float] = field(default_factory=dict)
+
+    def timer(self) -> Callable[[str], None]:
+        """Returns `mark(name)`: records the seconds since the previous mark under `name`."""
+        last = [time.monotonic()]
+
+        def mark(name: str) -> None:
+            now = time.monotonic()
+            self.steps[name] = round(now - last[0], 4)
+            last[0] = now
+
+        return mark
 
 
 @dataclass
@@ -100,16 +113,22 @@ class Session:
             started = time.monotonic()
             result = self.load_result
             try:
+                step = result.timer()
                 fp = self.fingerprint(module, options)
                 result.key = fp.key()
                 torch_env.set_job_id("megacache-" + result.key[:16])
+                step("fingerprint")
                 with RemoteCache(self.config) as remote:
                     found = self._find_entry(remote, fp, result)
+                    step("find")
                     if found is not None:
                         result.entry, result.etag = found
                         paths = self._fetch_blobs(remote, result.entry, result)
+                        step("fetch")
                         self._place_artifacts(result.entry, paths, result)
+                        step("place")
                         self._load_bundle(result.entry, paths, result)
+                        step("load")
             except (CorruptBlobError, PackError) as exc:
                 self._fail(result, "invalid", str(exc))
             except Exception as exc:  # never let the cache break the trainer
