@@ -27,6 +27,7 @@ def _default_node_cache() -> Path:
 class ClientConfig:
     url: str = ""
     token: str | None = None
+    signing_key: str | None = None
     namespace: str = "default"
     model: str | None = None
     code: str | None = None

@@ -7,6 +7,7 @@ trainer-side client validate exactly the same schema without the client importin
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 from datetime import datetime, timezone
@@ -82,6 +83,19 @@ class Fingerprint(_Strict):
     def key(self) -> str:
         """The fingerprint key: sha256 of the canonical JSON of format + components."""
         return sha256_hex(canonical_json({"format": MANIFEST_FORMAT, **self.model_dump()}))
+
+
+SIGNATURE_HEADER = "x-megacache-signature"
+
+
+def sign_manifest(key: str, manifest_json: bytes) -> str:
+    """HMAC-SHA256 of the manifest bytes as served: the server signs, clients verify."""
+    return "hmac-sha256=" + hmac.new(key.encode(), manifest_json, hashlib.sha256).hexdigest()
+
+
+def signature_valid(key: str, manifest_json: bytes, signature: str | None) -> bool:
+    return signature is not None and hmac.compare_digest(sign_manifest(key, manifest_json),
+                                                         signature)
 
 
 def component_digest(component: dict[str, Scalar]) -> str:

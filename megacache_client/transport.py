@@ -20,7 +20,12 @@ import httpx
 
 from megacache_client import __version__
 from megacache_client.config import ClientConfig
-from megacache_client.manifest import Manifest, component_digest
+from megacache_client.manifest import (
+    SIGNATURE_HEADER,
+    Manifest,
+    component_digest,
+    signature_valid,
+)
 
 Progress = Callable[[int, int], None]
 CHUNK = 1024 * 1024
@@ -40,6 +45,10 @@ class CircuitOpenError(TransportError):
 
 class CorruptBlobError(TransportError):
     """Downloaded bytes do not hash to their address: never loaded, reported as invalid."""
+
+
+class UntrustedEntryError(CorruptBlobError):
+    """A manifest without a valid server signature, when the client requires one."""
 
 
 class CircuitBreaker:
@@ -153,11 +162,15 @@ class RemoteCache:
             )
 
     # -- entries ------------------------------------------------------------------------
-    def get_entry(self, key: str) -> tuple[Manifest, str] | None:
-        r = self._call(lambda: self._http.get(f"/v1/ac/{key}"), "get entry")
+    def get_entry(self, entry_key: str) -> tuple[Manifest, str] | None:
+        r = self._call(lambda: self._http.get(f"/v1/ac/{entry_key}"), "get entry")
         if r.status_code == 404:
             return None
         self._expect(r, (200,), "get entry")
+        key = self.config.signing_key
+        if key and not signature_valid(key, r.content, r.headers.get(SIGNATURE_HEADER)):
+            raise UntrustedEntryError(f"entry {entry_key[:12]}… has no valid signature: refusing "
+                                   "to load a manifest the server did not sign")
         return Manifest.model_validate_json(r.content), r.headers.get("etag", "")
 
     def list_entries(self, *, model: str | None = None, env: dict[str, Any] | None = None,

@@ -27,6 +27,9 @@ log = logging.getLogger("megacache.server")
 def create_app(settings: Settings | None = None, storage: Storage | None = None) -> FastAPI:
     """Build the app. Storage is opened at start-up and closed at shutdown."""
     settings = settings or Settings()
+    problem = settings.exposure_problem()
+    if problem:
+        raise RuntimeError(problem)
     storage = storage or build_storage(settings)
 
     @asynccontextmanager

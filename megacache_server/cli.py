@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from megacache_client.manifest import is_hex64
 from megacache_server import eviction
+from megacache_server.auth import new_token
 from megacache_server.errors import ApiError
 from megacache_server.settings import Settings
 from megacache_server.storage import build_storage
@@ -34,6 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
     gc = sub.add_parser("gc", parents=[common],
                         help="evict over-budget entries (LRU) and collect unreferenced blobs")
     gc.add_argument("--dry-run", action="store_true", help="show what would go; change nothing")
+    token = sub.add_parser("token", help="manage bearer tokens (stored hashed in the index)")
+    tsub = token.add_subparsers(dest="token_command", required=True)
+    create = tsub.add_parser("create", parents=[common], help="create a token; printed once")
+    create.add_argument("--name", required=True, help="who or what uses it (shown in logs)")
+    create.add_argument("--scopes", default="read", help="comma list of read,write,admin")
+    create.add_argument("--namespace", default="default", help="the one namespace it sees")
+    tsub.add_parser("list", parents=[common], help="list tokens (never their secrets)")
+    revoke = tsub.add_parser("revoke", parents=[common], help="revoke a token by id")
+    revoke.add_argument("token_id")
     for name, what in (("pin", "never evict"), ("unpin", "let eviction age out")):
         p = sub.add_parser(name, parents=[common], help=f"{what} an entry")
         p.add_argument("key")
@@ -42,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     fields = Settings.model_fields
+    p.add_argument("--insecure", dest="insecure", action="store_const", const=True,
+                   default=argparse.SUPPRESS,
+                   help="serve without auth on a non-loopback address (trusted networks only)")
+    p.add_argument("--auth", dest="auth", action="store_const", const=True,
+                   default=argparse.SUPPRESS, help="require bearer tokens [env MEGACACHE_AUTH]")
     for name in ("host", "port", "data_dir", "index", "blob_store", "s3_bucket", "s3_prefix",
                  "s3_endpoint", "s3_region", "s3_redirect", "max_blob_size", "store_budget",
                  "min_free_disk", "workers", "log_level"):
@@ -55,8 +70,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
-    values = {k: v for k, v in vars(args).items()
-              if k not in ("command", "env_file", "dry_run", "key")}
+    values = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     env_file = getattr(args, "env_file", None)
     return Settings(_env_file=env_file, **values)  # type: ignore[call-arg]
 
@@ -118,6 +132,38 @@ async def run_gc(settings: Settings, *, dry_run: bool) -> int:
         await storage.close()
 
 
+async def manage_tokens(settings: Settings, args: argparse.Namespace) -> int:
+    storage = build_storage(settings)
+    await storage.open()
+    try:
+        if args.token_command == "create":
+            scopes = tuple(s.strip() for s in args.scopes.split(",") if s.strip())
+            try:
+                token, record = new_token(args.name, scopes, args.namespace)
+            except ValueError as exc:
+                print(f"megacache-server: {exc}", file=sys.stderr)
+                return 2
+            await storage.index.put_token(record)
+            print(token)
+            print(f"created token {record.token_id} for {record.name!r}: scopes "
+                  f"{','.join(record.scopes)}, namespace {record.namespace!r} "
+                  "(shown once; only its hash is stored)", file=sys.stderr)
+            return 0
+        if args.token_command == "list":
+            for t in await storage.index.list_tokens():
+                state = "revoked" if t.revoked else "active"
+                print(f"{t.token_id}  {t.name:<24} {','.join(t.scopes):<16} "
+                      f"{t.namespace:<16} {state}")
+            return 0
+        if not await storage.index.revoke_token(args.token_id):
+            print(f"megacache-server: no token {args.token_id}", file=sys.stderr)
+            return 1
+        print(f"revoked {args.token_id}")
+        return 0
+    finally:
+        await storage.close()
+
+
 async def set_pinned(settings: Settings, key: str, pinned: bool) -> int:
     storage = build_storage(settings)
     await storage.open()
@@ -139,11 +185,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"megacache-server: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     if args.command in (None, "serve"):
+        problem = settings.exposure_problem()
+        if problem:
+            print(f"megacache-server: {problem}", file=sys.stderr)
+            return 2
         serve(settings)
         return 0
     try:
         if args.command == "gc":
             return asyncio.run(run_gc(settings, dry_run=args.dry_run))
+        if args.command == "token":
+            return asyncio.run(manage_tokens(settings, args))
         return asyncio.run(set_pinned(settings, args.key, args.command == "pin"))
     except ApiError as exc:
         print(f"megacache-server: {exc.message}", file=sys.stderr)

@@ -8,19 +8,28 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import ValidationError
 
-from megacache_client.manifest import Manifest, component_digest
+from megacache_client.manifest import (
+    SIGNATURE_HEADER,
+    Manifest,
+    component_digest,
+    sign_manifest,
+)
+from megacache_server.auth import Forbidden, Principal, require
 from megacache_server.errors import (
     FailedDependency,
     NotFound,
     PayloadTooLarge,
     Unprocessable,
 )
-from megacache_server.index.base import Precondition
+from megacache_server.index.base import Precondition, StoredEntry
 from megacache_server.storage import Storage, get_storage
 from megacache_server.validation import request_body, require_content_length, require_hex64
 
 router = APIRouter(prefix="/v1/ac", tags=["ac"])
 StorageDep = Annotated[Storage, Depends(get_storage)]
+Reader = Annotated[Principal, Depends(require("read"))]
+Writer = Annotated[Principal, Depends(require("write"))]
+Admin = Annotated[Principal, Depends(require("admin"))]
 
 MANIFEST_BODY = {
     "requestBody": {
@@ -41,7 +50,8 @@ def _json(data: bytes, status: int = 200, headers: dict[str, str] | None = None)
     responses={200: {"description": "replaced"}, 400: {}, 411: {}, 412: {}, 413: {}, 422: {},
                424: {"description": "a blob the manifest names is not stored"}},
 )
-async def put_entry(key: str, request: Request, storage: StorageDep) -> Response:
+async def put_entry(key: str, request: Request, storage: StorageDep,
+                    principal: Writer) -> Response:
     """Write the manifest for `key`. Every blob it names must already be stored (424 if not).
 
     `If-None-Match: *` writes only if absent; `If-Match: <etag>` only over that version.
@@ -51,7 +61,11 @@ async def put_entry(key: str, request: Request, storage: StorageDep) -> Response
     require_content_length(request.headers.get("content-length"), limit, "manifest")
     body = await _read_limited(request, limit)
     manifest = _parse_manifest(body, key)
-    await _require_blobs(manifest, storage)
+    namespace = manifest.fingerprint.namespace
+    if not principal.sees(namespace):
+        raise Forbidden(f"token {principal.name!r} writes namespace {principal.namespace!r}, "
+                        f"not {namespace!r}", code="namespace_mismatch")
+    await _require_blobs(manifest, storage, principal)
     stored = manifest.to_json()
     fp = manifest.fingerprint
     entry, created = await storage.index.put(
@@ -62,30 +76,32 @@ async def put_entry(key: str, request: Request, storage: StorageDep) -> Response
         hw_digest=component_digest(fp.hw),
         blob_digests=[b.digest for b in manifest.blobs],
         created_at=manifest.created_at.timestamp(),
+        namespace=namespace,
         condition=Precondition(
             if_match=request.headers.get("if-match"),
             if_none_match=request.headers.get("if-none-match"),
         ),
     )
-    return _json(stored, 201 if created else 200, {"etag": entry.etag})
+    return _json(stored, 201 if created else 200, _entry_headers(storage, entry.etag, stored))
 
 
 @router.get("/{key}", responses={200: {"content": {"application/json": {
     "schema": Manifest.model_json_schema()}}}, 304: {}, 400: {}, 404: {}})
-async def get_entry(key: str, request: Request, storage: StorageDep) -> Response:
-    """The manifest for `key`, with its ETag."""
-    require_hex64(key, "key")
-    entry = await storage.index.get(key)
-    if entry is None:
-        raise NotFound(f"no entry for key {key}", code="entry_not_found")
+async def get_entry(key: str, request: Request, storage: StorageDep,
+                    principal: Reader) -> Response:
+    """The manifest for `key`, with its ETag (and signature, when the server signs)."""
+    entry = await _visible_entry(storage, principal, key)
     if request.headers.get("if-none-match") == entry.etag:
         return Response(status_code=304, headers={"etag": entry.etag})
-    return _json(entry.manifest_json, headers={"etag": entry.etag})
+    return _json(entry.manifest_json,
+                 headers=_entry_headers(storage, entry.etag, entry.manifest_json))
 
 
 @router.get("", responses={200: {"description": "{\"entries\": [manifest, ...]}"}})
 async def list_entries(
     storage: StorageDep,
+    principal: Reader,
+    namespace: Annotated[str | None, Query(max_length=64)] = None,
     model: Annotated[str | None, Query(max_length=256)] = None,
     env: Annotated[str | None, Query(description="component_digest(env)")] = None,
     hw: Annotated[str | None, Query(description="component_digest(hw)")] = None,
@@ -95,31 +111,61 @@ async def list_entries(
     for value, what in ((env, "env"), (hw, "hw")):
         if value is not None:
             require_hex64(value, what)
+    if principal.namespace is not None:
+        if namespace is not None and namespace != principal.namespace:
+            raise Forbidden(f"token {principal.name!r} reads namespace "
+                            f"{principal.namespace!r}, not {namespace!r}",
+                            code="namespace_mismatch")
+        namespace = principal.namespace
     entries = await storage.index.list_entries(
-        model=model, env_digest=env, hw_digest=hw, limit=limit
+        model=model, env_digest=env, hw_digest=hw, limit=limit, namespace=namespace
     )
     return _json(b'{"entries":[' + b",".join(e.manifest_json for e in entries) + b"]}")
 
 
 @router.delete("/{key}", status_code=204, responses={400: {}, 404: {}})
-async def delete_entry(key: str, storage: StorageDep) -> Response:
+async def delete_entry(key: str, storage: StorageDep, principal: Admin) -> Response:
     """Remove an entry (its blobs stay until garbage collection)."""
-    require_hex64(key, "key")
+    await _visible_entry(storage, principal, key)
     if not await storage.index.delete(key):
         raise NotFound(f"no entry for key {key}", code="entry_not_found")
     return Response(status_code=204)
 
 
 @router.put("/{key}/pin", status_code=204, responses={400: {}, 404: {}})
-async def pin_entry(key: str, storage: StorageDep) -> Response:
+async def pin_entry(key: str, storage: StorageDep, principal: Admin) -> Response:
     """Pin an entry: eviction never removes it (nor, so, its blobs)."""
+    await _visible_entry(storage, principal, key)
     return await _set_pinned(storage, key, True)
 
 
 @router.delete("/{key}/pin", status_code=204, responses={400: {}, 404: {}})
-async def unpin_entry(key: str, storage: StorageDep) -> Response:
+async def unpin_entry(key: str, storage: StorageDep, principal: Admin) -> Response:
     """Unpin an entry: it ages out by last access like any other."""
+    await _visible_entry(storage, principal, key)
     return await _set_pinned(storage, key, False)
+
+
+async def _visible_entry(storage: Storage, principal: Principal, key: str) -> StoredEntry:
+    """The entry if it exists in the caller's namespace; 404 otherwise (no hint it exists)."""
+    require_hex64(key, "key")
+    entry = await storage.index.get(key)
+    if entry is None or (principal.namespace is not None and
+                         not principal.sees(_namespace_of(entry.manifest_json))):
+        raise NotFound(f"no entry for key {key}", code="entry_not_found")
+    return entry
+
+
+def _namespace_of(manifest_json: bytes) -> str:
+    return str(json.loads(manifest_json)["fingerprint"].get("namespace", "default"))
+
+
+def _entry_headers(storage: Storage, etag: str, manifest_json: bytes) -> dict[str, str]:
+    headers = {"etag": etag}
+    key = storage.settings.signing_key
+    if key:
+        headers[SIGNATURE_HEADER] = sign_manifest(key, manifest_json)
+    return headers
 
 
 async def _set_pinned(storage: Storage, key: str, pinned: bool) -> Response:
@@ -158,13 +204,17 @@ def _parse_manifest(body: bytes, key: str) -> Manifest:
     return manifest
 
 
-async def _require_blobs(manifest: Manifest, storage: Storage) -> None:
-    """Every named blob must be stored. Touching them first keeps garbage collection, which
-    spares recently touched blobs, from deleting one between this check and the write."""
+async def _require_blobs(manifest: Manifest, storage: Storage, principal: Principal) -> None:
+    """Every named blob must be stored (and visible to the writer's namespace). Touching them
+    first keeps garbage collection, which spares recently touched blobs, from deleting one
+    between this check and the write."""
     await storage.index.touch_blobs([b.digest for b in manifest.blobs])
     missing, wrong_size = [], []
     for blob in manifest.blobs:
         size = await storage.blobs.stat(blob.digest)
+        if size is not None and principal.namespace is not None and \
+                not await storage.index.owns_blob(principal.namespace, blob.digest):
+            size = None
         if size is None:
             missing.append(blob.digest)
         elif size != blob.size:

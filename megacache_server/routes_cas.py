@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
 from megacache_server import eviction
+from megacache_server.auth import Principal, require
 from megacache_server.errors import InsufficientStorage, NotFound
 from megacache_server.ranges import parse_range
 from megacache_server.storage import Storage, get_storage
@@ -15,6 +16,8 @@ from megacache_server.validation import request_body, require_content_length, re
 
 router = APIRouter(prefix="/v1/cas", tags=["cas"])
 StorageDep = Annotated[Storage, Depends(get_storage)]
+Reader = Annotated[Principal, Depends(require("read"))]
+Writer = Annotated[Principal, Depends(require("write"))]
 
 IMMUTABLE = "public, max-age=31536000, immutable"
 
@@ -33,7 +36,8 @@ def _blob_headers(digest: str, size: int) -> dict[str, str]:
     status_code=201,
     responses={200: {"description": "already stored"}, 400: {}, 411: {}, 413: {}, 507: {}},
 )
-async def put_blob(digest: str, request: Request, storage: StorageDep) -> JSONResponse:
+async def put_blob(digest: str, request: Request, storage: StorageDep,
+                   principal: Writer) -> JSONResponse:
     """Upload a blob; the body must hash to `digest`. Idempotent."""
     require_hex64(digest, "digest")
     size = require_content_length(
@@ -44,11 +48,23 @@ async def put_blob(digest: str, request: Request, storage: StorageDep) -> JSONRe
         await _make_room(storage, size, int(budget))
     created = await storage.blobs.put(digest, size, request_body(request))
     await storage.index.record_blob(digest, size)
+    if principal.namespace is not None:
+        # created means "new to your namespace": whether another team stored these bytes
+        # is not yours to learn (they were just verified, so the uploader holds them)
+        created = await storage.index.own_blob(principal.namespace, digest)
     return JSONResponse(
         {"digest": digest, "size": size, "created": created},
         status_code=201 if created else 200,
         headers={"etag": f'"{digest}"'},
     )
+
+
+async def _visible_size(storage: Storage, principal: Principal, digest: str) -> int | None:
+    """The blob's size if it exists for this caller's namespace, else None."""
+    if principal.namespace is not None and \
+            not await storage.index.owns_blob(principal.namespace, digest):
+        return None
+    return await storage.blobs.stat(digest)
 
 
 async def _make_room(storage: Storage, size: int, budget: int) -> None:
@@ -73,10 +89,10 @@ async def _make_room(storage: Storage, size: int, budget: int) -> None:
 
 
 @router.head("/{digest}", responses={404: {}})
-async def head_blob(digest: str, storage: StorageDep) -> Response:
+async def head_blob(digest: str, storage: StorageDep, principal: Reader) -> Response:
     """Whether a blob is stored (HEAD before PUT lets clients skip uploads)."""
     require_hex64(digest, "digest")
-    size = await storage.blobs.stat(digest)
+    size = await _visible_size(storage, principal, digest)
     if size is None:
         return Response(status_code=404)
     return Response(status_code=200, headers=_blob_headers(digest, size))
@@ -87,10 +103,11 @@ async def head_blob(digest: str, storage: StorageDep) -> Response:
     response_class=StreamingResponse,
     responses={200: {"content": {"application/octet-stream": {}}}, 206: {}, 404: {}, 416: {}},
 )
-async def get_blob(digest: str, request: Request, storage: StorageDep) -> Response:
+async def get_blob(digest: str, request: Request, storage: StorageDep,
+                   principal: Reader) -> Response:
     """Stream a blob in large chunks; honours `Range` (206) and `If-None-Match` (304)."""
     require_hex64(digest, "digest")
-    size = await storage.blobs.stat(digest)
+    size = await _visible_size(storage, principal, digest)
     if size is None:
         raise NotFound(f"blob {digest} is not stored", code="blob_not_found")
     headers = _blob_headers(digest, size)

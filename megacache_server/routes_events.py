@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import ValidationError
 
 from megacache_client.events import Event
+from megacache_server.auth import Principal, require
 from megacache_server.errors import Unprocessable
 from megacache_server.storage import Storage, get_storage
 from megacache_server.validation import request_body, require_content_length
@@ -22,7 +23,8 @@ MAX_EVENT_BYTES = 16 * 1024
 @router.post("/events", status_code=202, responses={411: {}, 413: {}, 422: {}},
              openapi_extra={"requestBody": {"required": True, "content": {
                  "application/json": {"schema": Event.model_json_schema()}}}})
-async def post_event(request: Request, storage: StorageDep) -> Response:
+async def post_event(request: Request, storage: StorageDep,
+                     _: Annotated[Principal, Depends(require("write"))]) -> Response:
     """Record one client run: outcome, compile seconds, seconds saved, bytes moved."""
     require_content_length(request.headers.get("content-length"), MAX_EVENT_BYTES, "event")
     body = b"".join([chunk async for chunk in request_body(request)])
@@ -39,6 +41,7 @@ async def post_event(request: Request, storage: StorageDep) -> Response:
 @router.get("/stats")
 async def get_stats(
     storage: StorageDep,
+    _: Annotated[Principal, Depends(require("read"))],
     since_hours: Annotated[float | None, Query(gt=0, le=24 * 3650)] = None,
 ) -> dict[str, Any]:
     """Per-model and total runs, outcomes, hit rate and compile time saved."""

@@ -5,6 +5,7 @@ Sizes accept units (`512MiB`, `4GiB`, `10GB`) as well as plain byte counts.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +23,16 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path("./megacache-data"), description="blobs, temp files and index")
     index: str = Field(
         "", description="index URL: sqlite:///path (default: <data_dir>/index.sqlite3)"
+    )
+    auth: bool = Field(False, description="require bearer tokens (see `megacache-server token`)")
+    insecure: bool = Field(
+        False, description="allow serving without auth on a non-loopback address"
+    )
+    token_cache_s: float = Field(
+        10, ge=0, description="seconds a token lookup is cached (revocation delay)"
+    )
+    signing_key: str | None = Field(
+        None, description="HMAC key: sign manifests so clients can verify them"
     )
     redis_prefix: str = Field("megacache:", description="key prefix of a Redis index")
     blob_store: Literal["fs", "s3"] = Field("fs", description="where blob bytes live")
@@ -55,5 +66,22 @@ class Settings(BaseSettings):
     workers: int = Field(1, ge=1, le=64, description="uvicorn worker processes")
     log_level: LogLevel = Field("info", description="log level")
 
+    def exposure_problem(self) -> str | None:
+        """Why these settings must not serve, or None: no auth is only for loopback."""
+        if self.auth or self.insecure or _is_loopback(self.host):
+            return None
+        return (f"refusing to serve without authentication on {self.host}: set "
+                "MEGACACHE_AUTH=true (and create tokens with `megacache-server token create`), "
+                "bind 127.0.0.1, or pass --insecure if this network is trusted")
+
     def index_url(self) -> str:
         return self.index or f"sqlite:///{self.data_dir / 'index.sqlite3'}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

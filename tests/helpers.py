@@ -22,6 +22,25 @@ class ServerProcess(LocalServer):
     s3_endpoint: str | None = None
     s3_bucket: str | None = None
 
+    def cli(self, *args: str) -> str:
+        """Run a `megacache-server` subcommand against this server's storage settings."""
+        import os
+        import subprocess
+        import sys
+
+        cmd = [sys.executable, "-m", "megacache_server", *args, *self.extra_args]
+        if "MEGACACHE_DATA_DIR" not in self.env:
+            cmd += ["--data-dir", str(self.data_dir)]
+        out = subprocess.run(cmd, env={**os.environ, **self.env}, capture_output=True,
+                             text=True, timeout=60)
+        if out.returncode != 0:
+            raise AssertionError(f"{args} failed: {out.stderr}")
+        return out.stdout.strip()
+
+    def token(self, scopes: str, namespace: str = "default", name: str = "test") -> str:
+        return self.cli("token", "create", "--name", name, "--scopes", scopes,
+                        "--namespace", namespace)
+
     def _s3(self) -> Any:
         import boto3
 

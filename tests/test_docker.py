@@ -91,6 +91,10 @@ def test_the_image_entrypoint_runs_with_the_image_settings(tmp_path: Path):
     env.update({"MEGACACHE_HOST": "127.0.0.1", "MEGACACHE_PORT": str(free_port()),
                 "MEGACACHE_DATA_DIR": str(tmp_path / "data")})
     exe = str(Path(sys.executable).parent / command[0])
+    assert env["MEGACACHE_AUTH"] == "true"  # the image never serves unauthenticated
+    token = subprocess.run([exe, "token", "create", "--name", "ci", "--scopes", "read,write"],
+                           env={**os.environ, **env}, capture_output=True, text=True,
+                           check=True).stdout.strip()
     proc = subprocess.Popen([exe, *command[1:]], env={**os.environ, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -105,7 +109,10 @@ def test_the_image_entrypoint_runs_with_the_image_settings(tmp_path: Path):
         assert healthy, "the image's HEALTHCHECK never passed"
         url = f"http://127.0.0.1:{env['MEGACACHE_PORT']}"
         data = os.urandom(1000)
-        assert httpx.put(f"{url}/v1/cas/{sha256(data)}", content=data).status_code == 201
+        assert httpx.put(f"{url}/v1/cas/{sha256(data)}", content=data).status_code == 401
+        auth = {"authorization": f"Bearer {token}"}
+        assert httpx.put(f"{url}/v1/cas/{sha256(data)}", content=data,
+                         headers=auth).status_code == 201
         assert (tmp_path / "data" / "index.sqlite3").exists()
     finally:
         proc.terminate()

@@ -36,6 +36,19 @@ class BlobRecord:
 
 
 @dataclass(frozen=True)
+class TokenRecord:
+    """A bearer token as stored: only its hash, never the token itself."""
+
+    token_id: str
+    name: str
+    token_hash: str
+    scopes: tuple[str, ...]
+    namespace: str
+    created_at: float
+    revoked: bool = False
+
+
+@dataclass(frozen=True)
 class Precondition:
     """HTTP conditional-request headers for an entry write (RFC 9110 §13)."""
 
@@ -90,6 +103,7 @@ class Index(ABC):
         blob_digests: list[str],
         created_at: float,
         condition: Precondition,
+        namespace: str = "default",
     ) -> tuple[StoredEntry, bool]:
         """Write an entry atomically with its precondition; returns (entry, created).
 
@@ -98,7 +112,8 @@ class Index(ABC):
 
     @abstractmethod
     async def list_entries(
-        self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int
+        self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int,
+        namespace: str | None = None,
     ) -> list[StoredEntry]:
         """Entries matching every given filter, newest (by manifest created_at) first."""
 
@@ -149,6 +164,30 @@ class Index(ABC):
     @abstractmethod
     async def forget_blob(self, digest: str) -> None:
         """Drop a blob's record after the store deleted it."""
+
+    @abstractmethod
+    async def own_blob(self, namespace: str, digest: str) -> bool:
+        """Record that `namespace` stored this blob; True if it had not before."""
+
+    @abstractmethod
+    async def owns_blob(self, namespace: str, digest: str) -> bool:
+        """Whether `namespace` may see this blob (the CAS dedupes bytes across namespaces)."""
+
+    @abstractmethod
+    async def put_token(self, token: TokenRecord) -> None:
+        """Store a new token record."""
+
+    @abstractmethod
+    async def get_token(self, token_id: str) -> TokenRecord | None:
+        """A token record by id (revoked ones included)."""
+
+    @abstractmethod
+    async def list_tokens(self) -> list[TokenRecord]:
+        """Every token record, oldest first."""
+
+    @abstractmethod
+    async def revoke_token(self, token_id: str) -> bool:
+        """Revoke a token; False if there is no such token."""
 
     @abstractmethod
     async def add_event(self, event: Event) -> None:

@@ -35,6 +35,7 @@ from megacache_server.index.base import (
     ModelStats,
     Precondition,
     StoredEntry,
+    TokenRecord,
     aggregate_stats,
     check_precondition,
     entry_etag,
@@ -110,6 +111,7 @@ class RedisIndex(Index):
         blob_digests: list[str],
         created_at: float,
         condition: Precondition,
+        namespace: str = "default",
     ) -> tuple[StoredEntry, bool]:
         etag = entry_etag(manifest_json)
         ekey, bkey = self.k("entry", key), self.k("entry_blobs", key)
@@ -128,7 +130,7 @@ class RedisIndex(Index):
                         pipe.hset(ekey, mapping={
                             "manifest": manifest_json, "etag": etag, "model": model,
                             "env": env_digest, "hw": hw_digest, "created_at": created_at,
-                            "updated_at": now, "last_access": now,
+                            "updated_at": now, "last_access": now, "namespace": namespace,
                             "pinned": _str(pinned) or "0"})
                         if old_model is not None and _str(old_model) != model:
                             pipe.zrem(self.k("by_model", _str(old_model) or ""), key)
@@ -152,7 +154,8 @@ class RedisIndex(Index):
         return await self._do(op)
 
     async def list_entries(
-        self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int
+        self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int,
+        namespace: str | None = None,
     ) -> list[StoredEntry]:
         async def op() -> list[StoredEntry]:
             zkey = self.k("by_model", model) if model is not None else self.k("entries")
@@ -173,6 +176,9 @@ class RedisIndex(Index):
                     if env_digest is not None and _str(data.get(b"env")) != env_digest:
                         continue
                     if hw_digest is not None and _str(data.get(b"hw")) != hw_digest:
+                        continue
+                    if namespace is not None and \
+                            (_str(data.get(b"namespace")) or "default") != namespace:
                         continue
                     found.append(_entry(key, data))
                 start += page
@@ -305,6 +311,51 @@ class RedisIndex(Index):
             await self.r.zrem(self.k("blob_touched"), digest)
 
         await self._do(op)
+
+    # -- namespaces and tokens ---------------------------------------------------------
+    async def own_blob(self, namespace: str, digest: str) -> bool:
+        return bool(await self._do(lambda: self.r.sadd(self.k("owned", namespace), digest)))
+
+    async def owns_blob(self, namespace: str, digest: str) -> bool:
+        return bool(await self._do(lambda: self.r.sismember(self.k("owned", namespace),
+                                                             digest)))
+
+    async def put_token(self, token: TokenRecord) -> None:
+        async def op() -> None:
+            await self.r.hset(self.k("token", token.token_id), mapping={
+                "name": token.name, "token_hash": token.token_hash,
+                "scopes": ",".join(token.scopes), "namespace": token.namespace,
+                "created_at": token.created_at, "revoked": "1" if token.revoked else "0"})
+            await self.r.zadd(self.k("tokens"), {token.token_id: token.created_at})
+
+        await self._do(op)
+
+    async def get_token(self, token_id: str) -> TokenRecord | None:
+        async def op() -> TokenRecord | None:
+            data = await self.r.hgetall(self.k("token", token_id))
+            if not data:
+                return None
+            return TokenRecord(token_id, _str(data[b"name"]) or "",
+                               _str(data[b"token_hash"]) or "",
+                               tuple((_str(data[b"scopes"]) or "").split(",")),
+                               _str(data[b"namespace"]) or "", float(data[b"created_at"]),
+                               _str(data[b"revoked"]) == "1")
+
+        return await self._do(op)
+
+    async def list_tokens(self) -> list[TokenRecord]:
+        ids = await self._do(lambda: self.r.zrange(self.k("tokens"), 0, -1))
+        found = [await self.get_token(_str(i) or "") for i in ids]
+        return [t for t in found if t is not None]
+
+    async def revoke_token(self, token_id: str) -> bool:
+        async def op() -> bool:
+            if not await self.r.exists(self.k("token", token_id)):
+                return False
+            await self.r.hset(self.k("token", token_id), "revoked", "1")
+            return True
+
+        return await self._do(op)
 
     # -- events -------------------------------------------------------------------------
     async def add_event(self, event: Event) -> None:

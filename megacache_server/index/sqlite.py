@@ -25,6 +25,7 @@ from megacache_server.index.base import (
     ModelStats,
     Precondition,
     StoredEntry,
+    TokenRecord,
     aggregate_stats,
     check_precondition,
     entry_etag,
@@ -43,7 +44,8 @@ CREATE TABLE IF NOT EXISTS entries (
     created_at   REAL NOT NULL,
     updated_at   REAL NOT NULL,
     last_access  REAL NOT NULL,
-    pinned       INTEGER NOT NULL DEFAULT 0
+    pinned       INTEGER NOT NULL DEFAULT 0,
+    namespace    TEXT NOT NULL DEFAULT 'default'
 );
 CREATE INDEX IF NOT EXISTS entries_by_model ON entries (model, created_at DESC);
 CREATE TABLE IF NOT EXISTS entry_blobs (
@@ -70,6 +72,20 @@ CREATE TABLE IF NOT EXISTS blobs (
     size        INTEGER NOT NULL,
     created_at  REAL NOT NULL,
     touched_at  REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS blob_owners (
+    namespace  TEXT NOT NULL,
+    digest     TEXT NOT NULL,
+    PRIMARY KEY (namespace, digest)
+);
+CREATE TABLE IF NOT EXISTS tokens (
+    token_id    TEXT PRIMARY KEY,
+    name        TEXT NOT NULL,
+    token_hash  TEXT NOT NULL,
+    scopes      TEXT NOT NULL,
+    namespace   TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    revoked     INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS locks (
     name        TEXT PRIMARY KEY,
@@ -106,9 +122,14 @@ class SqliteIndex(Index):
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
+            # data dirs from 0.1.0 development builds
             blob_columns = {r[1] for r in conn.execute("PRAGMA table_info(blobs)")}
-            if "touched_at" not in blob_columns:  # data dirs from 0.1.0 development builds
+            if "touched_at" not in blob_columns:
                 conn.execute("ALTER TABLE blobs ADD COLUMN touched_at REAL NOT NULL DEFAULT 0")
+            entry_columns = {r[1] for r in conn.execute("PRAGMA table_info(entries)")}
+            if "namespace" not in entry_columns:
+                conn.execute("ALTER TABLE entries ADD COLUMN namespace TEXT NOT NULL "
+                             "DEFAULT 'default'")
         self._conn = conn
 
     async def close(self) -> None:
@@ -152,6 +173,7 @@ class SqliteIndex(Index):
         blob_digests: list[str],
         created_at: float,
         condition: Precondition,
+        namespace: str = "default",
     ) -> tuple[StoredEntry, bool]:
         etag = entry_etag(manifest_json)
 
@@ -162,14 +184,16 @@ class SqliteIndex(Index):
                 check_precondition(condition, row[0] if row else None)
                 c.execute(
                     """INSERT INTO entries (key, manifest, etag, model, env_digest, hw_digest,
-                                            created_at, updated_at, last_access)
-                       VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+                                            created_at, updated_at, last_access, namespace)
+                       VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                        ON CONFLICT(key) DO UPDATE SET manifest=excluded.manifest,
+                         namespace=excluded.namespace,
                          etag=excluded.etag, model=excluded.model,
                          env_digest=excluded.env_digest, hw_digest=excluded.hw_digest,
                          created_at=excluded.created_at, updated_at=excluded.updated_at,
                          last_access=excluded.last_access""",
-                    (key, manifest_json, etag, model, env_digest, hw_digest, created_at, now, now),
+                    (key, manifest_json, etag, model, env_digest, hw_digest, created_at, now, now,
+                     namespace),
                 )
                 c.execute("DELETE FROM entry_blobs WHERE key=?", (key,))
                 c.executemany(
@@ -183,12 +207,13 @@ class SqliteIndex(Index):
         return await self._run(op)
 
     async def list_entries(
-        self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int
+        self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int,
+        namespace: str | None = None,
     ) -> list[StoredEntry]:
         where: list[str] = []
         args: list[str | int] = []
         for column, value in (("model", model), ("env_digest", env_digest),
-                              ("hw_digest", hw_digest)):
+                              ("hw_digest", hw_digest), ("namespace", namespace)):
             if value is not None:
                 where.append(f"{column}=?")
                 args.append(value)
@@ -275,6 +300,36 @@ class SqliteIndex(Index):
             lambda c: int(c.execute("SELECT COALESCE(SUM(size), 0) FROM blobs").fetchone()[0])
         )
 
+    async def own_blob(self, namespace: str, digest: str) -> bool:
+        return await self._run(lambda c: c.execute(
+            "INSERT OR IGNORE INTO blob_owners (namespace, digest) VALUES (?, ?)",
+            (namespace, digest)).rowcount > 0)
+
+    async def owns_blob(self, namespace: str, digest: str) -> bool:
+        return await self._run(lambda c: c.execute(
+            "SELECT 1 FROM blob_owners WHERE namespace=? AND digest=?",
+            (namespace, digest)).fetchone() is not None)
+
+    async def put_token(self, token: TokenRecord) -> None:
+        await self._run(lambda c: c.execute(
+            "INSERT INTO tokens (token_id, name, token_hash, scopes, namespace, created_at, "
+            "revoked) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (token.token_id, token.name, token.token_hash, ",".join(token.scopes),
+             token.namespace, token.created_at, int(token.revoked))))
+
+    async def get_token(self, token_id: str) -> TokenRecord | None:
+        row = await self._run(lambda c: c.execute(
+            f"SELECT {TOKEN_COLUMNS} FROM tokens WHERE token_id=?", (token_id,)).fetchone())
+        return _token(row) if row else None
+
+    async def list_tokens(self) -> list[TokenRecord]:
+        return await self._run(lambda c: [_token(r) for r in c.execute(
+            f"SELECT {TOKEN_COLUMNS} FROM tokens ORDER BY created_at").fetchall()])
+
+    async def revoke_token(self, token_id: str) -> bool:
+        return await self._run(lambda c: c.execute(
+            "UPDATE tokens SET revoked=1 WHERE token_id=?", (token_id,)).rowcount > 0)
+
     async def add_event(self, event: Event) -> None:
         await self._run(lambda c: c.execute(
             """INSERT INTO events (created_at, model, key, outcome, compile_s, saved_s,
@@ -313,6 +368,15 @@ class _transaction:
 
     def __exit__(self, exc_type: object, *_: object) -> None:
         self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+TOKEN_COLUMNS = "token_id, name, token_hash, scopes, namespace, created_at, revoked"
+
+
+def _token(row: tuple) -> TokenRecord:
+    token_id, name, token_hash, scopes, namespace, created_at, revoked = row
+    return TokenRecord(token_id, name, token_hash, tuple(scopes.split(",")), namespace,
+                       created_at, bool(revoked))
 
 
 def _entry(row: tuple) -> StoredEntry:

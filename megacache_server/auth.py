@@ -1,0 +1,115 @@
+"""Bearer tokens with scopes and a namespace each.
+
+A bundle is code a trainer will execute (Mega-Cache payloads are pickles), so who may write
+matters more than who may read. Tokens look like `mc_<id>_<secret>`; the server stores only
+the sha256 of the whole token, finds the record by id and compares hashes in constant time.
+Scopes: `read` (GET/HEAD, listings, stats), `write` (uploads, manifests, events),
+`admin` (delete, pin, everything). A token sees only its own namespace: entries of other
+namespaces do not exist for it, and neither do blobs it never uploaded (the CAS dedupes
+bytes underneath, but a reader cannot probe for content another team stored).
+
+With auth off (the embedded default, loopback only) every request acts as an anonymous
+admin that sees all namespaces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from fastapi import Request
+
+from megacache_server.errors import ApiError
+from megacache_server.index.base import TokenRecord
+from megacache_server.storage import Storage, get_storage
+
+Scope = Literal["read", "write", "admin"]
+SCOPES: tuple[Scope, ...] = ("read", "write", "admin")
+
+
+class Unauthorized(ApiError):
+    status, code = 401, "unauthorized"
+
+
+class Forbidden(ApiError):
+    status, code = 403, "forbidden"
+
+
+@dataclass(frozen=True)
+class Principal:
+    name: str
+    scopes: frozenset[str]
+    namespace: str | None  # None: every namespace (auth off)
+
+    def sees(self, namespace: str) -> bool:
+        return self.namespace is None or self.namespace == namespace
+
+
+ANONYMOUS = Principal("anonymous", frozenset(SCOPES), None)
+
+
+def new_token(name: str, scopes: tuple[str, ...], namespace: str) -> tuple[str, TokenRecord]:
+    """A fresh token (shown once) and the record to store (its hash only)."""
+    bad = [s for s in scopes if s not in SCOPES]
+    if bad or not scopes:
+        raise ValueError(f"scopes must be some of {', '.join(SCOPES)}; got {', '.join(scopes)}")
+    token_id = secrets.token_hex(8)
+    token = f"mc_{token_id}_{secrets.token_urlsafe(32)}"
+    return token, TokenRecord(token_id, name, hash_token(token), tuple(scopes), namespace,
+                              time.time())
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+_cache: dict[str, tuple[float, TokenRecord | None]] = {}
+
+
+async def _lookup(storage: Storage, token_id: str) -> TokenRecord | None:
+    """Token records are cached `token_cache_s` per process: revocation lags by that much."""
+    now = time.monotonic()
+    hit = _cache.get(token_id)
+    if hit is not None and now - hit[0] < storage.settings.token_cache_s:
+        return hit[1]
+    record = await storage.index.get_token(token_id)
+    if len(_cache) > 10_000:
+        _cache.clear()
+    _cache[token_id] = (now, record)
+    return record
+
+
+async def authenticate(request: Request, storage: Storage) -> Principal:
+    if not storage.settings.auth:
+        return ANONYMOUS
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("missing bearer token: send `Authorization: Bearer mc_...`",
+                           headers={"www-authenticate": "Bearer"})
+    parts = token.strip().split("_")
+    record = await _lookup(storage, parts[1]) if len(parts) >= 3 and parts[0] == "mc" else None
+    if record is None or record.revoked or \
+            not hmac.compare_digest(record.token_hash, hash_token(token.strip())):
+        raise Unauthorized("invalid or revoked token", code="invalid_token",
+                           headers={"www-authenticate": 'Bearer error="invalid_token"'})
+    return Principal(record.name, frozenset(record.scopes), record.namespace)
+
+
+def require(scope: Scope) -> Callable[[Request], Awaitable[Principal]]:
+    """FastAPI dependency: the caller, who must hold `scope` (or admin)."""
+
+    async def dependency(request: Request) -> Principal:
+        principal = await authenticate(request, get_storage(request))
+        if scope not in principal.scopes and "admin" not in principal.scopes:
+            raise Forbidden(f"token {principal.name!r} lacks the {scope!r} scope",
+                            code="missing_scope", required=scope,
+                            granted=sorted(principal.scopes))
+        return principal
+
+    return dependency
