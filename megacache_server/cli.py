@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from megacache_client.manifest import is_hex64
-from megacache_server import eviction
+from megacache_server import eviction, fsck
 from megacache_server.auth import new_token
 from megacache_server.errors import ApiError
 from megacache_server.settings import Settings
@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     gc = sub.add_parser("gc", parents=[common],
                         help="evict over-budget entries (LRU) and collect unreferenced blobs")
     gc.add_argument("--dry-run", action="store_true", help="show what would go; change nothing")
+    fsck_p = sub.add_parser("fsck", parents=[common],
+                          help="check index and blob store agree (exit 1 on problems)")
+    fsck_p.add_argument("--repair", action="store_true",
+                      help="drop dangling entries and stale records, record orphan blobs")
+    fsck_p.add_argument("--verify", action="store_true",
+                      help="also re-hash every blob (reads everything)")
     token = sub.add_parser("token", help="manage bearer tokens (stored hashed in the index)")
     tsub = token.add_subparsers(dest="token_command", required=True)
     create = tsub.add_parser("create", parents=[common], help="create a token; printed once")
@@ -132,6 +138,18 @@ async def run_gc(settings: Settings, *, dry_run: bool) -> int:
         await storage.close()
 
 
+async def run_fsck(settings: Settings, *, repair: bool, verify: bool) -> int:
+    storage = build_storage(settings)
+    await storage.open()
+    try:
+        report = await fsck.check(storage, repair=repair, verify=verify)
+    finally:
+        await storage.close()
+    for line in report.lines():
+        print(line)
+    return 0 if report.clean or repair else 1
+
+
 async def manage_tokens(settings: Settings, args: argparse.Namespace) -> int:
     storage = build_storage(settings)
     await storage.open()
@@ -194,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "gc":
             return asyncio.run(run_gc(settings, dry_run=args.dry_run))
+        if args.command == "fsck":
+            return asyncio.run(run_fsck(settings, repair=args.repair, verify=args.verify))
         if args.command == "token":
             return asyncio.run(manage_tokens(settings, args))
         return asyncio.run(set_pinned(settings, args.key, args.command == "pin"))

@@ -1,0 +1,283 @@
+"""Faults: crashes, a full disk, storage backends going away, misbehaving servers.
+
+Each test checks the same promise: nothing partial becomes visible, what was written before
+stays intact (`megacache-server fsck` agrees), the service says why it cannot serve, and it
+recovers by itself once the fault is gone. On the client side: the trainer always gets an
+answer within its timeouts, and the circuit breaker stops it hammering a broken server.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import service_missing
+from helpers import ServerProcess, free_port, make_fingerprint, make_manifest, sha256
+
+from megacache_client.config import ClientConfig
+from megacache_client.transport import (
+    CircuitBreaker,
+    CircuitOpenError,
+    RemoteCache,
+    TransportError,
+)
+from megacache_server.local import LocalRedis, LocalSeaweedS3
+
+
+def populate(url: str, n: int = 3, size: int = 200_000) -> list[tuple[bytes, str]]:
+    written = []
+    with httpx.Client(base_url=url, timeout=30) as c:
+        for i in range(n):
+            data = os.urandom(size)
+            assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+            m = make_manifest({"megacache": data}, make_fingerprint(code=f"keep{i}"))
+            assert c.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+            written.append((data, m.key))
+    return written
+
+
+def intact(url: str, written: list[tuple[bytes, str]]) -> None:
+    with httpx.Client(base_url=url, timeout=30) as c:
+        for data, key in written:
+            assert c.get(f"/v1/ac/{key}").status_code == 200
+            assert c.get(f"/v1/cas/{sha256(data)}").content == data
+
+
+def test_kill_during_upload_then_fsck_is_clean(tmp_path: Path):
+    server = ServerProcess(tmp_path / "data").start()
+    try:
+        written = populate(server.url)
+        data = os.urandom(8 * 1024 * 1024)
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(f"PUT /v1/cas/{sha256(data)} HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                     f"{len(data)}\r\n\r\n".encode() + data[:3_000_000])
+        time.sleep(0.5)
+        server.kill()
+        sock.close()
+        assert server.cli("fsck") .endswith("clean")
+        server.start()
+        intact(server.url, written)
+        assert httpx.head(f"{server.url}/v1/cas/{sha256(data)}").status_code == 404
+    finally:
+        server.stop()
+
+
+def test_kill_during_gc_then_fsck_repairs(tmp_path: Path):
+    server = ServerProcess(tmp_path / "data").start()
+    written = populate(server.url)
+    with httpx.Client(base_url=server.url) as c:
+        for _ in range(300):  # unreferenced blobs for GC to delete
+            data = os.urandom(2000)
+            c.put(f"/v1/cas/{sha256(data)}", content=data)
+    server.stop()
+    gc = subprocess.Popen([sys.executable, "-m", "megacache_server", "gc", "--data-dir",
+                           str(server.data_dir)], env={**os.environ, "MEGACACHE_GC_GRACE_S": "0"},
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(1.5)  # in the middle of deleting (imports take ~1 s)
+    gc.kill()
+    gc.wait()
+    report = subprocess.run([sys.executable, "-m", "megacache_server", "fsck", "--data-dir",
+                             str(server.data_dir)], capture_output=True, text=True)
+    assert report.returncode in (0, 1), report.stderr
+    assert "dangling" not in report.stdout  # entries never point at deleted blobs
+    assert server.cli("fsck", "--repair", "--verify").splitlines()[-1] in ("clean", "repaired")
+    assert server.cli("fsck").endswith("clean")
+    server.start()
+    try:
+        intact(server.url, written)
+    finally:
+        server.stop()
+
+
+def test_fsck_finds_and_repairs_damage(tmp_path: Path):
+    server = ServerProcess(tmp_path / "data").start()
+    written = populate(server.url, n=2)
+    server.stop()
+    lost = sha256(written[0][0])
+    (server.data_dir / "cas" / lost[:2] / lost).unlink()  # the store lost a blob
+    rotten = sha256(written[1][0])
+    path = server.data_dir / "cas" / rotten[:2] / rotten
+    path.write_bytes(b"x" + path.read_bytes()[1:])  # and another rotted
+    orphan = os.urandom(100)  # a blob committed by a process killed before recording it
+    (server.data_dir / "cas" / sha256(orphan)[:2]).mkdir(exist_ok=True)
+    (server.data_dir / "cas" / sha256(orphan)[:2] / sha256(orphan)).write_bytes(orphan)
+    check = subprocess.run([sys.executable, "-m", "megacache_server", "fsck", "--verify",
+                            "--data-dir", str(server.data_dir)], capture_output=True, text=True)
+    assert check.returncode == 1
+    assert f"dangling entry {written[0][1]}" in check.stdout
+    assert f"stale blob record {lost}" in check.stdout
+    assert f"unrecorded blob {sha256(orphan)}" in check.stdout
+    assert f"corrupt blob {rotten}" in check.stdout
+    server.cli("fsck", "--repair", "--verify")
+    assert server.cli("fsck", "--verify").endswith("clean")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        service_missing("a tmpfs mount (needs root)", r.stderr.strip())
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_full_is_507_and_recovers(tmp_path: Path, small_disk: Path):
+    server = ServerProcess(small_disk / "data", "--min-free-disk", "0",
+                           "--index", f"sqlite:///{tmp_path / 'index.sqlite3'}").start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            statuses, kept = [], []
+            for _ in range(6):
+                data = os.urandom(1500 * 1024)
+                r = c.put(f"/v1/cas/{sha256(data)}", content=data)
+                statuses.append(r.status_code)
+                if r.status_code == 201:
+                    kept.append(data)
+                else:
+                    assert r.status_code == 507, r.text
+                    assert r.json()["error"]["code"] == "disk_full"
+                    assert c.head(f"/v1/cas/{sha256(data)}").status_code == 404
+            assert 507 in statuses and kept
+            assert server.temp_files() == []
+            subprocess.run(["mount", "-o", "remount,size=32m", str(small_disk)], check=True)
+            data = os.urandom(1500 * 1024)
+            assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+            for old in kept:
+                assert c.get(f"/v1/cas/{sha256(old)}").content == old
+    finally:
+        server.stop()
+
+
+def test_redis_down_is_503_with_reason_and_recovers(tmp_path: Path):
+    try:
+        redis = LocalRedis(tmp_path / "redis").start()
+    except (FileNotFoundError, RuntimeError) as exc:
+        service_missing("redis-server", exc)
+    server = ServerProcess(tmp_path / "data", "--index", redis.url).start()
+    try:
+        written = populate(server.url, n=1)
+        redis.stop()
+        r = httpx.get(f"{server.url}/readyz", timeout=30)
+        assert r.status_code == 503 and "redis" in r.json()["error"]["message"]
+        r = httpx.get(f"{server.url}/v1/ac/{written[0][1]}", timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "index_unavailable"
+        assert httpx.get(f"{server.url}/healthz").status_code == 200
+        redis.start()  # same port, empty: the index is gone, the service is back
+        for _ in range(50):
+            if httpx.get(f"{server.url}/readyz", timeout=30).status_code == 200:
+                break
+            time.sleep(0.2)
+        assert httpx.get(f"{server.url}/readyz").status_code == 200
+        populate(server.url, n=1)
+    finally:
+        server.stop()
+        redis.stop()
+    assert "Traceback" not in server.log()
+
+
+def test_s3_down_is_503_with_reason_and_recovers(tmp_path: Path):
+    try:
+        weed = LocalSeaweedS3(tmp_path / "s3").start()
+    except (FileNotFoundError, RuntimeError) as exc:
+        service_missing("SeaweedFS", exc)
+    server = ServerProcess(tmp_path / "data", "--blob-store", "s3", "--s3-endpoint",
+                           weed.endpoint, "--s3-bucket", "fault-bucket",
+                           env={"MEGACACHE_S3_CREATE_BUCKET": "true",
+                                "AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t"}).start()
+    try:
+        written = populate(server.url, n=1)
+        weed.stop()
+        r = httpx.get(f"{server.url}/readyz", timeout=60)
+        assert r.status_code == 503 and "S3" in r.json()["error"]["message"]
+        data = os.urandom(1000)
+        r = httpx.put(f"{server.url}/v1/cas/{sha256(data)}", content=data, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+        weed.start()  # same port and data dir
+        for _ in range(100):
+            if httpx.get(f"{server.url}/readyz", timeout=60).status_code == 200:
+                break
+            time.sleep(0.3)
+        intact(server.url, written)
+    finally:
+        server.stop()
+        weed.stop()
+
+
+class BadServer:
+    """A loopback HTTP server that misbehaves on purpose; counts connections."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.connections = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            if self.mode == "500":
+                body = b'{"error": {"message": "boom"}}'
+                conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: "
+                             b"application/json\r\nContent-Length: %d\r\nConnection: close"
+                             b"\r\n\r\n%s" % (len(body), body))
+            elif self.mode == "reset":  # promise 1 MB, send 100 KB, hang up
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n"
+                             + b"x" * 100_000)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("mode", ["500", "reset"])
+def test_client_gives_up_quickly_and_the_breaker_stops_the_hammering(mode: str, tmp_path):
+    bad = BadServer(mode)
+    try:
+        cfg = ClientConfig(url=bad.url, retries=2, read_timeout_s=2)
+        breaker = CircuitBreaker(threshold=3, reset_s=60)
+        started = time.monotonic()
+        with RemoteCache(cfg, breaker) as remote:
+            call = (lambda: remote.get_entry("0" * 64)) if mode == "500" else \
+                (lambda: remote.download_blob("0" * 64, 1_000_000, tmp_path / "blob"))
+            with pytest.raises(TransportError):
+                call()
+            seen = bad.connections
+            for _ in range(10):
+                with pytest.raises(CircuitOpenError):
+                    call()
+        assert bad.connections == seen == 3  # the first call's tries, then nothing
+        assert time.monotonic() - started < 20
+        assert not (tmp_path / "blob").exists()
+    finally:
+        bad.close()
+
+
+def test_unused_port_fails_fast():
+    cfg = ClientConfig(url=f"http://127.0.0.1:{free_port()}", retries=0)
+    t = time.monotonic()
+    with RemoteCache(cfg, CircuitBreaker()) as remote, pytest.raises(TransportError):
+        remote.get_entry("0" * 64)
+    assert time.monotonic() - t < 2
