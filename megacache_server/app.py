@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megacache_server import __version__, eviction
 from megacache_server.errors import ApiError, ServiceUnavailable
+from megacache_server.middleware import HeaderLimit
 from megacache_server.routes_ac import router as ac_router
 from megacache_server.routes_cas import router as cas_router
 from megacache_server.routes_events import router as events_router
@@ -61,6 +62,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.include_router(events_router)
     _add_health_routes(app, storage)
     _add_error_handlers(app)
+    app.add_middleware(HeaderLimit, limit=int(settings.max_header_size))
     return app
 
 

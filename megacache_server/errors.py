@@ -40,6 +40,10 @@ class NotFound(ApiError):
     status, code = 404, "not_found"
 
 
+class RequestTimeout(ApiError):
+    status, code = 408, "request_timeout"
+
+
 class Conflict(ApiError):
     status, code = 409, "conflict"
 

@@ -55,6 +55,7 @@ class Settings(BaseSettings):
     min_free_disk: ByteSize = Field(
         ByteSize(256 * 1024**2), description="free disk to keep in reserve (507 below)"
     )
+    max_header_size: ByteSize = Field(ByteSize(32 * 1024), description="request headers (431)")
     max_manifest_size: ByteSize = Field(ByteSize(64 * 1024), description="largest manifest body")
     gc_grace_s: float = Field(
         3600, ge=0, description="unreferenced blobs younger than this are never collected"
@@ -62,6 +63,9 @@ class Settings(BaseSettings):
     gc_interval_s: float = Field(300, ge=0, description="background GC period; 0 disables")
     gc_low_water: float = Field(
         0.9, gt=0, le=1, description="eviction stops at this fraction of the store budget"
+    )
+    upload_idle_timeout_s: float = Field(
+        60, gt=0, description="a body that sends nothing for this long gets 408"
     )
     workers: int = Field(1, ge=1, le=64, description="uvicorn worker processes")
     log_level: LogLevel = Field("info", description="log level")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import anyio
 from starlette.requests import ClientDisconnect, Request
 
 from megacache_client.manifest import is_hex64
-from megacache_server.errors import BadRequest, LengthRequired, PayloadTooLarge
+from megacache_server.errors import BadRequest, LengthRequired, PayloadTooLarge, RequestTimeout
 
 
 def require_hex64(value: str, what: str) -> str:
@@ -38,10 +39,24 @@ def require_content_length(header: str | None, limit: int, what: str) -> int:
 
 
 async def request_body(request: Request) -> AsyncIterator[bytes]:
-    """The body as it streams in; a client that hangs up mid-body becomes a clean 400."""
+    """The body as it streams in.
+
+    A client that hangs up mid-body becomes a clean 400; one that stops sending for longer
+    than `upload_idle_timeout_s` a 408, so a stalled upload cannot hold a temp file and a
+    connection forever.
+    """
+    idle = request.app.state.settings.upload_idle_timeout_s
+    stream = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                with anyio.fail_after(idle):
+                    chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                return
             yield chunk
     except ClientDisconnect:
         raise BadRequest("client disconnected before the body was complete",
                          code="truncated") from None
+    except TimeoutError:
+        raise RequestTimeout(f"upload stalled: no bytes for {idle:g}s") from None
