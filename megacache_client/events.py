@@ -13,12 +13,14 @@ Outcome = Literal["hit", "fallback", "miss", "invalid", "error", "inert"]
 OUTCOMES: tuple[Outcome, ...] = ("hit", "fallback", "miss", "invalid", "error", "inert")
 
 NonNegative = Annotated[float, Field(ge=0, le=30 * 24 * 3600)]
+Count = Annotated[int, Field(ge=0, le=2**53)]
+"""Bounded so every backend stores it exactly (SQLite integers are 64-bit)."""
 
 
 class Event(BaseModel):
     """One client run's view: did the cache help, and by how much."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     key: Hex64
     model: str = Field(min_length=1, max_length=256)
@@ -31,9 +33,9 @@ class Event(BaseModel):
     cold_compile_s: NonNegative | None = None
     saved_s: NonNegative = 0.0
     load_s: NonNegative = 0.0
-    bytes_down: int = Field(default=0, ge=0)
-    bytes_up: int = Field(default=0, ge=0)
-    fxgraph_hit: int = Field(default=0, ge=0)
-    fxgraph_miss: int = Field(default=0, ge=0)
+    bytes_down: Count = 0
+    bytes_up: Count = 0
+    fxgraph_hit: Count = 0
+    fxgraph_miss: Count = 0
     published: bool = False
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))

@@ -13,7 +13,7 @@ import re
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 MANIFEST_FORMAT: Literal[1] = 1
 """Bump when the manifest or the fingerprint recipe changes incompatibly; it is hashed into keys."""
@@ -28,13 +28,9 @@ def is_hex64(value: str) -> bool:
     return bool(HEX64.fullmatch(value))
 
 
-def _check_hex64(value: str) -> str:
-    if not is_hex64(value):
-        raise ValueError("must be 64 lowercase hex characters (a sha256)")
-    return value
-
-
-Hex64 = Annotated[str, AfterValidator(_check_hex64)]
+HEX64_PATTERN = r"^[0-9a-f]{64}$"
+Hex64 = Annotated[str, StringConstraints(pattern=HEX64_PATTERN)]
+"""A sha256 as 64 lowercase hex characters; the pattern shows in the OpenAPI schema too."""
 Scalar = str | int | float | bool | None
 ShortText = Annotated[str, Field(min_length=1, max_length=256)]
 
@@ -49,20 +45,23 @@ def sha256_hex(data: bytes) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Unknown fields refused, no type coercion: what the JSON schema says is what passes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class BlobRef(_Strict):
     """One content-addressed blob an entry needs (bundle, kernel pack, toolchain artifacts)."""
 
     digest: Hex64 = Field(description="sha256 of the bytes as stored (the CAS address)")
-    size: int = Field(ge=0, description="stored size in bytes")
+    size: int = Field(ge=0, le=2**53, description="stored size in bytes")
     role: str = Field(
         pattern=r"^[a-z][a-z0-9_-]{0,31}$",
         description="what the blob is: megacache, kernels, toolchain, ...",
     )
     compression: Literal["zstd", "none"] = "zstd"
-    raw_size: int | None = Field(default=None, ge=0, description="size after decompression")
+    raw_size: int | None = Field(default=None, ge=0, le=2**53,
+                                 description="size after decompression")
     raw_sha256: Hex64 | None = Field(default=None, description="sha256 after decompression")
     meta: dict[ShortText, Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=dict,
@@ -112,7 +111,8 @@ class Manifest(_Strict):
     fingerprint: Fingerprint
     torch_version: ShortText
     triton_version: str | None = Field(default=None, max_length=256)
-    artifact_counts: dict[ShortText, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    artifact_counts: dict[ShortText, Annotated[int, Field(ge=0, le=2**53)]] = Field(
+        default_factory=dict)
     cold_compile_s: float = Field(ge=0, le=7 * 24 * 3600)
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     producer: dict[ShortText, Annotated[str, Field(max_length=256)]] = Field(default_factory=dict)

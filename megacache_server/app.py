@@ -7,14 +7,18 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from megacache_client.events import Event
+from megacache_client.manifest import Manifest
 from megacache_server import __version__, eviction
-from megacache_server.errors import ApiError, ServiceUnavailable
+from megacache_server.errors import ApiError, BadRequest, ServiceUnavailable
 from megacache_server.middleware import HeaderLimit
 from megacache_server.routes_ac import router as ac_router
 from megacache_server.routes_cas import router as cas_router
@@ -63,6 +67,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     _add_health_routes(app, storage)
     _add_error_handlers(app)
     app.add_middleware(HeaderLimit, limit=int(settings.max_header_size))
+    _openapi_with_models(app)
     return app
 
 
@@ -120,12 +125,58 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
                   for e in exc.errors()]
+        hex_params = [e["loc"][1] for e in exc.errors()
+                      if tuple(e["loc"][:1]) in (("path",), ("query",))
+                      and e["loc"][1:2] and e["loc"][1] in HEX_PARAMS]
+        if hex_params:  # a digest or key of the wrong shape: 400, as the API promises
+            name = hex_params[0]
+            return await api_error(_, BadRequest(
+                f"{name} must be 64 lowercase hex characters (a sha256)",
+                code=f"malformed_{name}"))
         body = {"error": {"status": 422, "code": "invalid_request",
                           "message": "request parameters are invalid", "errors": errors}}
         return JSONResponse(body, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = {k: v for k, v in (exc.headers or {}).items()
+                   if not (exc.status_code == 405 and k.lower() == "allow")}
+        if exc.status_code == 405:  # list every method the path supports, not one route's
+            headers["allow"] = ", ".join(_allowed_methods(app, request))
         body = {"error": {"status": exc.status_code, "code": "http_error",
                           "message": str(exc.detail)}}
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(body, status_code=exc.status_code, headers=headers)
+
+
+HEX_PARAMS = ("digest", "key", "env", "hw")
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if isinstance(route, APIRoute) and route.path_regex.match(request.url.path):
+            methods |= route.methods or set()
+    return sorted(methods)
+
+
+def _openapi_with_models(app: FastAPI) -> None:
+    """Put the shared pydantic models in components/schemas, where the routes refer to them.
+
+    The routes read their bodies themselves (to give 413/422 their own way), so FastAPI
+    does not know these models; without this the spec would carry dangling references.
+    """
+    base = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = base()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (Manifest, Event):
+            spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(spec.pop("$defs", {}))
+            components[model.__name__] = spec
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -7,6 +7,37 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    status: int
+    code: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """The JSON body of every error response."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries for these statuses, all with the ErrorBody schema."""
+    return {s: {"model": ErrorBody, "description": _DESCRIPTIONS.get(s, "error")}
+            for s in statuses}
+
+
+_DESCRIPTIONS = {
+    400: "malformed input (digest, key, length, body)", 401: "missing or invalid token",
+    403: "token lacks the scope or namespace", 404: "not found", 408: "upload stalled",
+    411: "Content-Length required", 412: "precondition failed", 413: "too large",
+    416: "range not satisfiable", 422: "invalid manifest or parameters",
+    424: "a named blob is not stored", 431: "headers too large", 503: "storage unavailable",
+    507: "store full",
+}
+
 
 class ApiError(Exception):
     status: int = 500

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import ValidationError
 
 from megacache_client.manifest import (
+    HEX64_PATTERN,
     SIGNATURE_HEADER,
     Manifest,
     component_digest,
@@ -20,21 +21,25 @@ from megacache_server.errors import (
     NotFound,
     PayloadTooLarge,
     Unprocessable,
+    error_responses,
 )
 from megacache_server.index.base import Precondition, StoredEntry
 from megacache_server.storage import Storage, get_storage
 from megacache_server.validation import request_body, require_content_length, require_hex64
 
-router = APIRouter(prefix="/v1/ac", tags=["ac"])
+router = APIRouter(prefix="/v1/ac", tags=["ac"],
+                   responses=error_responses(400, 401, 403, 422, 431, 503))
+Key = Annotated[str, Path(pattern=HEX64_PATTERN, description="fingerprint key")]
 StorageDep = Annotated[Storage, Depends(get_storage)]
 Reader = Annotated[Principal, Depends(require("read"))]
 Writer = Annotated[Principal, Depends(require("write"))]
 Admin = Annotated[Principal, Depends(require("admin"))]
 
+MANIFEST_REF = "#/components/schemas/Manifest"
 MANIFEST_BODY = {
     "requestBody": {
         "required": True,
-        "content": {"application/json": {"schema": Manifest.model_json_schema()}},
+        "content": {"application/json": {"schema": {"$ref": MANIFEST_REF}}},
     }
 }
 
@@ -47,10 +52,10 @@ def _json(data: bytes, status: int = 200, headers: dict[str, str] | None = None)
     "/{key}",
     status_code=201,
     openapi_extra=MANIFEST_BODY,
-    responses={200: {"description": "replaced"}, 400: {}, 411: {}, 412: {}, 413: {}, 422: {},
-               424: {"description": "a blob the manifest names is not stored"}},
+    responses={200: {"description": "replaced"},
+               **error_responses(408, 411, 412, 413, 424)},
 )
-async def put_entry(key: str, request: Request, storage: StorageDep,
+async def put_entry(key: Key, request: Request, storage: StorageDep,
                     principal: Writer) -> Response:
     """Write the manifest for `key`. Every blob it names must already be stored (424 if not).
 
@@ -85,9 +90,10 @@ async def put_entry(key: str, request: Request, storage: StorageDep,
     return _json(stored, 201 if created else 200, _entry_headers(storage, entry.etag, stored))
 
 
-@router.get("/{key}", responses={200: {"content": {"application/json": {
-    "schema": Manifest.model_json_schema()}}}, 304: {}, 400: {}, 404: {}})
-async def get_entry(key: str, request: Request, storage: StorageDep,
+@router.get("/{key}", responses={
+    200: {"content": {"application/json": {"schema": {"$ref": MANIFEST_REF}}}},
+    304: {"description": "unchanged"}, **error_responses(404)})
+async def get_entry(key: Key, request: Request, storage: StorageDep,
                     principal: Reader) -> Response:
     """The manifest for `key`, with its ETag (and signature, when the server signs)."""
     entry = await _visible_entry(storage, principal, key)
@@ -97,14 +103,18 @@ async def get_entry(key: str, request: Request, storage: StorageDep,
                  headers=_entry_headers(storage, entry.etag, entry.manifest_json))
 
 
-@router.get("", responses={200: {"description": "{\"entries\": [manifest, ...]}"}})
+@router.get("", responses={200: {"description": "entries, newest first", "content": {
+    "application/json": {"schema": {"type": "object", "required": ["entries"], "properties": {
+        "entries": {"type": "array", "items": {"$ref": MANIFEST_REF}}}}}}}})
 async def list_entries(
     storage: StorageDep,
     principal: Reader,
     namespace: Annotated[str | None, Query(max_length=64)] = None,
     model: Annotated[str | None, Query(max_length=256)] = None,
-    env: Annotated[str | None, Query(description="component_digest(env)")] = None,
-    hw: Annotated[str | None, Query(description="component_digest(hw)")] = None,
+    env: Annotated[str | None, Query(pattern=HEX64_PATTERN,
+                                     description="component_digest(env)")] = None,
+    hw: Annotated[str | None, Query(pattern=HEX64_PATTERN,
+                                    description="component_digest(hw)")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
 ) -> Response:
     """Entries newest first, filtered by model and by env / hw component digests."""
@@ -123,8 +133,8 @@ async def list_entries(
     return _json(b'{"entries":[' + b",".join(e.manifest_json for e in entries) + b"]}")
 
 
-@router.delete("/{key}", status_code=204, responses={400: {}, 404: {}})
-async def delete_entry(key: str, storage: StorageDep, principal: Admin) -> Response:
+@router.delete("/{key}", status_code=204, responses=error_responses(404))
+async def delete_entry(key: Key, storage: StorageDep, principal: Admin) -> Response:
     """Remove an entry (its blobs stay until garbage collection)."""
     await _visible_entry(storage, principal, key)
     if not await storage.index.delete(key):
@@ -132,15 +142,15 @@ async def delete_entry(key: str, storage: StorageDep, principal: Admin) -> Respo
     return Response(status_code=204)
 
 
-@router.put("/{key}/pin", status_code=204, responses={400: {}, 404: {}})
-async def pin_entry(key: str, storage: StorageDep, principal: Admin) -> Response:
+@router.put("/{key}/pin", status_code=204, responses=error_responses(404))
+async def pin_entry(key: Key, storage: StorageDep, principal: Admin) -> Response:
     """Pin an entry: eviction never removes it (nor, so, its blobs)."""
     await _visible_entry(storage, principal, key)
     return await _set_pinned(storage, key, True)
 
 
-@router.delete("/{key}/pin", status_code=204, responses={400: {}, 404: {}})
-async def unpin_entry(key: str, storage: StorageDep, principal: Admin) -> Response:
+@router.delete("/{key}/pin", status_code=204, responses=error_responses(404))
+async def unpin_entry(key: Key, storage: StorageDep, principal: Admin) -> Response:
     """Unpin an entry: it ages out by last access like any other."""
     await _visible_entry(storage, principal, key)
     return await _set_pinned(storage, key, False)
@@ -186,17 +196,17 @@ async def _read_limited(request: Request, limit: int) -> bytes:
 
 def _parse_manifest(body: bytes, key: str) -> Manifest:
     try:
-        data: Any = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Unprocessable(f"manifest is not valid JSON: {exc}", code="malformed_json") from None
-    try:
-        manifest = Manifest.model_validate(data)
+        manifest = Manifest.model_validate_json(body)
     except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        if errors and errors[0]["type"] == "json_invalid":
+            raise Unprocessable(f"manifest is not valid JSON: {errors[0]['msg']}",
+                                code="malformed_json") from None
         raise Unprocessable(
             "manifest does not match the schema",
             code="invalid_manifest",
             errors=[{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
-                    for e in exc.errors(include_url=False, include_input=False)],
+                    for e in errors],
         ) from None
     if manifest.key != key:
         raise Unprocessable(f"manifest key {manifest.key} differs from the URL key {key}",

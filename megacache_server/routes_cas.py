@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Path, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
+from megacache_client.manifest import HEX64_PATTERN
 from megacache_server import eviction
 from megacache_server.auth import Principal, require
-from megacache_server.errors import InsufficientStorage, NotFound
+from megacache_server.errors import InsufficientStorage, NotFound, error_responses
 from megacache_server.ranges import parse_range
 from megacache_server.storage import Storage, get_storage
 from megacache_server.validation import request_body, require_content_length, require_hex64
 
-router = APIRouter(prefix="/v1/cas", tags=["cas"])
+router = APIRouter(prefix="/v1/cas", tags=["cas"],
+                   responses=error_responses(400, 401, 403, 431, 503))
+Digest = Annotated[str, Path(pattern=HEX64_PATTERN, description="sha256 of the blob")]
 StorageDep = Annotated[Storage, Depends(get_storage)]
 Reader = Annotated[Principal, Depends(require("read"))]
 Writer = Annotated[Principal, Depends(require("write"))]
@@ -34,9 +37,10 @@ def _blob_headers(digest: str, size: int) -> dict[str, str]:
 @router.put(
     "/{digest}",
     status_code=201,
-    responses={200: {"description": "already stored"}, 400: {}, 411: {}, 413: {}, 507: {}},
+    responses={200: {"description": "already stored"},
+               **error_responses(408, 411, 413, 507)},
 )
-async def put_blob(digest: str, request: Request, storage: StorageDep,
+async def put_blob(digest: Digest, request: Request, storage: StorageDep,
                    principal: Writer) -> JSONResponse:
     """Upload a blob; the body must hash to `digest`. Idempotent."""
     require_hex64(digest, "digest")
@@ -88,8 +92,8 @@ async def _make_room(storage: Storage, size: int, budget: int) -> None:
         )
 
 
-@router.head("/{digest}", responses={404: {}})
-async def head_blob(digest: str, storage: StorageDep, principal: Reader) -> Response:
+@router.head("/{digest}", responses={404: {"description": "not stored"}})
+async def head_blob(digest: Digest, storage: StorageDep, principal: Reader) -> Response:
     """Whether a blob is stored (HEAD before PUT lets clients skip uploads)."""
     require_hex64(digest, "digest")
     size = await _visible_size(storage, principal, digest)
@@ -101,9 +105,12 @@ async def head_blob(digest: str, storage: StorageDep, principal: Reader) -> Resp
 @router.get(
     "/{digest}",
     response_class=StreamingResponse,
-    responses={200: {"content": {"application/octet-stream": {}}}, 206: {}, 404: {}, 416: {}},
+    responses={200: {"content": {"application/octet-stream": {}}},
+               206: {"description": "the requested range"}, 304: {"description": "unchanged"},
+               307: {"description": "redirect to a presigned URL (s3_redirect)"},
+               **error_responses(404, 416)},
 )
-async def get_blob(digest: str, request: Request, storage: StorageDep,
+async def get_blob(digest: Digest, request: Request, storage: StorageDep,
                    principal: Reader) -> Response:
     """Stream a blob in large chunks; honours `Range` (206) and `If-None-Match` (304)."""
     require_hex64(digest, "digest")

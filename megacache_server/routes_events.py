@@ -6,25 +6,27 @@ import time
 from dataclasses import asdict
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from megacache_client.events import Event
 from megacache_server.auth import Principal, require
-from megacache_server.errors import Unprocessable
+from megacache_server.errors import Unprocessable, error_responses
 from megacache_server.storage import Storage, get_storage
 from megacache_server.validation import request_body, require_content_length
 
-router = APIRouter(prefix="/v1", tags=["events"])
+router = APIRouter(prefix="/v1", tags=["events"],
+                   responses=error_responses(401, 403, 422, 431, 503))
 StorageDep = Annotated[Storage, Depends(get_storage)]
 MAX_EVENT_BYTES = 16 * 1024
 
 
-@router.post("/events", status_code=202, responses={411: {}, 413: {}, 422: {}},
+@router.post("/events", status_code=202, responses=error_responses(400, 408, 411, 413),
              openapi_extra={"requestBody": {"required": True, "content": {
-                 "application/json": {"schema": Event.model_json_schema()}}}})
+                 "application/json": {"schema": {"$ref": "#/components/schemas/Event"}}}}})
 async def post_event(request: Request, storage: StorageDep,
-                     _: Annotated[Principal, Depends(require("write"))]) -> Response:
+                     _: Annotated[Principal, Depends(require("write"))]) -> JSONResponse:
     """Record one client run: outcome, compile seconds, seconds saved, bytes moved."""
     require_content_length(request.headers.get("content-length"), MAX_EVENT_BYTES, "event")
     body = b"".join([chunk async for chunk in request_body(request)])
@@ -35,7 +37,7 @@ async def post_event(request: Request, storage: StorageDep,
                             errors=[{"loc": list(e["loc"]), "msg": e["msg"]}
                                     for e in exc.errors(include_url=False)]) from None
     await storage.index.add_event(event)
-    return Response(status_code=202)
+    return JSONResponse({"status": "recorded"}, status_code=202)
 
 
 @router.get("/stats")
