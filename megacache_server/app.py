@@ -20,9 +20,11 @@ from megacache_client.manifest import Manifest
 from megacache_server import __version__, eviction
 from megacache_server.errors import ApiError, BadRequest, ServiceUnavailable
 from megacache_server.middleware import HeaderLimit
+from megacache_server.observe import Observe, configure_logging
 from megacache_server.routes_ac import router as ac_router
 from megacache_server.routes_cas import router as cas_router
 from megacache_server.routes_events import router as events_router
+from megacache_server.routes_observe import router as observe_router
 from megacache_server.settings import Settings
 from megacache_server.storage import Storage, build_storage
 
@@ -64,9 +66,12 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.include_router(cas_router)
     app.include_router(ac_router)
     app.include_router(events_router)
+    app.include_router(observe_router)
     _add_health_routes(app, storage)
     _add_error_handlers(app)
     app.add_middleware(HeaderLimit, limit=int(settings.max_header_size))
+    app.add_middleware(Observe, log_requests=settings.log_format == "json")
+    configure_logging(settings.log_format, settings.log_level)
     _openapi_with_models(app)
     return app
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -65,7 +67,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    default=argparse.SUPPRESS, help="require bearer tokens [env MEGACACHE_AUTH]")
     for name in ("host", "port", "data_dir", "index", "blob_store", "s3_bucket", "s3_prefix",
                  "s3_endpoint", "s3_region", "s3_redirect", "max_blob_size", "store_budget",
-                 "min_free_disk", "workers", "log_level"):
+                 "min_free_disk", "workers", "log_level", "log_format"):
         flag = "--" + name.replace("_", "-")
         env = "MEGACACHE_" + name.upper()
         p.add_argument(flag, dest=name, default=argparse.SUPPRESS,
@@ -85,6 +87,8 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     _export(settings)
+    if settings.workers > 1:
+        _metrics_dir(settings)
     print(
         f"megacache-server: http://{settings.host}:{settings.port}  data={settings.data_dir}  "
         f"index={settings.index_url()}  workers={settings.workers}",
@@ -98,8 +102,19 @@ def serve(settings: Settings) -> None:
         port=settings.port,
         workers=settings.workers,
         log_level=settings.log_level,
+        access_log=settings.log_format != "json",  # JSON mode logs requests itself
         timeout_keep_alive=30,
     )
+
+
+def _metrics_dir(settings: Settings) -> None:
+    """Several workers share Prometheus counters through files in a fresh directory."""
+    path = Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or
+                settings.data_dir.resolve() / ".metrics" / str(settings.port))
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
 
 
 def _export(settings: Settings) -> None:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from megacache_client.manifest import Manifest
+from megacache_server.observe import EVICTIONS
 from megacache_server.storage import Storage
 
 ALL = 10**9
@@ -99,12 +100,14 @@ async def apply(storage: Storage, gc_plan: GcPlan, *, grace_s: float) -> GcResul
             continue  # pinned since the plan was made
         if await storage.index.delete(key):
             result.evicted += 1
+            EVICTIONS.labels("entry").inc()
     for digest, size, _ in gc_plan.delete:
         if await _still_collectable(storage, digest, grace_s):
             await storage.blobs.delete(digest)
             await storage.index.forget_blob(digest)
             result.deleted += 1
             result.freed_bytes += size
+            EVICTIONS.labels("blob").inc()
         else:
             result.spared += 1
     return result

@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     )
     workers: int = Field(1, ge=1, le=64, description="uvicorn worker processes")
     log_level: LogLevel = Field("info", description="log level")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="json: one JSON object per line, with a per-request access log"
+    )
 
     def exposure_problem(self) -> str | None:
         """Why these settings must not serve, or None: no auth is only for loopback."""

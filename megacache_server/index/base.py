@@ -194,6 +194,10 @@ class Index(ABC):
         """Store one client run's event (for stats, metrics and the dashboard)."""
 
     @abstractmethod
+    async def events_since(self, since: float, limit: int) -> list[Event]:
+        """Events at or after `since` (epoch seconds), newest first, at most `limit`."""
+
+    @abstractmethod
     async def stats(self, *, since: float | None = None) -> list[ModelStats]:
         """Per-model aggregates of the events since `since` (epoch seconds), busiest first."""
 

@@ -369,6 +369,11 @@ class RedisIndex(Index):
 
         await self._do(op)
 
+    async def events_since(self, since: float, limit: int) -> list[Event]:
+        raw = await self._do(lambda: self.r.zrevrangebyscore(
+            self.k("events"), "+inf", since, start=0, num=limit))
+        return [Event.model_validate_json(member[32:]) for member in raw]
+
     async def stats(self, *, since: float | None = None) -> list[ModelStats]:
         async def op() -> list[ModelStats]:
             raw = await self.r.zrangebyscore(self.k("events"), since or 0.0, "+inf")

@@ -339,6 +339,12 @@ class SqliteIndex(Index):
              event.model_dump_json().encode()),
         ))
 
+    async def events_since(self, since: float, limit: int) -> list[Event]:
+        rows = await self._run(lambda c: c.execute(
+            "SELECT event FROM events WHERE created_at >= ? ORDER BY created_at DESC LIMIT ?",
+            (since, limit)).fetchall())
+        return [Event.model_validate_json(r[0]) for r in rows]
+
     async def stats(self, *, since: float | None = None) -> list[ModelStats]:
         def op(c: sqlite3.Connection) -> list[ModelStats]:
             rows = c.execute(

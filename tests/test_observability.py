@@ -1,0 +1,120 @@
+"""Metrics, the dashboard in a real headless Chromium, and JSON access logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import service_missing
+from dashboard_shot import chromium, dump_dom, screenshot, seed
+from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
+
+
+def ensure_chromium() -> None:
+    """Install Debian's chromium when missing (root only); otherwise fail in CI, skip here."""
+    if chromium() is None and shutil.which("apt-get") and os.geteuid() == 0:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=600)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], env=env,
+                       capture_output=True, timeout=900)
+    if chromium() is None:
+        service_missing("chromium", "not installed (apt-get install chromium)")
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = rf"^{re.escape(name)}" + (rf"\{{{re.escape(want)}\}}" if labels else "") + \
+        r" ([0-9.e+-]+)$"
+    found = re.search(pattern, text, re.M)
+    assert found, f"{name}{{{want}}} not in metrics"
+    return float(found.group(1))
+
+
+def test_metrics_add_up_across_workers(tmp_path: Path):
+    server = ServerProcess(tmp_path / "data", "--workers", "2").start()
+    try:
+        data = os.urandom(50_000)
+        with httpx.Client(base_url=server.url) as c:
+            c.put(f"/v1/cas/{sha256(data)}", content=data)
+            m = make_manifest({"megacache": data}, make_fingerprint(model="met", code="1"))
+            c.put(f"/v1/ac/{m.key}", content=m.to_json())
+            for _ in range(40):  # spread over both workers by new connections
+                httpx.get(f"{server.url}/v1/ac/{m.key}")
+            c.post("/v1/events", json={"key": m.key, "model": "met", "outcome": "hit",
+                                       "saved_s": 12.5, "compile_s": 2.0})
+        text = httpx.get(f"{server.url}/metrics").text
+        assert metric(text, "megacache_http_requests_total", method="GET",
+                      route="/v1/ac/{key}", status="200") == 40
+        assert metric(text, "megacache_http_received_bytes_total",
+                      route="/v1/cas/{digest}") == 50_000
+        assert metric(text, "megacache_runs_total", model="met", outcome="hit") == 1
+        assert metric(text, "megacache_compile_seconds_saved_total", model="met") == 12.5
+        assert metric(text, "megacache_store_bytes") == 50_000
+        assert metric(text, "megacache_entries") == 1
+        assert "megacache_http_request_duration_seconds_bucket" in text
+    finally:
+        server.stop()
+
+
+def test_dashboard_shows_what_the_api_says(tmp_path: Path):
+    ensure_chromium()
+    server = ServerProcess(tmp_path / "data").start()
+    try:
+        seed(server.url)
+        api = httpx.get(f"{server.url}/v1/dashboard").json()
+        dom = dump_dom(server.url + "/", tmp_path / "chromium")
+        screenshot(server.url + "/", tmp_path / "dashboard.png", tmp_path / "chromium")
+    finally:
+        server.stop()
+    assert 'data-loaded="true"' in dom, dom[:2000]
+
+    def shown(testid: str) -> str:
+        found = re.search(rf'data-testid="{testid}"[^>]*>([^<]*)<', dom)
+        assert found, testid
+        return found.group(1)
+
+    total = api["total"]
+    assert shown("total-runs") == str(total["runs"]) and total["runs"] == 168
+    assert shown("saved-hours") == f"{total['saved_s'] / 3600:.2f}"
+    assert shown("hit-rate") == f"{100 * total['hit_rate']:.1f}%"
+    assert shown("entries") == str(api["store"]["entries"]) == "6"
+    for m in api["models"]:
+        row = re.search(rf'<tr data-model="{re.escape(m["model"])}">(.*?)</tr>', dom, re.S)
+        assert row, m["model"]
+        cells = re.findall(r"<td[^>]*>([^<]*)<", row.group(1))
+        assert cells[:3] == [m["model"], str(m["runs"]),
+                             str(m["outcomes"]["hit"] + m["outcomes"]["fallback"])]
+        assert f'data-value="{m["hit_rate"]}"' in row.group(1)
+    for miss in api["top_misses"][:3]:
+        assert miss["reason"].replace("'", "&#39;")[:40] in dom.replace("'", "&#39;")
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+
+def test_json_access_log(tmp_path: Path):
+    server = ServerProcess(tmp_path / "data", "--log-format", "json",
+                           log_level="info").start()
+    try:
+        r = httpx.get(f"{server.url}/v1/ac/{'0' * 64}", headers={"x-request-id": "req-123"})
+        assert r.headers["x-request-id"] == "req-123"
+        assert httpx.get(f"{server.url}/healthz").headers["x-request-id"]
+    finally:
+        server.stop()
+    lines = [json.loads(ln) for ln in server.log().splitlines() if ln.startswith("{")]
+    access = [ln for ln in lines if ln["logger"] == "megacache.access"]
+    hit = next(ln for ln in access if ln.get("request_id") == "req-123")
+    assert hit["route"] == "/v1/ac/{key}" and hit["status"] == 404
+    assert hit["duration_ms"] >= 0 and hit["bytes_out"] > 0 and hit["method"] == "GET"
+
+
+@pytest.mark.parametrize("fmt", ["text"])
+def test_text_logs_stay_plain(tmp_path: Path, fmt: str):
+    server = ServerProcess(tmp_path / "data", "--log-format", fmt, log_level="info").start()
+    httpx.get(f"{server.url}/healthz")
+    server.stop()
+    assert '"GET /healthz HTTP/1.1" 200' in server.log()
