@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -95,6 +96,7 @@ CREATE TABLE IF NOT EXISTS locks (
 CREATE INDEX IF NOT EXISTS entries_by_access ON entries (pinned, last_access);
 """
 
+ACCESS_FLUSH_S = 1.0
 ENTRY_COLUMNS = "key, manifest, etag, created_at, updated_at, last_access, pinned"
 
 
@@ -106,6 +108,8 @@ class SqliteIndex(Index):
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()
         self._owner = uuid.uuid4().hex
+        self._touched: dict[str, float] = {}
+        self._flushed_at = time.monotonic()
 
     async def open(self) -> None:
         await to_thread.run_sync(self._open_sync)
@@ -134,6 +138,7 @@ class SqliteIndex(Index):
 
     async def close(self) -> None:
         if self._conn is not None:
+            await self._run(self._flush_access)
             await self._run(lambda c: c.close())
             self._conn = None
 
@@ -156,11 +161,29 @@ class SqliteIndex(Index):
             row = c.execute(f"SELECT {ENTRY_COLUMNS} FROM entries WHERE key=?", (key,)).fetchone()
             if row is None:
                 return None
+            entry = _entry(row)
             if touch:
-                c.execute("UPDATE entries SET last_access=? WHERE key=?", (time.time(), key))
-            return _entry(row)
+                now = time.time()
+                self._touched[key] = now
+                if time.monotonic() - self._flushed_at >= ACCESS_FLUSH_S:
+                    self._flush_access(c)
+                entry = replace(entry, last_access=now)
+            return entry
 
         return await self._run(op)
+
+    def _flush_access(self, c: sqlite3.Connection) -> None:
+        """Write buffered last-access times: one transaction a second, not one per lookup.
+
+        A lookup is the hottest request (every rank of every job start); a write each
+        would serialize them on SQLite's single writer across all workers.
+        """
+        if self._touched:
+            with _transaction(c, immediate=True):
+                c.executemany("UPDATE entries SET last_access=MAX(last_access, ?) WHERE key=?",
+                              [(t, k) for k, t in self._touched.items()])
+            self._touched.clear()
+        self._flushed_at = time.monotonic()
 
     async def put(
         self,
@@ -244,9 +267,13 @@ class SqliteIndex(Index):
             "UPDATE entries SET pinned=? WHERE key=?", (int(pinned), key)).rowcount > 0)
 
     async def lru_entries(self, limit: int) -> list[StoredEntry]:
-        return await self._run(lambda c: [_entry(r) for r in c.execute(
-            f"SELECT {ENTRY_COLUMNS} FROM entries WHERE pinned=0 "
-            "ORDER BY last_access, key LIMIT ?", (limit,)).fetchall()])
+        def op(c: sqlite3.Connection) -> list[StoredEntry]:
+            self._flush_access(c)
+            return [_entry(r) for r in c.execute(
+                f"SELECT {ENTRY_COLUMNS} FROM entries WHERE pinned=0 "
+                "ORDER BY last_access, key LIMIT ?", (limit,)).fetchall()]
+
+        return await self._run(op)
 
     async def blob_records(self) -> list[BlobRecord]:
         return await self._run(lambda c: [BlobRecord(*r) for r in c.execute(
