@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs import GxxCounter, Machine, run_job  # benchmarks/jobs.py, next to this script
+from results_md import write_section
 
 from megacache_server.local import LocalRedis, LocalServer
 
@@ -443,7 +444,7 @@ def write_chart(rows: Sequence[dict[str, Any]], path: Path) -> bool:
 
 
 def write_results_md(report: dict[str, Any], chart: Path | None) -> None:
-    """Regenerate RESULTS.md from one run; nothing in it is written by hand."""
+    """Regenerate the compile section of RESULTS.md from one run (other sections stay)."""
     m, rows = report["machine"], report["summary"]
     lines = [
         "# Compile benchmark results",
@@ -477,7 +478,7 @@ def write_results_md(report: dict[str, Any], chart: Path | None) -> None:
     lines += ["", "Every job runs with a `g++` wrapper first on PATH; `g++ builds` counts the "
               "calls that wrote a kernel `.so` or a precompiled header (version queries and "
               "Inductor's `-E` pass over its header, which keys the `.gch`, excluded).", ""]
-    RESULTS_MD.write_text("\n".join(lines))
+    write_section("compile", "\n".join(lines), RESULTS_MD)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

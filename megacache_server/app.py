@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -42,6 +43,12 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await storage.open()
+        # Everything built so far (FastAPI, pydantic, route schemas: ~70k objects) lives as
+        # long as the process. Freezing it keeps full garbage collections, which otherwise
+        # walk it about once a second under load and stall every request on the worker for
+        # ~20 ms, out of the lookup latency tail (measured p99 63 -> 18 ms).
+        gc.collect()
+        gc.freeze()
         gc_task = None
         if settings.gc_interval_s > 0:
             gc_task = asyncio.create_task(_gc_forever(storage))

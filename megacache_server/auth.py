@@ -26,7 +26,7 @@ from fastapi import Request
 
 from megacache_server.errors import ApiError
 from megacache_server.index.base import TokenRecord
-from megacache_server.storage import Storage, get_storage
+from megacache_server.storage import Storage, storage_of
 
 Scope = Literal["read", "write", "admin"]
 SCOPES: tuple[Scope, ...] = ("read", "write", "admin")
@@ -105,7 +105,7 @@ def require(scope: Scope) -> Callable[[Request], Awaitable[Principal]]:
     """FastAPI dependency: the caller, who must hold `scope` (or admin)."""
 
     async def dependency(request: Request) -> Principal:
-        principal = await authenticate(request, get_storage(request))
+        principal = await authenticate(request, storage_of(request))
         if scope not in principal.scopes and "admin" not in principal.scopes:
             raise Forbidden(f"token {principal.name!r} lacks the {scope!r} scope",
                             code="missing_scope", required=scope,
