@@ -1021,15 +1021,15 @@ fault with SIGBUS short of a disk error.
 **1 MiB blobs stay at ~0.3-0.45 x nginx:** the cost is per request, not per byte: the
 ASGI stack (middleware layers, dependency solving, task groups) and thread hops: FastAPI
 runs the synchronous `get_storage` dependency in its thread pool on every request, then
-`stat` is one more hop. Making `get_storage` async (storage.py, not changed here)
-measured +10% (x16: 1333 -> 1502 MB/s).
+`stat` is one more hop. Making `get_storage` async measured +10% (x16: 1333 ->
+1502 MB/s); it is async now (commit after 68320ed), as in the table above.
 
 **Entry lookup p99 (goal missed).** The tail is the garbage collector. Each full
 (generation 2) collection walks the ~70,000 objects the app builds at start-up and keeps
 for good (FastAPI, pydantic, route schemas): ~20 ms on an idle core, longer on a busy
 host, while every request in flight on that worker waits. Lookups allocate enough to set
 one off about every second. A/B with those objects frozen once the app is built
-(`gc.collect(); gc.freeze()`, which belongs in app.py, not changed here): p99 63 -> 18 ms,
+(`gc.collect(); gc.freeze()`, now done in app.py at start-up): p99 63 -> 18 ms,
 3660 -> 4074 lookups/s; with the collector off, 19.5 ms. What is left is throughput: with
 32 closed-loop clients the mean latency is 32 / throughput (Little's law), so p99 < 10 ms
 needs well over 3,200 lookups/s with a tight tail; `/healthz` on the same server (no
@@ -1037,7 +1037,9 @@ storage at all) did 6-9k/s with a p99 of 9-28 ms in our runs, depending on the h
 load (see its row). Per lookup,
 `py-spy --gil` puts ~22% of the workers' GIL time in thread-pool hand-offs (anyio
 `run_sync`), two per lookup: FastAPI's hop for the synchronous `get_storage` dependency and
-the SQLite query; an async `get_storage` measured 2376 -> 2542 lookups/s. Not the cause:
+the SQLite query; an async `get_storage` (now in place) measured 2376 -> 2542
+lookups/s. What remains: the SQLite hop, and the framework floor (`/healthz` p99 ~9-11 ms
+here). Not the cause:
 the last-access write every lookup did for LRU before commit 24aeea7 buffered it (without
 it 2391 vs 2367 lookups/s, p99 unchanged; the table above already has the buffering) and
 the GIL switch interval (0.5 ms instead of 5: no better).
