@@ -33,7 +33,7 @@ from importlib import metadata, util
 from pathlib import Path
 from typing import Any
 
-from jobs import GxxCounter, Machine, run_job  # benchmarks/jobs.py, next to this script
+from jobs import GxxCounter, Machine, proc_field, run_job  # benchmarks/jobs.py, next to this script
 from results_md import write_section
 
 from megacache_server.local import LocalRedis, LocalServer
@@ -372,13 +372,6 @@ def over_goal(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: CPU, cores, RAM, toolchain and library versions."""
-    def first(path: str, key: str) -> str | None:
-        with contextlib.suppress(OSError):
-            for line in Path(path).read_text().splitlines():
-                if line.startswith(key):
-                    return line.split(":", 1)[1].strip()
-        return None
-
     def version(pkg: str) -> str | None:
         try:
             return metadata.version(pkg)
@@ -393,9 +386,9 @@ def machine_info() -> dict[str, Any]:
             return None
         return out.splitlines()[0] if out else None
 
-    mem_kb = first("/proc/meminfo", "MemTotal")
+    mem_kb = proc_field("/proc/meminfo", "MemTotal")
     return {
-        "cpu": first("/proc/cpuinfo", "model name") or platform.processor() or None,
+        "cpu": proc_field("/proc/cpuinfo", "model name") or platform.processor() or None,
         "cores": os.cpu_count(),
         "ram_gb": round(int(mem_kb.split()[0]) / 1024**2, 1) if mem_kb else None,
         "os": platform.platform(),

@@ -7,6 +7,7 @@ megacache's node-local blob cache. A new machine is three empty directories.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -80,6 +81,15 @@ class JobRun:
 
     def warnings(self) -> list[str]:
         return [ln for ln in self.stderr.splitlines() if ln.startswith("megacache:")]
+
+
+def proc_field(path: str, key: str) -> str | None:
+    """The value of the first `key: value` line of a /proc file (None where there is none)."""
+    with contextlib.suppress(OSError):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+    return None
 
 
 def clean_env() -> dict[str, str]:

@@ -60,7 +60,8 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any, Literal
 
-from results_md import write_section  # benchmarks/results_md.py, next to this script
+from jobs import proc_field  # benchmarks/jobs.py, next to this script
+from results_md import write_section
 
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
 from megacache_server.local import LOOPBACK, LocalRedis, LocalServer, free_port
@@ -960,13 +961,6 @@ def _bars(ax: Any, groups: Sequence[str], series: dict[str, Sequence[float]]) ->
 
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: CPU, cores, RAM, kernel, and the servers' versions."""
-    def first(path: str, key: str) -> str | None:
-        with contextlib.suppress(OSError):
-            for line in Path(path).read_text().splitlines():
-                if line.startswith(key):
-                    return line.split(":", 1)[1].strip()
-        return None
-
     def output(*cmd: str) -> str | None:
         try:
             done = subprocess.run(list(cmd), capture_output=True, text=True, timeout=10,
@@ -982,10 +976,10 @@ def machine_info() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             return None
 
-    mem_kb = first("/proc/meminfo", "MemTotal")
+    mem_kb = proc_field("/proc/meminfo", "MemTotal")
     wrk = output("wrk", "--version")
     return {
-        "cpu": first("/proc/cpuinfo", "model name"),
+        "cpu": proc_field("/proc/cpuinfo", "model name"),
         "cores": os.cpu_count(),
         "ram_gb": round(int(mem_kb.split()[0]) / 1024**2, 1) if mem_kb else None,
         "os": platform.platform(),

@@ -146,7 +146,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_autoload(args: argparse.Namespace) -> int:
     source = Path(__file__).resolve().parent.parent / "megacache_autoload.pth"
-    text = source.read_text() if source.exists() else _AUTOLOAD_LINE
+    if not source.exists():
+        raise ConfigError(f"{source} is missing: reinstall megacache (the wheel ships it)")
+    text = source.read_text()
     target = Path(args.target or sysconfig.get_paths()["purelib"]) / "megacache_autoload.pth"
     if args.action == "install":
         target.write_text(text)
@@ -155,10 +157,6 @@ def cmd_autoload(args: argparse.Namespace) -> int:
         target.unlink(missing_ok=True)
         print(f"removed {target}")
     return 0
-
-
-_AUTOLOAD_LINE = ('import os; os.environ.get("MEGACACHE_URL") and '
-                  '__import__("megacache_client.autoload").autoload.activate_from_env()\n')
 
 
 def _key(value: str) -> str:

@@ -63,5 +63,4 @@ def _wrap(original: Any) -> Any:
             session.before_compile(module, options)
         return original(*args, **kwargs)
 
-    compile.__megacache_wrapped__ = True  # type: ignore[attr-defined]
     return compile

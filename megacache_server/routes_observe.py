@@ -29,12 +29,11 @@ ALL = 10**9
             responses={200: {"content": {"text/plain": {}}}, **error_responses(503)})
 async def metrics(storage: StorageDep) -> Response:
     """Prometheus metrics: HTTP traffic of every worker, plus cache numbers from the index."""
-    entries = await storage.index.list_entries(model=None, env_digest=None, hw_digest=None,
-                                               limit=ALL)
     budget = storage.settings.store_budget
     cache = render_cache_metrics(
         store_bytes=await storage.index.stored_bytes(),
-        budget=int(budget) if budget is not None else None, entries=len(entries),
+        budget=int(budget) if budget is not None else None,
+        entries=await storage.index.entry_count(),
         models=await storage.index.stats())
     return Response(render_process_metrics() + cache, media_type=CONTENT_TYPE_LATEST)
 

@@ -5,6 +5,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -26,13 +27,22 @@ def service_missing(what: str, why: object) -> None:
     pytest.skip(f"{what} unavailable: {why}")
 
 
+S = TypeVar("S", LocalRedis, LocalSeaweedS3)
+
+
+def started(service: S, what: str) -> S:
+    """`service` started, or the test failed (CI) / skipped (laptop) saying why not."""
+    try:
+        return service.start()
+    except (FileNotFoundError, RuntimeError) as exc:
+        service_missing(what, exc)
+        raise  # unreachable: service_missing always raises
+
+
 @pytest.fixture(scope="session")
 def redis_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
     """A real redis-server of our own on a free loopback port."""
-    try:
-        redis = LocalRedis(tmp_path_factory.mktemp("redis")).start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        service_missing("redis-server", exc)
+    redis = started(LocalRedis(tmp_path_factory.mktemp("redis")), "redis-server")
     yield redis
     redis.stop()
 
@@ -40,10 +50,7 @@ def redis_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
 @pytest.fixture(scope="session")
 def s3_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweedS3]:
     """A real S3-compatible store (SeaweedFS) on a free loopback port."""
-    try:
-        weed = LocalSeaweedS3(tmp_path_factory.mktemp("seaweed")).start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        service_missing("SeaweedFS (weed)", exc)
+    weed = started(LocalSeaweedS3(tmp_path_factory.mktemp("seaweed")), "SeaweedFS (weed)")
     yield weed
     weed.stop()
 

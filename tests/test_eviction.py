@@ -97,6 +97,7 @@ def test_over_budget_evicts_least_recently_used_first(settings: Settings):
         assert await storage.blobs.stat(e[1].blobs[0].digest) is None
         assert await storage.blobs.stat(e[0].blobs[0].digest) == 1000
         assert await storage.index.stored_bytes() == 2000
+        assert await storage.index.entry_count() == 2
 
     run(settings, scenario)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import service_missing
+from conftest import service_missing, started
 from helpers import ServerProcess, free_port, make_fingerprint, make_manifest, sha256
 
 from megacache_client.config import ClientConfig
@@ -160,10 +160,7 @@ def test_disk_full_is_507_and_recovers(tmp_path: Path, small_disk: Path):
 
 
 def test_redis_down_is_503_with_reason_and_recovers(tmp_path: Path):
-    try:
-        redis = LocalRedis(tmp_path / "redis").start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        service_missing("redis-server", exc)
+    redis = started(LocalRedis(tmp_path / "redis"), "redis-server")
     server = ServerProcess(tmp_path / "data", "--index", redis.url).start()
     try:
         written = populate(server.url, n=1)
@@ -187,10 +184,7 @@ def test_redis_down_is_503_with_reason_and_recovers(tmp_path: Path):
 
 
 def test_s3_down_is_503_with_reason_and_recovers(tmp_path: Path):
-    try:
-        weed = LocalSeaweedS3(tmp_path / "s3").start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        service_missing("SeaweedFS", exc)
+    weed = started(LocalSeaweedS3(tmp_path / "s3"), "SeaweedFS (weed)")
     server = ServerProcess(tmp_path / "data", "--blob-store", "s3", "--s3-endpoint",
                            weed.endpoint, "--s3-bucket", "fault-bucket",
                            env={"MEGACACHE_S3_CREATE_BUCKET": "true",

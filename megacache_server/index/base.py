@@ -118,6 +118,10 @@ class Index(ABC):
         """Entries matching every given filter, newest (by manifest created_at) first."""
 
     @abstractmethod
+    async def entry_count(self) -> int:
+        """How many entries there are (without loading them)."""
+
+    @abstractmethod
     async def delete(self, key: str) -> bool:
         """Remove an entry; True if it was there."""
 

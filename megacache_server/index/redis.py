@@ -187,6 +187,9 @@ class RedisIndex(Index):
 
         return await self._do(op)
 
+    async def entry_count(self) -> int:
+        return int(await self._do(lambda: self.r.zcard(self.k("entries"))))
+
     async def delete(self, key: str) -> bool:
         ekey, bkey = self.k("entry", key), self.k("entry_blobs", key)
 

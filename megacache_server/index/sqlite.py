@@ -247,6 +247,10 @@ class SqliteIndex(Index):
         args.append(limit)
         return await self._run(lambda c: [_entry(r) for r in c.execute(sql, args).fetchall()])
 
+    async def entry_count(self) -> int:
+        return await self._run(
+            lambda c: int(c.execute("SELECT COUNT(*) FROM entries").fetchone()[0]))
+
     async def delete(self, key: str) -> bool:
         def op(c: sqlite3.Connection) -> bool:
             with _transaction(c, immediate=True):
