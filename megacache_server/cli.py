@@ -149,13 +149,13 @@ async def run_gc(settings: Settings, *, dry_run: bool) -> int:
               f"{settings.gc_grace_s:.0f}s grace period kept")
         for key, why in gc_plan.evict:
             print(f"evict entry {key}  {why}")
-        for digest, size, why in gc_plan.delete:
+        for digest, size, why, _ in gc_plan.delete:
             print(f"delete blob {digest}  {size} bytes  {why}")
         if dry_run:
             print(f"dry run: would evict {len(gc_plan.evict)} entries and delete "
                   f"{len(gc_plan.delete)} blobs ({gc_plan.freed_bytes} bytes)")
             return 0
-        done = await eviction.apply(storage, gc_plan, grace_s=settings.gc_grace_s)
+        done = await eviction.apply(storage, gc_plan)
         print(f"evicted {done.evicted} entries, deleted {done.deleted} blobs "
               f"({done.freed_bytes} bytes), spared {done.spared}")
         return 0

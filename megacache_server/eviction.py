@@ -2,7 +2,8 @@
 
 Rules, in order:
 1. Over the store budget, entries go least-recently-used first until the blobs they alone
-   referenced bring the store under the low-water mark. Pinned entries never go.
+   referenced bring the store under the low-water mark, counting only bytes that really go
+   now. Pinned entries never go, and neither does an entry whose eviction frees no blob.
 2. A blob no entry names is deleted once it has not been touched for the grace period:
    an upload followed a moment later by the manifest naming it is never collected in
    between (writing a manifest touches its blobs before checking them).
@@ -17,12 +18,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from megacache_client.manifest import Manifest
+from megacache_server.index.base import BlobRecord, StoredEntry
 from megacache_server.observe import EVICTIONS
 from megacache_server.storage import Storage
 
 ALL = 10**9
+
+
+class Deletion(NamedTuple):
+    """A blob the plan deletes, and the touch time after which it must be spared."""
+
+    digest: str
+    size: int
+    why: str
+    touched_before: float  # a touch at or after this (a manifest naming it) spares the blob
 
 
 @dataclass
@@ -31,12 +43,12 @@ class GcPlan:
     budget: int | None
     target_bytes: int | None
     evict: list[tuple[str, str]] = field(default_factory=list)  # (key, why)
-    delete: list[tuple[str, int, str]] = field(default_factory=list)  # (digest, size, why)
+    delete: list[Deletion] = field(default_factory=list)
     kept_in_grace: int = 0
 
     @property
     def freed_bytes(self) -> int:
-        return sum(size for _, size, _ in self.delete)
+        return sum(d.size for d in self.delete)
 
 
 @dataclass
@@ -57,42 +69,69 @@ async def plan(storage: Storage, *, budget: int | None, grace_s: float,
 
     everything = await storage.index.list_entries(model=None, env_digest=None, hw_digest=None,
                                                   limit=ALL)
-    names = {e.key: _digests(e.manifest_json) for e in everything}
+    names = {e.key: set(_digests(e.manifest_json)) for e in everything}
     refcount: dict[str, int] = {}
     for digests in names.values():
         for digest in digests:
             refcount[digest] = refcount.get(digest, 0) + 1
 
-    def collectable(digest: str) -> bool:
-        rec = records.get(digest)
-        return rec is not None and refcount.get(digest, 0) == 0 and rec.touched_at < now - grace_s
+    # Blobs no entry names, out of their grace period: going anyway, whatever eviction does.
+    idle = {d for d, rec in records.items()
+            if refcount.get(d, 0) == 0 and rec.touched_at < now - grace_s}
+    projected = stored - sum(records[d].size for d in idle)
+    freed_by_eviction: set[str] = set()
+    if budget is not None and target is not None and stored > budget:
+        freed_by_eviction = await _evict_lru(storage, result, names, refcount, records,
+                                             projected=projected, target=target)
 
-    projected = stored - sum(records[d].size for d in records if collectable(d))
-    if budget is not None and stored > budget:
-        for entry in await storage.index.lru_entries(ALL):
-            if projected <= (target or 0):
-                break
-            when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry.last_access))
-            result.evict.append((entry.key, f"least recently used (last access {when} UTC)"))
-            for digest in names.get(entry.key, []):
-                refcount[digest] -= 1
-                if refcount[digest] == 0 and collectable(digest):
-                    projected -= records[digest].size
-
-    freed_by_eviction = {d for k, _ in result.evict for d in names.get(k, [])}
     for digest, rec in sorted(records.items()):
-        if refcount.get(digest, 0) > 0:
-            continue
-        if rec.touched_at >= now - grace_s:
+        if digest in freed_by_eviction:
+            # The grace period shields fresh uploads no manifest names yet; these were named
+            # until this plan, so only a touch from now on (a new manifest) spares them.
+            result.delete.append(Deletion(digest, rec.size, "named only by evicted entries",
+                                          touched_before=now))
+        elif digest in idle:
+            result.delete.append(Deletion(digest, rec.size, "no entry names it",
+                                          touched_before=now - grace_s))
+        elif refcount.get(digest, 0) == 0:
             result.kept_in_grace += 1
-            continue
-        why = "named only by evicted entries" if digest in freed_by_eviction \
-            else "no entry names it"
-        result.delete.append((digest, rec.size, why))
     return result
 
 
-async def apply(storage: Storage, gc_plan: GcPlan, *, grace_s: float) -> GcResult:
+async def _evict_lru(storage: Storage, result: GcPlan, names: dict[str, set[str]],
+                     refcount: dict[str, int], records: dict[str, BlobRecord], *,
+                     projected: int, target: int) -> set[str]:
+    """Pick least-recently-used entries until the bytes they really free reach `target`.
+
+    A blob is freed only when every entry naming it goes. Entries are taken in LRU order
+    while the projection is above target; afterwards, any taken entry that names no freed
+    blob (all its blobs are still named by entries that stay, pinned ones included) is put
+    back: evicting it would lose a cache entry and free nothing. Returns the freed blobs.
+    """
+    taken: list[StoredEntry] = []
+    freed: set[str] = set()
+    for entry in await storage.index.lru_entries(ALL):
+        if projected <= target:
+            break
+        taken.append(entry)
+        for digest in names.get(entry.key, set()):
+            refcount[digest] -= 1
+            if refcount[digest] == 0 and digest in records:
+                freed.add(digest)
+                projected -= records[digest].size
+    for entry in taken:
+        digests = names.get(entry.key, set())
+        if digests & freed:
+            when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry.last_access))
+            result.evict.append((entry.key, f"least recently used (last access {when} UTC)"))
+        else:
+            for digest in digests:
+                refcount[digest] += 1
+    return freed
+
+
+async def apply(storage: Storage, gc_plan: GcPlan) -> GcResult:
+    """Act on a plan, re-checking each entry and blob as it goes (the plan may be stale)."""
     result = GcResult()
     for key, _ in gc_plan.evict:
         entry = await storage.index.get(key, touch=False)
@@ -101,12 +140,12 @@ async def apply(storage: Storage, gc_plan: GcPlan, *, grace_s: float) -> GcResul
         if await storage.index.delete(key):
             result.evicted += 1
             EVICTIONS.labels("entry").inc()
-    for digest, size, _ in gc_plan.delete:
-        if await _still_collectable(storage, digest, grace_s):
-            await storage.blobs.delete(digest)
-            await storage.index.forget_blob(digest)
+    for deletion in gc_plan.delete:
+        if await _still_collectable(storage, deletion):
+            await storage.blobs.delete(deletion.digest)
+            await storage.index.forget_blob(deletion.digest)
             result.deleted += 1
-            result.freed_bytes += size
+            result.freed_bytes += deletion.size
             EVICTIONS.labels("blob").inc()
         else:
             result.spared += 1
@@ -119,14 +158,14 @@ async def collect(storage: Storage, *, budget: int | None, grace_s: float,
     gc_plan = await plan(storage, budget=budget, grace_s=grace_s, low_water=low_water)
     if not gc_plan.evict and not gc_plan.delete:
         return GcResult()
-    return await apply(storage, gc_plan, grace_s=grace_s)
+    return await apply(storage, gc_plan)
 
 
-async def _still_collectable(storage: Storage, digest: str, grace_s: float) -> bool:
-    if await storage.index.referenced([digest]):
+async def _still_collectable(storage: Storage, deletion: Deletion) -> bool:
+    if await storage.index.referenced([deletion.digest]):
         return False
-    rec = await storage.index.blob_record(digest)
-    return rec is not None and rec.touched_at < time.time() - grace_s
+    rec = await storage.index.blob_record(deletion.digest)
+    return rec is not None and rec.touched_at < deletion.touched_before
 
 
 def _digests(manifest_json: bytes) -> list[str]:

@@ -89,8 +89,8 @@ def test_over_budget_evicts_least_recently_used_first(settings: Settings):
         await storage.index.get(e[0].key)  # the oldest entry is used again: now the newest
         plan = await eviction.plan(storage, budget=3000, grace_s=0, low_water=0.9)
         assert [k for k, _ in plan.evict] == [e[1].key, e[2].key]  # 4000 → 2000 ≤ 2700
-        assert {d for d, _, _ in plan.delete} == {e[1].blobs[0].digest, e[2].blobs[0].digest}
-        done = await eviction.apply(storage, plan, grace_s=0)
+        assert {d.digest for d in plan.delete} == {e[1].blobs[0].digest, e[2].blobs[0].digest}
+        done = await eviction.apply(storage, plan)
         assert (done.evicted, done.deleted, done.freed_bytes) == (2, 2, 2000)
         assert await storage.index.get(e[1].key) is None
         assert await storage.index.get(e[0].key) is not None
@@ -124,8 +124,8 @@ def test_unreferenced_blobs_wait_out_the_grace_period(settings: Settings):
         plan = await eviction.plan(storage, budget=None, grace_s=3600)
         assert plan.delete == [] and plan.kept_in_grace == 1
         plan = await eviction.plan(storage, budget=None, grace_s=0.0, now=time.time() + 1)
-        assert [(d, why) for d, _, why in plan.delete] == [(orphan, "no entry names it")]
-        await eviction.apply(storage, plan, grace_s=0)
+        assert [(d.digest, d.why) for d in plan.delete] == [(orphan, "no entry names it")]
+        await eviction.apply(storage, plan)
         assert await storage.blobs.stat(orphan) is None
         assert await storage.blobs.stat(kept.blobs[0].digest) is not None
 
@@ -138,11 +138,11 @@ def test_a_blob_named_after_planning_is_spared(settings: Settings):
         digest = await add_blob(storage, data)
         await asyncio.sleep(0.05)
         plan = await eviction.plan(storage, budget=None, grace_s=0.01)
-        assert [d for d, _, _ in plan.delete] == [digest]
+        assert [d.digest for d in plan.delete] == [digest]
         # a manifest naming it is written between plan and apply
         await add_entry(storage, make_manifest({"megacache": data},
                                                make_fingerprint(code="late")))
-        done = await eviction.apply(storage, plan, grace_s=0.01)
+        done = await eviction.apply(storage, plan)
         assert (done.deleted, done.spared) == (0, 1)
         assert await storage.blobs.stat(digest) == 700
 
@@ -161,9 +161,77 @@ def test_a_shared_blob_stays_while_any_entry_names_it(settings: Settings):
         await add_entry(storage, mb)
         plan = await eviction.plan(storage, budget=2150, grace_s=0, low_water=1.0)
         assert [k for k, _ in plan.evict] == [ma.key]
-        assert [d for d, _, _ in plan.delete] == [sha256(a)]  # not the shared one
+        assert [d.digest for d in plan.delete] == [sha256(a)]  # not the shared one
 
     run(settings, scenario)
+
+
+def test_budget_crossed_with_every_blob_in_grace_evicts_only_what_it_needs(settings: Settings):
+    """Regression: a store filled within the grace period once lost every entry, freeing 0."""
+    async def scenario(storage: Storage) -> None:
+        e = await entries_with_own_blobs(storage, 20)
+        stored = await storage.index.stored_bytes()
+        plan = await eviction.plan(storage, budget=stored - 1, grace_s=3600, low_water=0.9)
+        target = int((stored - 1) * 0.9)
+        # 20 000 -> at most 17 999: the three least recently used entries, nothing more
+        assert [k for k, _ in plan.evict] == [m.key for m in e[:3]]
+        assert {d.digest for d in plan.delete} == {m.blobs[0].digest for m in e[:3]}
+        done = await eviction.apply(storage, plan)
+        assert (done.evicted, done.deleted, done.freed_bytes) == (3, 3, 3000)
+        assert await storage.index.stored_bytes() <= target
+        assert await storage.index.entry_count() == 17
+        for m in e[3:]:
+            assert await storage.index.get(m.key, touch=False) is not None
+            assert await storage.blobs.stat(m.blobs[0].digest) == 1000
+
+    run(settings, scenario)
+
+
+def test_an_entry_whose_blobs_cannot_be_freed_is_not_evicted(settings: Settings):
+    async def scenario(storage: Storage) -> None:
+        shared, own = os.urandom(3000), os.urandom(500)
+        await add_blob(storage, shared)
+        await add_blob(storage, own)
+        only_shared = make_manifest({"megacache": shared}, make_fingerprint(code="old"))
+        await add_entry(storage, only_shared)  # least recently used, but its blob stays
+        await asyncio.sleep(0.02)
+        pinned = make_manifest({"megacache": shared}, make_fingerprint(code="pinned"))
+        await add_entry(storage, pinned)
+        assert await storage.index.set_pinned(pinned.key, True)
+        await asyncio.sleep(0.02)
+        newer = make_manifest({"megacache": own}, make_fingerprint(code="newer"))
+        await add_entry(storage, newer)
+        plan = await eviction.plan(storage, budget=3400, grace_s=3600, low_water=1.0)
+        assert [k for k, _ in plan.evict] == [newer.key]
+        assert [d.digest for d in plan.delete] == [sha256(own)]
+        done = await eviction.apply(storage, plan)
+        assert (done.evicted, done.freed_bytes) == (1, 500)
+        assert await storage.index.get(only_shared.key, touch=False) is not None
+
+    run(settings, scenario)
+
+
+def test_upload_over_budget_within_grace_evicts_one_entry_and_succeeds(tmp_path: Path):
+    """The default one-hour grace period: blobs of a fresh store are all recent."""
+    server = ServerProcess(tmp_path / "data", "--store-budget", "3MiB").start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            keys = []
+            for i in range(5):
+                data = os.urandom(600 * 1024)
+                assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+                m = make_manifest({"megacache": data}, make_fingerprint(code=f"g{i}"))
+                assert c.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+                keys.append(m.key)
+                time.sleep(0.02)
+            extra = os.urandom(600 * 1024)
+            assert c.put(f"/v1/cas/{sha256(extra)}", content=extra).status_code == 201
+            present = [c.get(f"/v1/ac/{k}").status_code for k in keys]
+            # 3000 KiB + 600 KiB over 3 MiB: room for 600 KiB under 90 % of the rest
+            assert present[0] == 404 and present[-2:] == [200, 200], present
+            assert present.count(404) <= 2, present
+    finally:
+        server.stop()
 
 
 def test_budget_pressure_at_upload_evicts_instead_of_refusing(tmp_path: Path):
