@@ -5,16 +5,18 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from megacache_client.manifest import Hex64
 
 Outcome = Literal["hit", "fallback", "miss", "invalid", "error", "inert"]
 OUTCOMES: tuple[Outcome, ...] = ("hit", "fallback", "miss", "invalid", "error", "inert")
 
-NonNegative = Annotated[float, Field(ge=0, le=30 * 24 * 3600)]
-Count = Annotated[int, Field(ge=0, le=2**53)]
-"""Bounded so every backend stores it exactly (SQLite integers are 64-bit)."""
+Seconds = Annotated[float, Field(ge=0, le=7 * 24 * 3600, allow_inf_nan=False)]
+"""No run compiles, loads or saves more than a week."""
+Bytes = Annotated[int, Field(ge=0, le=2**40)]
+"""No run moves more than a TiB; sums of bounded values stay exact far past any fleet's life."""
+Count = Annotated[int, Field(ge=0, le=10**6)]
 
 
 class Event(BaseModel):
@@ -29,13 +31,19 @@ class Event(BaseModel):
     entry_key: Hex64 | None = Field(default=None, description="the entry loaded, if any")
     differing: list[Annotated[str, Field(max_length=32)]] = Field(default_factory=list,
                                                                   max_length=8)
-    compile_s: NonNegative = 0.0
-    cold_compile_s: NonNegative | None = None
-    saved_s: NonNegative = 0.0
-    load_s: NonNegative = 0.0
-    bytes_down: Count = 0
-    bytes_up: Count = 0
+    compile_s: Seconds = 0.0
+    cold_compile_s: Seconds | None = None
+    saved_s: Seconds = 0.0
+    load_s: Seconds = 0.0
+    bytes_down: Bytes = 0
+    bytes_up: Bytes = 0
     fxgraph_hit: Count = 0
     fxgraph_miss: Count = 0
     published: bool = False
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+
+    @model_validator(mode="after")
+    def _saves_no_more_than_it_would_have_compiled(self) -> Event:
+        if self.saved_s > (self.cold_compile_s or 0.0):
+            raise ValueError("saved_s cannot exceed cold_compile_s (the cold compile it saved)")
+        return self

@@ -31,7 +31,10 @@ def is_hex64(value: str) -> bool:
 HEX64_PATTERN = r"^[0-9a-f]{64}$"
 Hex64 = Annotated[str, StringConstraints(pattern=HEX64_PATTERN)]
 """A sha256 as 64 lowercase hex characters; the pattern shows in the OpenAPI schema too."""
-Scalar = str | int | float | bool | None
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+Scalar = str | int | FiniteFloat | bool | None
+"""A fingerprint value. NaN and infinities are refused: JSON cannot carry them, so a server
+that accepted one would store a `null` that fails validation on every later read."""
 ShortText = Annotated[str, Field(min_length=1, max_length=256)]
 
 
@@ -113,7 +116,7 @@ class Manifest(_Strict):
     triton_version: str | None = Field(default=None, max_length=256)
     artifact_counts: dict[ShortText, Annotated[int, Field(ge=0, le=2**53)]] = Field(
         default_factory=dict)
-    cold_compile_s: float = Field(ge=0, le=7 * 24 * 3600)
+    cold_compile_s: float = Field(ge=0, le=7 * 24 * 3600, allow_inf_nan=False)
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     producer: dict[ShortText, Annotated[str, Field(max_length=256)]] = Field(default_factory=dict)
 

@@ -18,8 +18,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megacache_client.events import Event
 from megacache_client.manifest import Manifest
-from megacache_server import __version__, eviction
-from megacache_server.errors import ApiError, BadRequest, ServiceUnavailable
+from megacache_server import __version__
+from megacache_server.cache import Cache
+from megacache_server.errors import ApiError, BadRequest
+from megacache_server.metrics import MeteredCache
 from megacache_server.middleware import HeaderLimit
 from megacache_server.observe import Observe, configure_logging
 from megacache_server.routes_ac import router as ac_router
@@ -39,6 +41,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     if problem:
         raise RuntimeError(problem)
     storage = storage or build_storage(settings)
+    cache = MeteredCache(storage)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,7 +54,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         gc.freeze()
         gc_task = None
         if settings.gc_interval_s > 0:
-            gc_task = asyncio.create_task(_gc_forever(storage))
+            gc_task = asyncio.create_task(_gc_forever(cache))
         try:
             yield
         finally:
@@ -70,11 +73,12 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     )
     app.state.settings = settings
     app.state.storage = storage
+    app.state.cache = cache
     app.include_router(cas_router)
     app.include_router(ac_router)
     app.include_router(events_router)
     app.include_router(observe_router)
-    _add_health_routes(app, storage)
+    _add_health_routes(app, cache)
     _add_error_handlers(app)
     app.add_middleware(HeaderLimit, limit=int(settings.max_header_size))
     app.add_middleware(Observe, log_requests=settings.log_format == "json")
@@ -83,23 +87,15 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     return app
 
 
-async def _gc_forever(storage: Storage) -> None:
-    """Periodic eviction and garbage collection; one replica at a time (a shared lock)."""
-    settings = storage.settings
+async def _gc_forever(cache: Cache) -> None:
+    """Periodic eviction, garbage collection and event pruning; one replica at a time."""
     while True:
-        await asyncio.sleep(settings.gc_interval_s)
+        await asyncio.sleep(cache.settings.gc_interval_s)
         try:
-            if await storage.index.acquire_lock("gc", ttl_s=max(60.0, settings.gc_interval_s)):
-                try:
-                    done = await eviction.collect(
-                        storage, budget=int(settings.store_budget)
-                        if settings.store_budget is not None else None,
-                        grace_s=settings.gc_grace_s, low_water=settings.gc_low_water)
-                    if done.evicted or done.deleted:
-                        log.info("gc: evicted %d entries, deleted %d blobs, freed %d bytes",
-                                 done.evicted, done.deleted, done.freed_bytes)
-                finally:
-                    await storage.index.release_lock("gc")
+            done = await cache.collect()
+            if done is not None and (done.evicted or done.deleted):
+                log.info("gc: evicted %d entries, deleted %d blobs, freed %d bytes",
+                         done.evicted, done.deleted, done.freed_bytes)
         except Exception as exc:  # storage down: try again next period
             log.warning("gc failed: %s", exc)
 
@@ -109,23 +105,16 @@ def app_from_env() -> FastAPI:
     return create_app(Settings())
 
 
-def _add_health_routes(app: FastAPI, storage: Storage) -> None:
+def _add_health_routes(app: FastAPI, cache: Cache) -> None:
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
         """The process is up."""
         return {"status": "ok", "version": __version__}
 
-    @app.get("/readyz", tags=["health"], responses={503: {}})
+    @app.get("/readyz", tags=["health"], responses={503: {}, 507: {}})
     async def readyz() -> dict[str, str]:
-        """Storage is reachable: 503 with the reason when it is not."""
-        for part in (storage.blobs, storage.index):
-            try:
-                await part.ping()
-            except ApiError:
-                raise
-            except Exception as exc:  # any backend failure means not ready
-                raise ServiceUnavailable(f"{part.name} unavailable: {exc}") from exc
-        return {"status": "ready", "blobs": storage.blobs.name, "index": storage.index.name}
+        """Storage is reachable and can still write: 503/507 with the reason when not."""
+        return await cache.ready()
 
 
 def _add_error_handlers(app: FastAPI) -> None:

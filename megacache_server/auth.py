@@ -4,7 +4,8 @@ A bundle is code a trainer will execute (Mega-Cache payloads are pickles), so wh
 matters more than who may read. Tokens look like `mc_<id>_<secret>`; the server stores only
 the sha256 of the whole token, finds the record by id and compares hashes in constant time.
 Scopes: `read` (GET/HEAD, listings, stats), `write` (uploads, manifests, events),
-`admin` (delete, pin, everything). A token sees only its own namespace: entries of other
+`admin` (delete, pin, everything in its namespace), `metrics` (a scrape token: `/metrics`
+of every namespace, nothing else). A token sees only its own namespace: entries of other
 namespaces do not exist for it, and neither do blobs it never uploaded (the CAS dedupes
 bytes underneath, but a reader cannot probe for content another team stored).
 
@@ -28,8 +29,8 @@ from megacache_server.errors import ApiError
 from megacache_server.index.base import TokenRecord
 from megacache_server.storage import Storage, storage_of
 
-Scope = Literal["read", "write", "admin"]
-SCOPES: tuple[Scope, ...] = ("read", "write", "admin")
+Scope = Literal["read", "write", "admin", "metrics"]
+SCOPES: tuple[Scope, ...] = ("read", "write", "admin", "metrics")
 
 
 class Unauthorized(ApiError):
@@ -106,9 +107,15 @@ def require(scope: Scope) -> Callable[[Request], Awaitable[Principal]]:
 
     async def dependency(request: Request) -> Principal:
         principal = await authenticate(request, storage_of(request))
-        if scope not in principal.scopes and "admin" not in principal.scopes:
-            raise Forbidden(f"token {principal.name!r} lacks the {scope!r} scope",
-                            code="missing_scope", required=scope,
+        if scope == "metrics":
+            if "metrics" in principal.scopes:  # the operator's scrape: every namespace
+                return Principal(principal.name, principal.scopes, None)
+            scope_held = "read"  # any reader scrapes its own namespace's series
+        else:
+            scope_held = scope
+        if scope_held not in principal.scopes and "admin" not in principal.scopes:
+            raise Forbidden(f"token {principal.name!r} lacks the {scope_held!r} scope",
+                            code="missing_scope", required=scope_held,
                             granted=sorted(principal.scopes))
         return principal
 

@@ -19,11 +19,11 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from megacache_client.manifest import is_hex64
-from megacache_server import eviction, fsck
-from megacache_server.auth import new_token
+from megacache_server.auth import ANONYMOUS, new_token
+from megacache_server.cache import Cache
 from megacache_server.errors import ApiError
 from megacache_server.settings import Settings
-from megacache_server.storage import Storage, build_storage
+from megacache_server.storage import build_storage
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,21 +128,19 @@ def _export(settings: Settings) -> None:
 
 
 @contextlib.asynccontextmanager
-async def opened_storage(settings: Settings) -> AsyncIterator[Storage]:
-    """The configured storage, opened for a maintenance command and closed after it."""
+async def opened_cache(settings: Settings) -> AsyncIterator[Cache]:
+    """The cache service over the configured storage, for a maintenance command."""
     storage = build_storage(settings)
     await storage.open()
     try:
-        yield storage
+        yield Cache(storage)
     finally:
         await storage.close()
 
 
 async def run_gc(settings: Settings, *, dry_run: bool) -> int:
-    async with opened_storage(settings) as storage:
-        budget = int(settings.store_budget) if settings.store_budget is not None else None
-        gc_plan = await eviction.plan(storage, budget=budget, grace_s=settings.gc_grace_s,
-                                      low_water=settings.gc_low_water)
+    async with opened_cache(settings) as cache:
+        gc_plan = await cache.gc_plan()
         print(f"stored {gc_plan.stored_bytes} bytes; budget "
               f"{gc_plan.budget if gc_plan.budget is not None else 'none'}; "
               f"{gc_plan.kept_in_grace} unreferenced blob(s) within the "
@@ -155,22 +153,26 @@ async def run_gc(settings: Settings, *, dry_run: bool) -> int:
             print(f"dry run: would evict {len(gc_plan.evict)} entries and delete "
                   f"{len(gc_plan.delete)} blobs ({gc_plan.freed_bytes} bytes)")
             return 0
-        done = await eviction.apply(storage, gc_plan)
+        done = await cache.collect(gc_plan=gc_plan)
+        if done is None:
+            print("megacache-server: another collector holds the GC lock; try again later",
+                  file=sys.stderr)
+            return 1
         print(f"evicted {done.evicted} entries, deleted {done.deleted} blobs "
               f"({done.freed_bytes} bytes), spared {done.spared}")
         return 0
 
 
 async def run_fsck(settings: Settings, *, repair: bool, verify: bool) -> int:
-    async with opened_storage(settings) as storage:
-        report = await fsck.check(storage, repair=repair, verify=verify)
+    async with opened_cache(settings) as cache:
+        report = await cache.check(repair=repair, verify=verify)
     for line in report.lines():
         print(line)
     return 0 if report.clean or repair else 1
 
 
 async def manage_tokens(settings: Settings, args: argparse.Namespace) -> int:
-    async with opened_storage(settings) as storage:
+    async with opened_cache(settings) as cache:
         if args.token_command == "create":
             scopes = tuple(s.strip() for s in args.scopes.split(",") if s.strip())
             try:
@@ -178,19 +180,19 @@ async def manage_tokens(settings: Settings, args: argparse.Namespace) -> int:
             except ValueError as exc:
                 print(f"megacache-server: {exc}", file=sys.stderr)
                 return 2
-            await storage.index.put_token(record)
+            await cache.add_token(record)
             print(token)
             print(f"created token {record.token_id} for {record.name!r}: scopes "
                   f"{','.join(record.scopes)}, namespace {record.namespace!r} "
                   "(shown once; only its hash is stored)", file=sys.stderr)
             return 0
         if args.token_command == "list":
-            for t in await storage.index.list_tokens():
+            for t in await cache.tokens():
                 state = "revoked" if t.revoked else "active"
                 print(f"{t.token_id}  {t.name:<24} {','.join(t.scopes):<16} "
                       f"{t.namespace:<16} {state}")
             return 0
-        if not await storage.index.revoke_token(args.token_id):
+        if not await cache.revoke_token(args.token_id):
             print(f"megacache-server: no token {args.token_id}", file=sys.stderr)
             return 1
         print(f"revoked {args.token_id}")
@@ -198,10 +200,11 @@ async def manage_tokens(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def set_pinned(settings: Settings, key: str, pinned: bool) -> int:
-    async with opened_storage(settings) as storage:
-        if not is_hex64(key) or not await storage.index.set_pinned(key, pinned):
+    async with opened_cache(settings) as cache:
+        if not is_hex64(key):
             print(f"megacache-server: no entry {key}", file=sys.stderr)
             return 1
+        await cache.bound(ANONYMOUS).set_pinned(key, pinned)
         print(f"{'pinned' if pinned else 'unpinned'} {key}")
         return 0
 

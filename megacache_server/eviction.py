@@ -10,8 +10,9 @@ Rules, in order:
 3. Right before a blob is deleted, its references and last touch are read again, so a
    manifest written while the plan was made keeps its blobs.
 
-`plan()` only reads; `apply()` acts on a plan. `megacache-server gc --dry-run` prints a
-plan without applying it.
+`plan()` only reads, from the index's columns (never a manifest), and does its arithmetic in
+a worker thread so a plan over a million entries does not stall the event loop; `apply()`
+acts on a plan. Callers take the GC lock: `Cache.collect` in `megacache_server.cache`.
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from megacache_client.manifest import Manifest
-from megacache_server.index.base import BlobRecord, StoredEntry
-from megacache_server.observe import EVICTIONS
-from megacache_server.storage import Storage
+from anyio import to_thread
 
-ALL = 10**9
+from megacache_server.index.base import BlobRecord, EntryInfo
+from megacache_server.storage import Storage
 
 
 class Deletion(NamedTuple):
@@ -62,17 +61,23 @@ class GcResult:
 async def plan(storage: Storage, *, budget: int | None, grace_s: float,
                low_water: float = 0.9, now: float | None = None) -> GcPlan:
     now = time.time() if now is None else now
-    records = {b.digest: b for b in await storage.index.blob_records()}
-    stored = sum(b.size for b in records.values())
+    records = await storage.index.blob_records()
+    entries = await storage.index.entry_infos()
+    return await to_thread.run_sync(lambda: decide(records, entries, budget=budget,
+                                                   grace_s=grace_s, low_water=low_water,
+                                                   now=now))
+
+
+def decide(records_list: list[BlobRecord], entries: list[EntryInfo], *, budget: int | None,
+           grace_s: float, low_water: float, now: float) -> GcPlan:
+    """The plan itself: pure arithmetic over what the index holds."""
+    records = {b.digest: b for b in records_list}
+    stored = sum(b.size for b in records_list)
     target = int(budget * low_water) if budget is not None else None
     result = GcPlan(stored_bytes=stored, budget=budget, target_bytes=target)
-
-    everything = await storage.index.list_entries(model=None, env_digest=None, hw_digest=None,
-                                                  limit=ALL)
-    names = {e.key: set(_digests(e.manifest_json)) for e in everything}
     refcount: dict[str, int] = {}
-    for digests in names.values():
-        for digest in digests:
+    for entry in entries:
+        for digest in set(entry.digests):
             refcount[digest] = refcount.get(digest, 0) + 1
 
     # Blobs no entry names, out of their grace period: going anyway, whatever eviction does.
@@ -81,8 +86,9 @@ async def plan(storage: Storage, *, budget: int | None, grace_s: float,
     projected = stored - sum(records[d].size for d in idle)
     freed_by_eviction: set[str] = set()
     if budget is not None and target is not None and stored > budget:
-        freed_by_eviction = await _evict_lru(storage, result, names, refcount, records,
-                                             projected=projected, target=target)
+        lru = sorted((e for e in entries if not e.pinned), key=lambda e: (e.last_access, e.key))
+        freed_by_eviction = _evict_lru(result, lru, refcount, records, projected=projected,
+                                       target=target)
 
     for digest, rec in sorted(records.items()):
         if digest in freed_by_eviction:
@@ -98,9 +104,8 @@ async def plan(storage: Storage, *, budget: int | None, grace_s: float,
     return result
 
 
-async def _evict_lru(storage: Storage, result: GcPlan, names: dict[str, set[str]],
-                     refcount: dict[str, int], records: dict[str, BlobRecord], *,
-                     projected: int, target: int) -> set[str]:
+def _evict_lru(result: GcPlan, lru: list[EntryInfo], refcount: dict[str, int],
+               records: dict[str, BlobRecord], *, projected: int, target: int) -> set[str]:
     """Pick least-recently-used entries until the bytes they really free reach `target`.
 
     A blob is freed only when every entry naming it goes. Entries are taken in LRU order
@@ -108,24 +113,23 @@ async def _evict_lru(storage: Storage, result: GcPlan, names: dict[str, set[str]
     blob (all its blobs are still named by entries that stay, pinned ones included) is put
     back: evicting it would lose a cache entry and free nothing. Returns the freed blobs.
     """
-    taken: list[StoredEntry] = []
+    taken: list[EntryInfo] = []
     freed: set[str] = set()
-    for entry in await storage.index.lru_entries(ALL):
+    for entry in lru:
         if projected <= target:
             break
         taken.append(entry)
-        for digest in names.get(entry.key, set()):
+        for digest in set(entry.digests):
             refcount[digest] -= 1
             if refcount[digest] == 0 and digest in records:
                 freed.add(digest)
                 projected -= records[digest].size
     for entry in taken:
-        digests = names.get(entry.key, set())
-        if digests & freed:
+        if set(entry.digests) & freed:
             when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry.last_access))
             result.evict.append((entry.key, f"least recently used (last access {when} UTC)"))
         else:
-            for digest in digests:
+            for digest in set(entry.digests):
                 refcount[digest] += 1
     return freed
 
@@ -139,26 +143,15 @@ async def apply(storage: Storage, gc_plan: GcPlan) -> GcResult:
             continue  # pinned since the plan was made
         if await storage.index.delete(key):
             result.evicted += 1
-            EVICTIONS.labels("entry").inc()
     for deletion in gc_plan.delete:
         if await _still_collectable(storage, deletion):
             await storage.blobs.delete(deletion.digest)
             await storage.index.forget_blob(deletion.digest)
             result.deleted += 1
             result.freed_bytes += deletion.size
-            EVICTIONS.labels("blob").inc()
         else:
             result.spared += 1
     return result
-
-
-async def collect(storage: Storage, *, budget: int | None, grace_s: float,
-                  low_water: float = 0.9) -> GcResult:
-    """Plan and apply in one go (the server's background task and its budget check)."""
-    gc_plan = await plan(storage, budget=budget, grace_s=grace_s, low_water=low_water)
-    if not gc_plan.evict and not gc_plan.delete:
-        return GcResult()
-    return await apply(storage, gc_plan)
 
 
 async def _still_collectable(storage: Storage, deletion: Deletion) -> bool:
@@ -166,7 +159,3 @@ async def _still_collectable(storage: Storage, deletion: Deletion) -> bool:
         return False
     rec = await storage.index.blob_record(deletion.digest)
     return rec is not None and rec.touched_at < deletion.touched_before
-
-
-def _digests(manifest_json: bytes) -> list[str]:
-    return [b.digest for b in Manifest.model_validate_json(manifest_json).blobs]

@@ -6,8 +6,13 @@ What a crash can leave behind, and what `--repair` does about it:
 - a blob record whose blob is gone → the record is dropped;
 - a stored blob with no record (killed between commit and record) → recorded now, so
   garbage collection ages it out like any unreferenced blob;
+- with `--verify`, an entry whose manifest bytes no longer match their ETag (damaged in the
+  index) or no longer pass validation → reported; `--repair` deletes it;
 - with `--verify`, a blob whose bytes no longer hash to its name → deleted (and the
   entries naming it with it).
+
+The blob digests of every entry come from the index's columns, not from parsing manifests:
+a check of a million entries reads no manifest unless `--verify` asks for it.
 """
 
 from __future__ import annotations
@@ -15,10 +20,14 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
+
 from megacache_client.manifest import Manifest
+from megacache_server.index.base import entry_etag
 from megacache_server.storage import Storage
 
-ALL = 10**9
+UNKNOWN_OWNER = "-"
+"""Owner of blobs found on disk with no record: no token's namespace can be this."""
 
 
 @dataclass
@@ -29,12 +38,13 @@ class FsckReport:
     stale_records: list[str] = field(default_factory=list)
     unrecorded_blobs: list[tuple[str, int]] = field(default_factory=list)
     corrupt_blobs: list[str] = field(default_factory=list)
+    unreadable_entries: list[tuple[str, str]] = field(default_factory=list)
     repaired: bool = False
 
     @property
     def clean(self) -> bool:
         return not (self.dangling_entries or self.stale_records or self.unrecorded_blobs
-                    or self.corrupt_blobs)
+                    or self.corrupt_blobs or self.unreadable_entries)
 
     def lines(self) -> list[str]:
         out = [f"{self.entries} entries, {self.blobs} blobs"]
@@ -43,6 +53,7 @@ class FsckReport:
         out += [f"stale blob record {d}" for d in self.stale_records]
         out += [f"unrecorded blob {d} ({n} bytes)" for d, n in self.unrecorded_blobs]
         out += [f"corrupt blob {d}" for d in self.corrupt_blobs]
+        out += [f"unreadable entry {k}: {why}" for k, why in self.unreadable_entries]
         if self.clean:
             out.append("clean")
         elif self.repaired:
@@ -66,21 +77,21 @@ async def check(storage: Storage, *, repair: bool = False, verify: bool = False)
     records = {b.digest for b in await storage.index.blob_records()}
     report.stale_records = sorted(records - set(stored))
     report.unrecorded_blobs = sorted((d, n) for d, n in stored.items() if d not in records)
-    entries = await storage.index.list_entries(model=None, env_digest=None, hw_digest=None,
-                                               limit=ALL)
-    report.entries = len(entries)
-    for entry in entries:
-        digests = [b.digest for b in Manifest.model_validate_json(entry.manifest_json).blobs]
-        missing = [d for d in digests if d not in stored]
+    infos = await storage.index.entry_infos()
+    report.entries = len(infos)
+    for info in infos:
+        missing = [d for d in info.digests if d not in stored]
         if missing:
-            report.dangling_entries.append((entry.key, missing))
+            report.dangling_entries.append((info.key, missing))
+    if verify:
+        report.unreadable_entries = await _unreadable(storage, [i.key for i in infos])
     if repair:
-        for key, _ in report.dangling_entries:
+        for key, _ in [*report.dangling_entries, *report.unreadable_entries]:
             await storage.index.delete(key)
         for digest in report.stale_records:
             await storage.index.forget_blob(digest)
         for digest, size in report.unrecorded_blobs:
-            await storage.index.record_blob(digest, size)
+            await storage.index.record_blob(digest, size, UNKNOWN_OWNER)
     return report
 
 
@@ -89,3 +100,20 @@ async def _content_digest(storage: Storage, digest: str) -> str:
     async for chunk in storage.blobs.read(digest):
         sha.update(chunk)
     return sha.hexdigest()
+
+
+async def _unreadable(storage: Storage, keys: list[str]) -> list[tuple[str, str]]:
+    """Entries whose stored manifest is damaged: reported one by one, never fatal."""
+    found = []
+    for key in keys:
+        entry = await storage.index.get(key, touch=False)
+        if entry is None:
+            continue
+        if entry_etag(entry.manifest_json) != entry.etag:
+            found.append((key, "manifest bytes do not match their ETag"))
+        else:
+            try:
+                Manifest.model_validate_json(entry.manifest_json)
+            except ValidationError as exc:
+                found.append((key, f"manifest fails validation: {exc.errors()[0]['msg']}"))
+    return found

@@ -2,9 +2,9 @@
 
 Per-request numbers (requests, latency, bytes) are counted in each worker process; with
 several uvicorn workers they go through prometheus_client's multiprocess mode (the CLI
-sets PROMETHEUS_MULTIPROC_DIR before workers start). Cache-level numbers (runs by outcome,
-compile seconds saved, store size, entries) are read from the index at scrape time, so they
-are the same whichever worker or replica answers.
+sets PROMETHEUS_MULTIPROC_DIR before workers start). Cache-level numbers come from
+`megacache_server.metrics`, read from the index's running totals at scrape time, so they are
+the same whichever worker or replica answers.
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ LATENCY = Histogram("megacache_http_request_duration_seconds", "Time to answer a
                              5, 10, 30, 60))
 BYTES_IN = Counter("megacache_http_received_bytes_total", "Request body bytes", ["route"])
 BYTES_OUT = Counter("megacache_http_sent_bytes_total", "Response body bytes", ["route"])
-EVICTIONS = Counter("megacache_evictions_total", "Entries evicted and blobs collected",
-                    ["kind"])
 
 access_log = logging.getLogger("megacache.access")
 
@@ -129,43 +127,4 @@ def render_process_metrics() -> bytes:
     return generate_latest(REGISTRY)
 
 
-def render_cache_metrics(*, store_bytes: int, budget: int | None, entries: int,
-                         models: list[Any]) -> bytes:
-    """Cache-level metrics from the index, in Prometheus text format."""
-    lines = [
-        "# HELP megacache_store_bytes Bytes of blobs stored.",
-        "# TYPE megacache_store_bytes gauge",
-        f"megacache_store_bytes {store_bytes}",
-        "# HELP megacache_store_budget_bytes Configured store budget (absent: none).",
-        "# TYPE megacache_store_budget_bytes gauge",
-    ]
-    if budget is not None:
-        lines.append(f"megacache_store_budget_bytes {budget}")
-    lines += [
-        "# HELP megacache_entries Entries in the index.",
-        "# TYPE megacache_entries gauge",
-        f"megacache_entries {entries}",
-        "# HELP megacache_runs_total Client runs reported, by model and outcome.",
-        "# TYPE megacache_runs_total counter",
-    ]
-    for m in models:
-        for outcome, count in sorted(m.outcomes.items()):
-            lines.append(f'megacache_runs_total{{model="{_esc(m.model)}",outcome="{outcome}"}} '
-                         f"{count}")
-    lines += ["# HELP megacache_compile_seconds_saved_total Compile seconds saved, by model.",
-              "# TYPE megacache_compile_seconds_saved_total counter"]
-    lines += [f'megacache_compile_seconds_saved_total{{model="{_esc(m.model)}"}} {m.saved_s}'
-              for m in models]
-    lines += ["# HELP megacache_compile_seconds_total Compile seconds clients spent.",
-              "# TYPE megacache_compile_seconds_total counter"]
-    lines += [f'megacache_compile_seconds_total{{model="{_esc(m.model)}"}} {m.compile_s}'
-              for m in models]
-    return ("\n".join(lines) + "\n").encode()
-
-
-def _esc(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-__all__ = ["CONTENT_TYPE_LATEST", "EVICTIONS", "Observe", "configure_logging",
-           "render_cache_metrics", "render_process_metrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "Observe", "configure_logging", "render_process_metrics"]

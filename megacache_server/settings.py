@@ -64,6 +64,22 @@ class Settings(BaseSettings):
     gc_low_water: float = Field(
         0.9, gt=0, le=1, description="eviction stops at this fraction of the store budget"
     )
+    namespace_quota_bytes: ByteSize | None = Field(
+        None, description="bytes of entries one namespace may hold; over it, its own least "
+        "recently used entries go (unset: no quota)")
+    namespace_quota_entries: int | None = Field(
+        None, ge=1, description="entries one namespace may hold (unset: no quota)")
+    namespace_pending_bytes: ByteSize | None = Field(
+        None, description="bytes of uploaded blobs no entry names yet, per namespace (507 "
+        "above; unset: a quarter of the store budget but at least two blobs, or no limit "
+        "without a budget)")
+    event_rate: float = Field(
+        20, ge=0, description="events per second one token may post, per process (0: no limit)")
+    event_burst: float = Field(200, ge=1, description="events a token may post at once")
+    event_retention_days: float = Field(
+        14, gt=0, description="days raw events are kept (totals are kept for good)")
+    rollup_retention_days: float = Field(
+        400, gt=0, description="days hourly rollups (dashboard history) are kept")
     upload_idle_timeout_s: float = Field(
         60, gt=0, description="a body that sends nothing for this long gets 408"
     )
@@ -80,6 +96,15 @@ class Settings(BaseSettings):
         return (f"refusing to serve without authentication on {self.host}: set "
                 "MEGACACHE_AUTH=true (and create tokens with `megacache-server token create`), "
                 "bind 127.0.0.1, or pass --insecure if this network is trusted")
+
+    def pending_cap(self) -> int | None:
+        """Bytes of unreferenced uploads one namespace may hold at once."""
+        if self.namespace_pending_bytes is not None:
+            return int(self.namespace_pending_bytes)
+        if self.store_budget is not None:
+            budget = int(self.store_budget)
+            return min(budget, max(budget // 4, 2 * int(self.max_blob_size)))
+        return None
 
     def index_url(self) -> str:
         return self.index or f"sqlite:///{self.data_dir / 'index.sqlite3'}"

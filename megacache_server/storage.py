@@ -65,9 +65,3 @@ def _sqlite_path(url: str) -> str:
 
 def storage_of(request: Request) -> Storage:
     return request.app.state.storage  # type: ignore[no-any-return]
-
-
-async def get_storage(request: Request) -> Storage:
-    """FastAPI dependency: the app's storage. Async on purpose: FastAPI runs a synchronous
-    dependency in its thread pool, a hop per request that profiles showed on hot paths."""
-    return storage_of(request)

@@ -107,7 +107,8 @@ def limited_server(request: pytest.FixtureRequest,
     proc = _configured(ServerProcess(
         tmp_path_factory.mktemp("limited") / "data", *args,
         "--max-blob-size", "1MiB", "--store-budget", "3MiB",
-        env={"MEGACACHE_MAX_MANIFEST_SIZE": "2KiB", **env},
+        env={"MEGACACHE_MAX_MANIFEST_SIZE": "2KiB", "MEGACACHE_NAMESPACE_PENDING_BYTES": "4MiB",
+             **env},
     ), request.param, args).start()
     yield proc
     proc.stop()

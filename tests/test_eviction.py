@@ -17,7 +17,7 @@ from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
 
 from megacache_client.manifest import Manifest, component_digest
 from megacache_server import eviction
-from megacache_server.index.base import Precondition
+from megacache_server.index.base import NewEntry, Precondition
 from megacache_server.settings import Settings
 from megacache_server.storage import Storage, build_storage
 
@@ -56,19 +56,19 @@ async def _chunks(data: bytes) -> AsyncIterator[bytes]:
 async def add_blob(storage: Storage, data: bytes) -> str:
     digest = sha256(data)
     await storage.blobs.put(digest, len(data), _chunks(data))
-    await storage.index.record_blob(digest, len(data))
+    await storage.index.record_blob(digest, len(data), "default")
     return digest
 
 
 async def add_entry(storage: Storage, manifest: Manifest) -> None:
     await storage.index.touch_blobs([b.digest for b in manifest.blobs])
     fp = manifest.fingerprint
-    await storage.index.put(manifest.key, manifest.to_json(), model=fp.model,
-                            env_digest=component_digest(fp.env),
-                            hw_digest=component_digest(fp.hw),
-                            blob_digests=[b.digest for b in manifest.blobs],
-                            created_at=manifest.created_at.timestamp(),
-                            condition=Precondition())
+    await storage.index.put(NewEntry(
+        key=manifest.key, manifest_json=manifest.to_json(), namespace=fp.namespace,
+        model=fp.model, env_digest=component_digest(fp.env), hw_digest=component_digest(fp.hw),
+        digests=tuple(b.digest for b in manifest.blobs),
+        size=sum(b.size for b in manifest.blobs), created_at=manifest.created_at.timestamp()),
+        Precondition())
 
 
 async def entries_with_own_blobs(storage: Storage, n: int, size: int = 1000) -> list[Manifest]:
@@ -97,7 +97,7 @@ def test_over_budget_evicts_least_recently_used_first(settings: Settings):
         assert await storage.blobs.stat(e[1].blobs[0].digest) is None
         assert await storage.blobs.stat(e[0].blobs[0].digest) == 1000
         assert await storage.index.stored_bytes() == 2000
-        assert await storage.index.entry_count() == 2
+        assert (await storage.index.usage())[0] == 2
 
     run(settings, scenario)
 
@@ -179,7 +179,7 @@ def test_budget_crossed_with_every_blob_in_grace_evicts_only_what_it_needs(setti
         done = await eviction.apply(storage, plan)
         assert (done.evicted, done.deleted, done.freed_bytes) == (3, 3, 3000)
         assert await storage.index.stored_bytes() <= target
-        assert await storage.index.entry_count() == 17
+        assert (await storage.index.usage())[0] == 17
         for m in e[3:]:
             assert await storage.index.get(m.key, touch=False) is not None
             assert await storage.blobs.stat(m.blobs[0].digest) == 1000

@@ -14,6 +14,7 @@ import pytest
 from conftest import service_missing
 from dashboard_shot import chromium, dump_dom, screenshot, seed
 from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def ensure_chromium() -> None:
@@ -28,12 +29,13 @@ def ensure_chromium() -> None:
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pattern = rf"^{re.escape(name)}" + (rf"\{{{re.escape(want)}\}}" if labels else "") + \
-        r" ([0-9.e+-]+)$"
-    found = re.search(pattern, text, re.M)
-    assert found, f"{name}{{{want}}} not in metrics"
-    return float(found.group(1))
+    """The value of one sample, parsed as Prometheus parses it (label order is free)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v
+                                           for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"{name}{labels} not in metrics")
 
 
 def test_metrics_add_up_across_workers(tmp_path: Path):
@@ -47,14 +49,18 @@ def test_metrics_add_up_across_workers(tmp_path: Path):
             for _ in range(40):  # spread over both workers by new connections
                 httpx.get(f"{server.url}/v1/ac/{m.key}")
             c.post("/v1/events", json={"key": m.key, "model": "met", "outcome": "hit",
-                                       "saved_s": 12.5, "compile_s": 2.0})
+                                       "saved_s": 12.5, "compile_s": 2.0,
+                                       "cold_compile_s": 14.5})
         text = httpx.get(f"{server.url}/metrics").text
         assert metric(text, "megacache_http_requests_total", method="GET",
                       route="/v1/ac/{key}", status="200") == 40
         assert metric(text, "megacache_http_received_bytes_total",
                       route="/v1/cas/{digest}") == 50_000
-        assert metric(text, "megacache_runs_total", model="met", outcome="hit") == 1
-        assert metric(text, "megacache_compile_seconds_saved_total", model="met") == 12.5
+        assert metric(text, "megacache_runs_total", namespace="default", model="met",
+                      outcome="hit") == 1
+        assert metric(text, "megacache_compile_saved_seconds_total", namespace="default",
+                      model="met") == 12.5
+        assert metric(text, "megacache_lookups_total", result="hit") == 40
         assert metric(text, "megacache_store_bytes") == 50_000
         assert metric(text, "megacache_entries") == 1
         assert "megacache_http_request_duration_seconds_bucket" in text

@@ -1,29 +1,62 @@
-"""The index interface: fingerprint key → manifest, plus what the store knows of its blobs.
+"""What the service keeps besides blob bytes, as five small storage protocols.
 
-The index is the service's metadata: entries (the action cache), the size of every blob
-committed to the CAS (for the store budget and, later, eviction), and nothing else. Blob
-bytes live in a BlobStore.
+- `EntryStore`: fingerprint key -> manifest (the action cache), with what eviction, quotas and
+  listings need already in columns (namespace, model, blob digests, size): nobody re-parses
+  manifests to learn them.
+- `BlobLedger`: which blobs the CAS holds, their sizes, last touch and owning namespaces.
+- `TokenStore`: bearer tokens, hashed.
+- `EventLog`: client runs, folded into rollups as they arrive (running totals that never go
+  down, hourly buckets, miss reasons), with raw events kept for a bounded time only.
+- `LockStore`: named locks shared by every replica.
+
+`Index` is all five; each backend (SQLite, Redis) implements it in one class. Only the cache
+service (`megacache_server.cache`) calls these: routes never do.
 """
 
 from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megacache_client.events import OUTCOMES, Event
 from megacache_server.errors import PreconditionFailed
 
 
 @dataclass(frozen=True)
-class StoredEntry:
+class EntryInfo:
+    """An entry without its manifest bytes: what eviction, quotas and dashboards need."""
+
     key: str
-    manifest_json: bytes
-    etag: str
+    namespace: str
+    model: str
+    digests: tuple[str, ...]
+    size: int  # stored bytes of the blobs it names
     created_at: float
     updated_at: float
     last_access: float
-    pinned: bool = False
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class StoredEntry(EntryInfo):
+    manifest_json: bytes = b""
+    etag: str = ""
+
+
+@dataclass(frozen=True)
+class NewEntry:
+    """An entry to write: the validated manifest bytes and the columns derived from it."""
+
+    key: str
+    manifest_json: bytes
+    namespace: str
+    model: str
+    env_digest: str
+    hw_digest: str
+    digests: tuple[str, ...]
+    size: int
+    created_at: float
 
 
 @dataclass(frozen=True)
@@ -56,90 +89,132 @@ class Precondition:
     if_none_match: str | None = None
 
 
+COUNTERS = ("runs", *OUTCOMES, "compile_s", "saved_s", "bytes_down", "bytes_up", "tts_s",
+            "tts_n")
+"""What every rollup row adds up. Stored as floats: sums of bounded values never overflow."""
+
+
+def event_counters(event: Event) -> dict[str, float]:
+    """The increments one event adds to its rollup rows."""
+    tts = getattr(event, "tts_s", None)
+    counters = dict.fromkeys(COUNTERS, 0.0)
+    counters.update(runs=1.0, compile_s=event.compile_s, saved_s=event.saved_s,
+                    bytes_down=float(event.bytes_down), bytes_up=float(event.bytes_up))
+    counters[event.outcome] = 1.0
+    if tts is not None:
+        counters.update(tts_s=float(tts), tts_n=1.0)
+    return counters
+
+
 @dataclass
 class ModelStats:
+    namespace: str
     model: str
     runs: int = 0
-    outcomes: dict[str, int] | None = None
+    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     compile_s: float = 0.0
     saved_s: float = 0.0
     bytes_down: int = 0
     bytes_up: int = 0
-
-    def __post_init__(self) -> None:
-        if self.outcomes is None:
-            self.outcomes = dict.fromkeys(OUTCOMES, 0)
+    tts_s: float = 0.0
+    tts_n: int = 0
 
     @property
     def hit_rate(self) -> float:
         """Runs that started warm (exact or fallback) over all runs."""
-        assert self.outcomes is not None
         warm = self.outcomes["hit"] + self.outcomes["fallback"]
         return warm / self.runs if self.runs else 0.0
 
+    @property
+    def mean_tts_s(self) -> float | None:
+        """Mean time from process start to the first compiled step, where clients said."""
+        return self.tts_s / self.tts_n if self.tts_n else None
 
-class Index(ABC):
-    name: str = "abstract"
+    def add(self, counters: dict[str, float]) -> None:
+        self.runs += int(counters.get("runs", 0))
+        for outcome in OUTCOMES:
+            self.outcomes[outcome] += int(counters.get(outcome, 0))
+        self.compile_s += counters.get("compile_s", 0.0)
+        self.saved_s += counters.get("saved_s", 0.0)
+        self.bytes_down += int(counters.get("bytes_down", 0))
+        self.bytes_up += int(counters.get("bytes_up", 0))
+        self.tts_s += counters.get("tts_s", 0.0)
+        self.tts_n += int(counters.get("tts_n", 0))
 
-    async def open(self) -> None:  # noqa: B027 - optional hook
-        """Connect or create schema; called once at app start."""
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
-        """Release connections; called once at app stop."""
+@dataclass(frozen=True)
+class TimelineSlot:
+    start: int
+    runs: int
+    warm: int
+    saved_s: float
+    tts_s: float
+    tts_n: int
 
+
+@dataclass(frozen=True)
+class MissReason:
+    model: str
+    outcome: str
+    reason: str
+    count: int
+
+
+class EntryStore(ABC):
     @abstractmethod
     async def get(self, key: str, *, touch: bool = True) -> StoredEntry | None:
         """The entry for `key`; `touch` records the access for LRU eviction."""
 
     @abstractmethod
-    async def put(
-        self,
-        key: str,
-        manifest_json: bytes,
-        *,
-        model: str,
-        env_digest: str,
-        hw_digest: str,
-        blob_digests: list[str],
-        created_at: float,
-        condition: Precondition,
-        namespace: str = "default",
-    ) -> tuple[StoredEntry, bool]:
+    async def put(self, entry: NewEntry, condition: Precondition) -> tuple[StoredEntry, bool]:
         """Write an entry atomically with its precondition; returns (entry, created).
 
         Raises PreconditionFailed when the condition does not hold at write time.
         """
 
     @abstractmethod
-    async def list_entries(
-        self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int,
-        namespace: str | None = None,
-    ) -> list[StoredEntry]:
+    async def list_entries(self, *, namespace: str | None = None, model: str | None = None,
+                           env_digest: str | None = None, hw_digest: str | None = None,
+                           limit: int) -> list[StoredEntry]:
         """Entries matching every given filter, newest (by manifest created_at) first."""
 
     @abstractmethod
-    async def entry_count(self) -> int:
-        """How many entries there are (without loading them)."""
+    async def entry_infos(self, *, namespace: str | None = None) -> list[EntryInfo]:
+        """Every entry (of a namespace) without manifests: for GC plans and fsck."""
+
+    @abstractmethod
+    async def largest_entries(self, *, namespace: str | None, limit: int) -> list[EntryInfo]:
+        """The biggest entries by stored bytes."""
+
+    @abstractmethod
+    async def usage(self, namespace: str | None = None) -> tuple[int, int]:
+        """(entries, bytes of their blobs) of a namespace, or of the whole store."""
 
     @abstractmethod
     async def delete(self, key: str) -> bool:
         """Remove an entry; True if it was there."""
 
     @abstractmethod
-    async def record_blob(self, digest: str, size: int) -> None:
-        """Note a blob committed to the CAS (idempotent)."""
+    async def set_pinned(self, key: str, pinned: bool) -> bool:
+        """Pin (never evict) or unpin an entry; False if there is no such entry."""
+
+    @abstractmethod
+    async def lru_entries(self, limit: int, *, namespace: str | None = None) -> list[EntryInfo]:
+        """Unpinned entries, least recently accessed first: eviction candidates."""
+
+
+class BlobLedger(ABC):
+    @abstractmethod
+    async def record_blob(self, digest: str, size: int, namespace: str) -> bool:
+        """Note a blob committed to the CAS for `namespace`; True if new to that namespace."""
 
     @abstractmethod
     async def stored_bytes(self) -> int:
         """Total size of recorded blobs: what the store budget is checked against."""
 
     @abstractmethod
-    async def set_pinned(self, key: str, pinned: bool) -> bool:
-        """Pin (never evict) or unpin an entry; False if there is no such entry."""
-
-    @abstractmethod
-    async def lru_entries(self, limit: int) -> list[StoredEntry]:
-        """Unpinned entries, least recently accessed first: eviction candidates."""
+    async def pending_bytes(self, namespace: str) -> int:
+        """Bytes of blobs `namespace` uploaded that no entry names (yet)."""
 
     @abstractmethod
     async def blob_records(self) -> list[BlobRecord]:
@@ -148,14 +223,6 @@ class Index(ABC):
     @abstractmethod
     async def blob_record(self, digest: str) -> BlobRecord | None:
         """One blob's record, or None."""
-
-    @abstractmethod
-    async def acquire_lock(self, name: str, ttl_s: float) -> bool:
-        """Take a named lock shared by every replica (True if taken); it expires after ttl."""
-
-    @abstractmethod
-    async def release_lock(self, name: str) -> None:
-        """Release a lock this process took."""
 
     @abstractmethod
     async def referenced(self, digests: list[str]) -> set[str]:
@@ -167,16 +234,14 @@ class Index(ABC):
 
     @abstractmethod
     async def forget_blob(self, digest: str) -> None:
-        """Drop a blob's record after the store deleted it."""
-
-    @abstractmethod
-    async def own_blob(self, namespace: str, digest: str) -> bool:
-        """Record that `namespace` stored this blob; True if it had not before."""
+        """Drop a blob's record (and its owners) after the store deleted it."""
 
     @abstractmethod
     async def owns_blob(self, namespace: str, digest: str) -> bool:
         """Whether `namespace` may see this blob (the CAS dedupes bytes across namespaces)."""
 
+
+class TokenStore(ABC):
     @abstractmethod
     async def put_token(self, token: TokenRecord) -> None:
         """Store a new token record."""
@@ -193,21 +258,53 @@ class Index(ABC):
     async def revoke_token(self, token_id: str) -> bool:
         """Revoke a token; False if there is no such token."""
 
+
+class EventLog(ABC):
     @abstractmethod
-    async def add_event(self, event: Event) -> None:
-        """Store one client run's event (for stats, metrics and the dashboard)."""
+    async def add_event(self, namespace: str, event: Event) -> None:
+        """Record one run: its raw event, and its counters in every rollup."""
 
     @abstractmethod
-    async def events_since(self, since: float, limit: int) -> list[Event]:
-        """Events at or after `since` (epoch seconds), newest first, at most `limit`."""
+    async def stats(self, *, namespace: str | None, since: float | None = None
+                    ) -> list[ModelStats]:
+        """Per-(namespace, model) sums since `since` (hour resolution; None: all time)."""
 
     @abstractmethod
-    async def stats(self, *, since: float | None = None) -> list[ModelStats]:
-        """Per-model aggregates of the events since `since` (epoch seconds), busiest first."""
+    async def timeline(self, *, namespace: str | None, since: float) -> list[TimelineSlot]:
+        """Hourly runs, warm starts, seconds saved and time to start since `since`."""
 
     @abstractmethod
-    async def ping(self) -> None:
-        """Raise if the index cannot serve requests (readiness)."""
+    async def top_misses(self, *, namespace: str | None, since: float,
+                         limit: int) -> list[MissReason]:
+        """The most frequent reasons runs did not start warm."""
+
+    @abstractmethod
+    async def prune_events(self, *, raw_before: float, rollups_before: float) -> int:
+        """Drop raw events and hourly rollups older than these times (totals stay)."""
+
+
+class LockStore(ABC):
+    @abstractmethod
+    async def acquire_lock(self, name: str, ttl_s: float) -> bool:
+        """Take a named lock shared by every replica (True if taken); it expires after ttl."""
+
+    @abstractmethod
+    async def release_lock(self, name: str) -> None:
+        """Release a lock this process took."""
+
+
+class Index(EntryStore, BlobLedger, TokenStore, EventLog, LockStore):
+    name: str = "abstract"
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Connect or create schema; called once at app start."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; called once at app stop."""
+
+    @abstractmethod
+    async def ping(self, *, write: bool = False) -> None:
+        """Raise if the index cannot serve requests; `write` also proves it can still write."""
 
 
 def check_precondition(condition: Precondition, current_etag: str | None) -> None:
@@ -235,18 +332,18 @@ def entry_etag(manifest_json: bytes) -> str:
     return '"' + hashlib.sha256(manifest_json).hexdigest()[:32] + '"'
 
 
-def aggregate_stats(
-    rows: list[tuple[str, str, int, float, float, int, int]],
-) -> list[ModelStats]:
-    """Fold (model, outcome, count, compile_s, saved_s, bytes_down, bytes_up) rows per model."""
-    by_model: dict[str, ModelStats] = {}
-    for model, outcome, count, compile_s, saved_s, down, up in rows:
-        s = by_model.setdefault(model, ModelStats(model))
-        assert s.outcomes is not None
-        s.runs += count
-        s.outcomes[outcome] = s.outcomes.get(outcome, 0) + count
-        s.compile_s += compile_s or 0.0
-        s.saved_s += saved_s or 0.0
-        s.bytes_down += down or 0
-        s.bytes_up += up or 0
-    return sorted(by_model.values(), key=lambda s: (-s.runs, s.model))
+HOUR = 3600
+
+
+def hour_of(ts: float) -> int:
+    return int(ts // HOUR * HOUR)
+
+
+EVENT_BACKDATE_S = 30 * 24 * 3600
+
+
+def event_hour(event: Event, now: float) -> int:
+    """The hour an event counts in: when the client says it ran (a run reported late still
+    lands in its hour), never in the future and never before the last 30 days."""
+    at = event.created_at.timestamp()
+    return hour_of(min(now, max(at, now - EVENT_BACKDATE_S)))

@@ -1,15 +1,23 @@
 """Index in Redis: shared by many stateless server replicas.
 
 Keys (all under a prefix, default `megacache:`):
-  entry:{key}          hash   manifest, etag, model, env, hw, times, pinned
-  entry_blobs:{key}    set    digests the entry names
-  refs:{digest}        set    entry keys naming the blob (garbage collection)
-  by_model:{model}     zset   entry keys by created_at (listing, fallback lookup)
-  entries              zset   every entry key by created_at
-  lru                  zset   entry keys by last access (eviction)
-  blobs                hash   digest → size;  blob_touched  zset digest → last touch
-  stored_bytes         int    sum of recorded blob sizes (the store budget)
-  events               zset   recent client events by time (stats, dashboard)
+  entry:{key}            hash   manifest, etag, namespace, model, env, hw, size, digests,
+                                times, pinned
+  refs:{digest}          set    entry keys naming the blob (garbage collection)
+  by_model:{model}       zset   entry keys by created_at (fallback lookup)
+  by_envhw:{env}:{hw}    zset   entry keys by created_at (publish-side lookup)
+  entries / ns:{ns}      zset   every entry key (of a namespace) by created_at
+  lru / lru:{ns}         zset   entry keys by last access (eviction, quotas)
+  sizes / sizes:{ns}     zset   entry keys by stored bytes (largest entries)
+  usage                  hash   {ns}:entries, {ns}:bytes and *:entries, *:bytes
+  blobs                  hash   digest -> size;  blob_touched  zset digest -> last touch
+  owned:{ns}             set    digests a namespace uploaded; blob_owners:{digest} the reverse
+  stored_bytes           int    sum of recorded blob sizes (the store budget)
+  events:{ns}            list   recent raw events (capped)
+  total:{ns}             hash   "{model}\\t{counter}" -> running total (never goes down)
+  rollup:{ns}:{hour}     hash   the same, per hour (expires with the retention)
+  misses:{ns}:{hour}     zset   [model, outcome, reason] -> count
+  namespaces             set    namespaces that reported events
 
 Conditional writes use WATCH/MULTI on the entry hash, so check-then-write is atomic across
 replicas, the same contract the SQLite index keeps with BEGIN IMMEDIATE.
@@ -17,9 +25,9 @@ replicas, the same contract the SQLite index keeps with BEGIN IMMEDIATE.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -30,19 +38,28 @@ from redis.exceptions import RedisError, WatchError
 from megacache_client.events import Event
 from megacache_server.errors import ServiceUnavailable
 from megacache_server.index.base import (
+    HOUR,
     BlobRecord,
+    EntryInfo,
     Index,
+    MissReason,
     ModelStats,
+    NewEntry,
     Precondition,
     StoredEntry,
+    TimelineSlot,
     TokenRecord,
-    aggregate_stats,
     check_precondition,
     entry_etag,
+    event_counters,
+    event_hour,
+    hour_of,
 )
 
 T = TypeVar("T")
-MAX_EVENTS = 50_000
+MAX_RAW_EVENTS = 10_000  # per namespace
+ROLLUP_TTL_S = 400 * 24 * 3600
+SCAN = 500
 
 
 class RedisIndex(Index):
@@ -69,8 +86,8 @@ class RedisIndex(Index):
             raise ServiceUnavailable("index is not open", code="index_unavailable")
         return self._r
 
-    def k(self, *parts: str | None) -> str:
-        return self.p + ":".join(p or "" for p in parts)
+    def k(self, *parts: str | int | None) -> str:
+        return self.p + ":".join("" if p is None else str(p) for p in parts)
 
     @asynccontextmanager
     async def _guard(self) -> AsyncIterator[None]:
@@ -90,77 +107,121 @@ class RedisIndex(Index):
             data = await self.r.hgetall(self.k("entry", key))
             if not data:
                 return None
+            entry = _stored(key, data)
             if touch:
                 now = time.time()
                 async with self.r.pipeline(transaction=False) as pipe:
                     pipe.hset(self.k("entry", key), "last_access", now)
                     pipe.zadd(self.k("lru"), {key: now})
+                    pipe.zadd(self.k("lru", entry.namespace), {key: now})
                     await pipe.execute()
-            return _entry(key, data)
+            return entry
 
         return await self._do(op)
 
-    async def put(
-        self,
-        key: str,
-        manifest_json: bytes,
-        *,
-        model: str,
-        env_digest: str,
-        hw_digest: str,
-        blob_digests: list[str],
-        created_at: float,
-        condition: Precondition,
-        namespace: str = "default",
-    ) -> tuple[StoredEntry, bool]:
-        etag = entry_etag(manifest_json)
-        ekey, bkey = self.k("entry", key), self.k("entry_blobs", key)
+    async def put(self, entry: NewEntry, condition: Precondition) -> tuple[StoredEntry, bool]:
+        etag = entry_etag(entry.manifest_json)
+        key = entry.key
+        ekey = self.k("entry", key)
 
         async def op() -> tuple[StoredEntry, bool]:
             async with self.r.pipeline(transaction=True) as pipe:
                 while True:
                     try:
-                        await pipe.watch(ekey, bkey)
-                        current, old_model, pinned = await pipe.hmget(
-                            ekey, ["etag", "model", "pinned"])
-                        check_precondition(condition, _str(current))
-                        old_blobs = {_str(d) for d in await pipe.smembers(bkey)}
+                        await pipe.watch(ekey)
+                        old = await pipe.hgetall(ekey)
+                        current = _str(old.get(b"etag")) if old else None
+                        check_precondition(condition, current)
                         now = time.time()
+                        pinned = _str(old.get(b"pinned")) == "1" if old else False
                         pipe.multi()
+                        if old:
+                            self._unindex(pipe, key, old)
                         pipe.hset(ekey, mapping={
-                            "manifest": manifest_json, "etag": etag, "model": model,
-                            "env": env_digest, "hw": hw_digest, "created_at": created_at,
-                            "updated_at": now, "last_access": now, "namespace": namespace,
-                            "pinned": _str(pinned) or "0"})
-                        if old_model is not None and _str(old_model) != model:
-                            pipe.zrem(self.k("by_model", _str(old_model) or ""), key)
-                        pipe.zadd(self.k("by_model", model), {key: created_at})
-                        pipe.zadd(self.k("entries"), {key: created_at})
+                            "manifest": entry.manifest_json, "etag": etag,
+                            "namespace": entry.namespace, "model": entry.model,
+                            "env": entry.env_digest, "hw": entry.hw_digest, "size": entry.size,
+                            "digests": ",".join(entry.digests),
+                            "created_at": entry.created_at, "updated_at": now,
+                            "last_access": now, "pinned": "1" if pinned else "0"})
+                        ns = entry.namespace
+                        pipe.zadd(self.k("by_model", entry.model), {key: entry.created_at})
+                        pipe.zadd(self.k("by_envhw", entry.env_digest, entry.hw_digest),
+                                  {key: entry.created_at})
+                        pipe.zadd(self.k("entries"), {key: entry.created_at})
+                        pipe.zadd(self.k("ns", ns), {key: entry.created_at})
                         pipe.zadd(self.k("lru"), {key: now})
-                        pipe.delete(bkey)
-                        if blob_digests:
-                            pipe.sadd(bkey, *blob_digests)
-                        for d in old_blobs - set(blob_digests):
-                            pipe.srem(self.k("refs", d), key)
-                        for d in blob_digests:
+                        pipe.zadd(self.k("lru", ns), {key: now})
+                        pipe.zadd(self.k("sizes"), {key: entry.size})
+                        pipe.zadd(self.k("sizes", ns), {key: entry.size})
+                        for field, n in ((f"{ns}:entries", 1), (f"{ns}:bytes", entry.size),
+                                         ("*:entries", 1), ("*:bytes", entry.size)):
+                            pipe.hincrby(self.k("usage"), field, n)
+                        for d in entry.digests:
                             pipe.sadd(self.k("refs", d), key)
                         await pipe.execute()
-                        entry = StoredEntry(key, manifest_json, etag, created_at, now, now,
-                                            _str(pinned) == "1")
-                        return entry, current is None
+                        stored = StoredEntry(key, ns, entry.model, entry.digests, entry.size,
+                                             entry.created_at, now, now, pinned,
+                                             entry.manifest_json, etag)
+                        return stored, current is None
                     except WatchError:
                         continue
 
         return await self._do(op)
 
-    async def list_entries(
-        self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int,
-        namespace: str | None = None,
-    ) -> list[StoredEntry]:
+    def _unindex(self, pipe: Any, key: str, old: dict[bytes, bytes]) -> None:
+        """Queue the removal of an entry from every secondary key (inside MULTI)."""
+        ns = _str(old.get(b"namespace")) or "default"
+        size = int(old.get(b"size", 0))
+        pipe.zrem(self.k("by_model", _str(old.get(b"model"))), key)
+        pipe.zrem(self.k("by_envhw", _str(old.get(b"env")), _str(old.get(b"hw"))), key)
+        for zset in (("entries",), ("ns", ns), ("lru",), ("lru", ns), ("sizes",),
+                     ("sizes", ns)):
+            pipe.zrem(self.k(*zset), key)
+        for field, n in ((f"{ns}:entries", -1), (f"{ns}:bytes", -size), ("*:entries", -1),
+                         ("*:bytes", -size)):
+            pipe.hincrby(self.k("usage"), field, n)
+        for d in _digests(old):
+            pipe.srem(self.k("refs", d), key)
+
+    async def _entries(self, keys: list[str], *, full: bool) -> list[StoredEntry]:
+        if not keys:
+            return []
+        fields = None if full else [f.encode() for f in _INFO_FIELDS]
+        async with self.r.pipeline(transaction=False) as pipe:
+            for key in keys:
+                if fields is None:
+                    pipe.hgetall(self.k("entry", key))
+                else:
+                    pipe.hmget(self.k("entry", key), fields)
+            rows = await pipe.execute()
+        out = []
+        for key, row in zip(keys, rows, strict=True):
+            data = row if fields is None else dict(zip(fields, row, strict=True))
+            if data and data.get(b"model") is not None:
+                out.append(_stored(key, data))
+        return out
+
+    async def list_entries(self, *, namespace: str | None = None, model: str | None = None,
+                           env_digest: str | None = None, hw_digest: str | None = None,
+                           limit: int) -> list[StoredEntry]:
+        if model is not None:
+            zkey = self.k("by_model", model)
+        elif env_digest is not None and hw_digest is not None:
+            zkey = self.k("by_envhw", env_digest, hw_digest)
+        elif namespace is not None:
+            zkey = self.k("ns", namespace)
+        else:
+            zkey = self.k("entries")
+
+        def wanted(e: StoredEntry, data_env: str | None, data_hw: str | None) -> bool:
+            return ((namespace is None or e.namespace == namespace)
+                    and (env_digest is None or data_env == env_digest)
+                    and (hw_digest is None or data_hw == hw_digest))
+
         async def op() -> list[StoredEntry]:
-            zkey = self.k("by_model", model) if model is not None else self.k("entries")
             found: list[StoredEntry] = []
-            start, page = 0, max(limit, 100)
+            start, page = 0, min(max(limit, 10), 200)
             while len(found) < limit:
                 keys = [_str(k) or "" for k in
                         await self.r.zrevrange(zkey, start, start + page - 1)]
@@ -168,48 +229,65 @@ class RedisIndex(Index):
                     break
                 async with self.r.pipeline(transaction=False) as pipe:
                     for key in keys:
-                        pipe.hgetall(self.k("entry", key))
-                    rows = await pipe.execute()
-                for key, data in zip(keys, rows, strict=True):
-                    if not data:
-                        continue
-                    if env_digest is not None and _str(data.get(b"env")) != env_digest:
-                        continue
-                    if hw_digest is not None and _str(data.get(b"hw")) != hw_digest:
-                        continue
-                    if namespace is not None and \
-                            (_str(data.get(b"namespace")) or "default") != namespace:
-                        continue
-                    found.append(_entry(key, data))
+                        pipe.hmget(self.k("entry", key), ["env", "hw"])
+                    heads = await pipe.execute()
+                match = [key for key, (env, hw) in zip(keys, heads, strict=True)
+                         if env is not None
+                         and (env_digest is None or _str(env) == env_digest)
+                         and (hw_digest is None or _str(hw) == hw_digest)]
+                for e in await self._entries(match, full=True):
+                    if wanted(e, env_digest, hw_digest) and len(found) < limit:
+                        found.append(e)
                 start += page
             found.sort(key=lambda e: (-e.created_at, e.key))
             return found[:limit]
 
         return await self._do(op)
 
-    async def entry_count(self) -> int:
-        return int(await self._do(lambda: self.r.zcard(self.k("entries"))))
+    async def _zset_infos(self, zkey: str, *, reverse: bool, limit: int,
+                          skip_pinned: bool = False) -> list[EntryInfo]:
+        found: list[EntryInfo] = []
+        start = 0
+        while len(found) < limit:
+            read = self.r.zrevrange if reverse else self.r.zrange
+            keys = [_str(k) or "" for k in await read(zkey, start, start + SCAN - 1)]
+            if not keys:
+                break
+            for e in await self._entries(keys, full=False):
+                if not (skip_pinned and e.pinned):
+                    found.append(e)
+            start += SCAN
+        return found[:limit]
+
+    async def entry_infos(self, *, namespace: str | None = None) -> list[EntryInfo]:
+        zkey = self.k("ns", namespace) if namespace is not None else self.k("entries")
+        return await self._do(lambda: self._zset_infos(zkey, reverse=False, limit=10**12))
+
+    async def largest_entries(self, *, namespace: str | None, limit: int) -> list[EntryInfo]:
+        zkey = self.k("sizes", namespace) if namespace is not None else self.k("sizes")
+        return await self._do(lambda: self._zset_infos(zkey, reverse=True, limit=limit))
+
+    async def usage(self, namespace: str | None = None) -> tuple[int, int]:
+        ns = namespace if namespace is not None else "*"
+        entries, size = await self._do(lambda: self.r.hmget(
+            self.k("usage"), [f"{ns}:entries", f"{ns}:bytes"]))
+        return int(entries or 0), int(size or 0)
 
     async def delete(self, key: str) -> bool:
-        ekey, bkey = self.k("entry", key), self.k("entry_blobs", key)
+        ekey = self.k("entry", key)
 
         async def op() -> bool:
             async with self.r.pipeline(transaction=True) as pipe:
                 while True:
                     try:
-                        await pipe.watch(ekey, bkey)
-                        model = await pipe.hget(ekey, "model")
-                        if model is None:
+                        await pipe.watch(ekey)
+                        old = await pipe.hgetall(ekey)
+                        if not old:
                             await pipe.unwatch()
                             return False
-                        blobs = [_str(d) or "" for d in await pipe.smembers(bkey)]
                         pipe.multi()
-                        pipe.delete(ekey, bkey)
-                        pipe.zrem(self.k("by_model", _str(model) or ""), key)
-                        pipe.zrem(self.k("entries"), key)
-                        pipe.zrem(self.k("lru"), key)
-                        for d in blobs:
-                            pipe.srem(self.k("refs", d), key)
+                        pipe.delete(ekey)
+                        self._unindex(pipe, key, old)
                         await pipe.execute()
                         return True
                     except WatchError:
@@ -226,39 +304,52 @@ class RedisIndex(Index):
 
         return await self._do(op)
 
-    async def lru_entries(self, limit: int) -> list[StoredEntry]:
-        async def op() -> list[StoredEntry]:
-            found: list[StoredEntry] = []
-            start = 0
-            while len(found) < limit:
-                keys = [_str(k) or "" for k in
-                        await self.r.zrange(self.k("lru"), start, start + 199)]
-                if not keys:
-                    break
-                for key in keys:
-                    data = await self.r.hgetall(self.k("entry", key))
-                    if data and _str(data.get(b"pinned")) != "1":
-                        found.append(_entry(key, data))
-                start += 200
-            return found[:limit]
+    async def lru_entries(self, limit: int, *, namespace: str | None = None
+                          ) -> list[EntryInfo]:
+        zkey = self.k("lru", namespace) if namespace is not None else self.k("lru")
+        return await self._do(lambda: self._zset_infos(zkey, reverse=False, limit=limit,
+                                                        skip_pinned=True))
+
+    # -- blobs --------------------------------------------------------------------------
+    async def record_blob(self, digest: str, size: int, namespace: str) -> bool:
+        async def op() -> bool:
+            if await self.r.hsetnx(self.k("blobs"), digest, size):
+                await self.r.incrby(self.k("stored_bytes"), size)
+            async with self.r.pipeline(transaction=False) as pipe:
+                pipe.zadd(self.k("blob_touched"), {digest: time.time()})
+                pipe.sadd(self.k("owned", namespace), digest)
+                pipe.sadd(self.k("blob_owners", digest), namespace)
+                _, new, _ = await pipe.execute()
+            return bool(new)
 
         return await self._do(op)
 
-    # -- blobs --------------------------------------------------------------------------
-    async def record_blob(self, digest: str, size: int) -> None:
-        async def op() -> None:
-            if await self.r.hsetnx(self.k("blobs"), digest, size):
-                await self.r.incrby(self.k("stored_bytes"), size)
-            await self.r.zadd(self.k("blob_touched"), {digest: time.time()})
-
-        await self._do(op)
-
     async def stored_bytes(self) -> int:
-        return await self._do(lambda: self._int(self.r.get(self.k("stored_bytes"))))
+        async def op() -> int:
+            raw = await self.r.get(self.k("stored_bytes"))
+            return int(raw) if raw is not None else 0
 
-    async def _int(self, value: Awaitable[Any]) -> int:
-        raw = await value
-        return int(raw) if raw is not None else 0
+        return await self._do(op)
+
+    async def pending_bytes(self, namespace: str) -> int:
+        async def op() -> int:
+            total, cursor = 0, 0
+            while True:
+                cursor, digests = await self.r.sscan(self.k("owned", namespace), cursor,
+                                                     count=SCAN)
+                if digests:
+                    async with self.r.pipeline(transaction=False) as pipe:
+                        for d in digests:
+                            pipe.scard(self.k("refs", _str(d)))
+                            pipe.hget(self.k("blobs"), d)
+                        found = await pipe.execute()
+                    for refs, size in zip(found[::2], found[1::2], strict=True):
+                        if not refs and size is not None:
+                            total += int(size)
+                if not cursor:
+                    return total
+
+        return await self._do(op)
 
     async def blob_records(self) -> list[BlobRecord]:
         async def op() -> list[BlobRecord]:
@@ -278,17 +369,6 @@ class RedisIndex(Index):
             return BlobRecord(digest, int(size), float(touched or 0.0))
 
         return await self._do(op)
-
-    async def acquire_lock(self, name: str, ttl_s: float) -> bool:
-        return bool(await self._do(lambda: self.r.set(
-            self.k("lock", name), self._owner, nx=True, px=int(ttl_s * 1000))))
-
-    async def release_lock(self, name: str) -> None:
-        async def op() -> None:
-            if _str(await self.r.get(self.k("lock", name))) == self._owner:
-                await self.r.delete(self.k("lock", name))
-
-        await self._do(op)
 
     async def referenced(self, digests: list[str]) -> set[str]:
         async def op() -> set[str]:
@@ -311,18 +391,21 @@ class RedisIndex(Index):
             size = await self.r.hget(self.k("blobs"), digest)
             if size is not None and await self.r.hdel(self.k("blobs"), digest):
                 await self.r.decrby(self.k("stored_bytes"), int(size))
-            await self.r.zrem(self.k("blob_touched"), digest)
+            owners = await self.r.smembers(self.k("blob_owners", digest))
+            async with self.r.pipeline(transaction=False) as pipe:
+                pipe.zrem(self.k("blob_touched"), digest)
+                for ns in owners:
+                    pipe.srem(self.k("owned", _str(ns)), digest)
+                pipe.delete(self.k("blob_owners", digest))
+                await pipe.execute()
 
         await self._do(op)
-
-    # -- namespaces and tokens ---------------------------------------------------------
-    async def own_blob(self, namespace: str, digest: str) -> bool:
-        return bool(await self._do(lambda: self.r.sadd(self.k("owned", namespace), digest)))
 
     async def owns_blob(self, namespace: str, digest: str) -> bool:
         return bool(await self._do(lambda: self.r.sismember(self.k("owned", namespace),
                                                              digest)))
 
+    # -- tokens -------------------------------------------------------------------------
     async def put_token(self, token: TokenRecord) -> None:
         async def op() -> None:
             await self.r.hset(self.k("token", token.token_id), mapping={
@@ -361,42 +444,128 @@ class RedisIndex(Index):
         return await self._do(op)
 
     # -- events -------------------------------------------------------------------------
-    async def add_event(self, event: Event) -> None:
-        member = uuid.uuid4().hex + event.model_dump_json()
+    async def add_event(self, namespace: str, event: Event) -> None:
+        hour = event_hour(event, time.time())
+        counters = {f"{event.model}\t{c}": v for c, v in event_counters(event).items() if v}
+        rollup = self.k("rollup", namespace, hour)
 
         async def op() -> None:
-            async with self.r.pipeline(transaction=False) as pipe:
-                pipe.zadd(self.k("events"), {member: event.created_at.timestamp()})
-                pipe.zremrangebyrank(self.k("events"), 0, -MAX_EVENTS - 1)
+            async with self.r.pipeline(transaction=True) as pipe:
+                pipe.lpush(self.k("events", namespace), event.model_dump_json())
+                pipe.ltrim(self.k("events", namespace), 0, MAX_RAW_EVENTS - 1)
+                pipe.sadd(self.k("namespaces"), namespace)
+                for field, value in counters.items():
+                    pipe.hincrbyfloat(self.k("total", namespace), field, value)
+                    pipe.hincrbyfloat(rollup, field, value)
+                pipe.expire(rollup, ROLLUP_TTL_S)
+                if event.outcome not in ("hit", "fallback"):
+                    misses = self.k("misses", namespace, hour)
+                    pipe.zincrby(misses, 1, json.dumps(
+                        [event.model, event.outcome, event.reason[:200]]))
+                    pipe.expire(misses, ROLLUP_TTL_S)
                 await pipe.execute()
 
         await self._do(op)
 
-    async def events_since(self, since: float, limit: int) -> list[Event]:
-        raw = await self._do(lambda: self.r.zrevrangebyscore(
-            self.k("events"), "+inf", since, start=0, num=limit))
-        return [Event.model_validate_json(member[32:]) for member in raw]
+    async def _namespaces(self, namespace: str | None) -> list[str]:
+        if namespace is not None:
+            return [namespace]
+        return sorted(_str(n) or "" for n in await self.r.smembers(self.k("namespaces")))
 
-    async def stats(self, *, since: float | None = None) -> list[ModelStats]:
+    async def _hashes(self, keys: list[str]) -> list[dict[bytes, bytes]]:
+        async with self.r.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hgetall(key)
+            return list(await pipe.execute())
+
+    def _hours(self, since: float) -> list[int]:
+        return list(range(hour_of(since), hour_of(time.time()) + 1, HOUR))
+
+    async def stats(self, *, namespace: str | None, since: float | None = None
+                    ) -> list[ModelStats]:
         async def op() -> list[ModelStats]:
-            raw = await self.r.zrangebyscore(self.k("events"), since or 0.0, "+inf")
-            groups: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0, 0, 0])
-            for member in raw:
-                e = Event.model_validate_json(member[32:])
-                g = groups[(e.model, e.outcome)]
-                g[0] += 1
-                g[1] += e.compile_s
-                g[2] += e.saved_s
-                g[3] += e.bytes_down
-                g[4] += e.bytes_up
-            rows = [(m, o, int(g[0]), g[1], g[2], int(g[3]), int(g[4]))
-                    for (m, o), g in groups.items()]
-            return aggregate_stats(rows)
+            by_model: dict[tuple[str, str], dict[str, float]] = {}
+            for ns in await self._namespaces(namespace):
+                keys = [self.k("total", ns)] if since is None else \
+                    [self.k("rollup", ns, h) for h in self._hours(since)]
+                for data in await self._hashes(keys):
+                    for field, value in data.items():
+                        model, _, counter = (_str(field) or "").rpartition("\t")
+                        sums = by_model.setdefault((ns, model), {})
+                        sums[counter] = sums.get(counter, 0.0) + float(value)
+            out = []
+            for (ns, model), sums in by_model.items():
+                s = ModelStats(ns, model)
+                s.add(sums)
+                out.append(s)
+            return sorted(out, key=lambda s: (-s.runs, s.namespace, s.model))
 
         return await self._do(op)
 
-    async def ping(self) -> None:
-        await self._do(self.r.ping)
+    async def timeline(self, *, namespace: str | None, since: float) -> list[TimelineSlot]:
+        async def op() -> list[TimelineSlot]:
+            hours = self._hours(since)
+            slots: dict[int, dict[str, float]] = {}
+            for ns in await self._namespaces(namespace):
+                rows = await self._hashes([self.k("rollup", ns, h) for h in hours])
+                for hour, data in zip(hours, rows, strict=True):
+                    for field, value in data.items():
+                        counter = (_str(field) or "").rpartition("\t")[2]
+                        slot = slots.setdefault(hour, {})
+                        slot[counter] = slot.get(counter, 0.0) + float(value)
+            return [TimelineSlot(h, int(s.get("runs", 0)),
+                                 int(s.get("hit", 0) + s.get("fallback", 0)),
+                                 s.get("saved_s", 0.0), s.get("tts_s", 0.0),
+                                 int(s.get("tts_n", 0)))
+                    for h, s in sorted(slots.items()) if s.get("runs")]
+
+        return await self._do(op)
+
+    async def top_misses(self, *, namespace: str | None, since: float,
+                         limit: int) -> list[MissReason]:
+        async def op() -> list[MissReason]:
+            counts: dict[str, float] = {}
+            for ns in await self._namespaces(namespace):
+                async with self.r.pipeline(transaction=False) as pipe:
+                    for h in self._hours(since):
+                        pipe.zrange(self.k("misses", ns, h), 0, -1, withscores=True)
+                    for rows in await pipe.execute():
+                        for member, n in rows:
+                            name = _str(member) or ""
+                            counts[name] = counts.get(name, 0.0) + n
+            top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
+            out = []
+            for member, n in top:
+                model, outcome, reason = json.loads(member)
+                out.append(MissReason(model, outcome, reason, int(n)))
+            return out
+
+        return await self._do(op)
+
+    async def prune_events(self, *, raw_before: float, rollups_before: float) -> int:
+        return 0  # raw events are a capped list and rollups expire on their own
+
+    # -- locks and health ---------------------------------------------------------------
+    async def acquire_lock(self, name: str, ttl_s: float) -> bool:
+        return bool(await self._do(lambda: self.r.set(
+            self.k("lock", name), self._owner, nx=True, px=int(ttl_s * 1000))))
+
+    async def release_lock(self, name: str) -> None:
+        async def op() -> None:
+            if _str(await self.r.get(self.k("lock", name))) == self._owner:
+                await self.r.delete(self.k("lock", name))
+
+        await self._do(op)
+
+    async def ping(self, *, write: bool = False) -> None:
+        if write:
+            await self._do(lambda: self.r.set(self.k("heartbeat"), time.time()))
+        else:
+            await self._do(self.r.ping)
+
+
+_INFO_FIELDS = ("namespace", "model", "digests", "size", "created_at", "updated_at",
+                "last_access", "pinned")
 
 
 def _str(value: Any) -> str | None:
@@ -405,13 +574,22 @@ def _str(value: Any) -> str | None:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _entry(key: str, data: dict[bytes, bytes]) -> StoredEntry:
+def _digests(data: dict[bytes, bytes]) -> tuple[str, ...]:
+    raw = _str(data.get(b"digests")) or ""
+    return tuple(raw.split(",")) if raw else ()
+
+
+def _stored(key: str, data: dict[bytes, bytes]) -> StoredEntry:
     return StoredEntry(
         key=key,
-        manifest_json=bytes(data[b"manifest"]),
-        etag=_str(data[b"etag"]) or "",
+        namespace=_str(data.get(b"namespace")) or "default",
+        model=_str(data.get(b"model")) or "",
+        digests=_digests(data),
+        size=int(data.get(b"size") or 0),
         created_at=float(data[b"created_at"]),
         updated_at=float(data[b"updated_at"]),
         last_access=float(data[b"last_access"]),
         pinned=_str(data.get(b"pinned")) == "1",
+        manifest_json=bytes(data.get(b"manifest") or b""),
+        etag=_str(data.get(b"etag")) or "",
     )

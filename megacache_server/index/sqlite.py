@@ -1,12 +1,18 @@
 """Index in SQLite (WAL): the embedded default, safe across several uvicorn workers.
 
-Each process holds one connection guarded by a lock and used from worker threads;
-processes coordinate through SQLite's own locking (WAL + busy timeout). Conditional
-writes run inside `BEGIN IMMEDIATE` so check-then-write is atomic across processes.
+Two connections per process:
+- a writer, used from worker threads under a lock, for every write and every query whose
+  cost grows with the store (GC plans, fsck, rollup sums);
+- a reader, used on the event loop itself for point lookups by primary key (an entry, a
+  token, a blob), which take microseconds: no thread hop on the hottest requests. A reader
+  that meets a lock gives up at once and the lookup goes through the writer instead.
+Processes coordinate through SQLite's own locking (WAL + busy timeout); conditional writes
+run inside `BEGIN IMMEDIATE` so check-then-write is atomic across processes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 import time
@@ -14,71 +20,73 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from anyio import to_thread
 
-from megacache_client.events import Event
+from megacache_client.events import OUTCOMES, Event
 from megacache_server.errors import ServiceUnavailable
 from megacache_server.index.base import (
+    COUNTERS,
     BlobRecord,
+    EntryInfo,
     Index,
+    MissReason,
     ModelStats,
+    NewEntry,
     Precondition,
     StoredEntry,
+    TimelineSlot,
     TokenRecord,
-    aggregate_stats,
     check_precondition,
     entry_etag,
+    event_counters,
+    event_hour,
+    hour_of,
 )
 
 T = TypeVar("T")
+SCHEMA_VERSION = 2
+_SUMS = ", ".join(f"{c} REAL NOT NULL DEFAULT 0" for c in COUNTERS)
 
-SCHEMA = """
+SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS entries (
     key          TEXT PRIMARY KEY,
     manifest     BLOB NOT NULL,
     etag         TEXT NOT NULL,
+    namespace    TEXT NOT NULL,
     model        TEXT NOT NULL,
     env_digest   TEXT NOT NULL,
     hw_digest    TEXT NOT NULL,
+    size         INTEGER NOT NULL,
     created_at   REAL NOT NULL,
     updated_at   REAL NOT NULL,
     last_access  REAL NOT NULL,
-    pinned       INTEGER NOT NULL DEFAULT 0,
-    namespace    TEXT NOT NULL DEFAULT 'default'
+    pinned       INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS entries_by_model ON entries (model, created_at DESC);
+CREATE INDEX IF NOT EXISTS entries_by_env_hw ON entries (env_digest, hw_digest, created_at DESC);
+CREATE INDEX IF NOT EXISTS entries_by_namespace ON entries (namespace, created_at DESC);
+CREATE INDEX IF NOT EXISTS entries_by_access ON entries (pinned, last_access);
+CREATE INDEX IF NOT EXISTS entries_by_size ON entries (namespace, size DESC);
 CREATE TABLE IF NOT EXISTS entry_blobs (
     key    TEXT NOT NULL REFERENCES entries(key) ON DELETE CASCADE,
     digest TEXT NOT NULL,
     PRIMARY KEY (key, digest)
-);
+) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS entry_blobs_by_digest ON entry_blobs (digest);
-CREATE TABLE IF NOT EXISTS events (
-    id          INTEGER PRIMARY KEY AUTOINCREMENT,
-    created_at  REAL NOT NULL,
-    model       TEXT NOT NULL,
-    key         TEXT NOT NULL,
-    outcome     TEXT NOT NULL,
-    compile_s   REAL NOT NULL,
-    saved_s     REAL NOT NULL,
-    bytes_down  INTEGER NOT NULL,
-    bytes_up    INTEGER NOT NULL,
-    event       BLOB NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_by_time ON events (created_at);
 CREATE TABLE IF NOT EXISTS blobs (
     digest      TEXT PRIMARY KEY,
     size        INTEGER NOT NULL,
     created_at  REAL NOT NULL,
     touched_at  REAL NOT NULL
-);
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS blob_owners (
     namespace  TEXT NOT NULL,
     digest     TEXT NOT NULL,
     PRIMARY KEY (namespace, digest)
-);
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS blob_owners_by_digest ON blob_owners (digest);
 CREATE TABLE IF NOT EXISTS tokens (
     token_id    TEXT PRIMARY KEY,
     name        TEXT NOT NULL,
@@ -93,11 +101,36 @@ CREATE TABLE IF NOT EXISTS locks (
     owner       TEXT NOT NULL,
     expires_at  REAL NOT NULL
 );
-CREATE INDEX IF NOT EXISTS entries_by_access ON entries (pinned, last_access);
+CREATE TABLE IF NOT EXISTS events (
+    id          INTEGER PRIMARY KEY,
+    received_at REAL NOT NULL,
+    namespace   TEXT NOT NULL,
+    event       BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_time ON events (received_at);
+CREATE TABLE IF NOT EXISTS rollup_hourly (
+    namespace TEXT NOT NULL, hour INTEGER NOT NULL, model TEXT NOT NULL, {_SUMS},
+    PRIMARY KEY (namespace, hour, model)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS rollup_by_hour ON rollup_hourly (hour);
+CREATE TABLE IF NOT EXISTS rollup_total (
+    namespace TEXT NOT NULL, model TEXT NOT NULL, {_SUMS},
+    PRIMARY KEY (namespace, model)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS miss_reasons (
+    namespace TEXT NOT NULL, hour INTEGER NOT NULL, model TEXT NOT NULL,
+    outcome TEXT NOT NULL, reason TEXT NOT NULL, count INTEGER NOT NULL,
+    PRIMARY KEY (namespace, hour, model, outcome, reason)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS miss_reasons_by_hour ON miss_reasons (hour);
+CREATE TABLE IF NOT EXISTS heartbeat (id INTEGER PRIMARY KEY, at REAL NOT NULL);
 """
 
 ACCESS_FLUSH_S = 1.0
-ENTRY_COLUMNS = "key, manifest, etag, created_at, updated_at, last_access, pinned"
+INFO_COLUMNS = ("key, namespace, model, size, created_at, updated_at, last_access, pinned, "
+                "(SELECT group_concat(digest) FROM entry_blobs b WHERE b.key = entries.key)")
+ENTRY_COLUMNS = INFO_COLUMNS + ", manifest, etag"
+_UPSERT = ", ".join(f"{c}={c}+excluded.{c}" for c in COUNTERS)
 
 
 class SqliteIndex(Index):
@@ -106,150 +139,181 @@ class SqliteIndex(Index):
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._conn: sqlite3.Connection | None = None
+        self._reader: sqlite3.Connection | None = None
         self._lock = threading.Lock()
         self._owner = uuid.uuid4().hex
         self._touched: dict[str, float] = {}
         self._flushed_at = time.monotonic()
+        self._flushing: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
         await to_thread.run_sync(self._open_sync)
 
     def _open_sync(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(
-            self.path, timeout=30, isolation_level=None, check_same_thread=False
-        )
+        conn = sqlite3.connect(self.path, timeout=30, isolation_level=None,
+                               check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
+        # FULL: an entry acknowledged with 201 survives a power loss, not only a crash.
+        conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA foreign_keys=ON")
         with _transaction(conn, immediate=True):
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            has_entries = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE name='entries'").fetchone()
+            if has_entries and version != SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"{self.path} holds an index of schema {version}, this server reads "
+                    f"{SCHEMA_VERSION}: start from an empty data dir (blobs can be re-uploaded)")
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
-            # data dirs from 0.1.0 development builds
-            blob_columns = {r[1] for r in conn.execute("PRAGMA table_info(blobs)")}
-            if "touched_at" not in blob_columns:
-                conn.execute("ALTER TABLE blobs ADD COLUMN touched_at REAL NOT NULL DEFAULT 0")
-            entry_columns = {r[1] for r in conn.execute("PRAGMA table_info(entries)")}
-            if "namespace" not in entry_columns:
-                conn.execute("ALTER TABLE entries ADD COLUMN namespace TEXT NOT NULL "
-                             "DEFAULT 'default'")
-        self._conn = conn
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        reader = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=0.05,
+                                 isolation_level=None, check_same_thread=False)
+        self._conn, self._reader = conn, reader
 
     async def close(self) -> None:
+        if self._flushing is not None:
+            await self._flushing
         if self._conn is not None:
-            await self._run(self._flush_access)
+            pending, self._touched = self._touched, {}
+            await self._run(lambda c: _flush_access(c, pending))
             await self._run(lambda c: c.close())
             self._conn = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`fn` on the writer connection, in a worker thread, holding the connection lock
+        for as long as any cursor of it is in use (cursors never leave `fn`)."""
         def call() -> T:
-            if self._conn is None:
-                raise ServiceUnavailable("index is not open", code="index_unavailable")
             with self._lock:
+                if self._conn is None:
+                    raise ServiceUnavailable("index is not open", code="index_unavailable")
                 try:
                     return fn(self._conn)
                 except sqlite3.OperationalError as exc:
                     raise ServiceUnavailable(
-                        f"index error: {exc}", code="index_unavailable"
-                    ) from exc
+                        f"index error: {exc}", code="index_unavailable") from exc
 
         return await to_thread.run_sync(call)
 
+    async def _write(self, fn: Callable[[sqlite3.Connection], sqlite3.Cursor]) -> None:
+        """A statement run for its effect. Its cursor is closed under the connection lock:
+        a cursor finalized later, in another thread, while the connection runs another
+        statement is what made SQLite report "bad parameter or other API misuse"."""
+        await self._run(lambda c: fn(c).close())
+
+    async def _read(self, sql: str, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """One row by primary key, on the event loop; through the writer if it meets a lock."""
+        if self._reader is not None:
+            try:
+                row: tuple[Any, ...] | None = self._reader.execute(sql, args).fetchone()
+                return row
+            except sqlite3.OperationalError:
+                pass
+        return await self._run(lambda c: c.execute(sql, args).fetchone())
+
+    # -- entries ------------------------------------------------------------------------
     async def get(self, key: str, *, touch: bool = True) -> StoredEntry | None:
-        def op(c: sqlite3.Connection) -> StoredEntry | None:
-            row = c.execute(f"SELECT {ENTRY_COLUMNS} FROM entries WHERE key=?", (key,)).fetchone()
-            if row is None:
-                return None
-            entry = _entry(row)
-            if touch:
-                now = time.time()
-                self._touched[key] = now
-                if time.monotonic() - self._flushed_at >= ACCESS_FLUSH_S:
-                    self._flush_access(c)
-                entry = replace(entry, last_access=now)
-            return entry
+        row = await self._read(f"SELECT {ENTRY_COLUMNS} FROM entries WHERE key=?", (key,))
+        if row is None:
+            return None
+        entry = _stored(row)
+        if touch:
+            now = time.time()
+            self._touched[key] = now
+            if time.monotonic() - self._flushed_at >= ACCESS_FLUSH_S and self._flushing is None:
+                self._flushing = asyncio.get_running_loop().create_task(self._flush())
+            entry = replace(entry, last_access=now)
+        return entry
 
-        return await self._run(op)
-
-    def _flush_access(self, c: sqlite3.Connection) -> None:
+    async def _flush(self) -> None:
         """Write buffered last-access times: one transaction a second, not one per lookup.
 
         A lookup is the hottest request (every rank of every job start); a write each
         would serialize them on SQLite's single writer across all workers.
         """
-        if self._touched:
-            with _transaction(c, immediate=True):
-                c.executemany("UPDATE entries SET last_access=MAX(last_access, ?) WHERE key=?",
-                              [(t, k) for k, t in self._touched.items()])
-            self._touched.clear()
-        self._flushed_at = time.monotonic()
+        pending, self._touched = self._touched, {}
+        try:
+            await self._run(lambda c: _flush_access(c, pending))
+        except ServiceUnavailable:
+            pass  # last-access times are advisory; the next flush carries newer ones
+        finally:
+            self._flushed_at = time.monotonic()
+            self._flushing = None
 
-    async def put(
-        self,
-        key: str,
-        manifest_json: bytes,
-        *,
-        model: str,
-        env_digest: str,
-        hw_digest: str,
-        blob_digests: list[str],
-        created_at: float,
-        condition: Precondition,
-        namespace: str = "default",
-    ) -> tuple[StoredEntry, bool]:
-        etag = entry_etag(manifest_json)
+    async def put(self, entry: NewEntry, condition: Precondition) -> tuple[StoredEntry, bool]:
+        etag = entry_etag(entry.manifest_json)
 
         def op(c: sqlite3.Connection) -> tuple[StoredEntry, bool]:
             now = time.time()
             with _transaction(c, immediate=True):
-                row = c.execute("SELECT etag FROM entries WHERE key=?", (key,)).fetchone()
+                row = c.execute("SELECT etag, pinned FROM entries WHERE key=?",
+                                (entry.key,)).fetchone()
                 check_precondition(condition, row[0] if row else None)
                 c.execute(
-                    """INSERT INTO entries (key, manifest, etag, model, env_digest, hw_digest,
-                                            created_at, updated_at, last_access, namespace)
-                       VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                    """INSERT INTO entries (key, manifest, etag, namespace, model, env_digest,
+                         hw_digest, size, created_at, updated_at, last_access)
+                       VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                        ON CONFLICT(key) DO UPDATE SET manifest=excluded.manifest,
-                         namespace=excluded.namespace,
-                         etag=excluded.etag, model=excluded.model,
-                         env_digest=excluded.env_digest, hw_digest=excluded.hw_digest,
+                         etag=excluded.etag, namespace=excluded.namespace,
+                         model=excluded.model, env_digest=excluded.env_digest,
+                         hw_digest=excluded.hw_digest, size=excluded.size,
                          created_at=excluded.created_at, updated_at=excluded.updated_at,
                          last_access=excluded.last_access""",
-                    (key, manifest_json, etag, model, env_digest, hw_digest, created_at, now, now,
-                     namespace),
-                )
-                c.execute("DELETE FROM entry_blobs WHERE key=?", (key,))
-                c.executemany(
-                    "INSERT INTO entry_blobs (key, digest) VALUES (?, ?)",
-                    [(key, d) for d in blob_digests],
-                )
-            pinned = c.execute("SELECT pinned FROM entries WHERE key=?", (key,)).fetchone()[0]
-            entry = StoredEntry(key, manifest_json, etag, created_at, now, now, bool(pinned))
-            return entry, row is None
+                    (entry.key, entry.manifest_json, etag, entry.namespace, entry.model,
+                     entry.env_digest, entry.hw_digest, entry.size, entry.created_at, now, now))
+                c.execute("DELETE FROM entry_blobs WHERE key=?", (entry.key,))
+                c.executemany("INSERT INTO entry_blobs (key, digest) VALUES (?, ?)",
+                              [(entry.key, d) for d in entry.digests])
+            stored = StoredEntry(entry.key, entry.namespace, entry.model, entry.digests,
+                                 entry.size, entry.created_at, now, now,
+                                 bool(row and row[1]), entry.manifest_json, etag)
+            return stored, row is None
 
         return await self._run(op)
 
-    async def list_entries(
-        self, *, model: str | None, env_digest: str | None, hw_digest: str | None, limit: int,
-        namespace: str | None = None,
-    ) -> list[StoredEntry]:
-        where: list[str] = []
-        args: list[str | int] = []
-        for column, value in (("model", model), ("env_digest", env_digest),
-                              ("hw_digest", hw_digest), ("namespace", namespace)):
-            if value is not None:
-                where.append(f"{column}=?")
-                args.append(value)
-        sql = f"SELECT {ENTRY_COLUMNS} FROM entries"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY created_at DESC, key LIMIT ?"
-        args.append(limit)
-        return await self._run(lambda c: [_entry(r) for r in c.execute(sql, args).fetchall()])
+    async def list_entries(self, *, namespace: str | None = None, model: str | None = None,
+                           env_digest: str | None = None, hw_digest: str | None = None,
+                           limit: int) -> list[StoredEntry]:
+        where, args = _filters(namespace=namespace, model=model, env_digest=env_digest,
+                               hw_digest=hw_digest)
+        sql = (f"SELECT {ENTRY_COLUMNS} FROM entries{where} "
+               "ORDER BY created_at DESC, key LIMIT ?")
+        return await self._run(lambda c: [_stored(r) for r in c.execute(
+            sql, (*args, limit)).fetchall()])
 
-    async def entry_count(self) -> int:
-        return await self._run(
-            lambda c: int(c.execute("SELECT COUNT(*) FROM entries").fetchone()[0]))
+    async def entry_infos(self, *, namespace: str | None = None) -> list[EntryInfo]:
+        where, args = _filters(namespace=namespace)
+        pending, self._touched = self._touched, {}
+
+        def op(c: sqlite3.Connection) -> list[EntryInfo]:
+            _flush_access(c, pending)
+            digests: dict[str, list[str]] = {}
+            for key, digest in c.execute("SELECT key, digest FROM entry_blobs"):
+                digests.setdefault(key, []).append(digest)
+            return [EntryInfo(key, ns, model, tuple(digests.get(key, ())), size, created,
+                              updated, access, bool(pinned))
+                    for key, ns, model, size, created, updated, access, pinned in c.execute(
+                        "SELECT key, namespace, model, size, created_at, updated_at, "
+                        f"last_access, pinned FROM entries{where}", args)]
+
+        return await self._run(op)
+
+    async def largest_entries(self, *, namespace: str | None, limit: int) -> list[EntryInfo]:
+        where, args = _filters(namespace=namespace)
+        sql = f"SELECT {INFO_COLUMNS} FROM entries{where} ORDER BY size DESC, key LIMIT ?"
+        return await self._run(lambda c: [_info(r) for r in c.execute(
+            sql, (*args, limit)).fetchall()])
+
+    async def usage(self, namespace: str | None = None) -> tuple[int, int]:
+        where, args = _filters(namespace=namespace)
+        row = await self._run(lambda c: c.execute(
+            f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries{where}", args).fetchone())
+        return int(row[0]), int(row[1])
 
     async def delete(self, key: str) -> bool:
         def op(c: sqlite3.Connection) -> bool:
@@ -258,53 +322,57 @@ class SqliteIndex(Index):
 
         return await self._run(op)
 
-    async def record_blob(self, digest: str, size: int) -> None:
-        now = time.time()
-        await self._run(lambda c: c.execute(
-            """INSERT INTO blobs (digest, size, created_at, touched_at) VALUES (?, ?, ?, ?)
-               ON CONFLICT(digest) DO UPDATE SET touched_at=excluded.touched_at""",
-            (digest, size, now, now),
-        ))
-
     async def set_pinned(self, key: str, pinned: bool) -> bool:
         return await self._run(lambda c: c.execute(
             "UPDATE entries SET pinned=? WHERE key=?", (int(pinned), key)).rowcount > 0)
 
-    async def lru_entries(self, limit: int) -> list[StoredEntry]:
-        def op(c: sqlite3.Connection) -> list[StoredEntry]:
-            self._flush_access(c)
-            return [_entry(r) for r in c.execute(
-                f"SELECT {ENTRY_COLUMNS} FROM entries WHERE pinned=0 "
-                "ORDER BY last_access, key LIMIT ?", (limit,)).fetchall()]
+    async def lru_entries(self, limit: int, *, namespace: str | None = None
+                          ) -> list[EntryInfo]:
+        pending, self._touched = self._touched, {}
+        where = " AND namespace=?" if namespace is not None else ""
+        args: tuple[Any, ...] = (namespace,) if namespace is not None else ()
+
+        def op(c: sqlite3.Connection) -> list[EntryInfo]:
+            _flush_access(c, pending)
+            return [_info(r) for r in c.execute(
+                f"SELECT {INFO_COLUMNS} FROM entries WHERE pinned=0{where} "
+                "ORDER BY last_access, key LIMIT ?", (*args, limit)).fetchall()]
 
         return await self._run(op)
+
+    # -- blobs --------------------------------------------------------------------------
+    async def record_blob(self, digest: str, size: int, namespace: str) -> bool:
+        def op(c: sqlite3.Connection) -> bool:
+            now = time.time()
+            with _transaction(c, immediate=True):
+                c.execute("""INSERT INTO blobs (digest, size, created_at, touched_at)
+                             VALUES (?, ?, ?, ?)
+                             ON CONFLICT(digest) DO UPDATE SET touched_at=excluded.touched_at""",
+                          (digest, size, now, now))
+                return c.execute("INSERT OR IGNORE INTO blob_owners (namespace, digest) "
+                                 "VALUES (?, ?)", (namespace, digest)).rowcount > 0
+
+        return await self._run(op)
+
+    async def stored_bytes(self) -> int:
+        return await self._run(
+            lambda c: int(c.execute("SELECT COALESCE(SUM(size), 0) FROM blobs").fetchone()[0]))
+
+    async def pending_bytes(self, namespace: str) -> int:
+        return await self._run(lambda c: int(c.execute(
+            """SELECT COALESCE(SUM(b.size), 0) FROM blob_owners o JOIN blobs b USING (digest)
+               WHERE o.namespace=? AND NOT EXISTS
+                 (SELECT 1 FROM entry_blobs e WHERE e.digest=o.digest)""",
+            (namespace,)).fetchone()[0]))
 
     async def blob_records(self) -> list[BlobRecord]:
         return await self._run(lambda c: [BlobRecord(*r) for r in c.execute(
             "SELECT digest, size, touched_at FROM blobs ORDER BY digest").fetchall()])
 
     async def blob_record(self, digest: str) -> BlobRecord | None:
-        row = await self._run(lambda c: c.execute(
-            "SELECT digest, size, touched_at FROM blobs WHERE digest=?", (digest,)).fetchone())
+        row = await self._read("SELECT digest, size, touched_at FROM blobs WHERE digest=?",
+                               (digest,))
         return BlobRecord(*row) if row else None
-
-    async def acquire_lock(self, name: str, ttl_s: float) -> bool:
-        def op(c: sqlite3.Connection) -> bool:
-            now = time.time()
-            with _transaction(c, immediate=True):
-                row = c.execute("SELECT owner, expires_at FROM locks WHERE name=?",
-                                (name,)).fetchone()
-                if row and row[0] != self._owner and row[1] > now:
-                    return False
-                c.execute("INSERT OR REPLACE INTO locks (name, owner, expires_at) "
-                          "VALUES (?, ?, ?)", (name, self._owner, now + ttl_s))
-                return True
-
-        return await self._run(op)
-
-    async def release_lock(self, name: str) -> None:
-        await self._run(lambda c: c.execute("DELETE FROM locks WHERE name=? AND owner=?",
-                                            (name, self._owner)))
 
     async def referenced(self, digests: list[str]) -> set[str]:
         def op(c: sqlite3.Connection) -> set[str]:
@@ -320,37 +388,31 @@ class SqliteIndex(Index):
 
     async def touch_blobs(self, digests: list[str]) -> None:
         now = time.time()
-        await self._run(lambda c: c.executemany(
+        await self._write(lambda c: c.executemany(
             "UPDATE blobs SET touched_at=? WHERE digest=?", [(now, d) for d in digests]))
 
     async def forget_blob(self, digest: str) -> None:
-        await self._run(lambda c: c.execute("DELETE FROM blobs WHERE digest=?", (digest,)))
+        def op(c: sqlite3.Connection) -> None:
+            with _transaction(c, immediate=True):
+                c.execute("DELETE FROM blobs WHERE digest=?", (digest,))
+                c.execute("DELETE FROM blob_owners WHERE digest=?", (digest,))
 
-    async def stored_bytes(self) -> int:
-        return await self._run(
-            lambda c: int(c.execute("SELECT COALESCE(SUM(size), 0) FROM blobs").fetchone()[0])
-        )
-
-    async def own_blob(self, namespace: str, digest: str) -> bool:
-        return await self._run(lambda c: c.execute(
-            "INSERT OR IGNORE INTO blob_owners (namespace, digest) VALUES (?, ?)",
-            (namespace, digest)).rowcount > 0)
+        await self._run(op)
 
     async def owns_blob(self, namespace: str, digest: str) -> bool:
-        return await self._run(lambda c: c.execute(
-            "SELECT 1 FROM blob_owners WHERE namespace=? AND digest=?",
-            (namespace, digest)).fetchone() is not None)
+        return await self._read("SELECT 1 FROM blob_owners WHERE namespace=? AND digest=?",
+                                (namespace, digest)) is not None
 
+    # -- tokens -------------------------------------------------------------------------
     async def put_token(self, token: TokenRecord) -> None:
-        await self._run(lambda c: c.execute(
-            "INSERT INTO tokens (token_id, name, token_hash, scopes, namespace, created_at, "
-            "revoked) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        await self._write(lambda c: c.execute(
+            f"INSERT INTO tokens ({TOKEN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (token.token_id, token.name, token.token_hash, ",".join(token.scopes),
              token.namespace, token.created_at, int(token.revoked))))
 
     async def get_token(self, token_id: str) -> TokenRecord | None:
-        row = await self._run(lambda c: c.execute(
-            f"SELECT {TOKEN_COLUMNS} FROM tokens WHERE token_id=?", (token_id,)).fetchone())
+        row = await self._read(f"SELECT {TOKEN_COLUMNS} FROM tokens WHERE token_id=?",
+                               (token_id,))
         return _token(row) if row else None
 
     async def list_tokens(self) -> list[TokenRecord]:
@@ -361,35 +423,119 @@ class SqliteIndex(Index):
         return await self._run(lambda c: c.execute(
             "UPDATE tokens SET revoked=1 WHERE token_id=?", (token_id,)).rowcount > 0)
 
-    async def add_event(self, event: Event) -> None:
-        await self._run(lambda c: c.execute(
-            """INSERT INTO events (created_at, model, key, outcome, compile_s, saved_s,
-                                   bytes_down, bytes_up, event) VALUES (?,?,?,?,?,?,?,?,?)""",
-            (event.created_at.timestamp(), event.model, event.key, event.outcome,
-             event.compile_s, event.saved_s, event.bytes_down, event.bytes_up,
-             event.model_dump_json().encode()),
-        ))
+    # -- events -------------------------------------------------------------------------
+    async def add_event(self, namespace: str, event: Event) -> None:
+        now = time.time()
+        counters = event_counters(event)
+        columns = ", ".join(COUNTERS)
+        marks = ", ".join("?" * len(COUNTERS))
+        values = tuple(counters[c] for c in COUNTERS)
 
-    async def events_since(self, since: float, limit: int) -> list[Event]:
+        def op(c: sqlite3.Connection) -> None:
+            with _transaction(c, immediate=True):
+                c.execute("INSERT INTO events (received_at, namespace, event) VALUES (?, ?, ?)",
+                          (now, namespace, event.model_dump_json().encode()))
+                c.execute(f"""INSERT INTO rollup_hourly (namespace, hour, model, {columns})
+                              VALUES (?, ?, ?, {marks})
+                              ON CONFLICT DO UPDATE SET {_UPSERT}""",
+                          (namespace, event_hour(event, now), event.model, *values))
+                c.execute(f"""INSERT INTO rollup_total (namespace, model, {columns})
+                              VALUES (?, ?, {marks}) ON CONFLICT DO UPDATE SET {_UPSERT}""",
+                          (namespace, event.model, *values))
+                if event.outcome not in ("hit", "fallback"):
+                    c.execute("""INSERT INTO miss_reasons VALUES (?, ?, ?, ?, ?, 1)
+                                 ON CONFLICT DO UPDATE SET count=count+1""",
+                              (namespace, event_hour(event, now), event.model, event.outcome,
+                               event.reason[:200]))
+
+        await self._run(op)
+
+    async def stats(self, *, namespace: str | None, since: float | None = None
+                    ) -> list[ModelStats]:
+        sums = ", ".join(f"TOTAL({c})" for c in COUNTERS)
+        if since is None:
+            where, args = _filters(namespace=namespace)
+            sql = f"SELECT namespace, model, {sums} FROM rollup_total{where} " \
+                  "GROUP BY namespace, model"
+        else:
+            where, args = _filters(namespace=namespace)
+            where += (" AND" if where else " WHERE") + " hour >= ?"
+            args = (*args, hour_of(since))
+            sql = f"SELECT namespace, model, {sums} FROM rollup_hourly{where} " \
+                  "GROUP BY namespace, model"
+        rows = await self._run(lambda c: c.execute(sql, args).fetchall())
+        return _model_stats(rows)
+
+    async def timeline(self, *, namespace: str | None, since: float) -> list[TimelineSlot]:
+        where, args = _filters(namespace=namespace)
+        where += (" AND" if where else " WHERE") + " hour >= ?"
+        sql = (f"SELECT hour, TOTAL(runs), TOTAL(hit) + TOTAL(fallback), TOTAL(saved_s), "
+               f"TOTAL(tts_s), TOTAL(tts_n) FROM rollup_hourly{where} GROUP BY hour "
+               "ORDER BY hour")
+        rows = await self._run(lambda c: c.execute(sql, (*args, hour_of(since))).fetchall())
+        return [TimelineSlot(int(h), int(r), int(w), s, t, int(n)) for h, r, w, s, t, n in rows]
+
+    async def top_misses(self, *, namespace: str | None, since: float,
+                         limit: int) -> list[MissReason]:
+        where, args = _filters(namespace=namespace)
+        where += (" AND" if where else " WHERE") + " hour >= ?"
+        sql = (f"SELECT model, outcome, reason, SUM(count) AS n FROM miss_reasons{where} "
+               "GROUP BY model, outcome, reason ORDER BY n DESC, model LIMIT ?")
         rows = await self._run(lambda c: c.execute(
-            "SELECT event FROM events WHERE created_at >= ? ORDER BY created_at DESC LIMIT ?",
-            (since, limit)).fetchall())
-        return [Event.model_validate_json(r[0]) for r in rows]
+            sql, (*args, hour_of(since), limit)).fetchall())
+        return [MissReason(m, o, r, int(n)) for m, o, r, n in rows]
 
-    async def stats(self, *, since: float | None = None) -> list[ModelStats]:
-        def op(c: sqlite3.Connection) -> list[ModelStats]:
-            rows = c.execute(
-                """SELECT model, outcome, COUNT(*), SUM(compile_s), SUM(saved_s),
-                          SUM(bytes_down), SUM(bytes_up)
-                   FROM events WHERE created_at >= ? GROUP BY model, outcome""",
-                (since or 0.0,),
-            ).fetchall()
-            return aggregate_stats(rows)
+    async def prune_events(self, *, raw_before: float, rollups_before: float) -> int:
+        def op(c: sqlite3.Connection) -> int:
+            with _transaction(c, immediate=True):
+                n = c.execute("DELETE FROM events WHERE received_at < ?",
+                              (raw_before,)).rowcount
+                c.execute("DELETE FROM rollup_hourly WHERE hour < ?", (rollups_before,))
+                c.execute("DELETE FROM miss_reasons WHERE hour < ?", (rollups_before,))
+                return int(n)
 
         return await self._run(op)
 
-    async def ping(self) -> None:
-        await self._run(lambda c: c.execute("SELECT 1").fetchone())
+    # -- locks and health ---------------------------------------------------------------
+    async def acquire_lock(self, name: str, ttl_s: float) -> bool:
+        def op(c: sqlite3.Connection) -> bool:
+            now = time.time()
+            with _transaction(c, immediate=True):
+                row = c.execute("SELECT owner, expires_at FROM locks WHERE name=?",
+                                (name,)).fetchone()
+                if row and row[0] != self._owner and row[1] > now:
+                    return False
+                c.execute("INSERT OR REPLACE INTO locks (name, owner, expires_at) "
+                          "VALUES (?, ?, ?)", (name, self._owner, now + ttl_s))
+                return True
+
+        return await self._run(op)
+
+    async def release_lock(self, name: str) -> None:
+        await self._write(lambda c: c.execute("DELETE FROM locks WHERE name=? AND owner=?",
+                                            (name, self._owner)))
+
+    async def ping(self, *, write: bool = False) -> None:
+        if write:
+            await self._write(lambda c: c.execute(
+                "INSERT OR REPLACE INTO heartbeat (id, at) VALUES (1, ?)", (time.time(),)))
+        else:
+            await self._run(lambda c: c.execute("SELECT 1").fetchone())
+
+
+def _flush_access(c: sqlite3.Connection, touched: dict[str, float]) -> None:
+    if touched:
+        with _transaction(c, immediate=True):
+            c.executemany("UPDATE entries SET last_access=MAX(last_access, ?) WHERE key=?",
+                          [(t, k) for k, t in touched.items()])
+
+
+def _filters(**columns: str | None) -> tuple[str, tuple[Any, ...]]:
+    """` WHERE a=? AND b=?` for the columns given a value, and their values."""
+    given = [(k, v) for k, v in columns.items() if v is not None]
+    if not given:
+        return "", ()
+    return " WHERE " + " AND ".join(f"{k}=?" for k, _ in given), tuple(v for _, v in given)
 
 
 class _transaction:
@@ -410,13 +556,30 @@ class _transaction:
 TOKEN_COLUMNS = "token_id, name, token_hash, scopes, namespace, created_at, revoked"
 
 
-def _token(row: tuple) -> TokenRecord:
+def _token(row: tuple[Any, ...]) -> TokenRecord:
     token_id, name, token_hash, scopes, namespace, created_at, revoked = row
     return TokenRecord(token_id, name, token_hash, tuple(scopes.split(",")), namespace,
                        created_at, bool(revoked))
 
 
-def _entry(row: tuple) -> StoredEntry:
-    key, manifest, etag, created_at, updated_at, last_access, pinned = row
-    return StoredEntry(key, bytes(manifest), etag, created_at, updated_at, last_access,
-                       bool(pinned))
+def _info(row: tuple[Any, ...]) -> EntryInfo:
+    key, namespace, model, size, created_at, updated_at, last_access, pinned, digests = row[:9]
+    return EntryInfo(key, namespace, model, tuple(digests.split(",")) if digests else (),
+                     int(size), created_at, updated_at, last_access, bool(pinned))
+
+
+def _stored(row: tuple[Any, ...]) -> StoredEntry:
+    info = _info(row)
+    return StoredEntry(**vars(info), manifest_json=bytes(row[9]), etag=row[10])
+
+
+def _model_stats(rows: list[tuple[Any, ...]]) -> list[ModelStats]:
+    out = []
+    for namespace, model, *sums in rows:
+        s = ModelStats(namespace, model)
+        s.add(dict(zip(COUNTERS, sums, strict=True)))
+        out.append(s)
+    return sorted(out, key=lambda s: (-s.runs, s.namespace, s.model))
+
+
+__all__ = ["OUTCOMES", "SqliteIndex"]

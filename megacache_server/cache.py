@@ -1,0 +1,419 @@
+"""The cache service: every rule of the cache, in one place, bound to the caller.
+
+Routes translate HTTP to calls on a `TenantCache` and back; the CLI, the background GC,
+fsck and the dashboard call the same objects. Nothing else touches storage.
+
+- `Cache` is the process-wide part: storage, settings, the GC lock, event rate limits.
+- `TenantCache` is the cache as one principal sees it. Namespace visibility is decided by
+  `TenantCache.scope` and nowhere else: a token of namespace B reads, lists, counts and
+  reports only within B; auth off (loopback) sees every namespace.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from megacache_client.events import Event
+from megacache_client.manifest import Manifest, component_digest
+from megacache_server import eviction, fsck
+from megacache_server.auth import Forbidden, Principal
+from megacache_server.errors import (
+    ApiError,
+    FailedDependency,
+    InsufficientStorage,
+    NotFound,
+    Unprocessable,
+)
+from megacache_server.index.base import (
+    EntryInfo,
+    ModelStats,
+    NewEntry,
+    Precondition,
+    StoredEntry,
+    TokenRecord,
+)
+from megacache_server.ratelimit import RateLimiter
+from megacache_server.storage import Storage
+
+log = logging.getLogger("megacache.cache")
+
+GC_LOCK = "gc"
+GC_LOCK_TTL_S = 600.0
+"""Longer than any collect takes; a replica that dies holding it blocks GC this long."""
+
+
+class TooManyRequests(ApiError):
+    status, code = 429, "rate_limited"
+
+
+def _problems(exc: ValidationError) -> list[dict[str, Any]]:
+    return [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+            for e in exc.errors(include_url=False, include_input=False)]
+
+
+class Cache:
+    """The process-wide cache: storage plus the rules that are not about one caller."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.settings = storage.settings
+        self.event_limiter = RateLimiter(rate=self.settings.event_rate,
+                                         burst=self.settings.event_burst)
+
+    def bound(self, principal: Principal) -> TenantCache:
+        return TenantCache(self, principal)
+
+    # -- maintenance: GC, eviction, fsck, readiness -----------------------------------
+    @property
+    def budget(self) -> int | None:
+        budget = self.settings.store_budget
+        return int(budget) if budget is not None else None
+
+    async def gc_plan(self, *, budget: int | None = None) -> eviction.GcPlan:
+        return await eviction.plan(self.storage, budget=budget if budget is not None
+                                   else self.budget, grace_s=self.settings.gc_grace_s,
+                                   low_water=self.settings.gc_low_water)
+
+    async def collect(self, *, budget: int | None = None,
+                      gc_plan: eviction.GcPlan | None = None) -> eviction.GcResult | None:
+        """Evict over budget and collect unreferenced blobs, one collector at a time across
+        every process and replica. None when another collector holds the lock."""
+        index = self.storage.index
+        if not await index.acquire_lock(GC_LOCK, ttl_s=GC_LOCK_TTL_S):
+            return None
+        try:
+            gc_plan = gc_plan or await self.gc_plan(budget=budget)
+            done = eviction.GcResult()
+            if gc_plan.evict or gc_plan.delete:
+                done = await eviction.apply(self.storage, gc_plan)
+            await self._prune_events()
+            return done
+        finally:
+            await index.release_lock(GC_LOCK)
+
+    async def _prune_events(self) -> None:
+        now = time.time()
+        await self.storage.index.prune_events(
+            raw_before=now - self.settings.event_retention_days * 86400,
+            rollups_before=now - self.settings.rollup_retention_days * 86400)
+
+    async def add_token(self, record: TokenRecord) -> None:
+        await self.storage.index.put_token(record)
+
+    async def tokens(self) -> list[TokenRecord]:
+        return await self.storage.index.list_tokens()
+
+    async def revoke_token(self, token_id: str) -> bool:
+        return await self.storage.index.revoke_token(token_id)
+
+    async def check(self, *, repair: bool, verify: bool) -> fsck.FsckReport:
+        return await fsck.check(self.storage, repair=repair, verify=verify)
+
+    async def ready(self) -> dict[str, str]:
+        """Storage is reachable and can still write: a full disk is not ready."""
+        for name, probe in ((self.storage.blobs.name, self.storage.blobs.ping),
+                            (self.storage.index.name,
+                             lambda: self.storage.index.ping(write=True))):
+            try:
+                await probe()
+            except ApiError as exc:
+                raise type(exc)(f"{name}: {exc.message}", code=exc.code) from exc
+            except Exception as exc:  # any backend failure means not ready
+                from megacache_server.errors import ServiceUnavailable
+
+                raise ServiceUnavailable(f"{name} unavailable: {exc}") from exc
+        return {"status": "ready", "blobs": self.storage.blobs.name,
+                "index": self.storage.index.name}
+
+
+@dataclass(frozen=True)
+class EntryWrite:
+    entry: StoredEntry
+    created: bool
+
+
+class TenantCache:
+    """The cache as one principal sees it."""
+
+    def __init__(self, cache: Cache, principal: Principal) -> None:
+        self.cache = cache
+        self.storage = cache.storage
+        self.index = cache.storage.index
+        self.settings = cache.settings
+        self.principal = principal
+
+    # -- the one place namespaces are decided --------------------------------------------
+    @property
+    def scope(self) -> str | None:
+        """The namespace this caller is confined to; None: all (auth off)."""
+        return self.principal.namespace
+
+    @property
+    def home(self) -> str:
+        """The namespace this caller's writes (blobs, events) belong to."""
+        return self.principal.namespace or "default"
+
+    def sees(self, namespace: str) -> bool:
+        return self.scope is None or self.scope == namespace
+
+    def _require_namespace(self, namespace: str | None, verb: str) -> str | None:
+        if namespace is None or self.sees(namespace):
+            return namespace if namespace is not None else self.scope
+        raise Forbidden(f"token {self.principal.name!r} {verb} namespace {self.scope!r}, "
+                        f"not {namespace!r}", code="namespace_mismatch")
+
+    # -- blobs --------------------------------------------------------------------------
+    async def put_blob(self, digest: str, size: int, body: AsyncIterator[bytes]) -> bool:
+        """Store verified bytes; True if new to this caller's namespace (whether another
+        team stored the same bytes is not this caller's to learn)."""
+        if await self.storage.blobs.stat(digest) is None:
+            await self._make_room(size)
+        await self.storage.blobs.put(digest, size, body)
+        return await self.index.record_blob(digest, size, self.home)
+
+    async def blob_size(self, digest: str) -> int | None:
+        """The blob's size if this caller may see it, else None."""
+        if self.scope is not None and not await self.index.owns_blob(self.scope, digest):
+            return None
+        return await self.storage.blobs.stat(digest)
+
+    def read_blob(self, digest: str, start: int, end: int) -> AsyncIterator[bytes]:
+        return self.storage.blobs.read(digest, start, end)
+
+    def presigned_url(self, digest: str) -> str | None:
+        presign = getattr(self.storage.blobs, "presigned_url", None)
+        if self.settings.s3_redirect and presign is not None:
+            return str(presign(digest))
+        return None
+
+    async def _make_room(self, size: int) -> None:
+        """Refuse an upload that would crowd others out; evict LRU entries for one that fits.
+
+        Blobs no manifest names yet are capped per namespace: one tenant's unreferenced
+        uploads can fill neither the store nor force out another tenant's entries.
+        """
+        cap = self.settings.pending_cap()
+        if cap is not None:
+            pending = await self.index.pending_bytes(self.home)
+            if pending + size > cap:
+                raise InsufficientStorage(
+                    f"namespace {self.home!r} holds {pending} bytes of blobs no entry names; "
+                    f"{size} more would pass its limit of {cap}: write the manifests that "
+                    "name them first", code="pending_quota", pending=pending, limit=cap)
+        budget = self.cache.budget
+        if budget is None:
+            return
+        used = await self.index.stored_bytes()
+        if used + size <= budget:
+            return
+        await self.cache.collect(budget=max(0, budget - size))
+        used = await self.index.stored_bytes()
+        if used + size > budget:
+            raise InsufficientStorage(
+                f"store budget {budget} bytes: {used} used, {size} more do not fit even after "
+                "evicting unpinned entries", code="store_full", used=used, budget=budget)
+
+    # -- entries ------------------------------------------------------------------------
+    async def put_entry(self, key: str, body: bytes, condition: Precondition) -> EntryWrite:
+        """Validate and store a manifest, exactly the bytes validated. Every blob it names
+        must be stored and visible to the writer (424 if not)."""
+        manifest = parse_manifest(body, key)
+        namespace = manifest.fingerprint.namespace
+        self._require_namespace(namespace, "writes")
+        size = await self._require_blobs(manifest)
+        await self._enforce_quota(namespace, key, size)
+        fp = manifest.fingerprint
+        entry, created = await self.index.put(NewEntry(
+            key=key, manifest_json=body, namespace=namespace, model=fp.model,
+            env_digest=component_digest(fp.env), hw_digest=component_digest(fp.hw),
+            digests=tuple(b.digest for b in manifest.blobs), size=size,
+            created_at=manifest.created_at.timestamp()), condition)
+        return EntryWrite(entry, created)
+
+    async def get_entry(self, key: str, *, touch: bool = True) -> StoredEntry:
+        """The entry if it exists in the caller's namespace; 404 otherwise (no hint)."""
+        entry = await self.index.get(key, touch=touch)
+        if entry is None or not self.sees(entry.namespace):
+            raise NotFound(f"no entry for key {key}", code="entry_not_found")
+        return entry
+
+    async def list_entries(self, *, namespace: str | None, model: str | None,
+                           env: str | None, hw: str | None, limit: int) -> list[StoredEntry]:
+        return await self.index.list_entries(
+            namespace=self._require_namespace(namespace, "reads"), model=model,
+            env_digest=env, hw_digest=hw, limit=limit)
+
+    async def delete_entry(self, key: str) -> None:
+        await self.get_entry(key, touch=False)
+        if not await self.index.delete(key):
+            raise NotFound(f"no entry for key {key}", code="entry_not_found")
+
+    async def set_pinned(self, key: str, pinned: bool) -> None:
+        await self.get_entry(key, touch=False)
+        if not await self.index.set_pinned(key, pinned):
+            raise NotFound(f"no entry for key {key}", code="entry_not_found")
+
+    async def _require_blobs(self, manifest: Manifest) -> int:
+        """Every named blob must be stored (and visible to the writer's namespace). Touching
+        them first keeps garbage collection, which spares recently touched blobs, from
+        deleting one between this check and the write. Returns their total size."""
+        await self.index.touch_blobs([b.digest for b in manifest.blobs])
+        missing, wrong_size = [], []
+        for blob in manifest.blobs:
+            size = await self.blob_size(blob.digest)
+            if size is None:
+                missing.append(blob.digest)
+            elif size != blob.size:
+                wrong_size.append({"digest": blob.digest, "declared": blob.size,
+                                   "stored": size})
+        if missing:
+            raise FailedDependency(
+                f"{len(missing)} blob(s) named by the manifest are not stored; upload them "
+                "first", missing=missing)
+        if wrong_size:
+            raise Unprocessable("blob sizes in the manifest differ from the stored blobs",
+                                code="size_mismatch", blobs=wrong_size)
+        return sum(b.size for b in manifest.blobs)
+
+    async def _enforce_quota(self, namespace: str, key: str, size: int) -> None:
+        """Over its quota, a namespace evicts its own least recently used entries, never
+        another's; when its pinned entries alone fill it, the write is refused."""
+        max_entries = self.settings.namespace_quota_entries
+        max_bytes = self.settings.namespace_quota_bytes
+        if max_entries is None and max_bytes is None:
+            return
+        entries, used = await self.index.usage(namespace)
+        existing = await self.index.get(key, touch=False)
+        if existing is not None:
+            entries, used = entries - 1, used - existing.size
+
+        def over(n: int, b: int) -> bool:
+            return ((max_entries is not None and n + 1 > max_entries)
+                    or (max_bytes is not None and b + size > int(max_bytes)))
+
+        if not over(entries, used):
+            return
+        for victim in await self.index.lru_entries(256, namespace=namespace):
+            if victim.key == key:
+                continue
+            if await self.index.delete(victim.key):
+                entries, used = entries - 1, used - victim.size
+                log.info("quota: evicted %s of namespace %s", victim.key, namespace)
+            if not over(entries, used):
+                return
+        raise InsufficientStorage(
+            f"namespace {namespace!r} is at its quota ({entries} entries, {used} bytes) with "
+            "nothing left to evict", code="namespace_quota", entries=entries, used=used)
+
+    # -- events and what they add up to ---------------------------------------------------
+    async def add_event(self, body: bytes) -> None:
+        """Record one run in the caller's namespace (from the token, never from the body)."""
+        wait = 0.0
+        if self.principal.namespace is not None:  # per token; auth off has none to key on
+            wait = self.cache.event_limiter.take(self.principal.name)
+        if wait > 0:
+            raise TooManyRequests(
+                f"more than {self.settings.event_rate:g} events/s from "
+                f"{self.principal.name!r}; retry in {wait:.1f}s",
+                headers={"retry-after": str(max(1, round(wait)))})
+        try:
+            event = Event.model_validate_json(body)
+        except ValidationError as exc:
+            raise Unprocessable("event does not match the schema", code="invalid_event",
+                                errors=_problems(exc)) from None
+        await self.index.add_event(self.home, event)
+
+    async def stats(self, *, since: float | None) -> dict[str, Any]:
+        models = await self.index.stats(namespace=self.scope, since=since)
+        return {"total": _total(models), "models": [_model_row(m) for m in models]}
+
+    async def dashboard(self, *, hours: float) -> dict[str, Any]:
+        """Everything the dashboard shows, from rollups: cost independent of history."""
+        now = time.time()
+        since = now - hours * 3600
+        models = await self.index.stats(namespace=self.scope, since=since)
+        timeline = await self.index.timeline(namespace=self.scope, since=since)
+        misses = await self.index.top_misses(namespace=self.scope, since=since, limit=10)
+        largest = await self.index.largest_entries(namespace=self.scope, limit=10)
+        entries, _ = await self.index.usage(self.scope)
+        bucket = 3600 if hours <= 72 else 86400
+        slots: dict[int, dict[str, float]] = {}
+        for slot in timeline:
+            start = slot.start // bucket * bucket
+            s = slots.setdefault(start, {"runs": 0, "warm": 0, "saved_s": 0.0, "tts_s": 0.0,
+                                         "tts_n": 0})
+            for name in ("runs", "warm", "saved_s", "tts_s", "tts_n"):
+                s[name] += getattr(slot, name)
+        return {
+            "generated_at": now,
+            "hours": hours,
+            "bucket_s": bucket,
+            "namespace": self.scope,
+            "total": _total(models),
+            "models": [_model_row(m) for m in models],
+            "timeline": [{"start": k, "runs": v["runs"], "warm": v["warm"],
+                          "saved_s": round(v["saved_s"], 3),
+                          "tts_s": round(v["tts_s"] / v["tts_n"], 3) if v["tts_n"] else None}
+                         for k, v in sorted(slots.items())],
+            "top_misses": [asdict(m) for m in misses],
+            "largest_entries": [_entry_row(e) for e in largest],
+            "store": {"bytes": await self._visible_bytes(), "entries": entries,
+                      "budget": self.cache.budget if self.scope is None else None},
+        }
+
+    async def _visible_bytes(self) -> int:
+        if self.scope is None:
+            return await self.index.stored_bytes()
+        return (await self.index.usage(self.scope))[1]
+
+
+def parse_manifest(body: bytes, key: str) -> Manifest:
+    """A manifest, strictly validated (non-finite numbers included), for the URL's key."""
+    try:
+        manifest = Manifest.model_validate_json(body)
+    except ValidationError as exc:
+        errors = _problems(exc)
+        if errors and errors[0]["type"] == "json_invalid":
+            raise Unprocessable(f"manifest is not valid JSON: {errors[0]['msg']}",
+                                code="malformed_json") from None
+        raise Unprocessable("manifest does not match the schema", code="invalid_manifest",
+                            errors=errors) from None
+    if manifest.key != key:
+        raise Unprocessable(f"manifest key {manifest.key} differs from the URL key {key}",
+                            code="key_mismatch")
+    return manifest
+
+
+def _model_row(m: ModelStats) -> dict[str, Any]:
+    row = asdict(m)
+    row.update(hit_rate=round(m.hit_rate, 4), compile_s=round(m.compile_s, 3),
+               saved_s=round(m.saved_s, 3), mean_tts_s=_round(m.mean_tts_s))
+    return row
+
+
+def _round(value: float | None) -> float | None:
+    return round(value, 3) if value is not None else None
+
+
+def _total(models: list[ModelStats]) -> dict[str, Any]:
+    runs = sum(m.runs for m in models)
+    warm = sum(m.outcomes["hit"] + m.outcomes["fallback"] for m in models)
+    saved = sum(m.saved_s for m in models)
+    tts_n = sum(m.tts_n for m in models)
+    return {"runs": runs, "warm": warm, "hit_rate": round(warm / runs, 4) if runs else 0.0,
+            "compile_s": round(sum(m.compile_s for m in models), 3),
+            "saved_s": round(saved, 3), "saved_hours": round(saved / 3600, 4),
+            "bytes_down": sum(m.bytes_down for m in models),
+            "bytes_up": sum(m.bytes_up for m in models),
+            "mean_tts_s": round(sum(m.tts_s for m in models) / tts_n, 3) if tts_n else None}
+
+
+def _entry_row(e: EntryInfo) -> dict[str, Any]:
+    return {"key": e.key, "model": e.model, "namespace": e.namespace, "bytes": e.size,
+            "pinned": e.pinned, "last_access": e.last_access}

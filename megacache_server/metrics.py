@@ -1,0 +1,170 @@
+"""Cache metrics: a decorator around the cache service, and a collector for the index's sums.
+
+As in bazel-remote (`disk/metrics.go`), the service knows nothing of Prometheus: `Metered`
+wraps a `TenantCache` and counts what passes through it; `cache_metrics()` turns the index's
+running totals (which never go down) into metric families at scrape time. Per-request HTTP
+numbers live in `observe.Observe`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from megacache_server import __version__
+from megacache_server.cache import Cache, EntryWrite, TenantCache
+from megacache_server.errors import NotFound
+from megacache_server.eviction import GcResult
+from megacache_server.index.base import ModelStats, Precondition, StoredEntry
+
+LOOKUPS = Counter("megacache_lookups_total", "Entry lookups by result", ["result"])
+UPLOADED = Counter("megacache_blob_upload_bytes_total", "Blob bytes uploaded")
+ENTRY_WRITES = Counter("megacache_entry_writes_total", "Entries written", ["result"])
+EVENTS = Counter("megacache_events_total", "Client events by result", ["result"])
+EVICTIONS = Counter("megacache_evictions_total", "Entries evicted and blobs collected",
+                    ["kind"])
+
+
+class Metered:
+    """A `TenantCache` that counts: same calls, same results."""
+
+    def __init__(self, inner: TenantCache) -> None:
+        self.inner = inner
+        self.principal = inner.principal
+        self.settings = inner.settings
+
+    async def put_blob(self, digest: str, size: int, body: AsyncIterator[bytes]) -> bool:
+        created = await self.inner.put_blob(digest, size, body)
+        UPLOADED.inc(size)
+        return created
+
+    async def blob_size(self, digest: str) -> int | None:
+        return await self.inner.blob_size(digest)
+
+    def read_blob(self, digest: str, start: int, end: int) -> AsyncIterator[bytes]:
+        return self.inner.read_blob(digest, start, end)
+
+    def presigned_url(self, digest: str) -> str | None:
+        return self.inner.presigned_url(digest)
+
+    async def put_entry(self, key: str, body: bytes, condition: Precondition) -> EntryWrite:
+        done = await self.inner.put_entry(key, body, condition)
+        ENTRY_WRITES.labels("created" if done.created else "replaced").inc()
+        return done
+
+    async def get_entry(self, key: str, *, touch: bool = True) -> StoredEntry:
+        try:
+            entry = await self.inner.get_entry(key, touch=touch)
+        except NotFound:
+            LOOKUPS.labels("miss").inc()
+            raise
+        LOOKUPS.labels("hit").inc()
+        return entry
+
+    async def list_entries(self, *, namespace: str | None, model: str | None,
+                           env: str | None, hw: str | None, limit: int) -> list[StoredEntry]:
+        return await self.inner.list_entries(namespace=namespace, model=model, env=env, hw=hw,
+                                             limit=limit)
+
+    async def delete_entry(self, key: str) -> None:
+        await self.inner.delete_entry(key)
+
+    async def set_pinned(self, key: str, pinned: bool) -> None:
+        await self.inner.set_pinned(key, pinned)
+
+    async def add_event(self, body: bytes) -> None:
+        try:
+            await self.inner.add_event(body)
+        except Exception:
+            EVENTS.labels("rejected").inc()
+            raise
+        EVENTS.labels("recorded").inc()
+
+    async def stats(self, *, since: float | None) -> dict[str, Any]:
+        return await self.inner.stats(since=since)
+
+    async def dashboard(self, *, hours: float) -> dict[str, Any]:
+        return await self.inner.dashboard(hours=hours)
+
+    async def models(self) -> list[ModelStats]:
+        return await self.inner.index.stats(namespace=self.inner.scope)
+
+    @property
+    def scope(self) -> str | None:
+        return self.inner.scope
+
+
+class MeteredCache(Cache):
+    """The process-wide cache, counting what collection removes."""
+
+    async def collect(self, **kwargs: Any) -> GcResult | None:
+        done = await super().collect(**kwargs)
+        if done is not None:
+            EVICTIONS.labels("entry").inc(done.evicted)
+            EVICTIONS.labels("blob").inc(done.deleted)
+        return done
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> Any:
+        return iter(self.families)
+
+
+async def cache_metrics(cache: Metered) -> bytes:
+    """The cache's own numbers for this caller's namespaces, in Prometheus text format."""
+    inner = cache.inner
+    models = await cache.models()
+    entries, entry_bytes = await inner.index.usage(inner.scope)
+    families: list[Any] = []
+    info = InfoMetricFamily("megacache_build", "Server build")
+    info.add_metric([], {"version": __version__, "index": inner.index.name,
+                         "blobs": inner.storage.blobs.name})
+    families.append(info)
+    entries_g = GaugeMetricFamily("megacache_entries", "Entries in the index")
+    entries_g.add_metric([], entries)
+    bytes_g = GaugeMetricFamily("megacache_entry_bytes",
+                                "Bytes named by entries (shared blobs counted per entry)")
+    bytes_g.add_metric([], entry_bytes)
+    families += [entries_g, bytes_g]
+    if inner.scope is None:
+        store = GaugeMetricFamily("megacache_store_bytes", "Bytes of blobs stored")
+        store.add_metric([], await inner.index.stored_bytes())
+        families.append(store)
+        if inner.cache.budget is not None:
+            budget = GaugeMetricFamily("megacache_store_budget_bytes", "Store budget")
+            budget.add_metric([], inner.cache.budget)
+            families.append(budget)
+    labels = ["namespace", "model"]
+    runs = CounterMetricFamily("megacache_runs", "Client runs reported, by outcome",
+                               labels=[*labels, "outcome"])
+    saved = CounterMetricFamily("megacache_compile_saved_seconds",
+                                "Compile seconds the cache saved", labels=labels)
+    spent = CounterMetricFamily("megacache_client_compile_seconds",
+                                "Compile seconds clients spent", labels=labels)
+    down = CounterMetricFamily("megacache_client_download_bytes",
+                               "Bytes clients downloaded", labels=labels)
+    tts = CounterMetricFamily("megacache_time_to_start_seconds",
+                              "Seconds from process start to the first compiled step, summed",
+                              labels=labels)
+    tts_n = CounterMetricFamily("megacache_time_to_start_runs",
+                                "Runs that reported a time to start", labels=labels)
+    for m in models:
+        key = [m.namespace, m.model]
+        for outcome, count in sorted(m.outcomes.items()):
+            runs.add_metric([*key, outcome], count)
+        saved.add_metric(key, m.saved_s)
+        spent.add_metric(key, m.compile_s)
+        down.add_metric(key, m.bytes_down)
+        tts.add_metric(key, m.tts_s)
+        tts_n.add_metric(key, m.tts_n)
+    families += [runs, saved, spent, down, tts, tts_n]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return generate_latest(registry)

@@ -1,0 +1,199 @@
+"""One contract per storage protocol, run against every index backend (SQLite and Redis).
+
+The cache service relies on exactly these behaviours; a new backend passes this file or it
+is not a backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from megacache_client.events import Event
+from megacache_server.errors import PreconditionFailed
+from megacache_server.index.base import Index, NewEntry, Precondition, TokenRecord
+from megacache_server.index.sqlite import SqliteIndex
+from megacache_server.local import LocalRedis
+
+INDEXES = ["sqlite", "redis"]
+_n = iter(range(10**6))
+
+
+@pytest.fixture(params=INDEXES)
+def make_index(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], Index]]:
+    if request.param == "sqlite":
+        yield lambda: SqliteIndex(tmp_path / "index.sqlite3")
+        return
+    from megacache_server.index.redis import RedisIndex
+
+    redis: LocalRedis = request.getfixturevalue("redis_service")
+    prefix = f"contract{next(_n)}:"
+    yield lambda: RedisIndex(f"redis://127.0.0.1:{redis.port}/0", prefix=prefix)
+
+
+def run(make_index: Callable[[], Index], body: Callable[[Index], Awaitable[None]]) -> None:
+    async def main() -> None:
+        index = make_index()
+        await index.open()
+        try:
+            await body(index)
+        finally:
+            await index.close()
+
+    asyncio.run(main())
+
+
+def entry(key: str, *, namespace: str = "ns", model: str = "m", env: str = "e", hw: str = "h",
+          digests: tuple[str, ...] = ("d1",), size: int = 10, created: float = 1.0) -> NewEntry:
+    return NewEntry(key=key, manifest_json=f'{{"k":"{key}"}}'.encode(), namespace=namespace,
+                    model=model, env_digest=env, hw_digest=hw, digests=digests, size=size,
+                    created_at=created)
+
+
+# -- EntryStore -------------------------------------------------------------------------
+def test_entry_store_put_get_list_delete(make_index: Callable[[], Index]):
+    async def body(ix: Index) -> None:
+        stored, created = await ix.put(entry("k1", digests=("a", "b"), size=30), Precondition())
+        assert created and stored.namespace == "ns" and stored.digests == ("a", "b")
+        _, created = await ix.put(entry("k1", digests=("a",), size=20), Precondition())
+        assert not created
+        got = await ix.get("k1")
+        assert got is not None and got.digests == ("a",) and got.size == 20
+        assert got.manifest_json == b'{"k":"k1"}' and got.etag
+        await ix.put(entry("k2", model="other", created=2.0), Precondition())
+        await ix.put(entry("k3", namespace="ns2", env="e2", created=3.0), Precondition())
+        assert [e.key for e in await ix.list_entries(limit=10)] == ["k3", "k2", "k1"]
+        assert [e.key for e in await ix.list_entries(namespace="ns", limit=10)] == ["k2", "k1"]
+        assert [e.key for e in await ix.list_entries(model="m", limit=10)] == ["k3", "k1"]
+        assert [e.key for e in await ix.list_entries(env_digest="e", hw_digest="h",
+                                                     limit=1)] == ["k2"]
+        assert await ix.usage("ns") == (2, 30) and await ix.usage() == (3, 40)
+        assert [e.key for e in await ix.largest_entries(namespace=None, limit=1)] == ["k1"]
+        assert await ix.delete("k1") and not await ix.delete("k1")
+        assert await ix.get("k1") is None and await ix.usage("ns") == (1, 10)
+        assert sorted(e.key for e in await ix.entry_infos()) == ["k2", "k3"]
+
+    run(make_index, body)
+
+
+def test_entry_store_preconditions_and_pins(make_index: Callable[[], Index]):
+    async def body(ix: Index) -> None:
+        stored, _ = await ix.put(entry("k"), Precondition(if_none_match="*"))
+        with pytest.raises(PreconditionFailed):
+            await ix.put(entry("k"), Precondition(if_none_match="*"))
+        with pytest.raises(PreconditionFailed):
+            await ix.put(entry("k"), Precondition(if_match='"nope"'))
+        await ix.put(entry("k", size=5), Precondition(if_match=stored.etag))
+        await ix.put(entry("old", created=0.5), Precondition())
+        assert await ix.set_pinned("k", True) and not await ix.set_pinned("missing", True)
+        assert [e.key for e in await ix.lru_entries(10)] == ["old"]
+        await ix.put(entry("k", size=6), Precondition())
+        assert (await ix.get("k", touch=False)).pinned  # type: ignore[union-attr]
+
+    run(make_index, body)
+
+
+def test_entry_store_lru_follows_access(make_index: Callable[[], Index]):
+    async def body(ix: Index) -> None:
+        for key in ("a", "b", "c"):
+            await ix.put(entry(key), Precondition())
+            await asyncio.sleep(0.01)
+        await ix.get("a")
+        assert [e.key for e in await ix.lru_entries(10)] == ["b", "c", "a"]
+        assert [e.key for e in await ix.lru_entries(10, namespace="other")] == []
+
+    run(make_index, body)
+
+
+# -- BlobLedger -------------------------------------------------------------------------
+def test_blob_ledger(make_index: Callable[[], Index]):
+    async def body(ix: Index) -> None:
+        assert await ix.record_blob("d1", 100, "ns")
+        assert not await ix.record_blob("d1", 100, "ns")
+        assert await ix.record_blob("d1", 100, "ns2")  # new to that namespace
+        await ix.record_blob("d2", 50, "ns")
+        assert await ix.stored_bytes() == 150
+        assert await ix.pending_bytes("ns") == 150
+        await ix.put(entry("k", digests=("d1",)), Precondition())
+        assert await ix.pending_bytes("ns") == 50
+        assert await ix.referenced(["d1", "d2"]) == {"d1"}
+        assert await ix.owns_blob("ns2", "d1") and not await ix.owns_blob("ns2", "d2")
+        before = (await ix.blob_record("d2")).touched_at  # type: ignore[union-attr]
+        await asyncio.sleep(0.01)
+        await ix.touch_blobs(["d2"])
+        assert (await ix.blob_record("d2")).touched_at > before  # type: ignore[union-attr]
+        await ix.forget_blob("d2")
+        assert await ix.blob_record("d2") is None and await ix.stored_bytes() == 100
+        assert not await ix.owns_blob("ns", "d2")
+        assert [b.digest for b in await ix.blob_records()] == ["d1"]
+
+    run(make_index, body)
+
+
+# -- TokenStore -------------------------------------------------------------------------
+def test_token_store(make_index: Callable[[], Index]):
+    async def body(ix: Index) -> None:
+        record = TokenRecord("id1", "ci", "hash", ("read", "write"), "ns", time.time())
+        await ix.put_token(record)
+        assert await ix.get_token("id1") == record
+        assert [t.token_id for t in await ix.list_tokens()] == ["id1"]
+        assert await ix.revoke_token("id1") and not await ix.revoke_token("nope")
+        assert (await ix.get_token("id1")).revoked  # type: ignore[union-attr]
+
+    run(make_index, body)
+
+
+# -- EventLog ---------------------------------------------------------------------------
+def _event(model: str, outcome: str = "hit", **fields: object) -> Event:
+    body = {"key": "a" * 64, "model": model, "outcome": outcome, "compile_s": 1.0,
+            "cold_compile_s": 10.0, "saved_s": 9.0 if outcome == "hit" else 0.0, **fields}
+    return Event.model_validate_json(json.dumps(body))
+
+
+def test_event_log_rollups(make_index: Callable[[], Index]):
+    async def body(ix: Index) -> None:
+        for _ in range(3):
+            await ix.add_event("ns", _event("m", bytes_down=2**40))
+        await ix.add_event("ns", _event("m", "miss", reason="no entry"))
+        await ix.add_event("ns2", _event("x", "miss", reason="other team"))
+        old = datetime.now(timezone.utc) - timedelta(days=3)
+        await ix.add_event("ns", _event("m", created_at=old.isoformat()))
+        [m] = await ix.stats(namespace="ns")
+        assert (m.runs, m.outcomes["hit"], m.outcomes["miss"]) == (5, 4, 1)
+        assert m.saved_s == 36.0 and m.bytes_down == 3 * 2**40
+        [recent] = await ix.stats(namespace="ns", since=time.time() - 3600)
+        assert recent.runs == 4  # the event from three days ago is outside the window
+        assert {s.namespace for s in await ix.stats(namespace=None)} == {"ns", "ns2"}
+        slots = await ix.timeline(namespace="ns", since=time.time() - 4 * 86400)
+        assert sum(s.runs for s in slots) == 5 and len(slots) == 2
+        [miss] = await ix.top_misses(namespace="ns", since=0, limit=10)
+        assert (miss.model, miss.reason, miss.count) == ("m", "no entry", 1)
+        await ix.prune_events(raw_before=time.time(), rollups_before=time.time() - 86400)
+        [total] = await ix.stats(namespace="ns")
+        assert total.runs == 5  # totals never go down
+
+    run(make_index, body)
+
+
+# -- LockStore --------------------------------------------------------------------------
+def test_lock_store_is_shared_and_expires(make_index: Callable[[], Index]):
+    async def body(ix: Index) -> None:
+        other = make_index()
+        await other.open()
+        try:
+            assert await ix.acquire_lock("gc", ttl_s=0.3)
+            assert not await other.acquire_lock("gc", ttl_s=0.3)
+            await other.release_lock("gc")  # not its lock: no effect
+            assert not await other.acquire_lock("gc", ttl_s=0.3)
+            await asyncio.sleep(0.35)
+            assert await other.acquire_lock("gc", ttl_s=0.3)
+        finally:
+            await other.close()
+
+    run(make_index, body)

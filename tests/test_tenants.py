@@ -1,0 +1,233 @@
+"""A hostile tenant against a shared server, on every backend pair.
+
+Team A holds a write token of its own namespace and tries everything the tenant issue lists;
+team B is well behaved. After each attack B's entries, blobs, stats, dashboard, GC and fsck
+are checked to be as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from conftest import BACKENDS, _configured, backend_args
+from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
+from prometheus_client.parser import text_string_to_metric_families
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[ServerProcess]:
+    args, env = backend_args(request.param, request)
+    proc = _configured(ServerProcess(
+        tmp_path_factory.mktemp("shared") / "data", *args, "--auth", "--store-budget", "20MiB",
+        env={**env, "MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_NAMESPACE_PENDING_BYTES": "4MiB",
+             "MEGACACHE_NAMESPACE_QUOTA_ENTRIES": "3", "MEGACACHE_EVENT_RATE": "2",
+             "MEGACACHE_EVENT_BURST": "10"}), request.param, args).start()
+    yield proc
+    proc.stop()
+    assert "Traceback" not in proc.log(), proc.log()
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+class Team:
+    """A tenant: its own token and namespace, and what it has stored."""
+
+    def __init__(self, server: ServerProcess, namespace: str, scopes: str = "read,write"):
+        self.server = server
+        self.namespace = namespace
+        self.headers = bearer(server.token(scopes, namespace=namespace, name=namespace))
+        self.http = httpx.Client(base_url=server.url, headers=self.headers, timeout=30)
+
+    def publish(self, code: str, size: int = 100_000, model: str = "mlp") -> str:
+        data = os.urandom(size)
+        assert self.http.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+        m = make_manifest({"megacache": data}, make_fingerprint(
+            model=model, code=code, namespace=self.namespace))
+        r = self.http.put(f"/v1/ac/{m.key}", content=m.to_json())
+        assert r.status_code == 201, r.text
+        return m.key
+
+    def event(self, **fields: object) -> httpx.Response:
+        body = {"key": "b" * 64, "model": "mlp", "outcome": "hit", "compile_s": 1.0,
+                "cold_compile_s": 30.0, "saved_s": 29.0, **fields}
+        return self.http.post("/v1/events", json=body)
+
+    def snapshot(self) -> dict[str, object]:
+        """Everything of this team another team must never change."""
+        entries = self.http.get("/v1/ac", params={"limit": 1000}).json()["entries"]
+        stats = self.http.get("/v1/stats")
+        dashboard = self.http.get("/v1/dashboard")
+        assert stats.status_code == 200 and dashboard.status_code == 200
+        blobs = {b["digest"]: self.http.head(f"/v1/cas/{b['digest']}").status_code
+                 for e in entries for b in e["blobs"]}
+        return {"entries": sorted(e["key"] for e in entries), "blobs": blobs,
+                "stats": stats.json(), "models": dashboard.json()["models"],
+                "store": dashboard.json()["store"]}
+
+
+@pytest.fixture
+def teams(shared: ServerProcess) -> Iterator[tuple[Team, Team]]:
+    n = os.urandom(3).hex()
+    a, b = Team(shared, f"a-{n}"), Team(shared, f"b-{n}")
+    b.publish("b-entry", model="b-model")
+    assert b.event(model="b-model").status_code == 202
+    yield a, b
+    a.http.close()
+    b.http.close()
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_finite_numbers_are_refused(teams: tuple[Team, Team], value: str):
+    a, b = teams
+    before = b.snapshot()
+    data = os.urandom(1000)
+    assert a.http.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+    m = make_manifest({"megacache": data}, make_fingerprint(code="nan", namespace=a.namespace,
+                                                            env={"torch": 1.5}))
+    body = m.to_json().replace(b'"torch":1.5', f'"torch":{value}'.encode())
+    assert value.encode() in body
+    r = a.http.put(f"/v1/ac/{m.key}", content=body)
+    assert r.status_code == 422, r.text
+    assert a.http.get(f"/v1/ac/{m.key}").status_code == 404
+    assert a.http.get("/v1/dashboard").status_code == 200
+    assert b.snapshot() == before
+
+
+def test_the_server_stores_exactly_the_bytes_it_validated(teams: tuple[Team, Team]):
+    a, _ = teams
+    data = os.urandom(1000)
+    a.http.put(f"/v1/cas/{sha256(data)}", content=data)
+    m = make_manifest({"megacache": data}, make_fingerprint(code="exact", namespace=a.namespace))
+    body = json.dumps(json.loads(m.to_json()), indent=1).encode()  # same JSON, other bytes
+    assert a.http.put(f"/v1/ac/{m.key}", content=body).status_code == 201
+    assert a.http.get(f"/v1/ac/{m.key}").content == body
+
+
+def _damage(server: ServerProcess, key: str) -> None:
+    """What a bug or a disk error could leave: a stored manifest that no longer parses."""
+    if server.backend.startswith("redis"):
+        import redis
+
+        url = server.extra_args[server.extra_args.index("--index") + 1]
+        r = redis.Redis.from_url(url)
+        r.hset(server.env["MEGACACHE_REDIS_PREFIX"] + f"entry:{key}", "manifest", b'{"x": null')
+        return
+    with sqlite3.connect(server.data_dir / "index.sqlite3") as db:
+        db.execute("UPDATE entries SET manifest=? WHERE key=?", (b'{"x": null', key))
+
+
+def test_a_damaged_record_stops_nothing_and_fsck_removes_it(teams: tuple[Team, Team]):
+    a, b = teams
+    key = a.publish("doomed")
+    _damage(a.server, key)
+    before = b.snapshot()
+    assert a.http.get("/v1/ac").status_code == 200
+    assert a.http.get("/v1/dashboard").status_code == 200
+    assert "evicted" in a.server.cli("gc")
+    report = a.server.cli("fsck", "--verify", "--repair")
+    assert f"unreadable entry {key}" in report and "repaired" in report
+    assert a.http.get(f"/v1/ac/{key}").status_code == 404
+    assert b.snapshot() == before
+
+
+def test_event_numbers_are_bounded_and_sums_cannot_overflow(teams: tuple[Team, Team]):
+    a, b = teams
+    before = b.snapshot()
+    assert a.event(bytes_down=2**53).status_code == 422
+    assert a.event(saved_s=1e9, cold_compile_s=1e9).status_code == 422  # more than a week
+    assert a.event(saved_s=50.0, cold_compile_s=30.0).status_code == 422  # saves > it cost
+    nan = b'{"key": "' + b"b" * 64 + b'", "model": "m", "outcome": "miss", "compile_s": NaN}'
+    assert a.http.post("/v1/events", content=nan).status_code == 422
+    for _ in range(5):  # within the burst of 10, rejected events included
+        assert a.event(bytes_down=2**40, model="big").status_code == 202
+    stats = a.http.get("/v1/stats").json()
+    assert stats["total"]["bytes_down"] == 5 * 2**40
+    for path in ("/v1/stats", "/v1/dashboard", "/metrics"):
+        assert a.http.get(path).status_code == 200
+    assert b.snapshot() == before
+
+
+def test_namespaces_see_only_their_own_numbers(shared: ServerProcess,
+                                               teams: tuple[Team, Team]):
+    a, b = teams
+    secret = f"secret-{a.namespace}"
+    a.publish("private", model=secret)
+    assert a.event(model=secret, outcome="miss", saved_s=0.0,
+                   reason="/home/alice/private/path").status_code == 202
+    before_a = a.http.get("/v1/stats").json()
+    for path in ("/v1/stats", "/v1/dashboard", "/metrics"):
+        text = b.http.get(path).text
+        assert secret not in text and "/home/alice" not in text, path
+    assert secret in a.http.get("/metrics").text
+    # an event naming A's model, posted by B, counts in B's namespace only
+    assert b.event(model=secret, saved_s=29.0).status_code == 202
+    assert a.http.get("/v1/stats").json() == before_a
+    assert httpx.get(f"{shared.url}/metrics").status_code == 401
+    scraper = bearer(shared.token("metrics", name="prometheus"))
+    scrape = httpx.get(f"{shared.url}/metrics", headers=scraper)
+    assert scrape.status_code == 200
+    assert {(a.namespace, secret), (b.namespace, "b-model")} <= _run_series(scrape.text)
+    assert httpx.get(f"{shared.url}/v1/stats", headers=scraper).status_code == 403
+
+
+def _run_series(text: str) -> set[tuple[str, str]]:
+    return {(s.labels["namespace"], s.labels["model"])
+            for f in text_string_to_metric_families(text) if f.name == "megacache_runs"
+            for s in f.samples}
+
+
+def test_one_tenant_cannot_fill_the_store_for_another(teams: tuple[Team, Team]):
+    a, b = teams
+    before = b.snapshot()
+    # A over its entry quota (3) loses its own oldest entries, never B's
+    keys = [a.publish(f"q{i}") for i in range(5)]
+    present = [a.http.get(f"/v1/ac/{k}").status_code for k in keys]
+    assert present == [404, 404, 200, 200, 200]
+    codes = []
+    for _ in range(6):  # unreferenced uploads: capped per namespace at 4 MiB
+        data = os.urandom(MiB)
+        codes.append(a.http.put(f"/v1/cas/{sha256(data)}", content=data).status_code)
+    assert codes[:3] == [201] * 3 and codes[-1] == 507, codes
+    r = a.http.put(f"/v1/cas/{sha256(b'x' * MiB)}", content=b"x" * MiB)
+    assert r.json()["error"]["code"] == "pending_quota"
+    assert b.snapshot() == before
+    b.publish("b-after", size=MiB)  # B still uploads and writes
+
+
+def test_event_floods_are_rate_limited_per_token(teams: tuple[Team, Team]):
+    a, b = teams
+    codes = [a.event().status_code for _ in range(30)]
+    assert codes.count(202) <= 14 and 429 in codes, codes
+    limited = a.event()
+    if limited.status_code == 429:
+        assert int(limited.headers["retry-after"]) >= 1
+    assert b.event().status_code == 202
+
+
+def test_concurrent_entry_writes_never_answer_500(teams: tuple[Team, Team]):
+    a, _ = teams
+    data = os.urandom(2000)
+    assert a.http.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+    manifests = [make_manifest({"megacache": data}, make_fingerprint(
+        code=f"c{i % 3}", namespace=a.namespace), cold_compile_s=float(i)) for i in range(120)]
+
+    def write(i: int) -> int:
+        m = manifests[i]
+        if i % 2:
+            return a.http.get(f"/v1/ac/{m.key}").status_code
+        return a.http.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code
+
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(write, range(120)))
+    assert all(c < 500 for c in codes), codes
