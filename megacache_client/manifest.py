@@ -19,7 +19,6 @@ MANIFEST_FORMAT: Literal[1] = 1
 """Bump when the manifest or the fingerprint recipe changes incompatibly; it is hashed into keys."""
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
-MAX_MANIFEST_BYTES = 64 * 1024
 MAX_BLOBS_PER_ENTRY = 16
 
 

@@ -75,10 +75,6 @@ class RequestTimeout(ApiError):
     status, code = 408, "request_timeout"
 
 
-class Conflict(ApiError):
-    status, code = 409, "conflict"
-
-
 class LengthRequired(ApiError):
     status, code = 411, "length_required"
 

@@ -7,18 +7,7 @@ from collections.abc import AsyncIterator
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
-from megacache_client.manifest import is_hex64
 from megacache_server.errors import BadRequest, LengthRequired, PayloadTooLarge, RequestTimeout
-
-
-def require_hex64(value: str, what: str) -> str:
-    """Digests and keys are 64 lowercase hex: anything else (`..`, `/`, upper case) is refused."""
-    if not is_hex64(value):
-        raise BadRequest(
-            f"{what} must be 64 lowercase hex characters (a sha256), got {value[:80]!r}",
-            code=f"malformed_{what}",
-        )
-    return value
 
 
 def require_content_length(header: str | None, limit: int, what: str) -> int:

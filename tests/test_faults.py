@@ -159,6 +159,21 @@ def test_disk_full_is_507_and_recovers(tmp_path: Path, small_disk: Path):
         server.stop()
 
 
+def test_a_store_that_cannot_write_is_not_ready(small_disk: Path):
+    server = ServerProcess(small_disk / "data", "--min-free-disk", "1MiB").start()
+    filler = small_disk / "filler"
+    try:
+        assert httpx.get(f"{server.url}/readyz").status_code == 200
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=64"],
+                       capture_output=True, check=False)  # until the disk is full
+        r = httpx.get(f"{server.url}/readyz", timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "disk_full", r.text
+        filler.unlink()
+        assert httpx.get(f"{server.url}/readyz", timeout=30).status_code == 200
+    finally:
+        server.stop()
+
+
 def test_redis_down_is_503_with_reason_and_recovers(tmp_path: Path):
     redis = started(LocalRedis(tmp_path / "redis"), "redis-server")
     server = ServerProcess(tmp_path / "data", "--index", redis.url).start()

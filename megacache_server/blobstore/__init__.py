@@ -1,5 +1,1 @@
-"""Blob store backends, chosen by settings."""
-
-from megacache_server.blobstore.base import BlobStore, DigestVerifier
-
-__all__ = ["BlobStore", "DigestVerifier"]
+"""Blob store backends (fs.py, s3.py) behind the interface of base.py."""

@@ -185,10 +185,15 @@ class FsBlobStore(BlobStore):
         return found
 
     async def ping(self) -> None:
+        """Ready means able to store: a writable directory with disk above the reserve."""
         ok = await to_thread.run_sync(lambda: os.access(self.cas_dir, os.W_OK | os.X_OK))
         if not ok:
             raise ServiceUnavailable(f"blob directory {self.cas_dir} is not writable",
                                      code="store_unavailable")
+        free = shutil.disk_usage(self.root).free
+        if free < max(self.min_free_bytes, 1):
+            raise ServiceUnavailable(
+                f"disk full: {free} bytes free, reserve {self.min_free_bytes}", code="disk_full")
 
 
 def _write_hashed(f: BinaryIO, verifier: DigestVerifier, data: bytes) -> None:

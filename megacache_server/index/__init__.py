@@ -1,5 +1,1 @@
-"""Index backends, chosen by settings."""
-
-from megacache_server.index.base import Index, Precondition, StoredEntry
-
-__all__ = ["Index", "Precondition", "StoredEntry"]
+"""Index backends (sqlite.py, redis.py) behind the storage protocols of base.py."""

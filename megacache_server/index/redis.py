@@ -37,6 +37,7 @@ from redis.exceptions import RedisError, WatchError
 
 from megacache_client.events import Event
 from megacache_server.errors import ServiceUnavailable
+from megacache_server.index import base
 from megacache_server.index.base import (
     HOUR,
     BlobRecord,
@@ -49,11 +50,6 @@ from megacache_server.index.base import (
     StoredEntry,
     TimelineSlot,
     TokenRecord,
-    check_precondition,
-    entry_etag,
-    event_counters,
-    event_hour,
-    hour_of,
 )
 
 T = TypeVar("T")
@@ -120,7 +116,7 @@ class RedisIndex(Index):
         return await self._do(op)
 
     async def put(self, entry: NewEntry, condition: Precondition) -> tuple[StoredEntry, bool]:
-        etag = entry_etag(entry.manifest_json)
+        etag = base.entry_etag(entry.manifest_json)
         key = entry.key
         ekey = self.k("entry", key)
 
@@ -131,7 +127,7 @@ class RedisIndex(Index):
                         await pipe.watch(ekey)
                         old = await pipe.hgetall(ekey)
                         current = _str(old.get(b"etag")) if old else None
-                        check_precondition(condition, current)
+                        base.check_precondition(condition, current)
                         now = time.time()
                         pinned = _str(old.get(b"pinned")) == "1" if old else False
                         pipe.multi()
@@ -445,8 +441,8 @@ class RedisIndex(Index):
 
     # -- events -------------------------------------------------------------------------
     async def add_event(self, namespace: str, event: Event) -> None:
-        hour = event_hour(event, time.time())
-        counters = {f"{event.model}\t{c}": v for c, v in event_counters(event).items() if v}
+        hour = base.event_hour(event, time.time())
+        counters = {f"{event.model}\t{c}": v for c, v in base.event_counters(event).items() if v}
         rollup = self.k("rollup", namespace, hour)
 
         async def op() -> None:
@@ -479,7 +475,7 @@ class RedisIndex(Index):
             return list(await pipe.execute())
 
     def _hours(self, since: float) -> list[int]:
-        return list(range(hour_of(since), hour_of(time.time()) + 1, HOUR))
+        return list(range(base.hour_of(since), base.hour_of(time.time()) + 1, HOUR))
 
     async def stats(self, *, namespace: str | None, since: float | None = None
                     ) -> list[ModelStats]:

@@ -24,30 +24,14 @@ from typing import Any, TypeVar
 
 from anyio import to_thread
 
-from megacache_client.events import OUTCOMES, Event
+from megacache_client.events import Event
 from megacache_server.errors import ServiceUnavailable
-from megacache_server.index.base import (
-    COUNTERS,
-    BlobRecord,
-    EntryInfo,
-    Index,
-    MissReason,
-    ModelStats,
-    NewEntry,
-    Precondition,
-    StoredEntry,
-    TimelineSlot,
-    TokenRecord,
-    check_precondition,
-    entry_etag,
-    event_counters,
-    event_hour,
-    hour_of,
-)
+from megacache_server.index import base
+from megacache_server.index.base import Index
 
 T = TypeVar("T")
 SCHEMA_VERSION = 2
-_SUMS = ", ".join(f"{c} REAL NOT NULL DEFAULT 0" for c in COUNTERS)
+_SUMS = ", ".join(f"{c} REAL NOT NULL DEFAULT 0" for c in base.COUNTERS)
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS entries (
@@ -130,7 +114,7 @@ ACCESS_FLUSH_S = 1.0
 INFO_COLUMNS = ("key, namespace, model, size, created_at, updated_at, last_access, pinned, "
                 "(SELECT group_concat(digest) FROM entry_blobs b WHERE b.key = entries.key)")
 ENTRY_COLUMNS = INFO_COLUMNS + ", manifest, etag"
-_UPSERT = ", ".join(f"{c}={c}+excluded.{c}" for c in COUNTERS)
+_UPSERT = ", ".join(f"{c}={c}+excluded.{c}" for c in base.COUNTERS)
 
 
 class SqliteIndex(Index):
@@ -217,7 +201,7 @@ class SqliteIndex(Index):
         return await self._run(lambda c: c.execute(sql, args).fetchone())
 
     # -- entries ------------------------------------------------------------------------
-    async def get(self, key: str, *, touch: bool = True) -> StoredEntry | None:
+    async def get(self, key: str, *, touch: bool = True) -> base.StoredEntry | None:
         row = await self._read(f"SELECT {ENTRY_COLUMNS} FROM entries WHERE key=?", (key,))
         if row is None:
             return None
@@ -245,15 +229,16 @@ class SqliteIndex(Index):
             self._flushed_at = time.monotonic()
             self._flushing = None
 
-    async def put(self, entry: NewEntry, condition: Precondition) -> tuple[StoredEntry, bool]:
-        etag = entry_etag(entry.manifest_json)
+    async def put(self, entry: base.NewEntry, condition: base.Precondition
+                  ) -> tuple[base.StoredEntry, bool]:
+        etag = base.entry_etag(entry.manifest_json)
 
-        def op(c: sqlite3.Connection) -> tuple[StoredEntry, bool]:
+        def op(c: sqlite3.Connection) -> tuple[base.StoredEntry, bool]:
             now = time.time()
             with _transaction(c, immediate=True):
                 row = c.execute("SELECT etag, pinned FROM entries WHERE key=?",
                                 (entry.key,)).fetchone()
-                check_precondition(condition, row[0] if row else None)
+                base.check_precondition(condition, row[0] if row else None)
                 c.execute(
                     """INSERT INTO entries (key, manifest, etag, namespace, model, env_digest,
                          hw_digest, size, created_at, updated_at, last_access)
@@ -269,7 +254,7 @@ class SqliteIndex(Index):
                 c.execute("DELETE FROM entry_blobs WHERE key=?", (entry.key,))
                 c.executemany("INSERT INTO entry_blobs (key, digest) VALUES (?, ?)",
                               [(entry.key, d) for d in entry.digests])
-            stored = StoredEntry(entry.key, entry.namespace, entry.model, entry.digests,
+            stored = base.StoredEntry(entry.key, entry.namespace, entry.model, entry.digests,
                                  entry.size, entry.created_at, now, now,
                                  bool(row and row[1]), entry.manifest_json, etag)
             return stored, row is None
@@ -278,7 +263,7 @@ class SqliteIndex(Index):
 
     async def list_entries(self, *, namespace: str | None = None, model: str | None = None,
                            env_digest: str | None = None, hw_digest: str | None = None,
-                           limit: int) -> list[StoredEntry]:
+                           limit: int) -> list[base.StoredEntry]:
         where, args = _filters(namespace=namespace, model=model, env_digest=env_digest,
                                hw_digest=hw_digest)
         sql = (f"SELECT {ENTRY_COLUMNS} FROM entries{where} "
@@ -286,16 +271,16 @@ class SqliteIndex(Index):
         return await self._run(lambda c: [_stored(r) for r in c.execute(
             sql, (*args, limit)).fetchall()])
 
-    async def entry_infos(self, *, namespace: str | None = None) -> list[EntryInfo]:
+    async def entry_infos(self, *, namespace: str | None = None) -> list[base.EntryInfo]:
         where, args = _filters(namespace=namespace)
         pending, self._touched = self._touched, {}
 
-        def op(c: sqlite3.Connection) -> list[EntryInfo]:
+        def op(c: sqlite3.Connection) -> list[base.EntryInfo]:
             _flush_access(c, pending)
             digests: dict[str, list[str]] = {}
             for key, digest in c.execute("SELECT key, digest FROM entry_blobs"):
                 digests.setdefault(key, []).append(digest)
-            return [EntryInfo(key, ns, model, tuple(digests.get(key, ())), size, created,
+            return [base.EntryInfo(key, ns, model, tuple(digests.get(key, ())), size, created,
                               updated, access, bool(pinned))
                     for key, ns, model, size, created, updated, access, pinned in c.execute(
                         "SELECT key, namespace, model, size, created_at, updated_at, "
@@ -303,7 +288,7 @@ class SqliteIndex(Index):
 
         return await self._run(op)
 
-    async def largest_entries(self, *, namespace: str | None, limit: int) -> list[EntryInfo]:
+    async def largest_entries(self, *, namespace: str | None, limit: int) -> list[base.EntryInfo]:
         where, args = _filters(namespace=namespace)
         sql = f"SELECT {INFO_COLUMNS} FROM entries{where} ORDER BY size DESC, key LIMIT ?"
         return await self._run(lambda c: [_info(r) for r in c.execute(
@@ -327,12 +312,12 @@ class SqliteIndex(Index):
             "UPDATE entries SET pinned=? WHERE key=?", (int(pinned), key)).rowcount > 0)
 
     async def lru_entries(self, limit: int, *, namespace: str | None = None
-                          ) -> list[EntryInfo]:
+                          ) -> list[base.EntryInfo]:
         pending, self._touched = self._touched, {}
         where = " AND namespace=?" if namespace is not None else ""
         args: tuple[Any, ...] = (namespace,) if namespace is not None else ()
 
-        def op(c: sqlite3.Connection) -> list[EntryInfo]:
+        def op(c: sqlite3.Connection) -> list[base.EntryInfo]:
             _flush_access(c, pending)
             return [_info(r) for r in c.execute(
                 f"SELECT {INFO_COLUMNS} FROM entries WHERE pinned=0{where} "
@@ -365,14 +350,14 @@ class SqliteIndex(Index):
                  (SELECT 1 FROM entry_blobs e WHERE e.digest=o.digest)""",
             (namespace,)).fetchone()[0]))
 
-    async def blob_records(self) -> list[BlobRecord]:
-        return await self._run(lambda c: [BlobRecord(*r) for r in c.execute(
+    async def blob_records(self) -> list[base.BlobRecord]:
+        return await self._run(lambda c: [base.BlobRecord(*r) for r in c.execute(
             "SELECT digest, size, touched_at FROM blobs ORDER BY digest").fetchall()])
 
-    async def blob_record(self, digest: str) -> BlobRecord | None:
+    async def blob_record(self, digest: str) -> base.BlobRecord | None:
         row = await self._read("SELECT digest, size, touched_at FROM blobs WHERE digest=?",
                                (digest,))
-        return BlobRecord(*row) if row else None
+        return base.BlobRecord(*row) if row else None
 
     async def referenced(self, digests: list[str]) -> set[str]:
         def op(c: sqlite3.Connection) -> set[str]:
@@ -404,18 +389,18 @@ class SqliteIndex(Index):
                                 (namespace, digest)) is not None
 
     # -- tokens -------------------------------------------------------------------------
-    async def put_token(self, token: TokenRecord) -> None:
+    async def put_token(self, token: base.TokenRecord) -> None:
         await self._write(lambda c: c.execute(
             f"INSERT INTO tokens ({TOKEN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (token.token_id, token.name, token.token_hash, ",".join(token.scopes),
              token.namespace, token.created_at, int(token.revoked))))
 
-    async def get_token(self, token_id: str) -> TokenRecord | None:
+    async def get_token(self, token_id: str) -> base.TokenRecord | None:
         row = await self._read(f"SELECT {TOKEN_COLUMNS} FROM tokens WHERE token_id=?",
                                (token_id,))
         return _token(row) if row else None
 
-    async def list_tokens(self) -> list[TokenRecord]:
+    async def list_tokens(self) -> list[base.TokenRecord]:
         return await self._run(lambda c: [_token(r) for r in c.execute(
             f"SELECT {TOKEN_COLUMNS} FROM tokens ORDER BY created_at").fetchall()])
 
@@ -426,10 +411,10 @@ class SqliteIndex(Index):
     # -- events -------------------------------------------------------------------------
     async def add_event(self, namespace: str, event: Event) -> None:
         now = time.time()
-        counters = event_counters(event)
-        columns = ", ".join(COUNTERS)
-        marks = ", ".join("?" * len(COUNTERS))
-        values = tuple(counters[c] for c in COUNTERS)
+        counters = base.event_counters(event)
+        columns = ", ".join(base.COUNTERS)
+        marks = ", ".join("?" * len(base.COUNTERS))
+        values = tuple(counters[c] for c in base.COUNTERS)
 
         def op(c: sqlite3.Connection) -> None:
             with _transaction(c, immediate=True):
@@ -438,21 +423,21 @@ class SqliteIndex(Index):
                 c.execute(f"""INSERT INTO rollup_hourly (namespace, hour, model, {columns})
                               VALUES (?, ?, ?, {marks})
                               ON CONFLICT DO UPDATE SET {_UPSERT}""",
-                          (namespace, event_hour(event, now), event.model, *values))
+                          (namespace, base.event_hour(event, now), event.model, *values))
                 c.execute(f"""INSERT INTO rollup_total (namespace, model, {columns})
                               VALUES (?, ?, {marks}) ON CONFLICT DO UPDATE SET {_UPSERT}""",
                           (namespace, event.model, *values))
                 if event.outcome not in ("hit", "fallback"):
                     c.execute("""INSERT INTO miss_reasons VALUES (?, ?, ?, ?, ?, 1)
                                  ON CONFLICT DO UPDATE SET count=count+1""",
-                              (namespace, event_hour(event, now), event.model, event.outcome,
+                              (namespace, base.event_hour(event, now), event.model, event.outcome,
                                event.reason[:200]))
 
         await self._run(op)
 
     async def stats(self, *, namespace: str | None, since: float | None = None
-                    ) -> list[ModelStats]:
-        sums = ", ".join(f"TOTAL({c})" for c in COUNTERS)
+                    ) -> list[base.ModelStats]:
+        sums = ", ".join(f"TOTAL({c})" for c in base.COUNTERS)
         if since is None:
             where, args = _filters(namespace=namespace)
             sql = f"SELECT namespace, model, {sums} FROM rollup_total{where} " \
@@ -460,30 +445,31 @@ class SqliteIndex(Index):
         else:
             where, args = _filters(namespace=namespace)
             where += (" AND" if where else " WHERE") + " hour >= ?"
-            args = (*args, hour_of(since))
+            args = (*args, base.hour_of(since))
             sql = f"SELECT namespace, model, {sums} FROM rollup_hourly{where} " \
                   "GROUP BY namespace, model"
         rows = await self._run(lambda c: c.execute(sql, args).fetchall())
         return _model_stats(rows)
 
-    async def timeline(self, *, namespace: str | None, since: float) -> list[TimelineSlot]:
+    async def timeline(self, *, namespace: str | None, since: float) -> list[base.TimelineSlot]:
         where, args = _filters(namespace=namespace)
         where += (" AND" if where else " WHERE") + " hour >= ?"
         sql = (f"SELECT hour, TOTAL(runs), TOTAL(hit) + TOTAL(fallback), TOTAL(saved_s), "
                f"TOTAL(tts_s), TOTAL(tts_n) FROM rollup_hourly{where} GROUP BY hour "
                "ORDER BY hour")
-        rows = await self._run(lambda c: c.execute(sql, (*args, hour_of(since))).fetchall())
-        return [TimelineSlot(int(h), int(r), int(w), s, t, int(n)) for h, r, w, s, t, n in rows]
+        rows = await self._run(lambda c: c.execute(sql, (*args, base.hour_of(since))).fetchall())
+        return [base.TimelineSlot(int(h), int(r), int(w), s, t, int(n))
+                for h, r, w, s, t, n in rows]
 
     async def top_misses(self, *, namespace: str | None, since: float,
-                         limit: int) -> list[MissReason]:
+                         limit: int) -> list[base.MissReason]:
         where, args = _filters(namespace=namespace)
         where += (" AND" if where else " WHERE") + " hour >= ?"
         sql = (f"SELECT model, outcome, reason, SUM(count) AS n FROM miss_reasons{where} "
                "GROUP BY model, outcome, reason ORDER BY n DESC, model LIMIT ?")
         rows = await self._run(lambda c: c.execute(
-            sql, (*args, hour_of(since), limit)).fetchall())
-        return [MissReason(m, o, r, int(n)) for m, o, r, n in rows]
+            sql, (*args, base.hour_of(since), limit)).fetchall())
+        return [base.MissReason(m, o, r, int(n)) for m, o, r, n in rows]
 
     async def prune_events(self, *, raw_before: float, rollups_before: float) -> int:
         def op(c: sqlite3.Connection) -> int:
@@ -556,30 +542,28 @@ class _transaction:
 TOKEN_COLUMNS = "token_id, name, token_hash, scopes, namespace, created_at, revoked"
 
 
-def _token(row: tuple[Any, ...]) -> TokenRecord:
+def _token(row: tuple[Any, ...]) -> base.TokenRecord:
     token_id, name, token_hash, scopes, namespace, created_at, revoked = row
-    return TokenRecord(token_id, name, token_hash, tuple(scopes.split(",")), namespace,
+    return base.TokenRecord(token_id, name, token_hash, tuple(scopes.split(",")), namespace,
                        created_at, bool(revoked))
 
 
-def _info(row: tuple[Any, ...]) -> EntryInfo:
+def _info(row: tuple[Any, ...]) -> base.EntryInfo:
     key, namespace, model, size, created_at, updated_at, last_access, pinned, digests = row[:9]
-    return EntryInfo(key, namespace, model, tuple(digests.split(",")) if digests else (),
+    return base.EntryInfo(key, namespace, model, tuple(digests.split(",")) if digests else (),
                      int(size), created_at, updated_at, last_access, bool(pinned))
 
 
-def _stored(row: tuple[Any, ...]) -> StoredEntry:
+def _stored(row: tuple[Any, ...]) -> base.StoredEntry:
     info = _info(row)
-    return StoredEntry(**vars(info), manifest_json=bytes(row[9]), etag=row[10])
+    return base.StoredEntry(**vars(info), manifest_json=bytes(row[9]), etag=row[10])
 
 
-def _model_stats(rows: list[tuple[Any, ...]]) -> list[ModelStats]:
+def _model_stats(rows: list[tuple[Any, ...]]) -> list[base.ModelStats]:
     out = []
     for namespace, model, *sums in rows:
-        s = ModelStats(namespace, model)
-        s.add(dict(zip(COUNTERS, sums, strict=True)))
+        s = base.ModelStats(namespace, model)
+        s.add(dict(zip(base.COUNTERS, sums, strict=True)))
         out.append(s)
     return sorted(out, key=lambda s: (-s.runs, s.namespace, s.model))
 
-
-__all__ = ["OUTCOMES", "SqliteIndex"]
