@@ -8,13 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import ValidationError
 
-from megacache_client.manifest import (
-    HEX64_PATTERN,
-    SIGNATURE_HEADER,
-    Manifest,
-    component_digest,
-    sign_manifest,
-)
+from megacache_client.manifest import HEX64_PATTERN, Manifest, component_digest
 from megacache_server.auth import Forbidden, Principal, require
 from megacache_server.errors import (
     FailedDependency,
@@ -24,6 +18,7 @@ from megacache_server.errors import (
     error_responses,
 )
 from megacache_server.index.base import Precondition, StoredEntry
+from megacache_server.signing import signature_headers
 from megacache_server.storage import Storage, get_storage
 from megacache_server.validation import request_body, require_content_length, require_hex64
 
@@ -87,7 +82,8 @@ async def put_entry(key: Key, request: Request, storage: StorageDep,
             if_none_match=request.headers.get("if-none-match"),
         ),
     )
-    return _json(stored, 201 if created else 200, _entry_headers(storage, entry.etag, stored))
+    return _json(stored, 201 if created else 200,
+                 _entry_headers(storage, key, namespace, entry.etag, stored))
 
 
 @router.get("/{key}", responses={
@@ -99,8 +95,8 @@ async def get_entry(key: Key, request: Request, storage: StorageDep,
     entry = await _visible_entry(storage, principal, key)
     if request.headers.get("if-none-match") == entry.etag:
         return Response(status_code=304, headers={"etag": entry.etag})
-    return _json(entry.manifest_json,
-                 headers=_entry_headers(storage, entry.etag, entry.manifest_json))
+    return _json(entry.manifest_json, headers=_entry_headers(
+        storage, key, _namespace_of(entry.manifest_json), entry.etag, entry.manifest_json))
 
 
 @router.get("", responses={200: {"description": "entries, newest first", "content": {
@@ -170,12 +166,9 @@ def _namespace_of(manifest_json: bytes) -> str:
     return str(json.loads(manifest_json)["fingerprint"].get("namespace", "default"))
 
 
-def _entry_headers(storage: Storage, etag: str, manifest_json: bytes) -> dict[str, str]:
-    headers = {"etag": etag}
-    key = storage.settings.signing_key
-    if key:
-        headers[SIGNATURE_HEADER] = sign_manifest(key, manifest_json)
-    return headers
+def _entry_headers(storage: Storage, key: str, namespace: str, etag: str,
+                   manifest_json: bytes) -> dict[str, str]:
+    return {"etag": etag, **signature_headers(storage.settings, key, namespace, manifest_json)}
 
 
 async def _set_pinned(storage: Storage, key: str, pinned: bool) -> Response:

@@ -86,7 +86,8 @@ CREATE TABLE IF NOT EXISTS tokens (
     scopes      TEXT NOT NULL,
     namespace   TEXT NOT NULL,
     created_at  REAL NOT NULL,
-    revoked     INTEGER NOT NULL DEFAULT 0
+    revoked     INTEGER NOT NULL DEFAULT 0,
+    expires_at  REAL
 );
 CREATE TABLE IF NOT EXISTS locks (
     name        TEXT PRIMARY KEY,
@@ -120,7 +121,9 @@ class SqliteIndex(Index):
             self.path, timeout=30, isolation_level=None, check_same_thread=False
         )
         conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
+        # FULL: a commit is fsynced before it returns, so an acknowledged entry survives a
+        # power loss (NORMAL in WAL mode may lose the last commits); blobs are fsynced too
+        conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA foreign_keys=ON")
         with _transaction(conn, immediate=True):
             for statement in SCHEMA.split(";"):
@@ -134,6 +137,9 @@ class SqliteIndex(Index):
             if "namespace" not in entry_columns:
                 conn.execute("ALTER TABLE entries ADD COLUMN namespace TEXT NOT NULL "
                              "DEFAULT 'default'")
+            token_columns = {r[1] for r in conn.execute("PRAGMA table_info(tokens)")}
+            if "expires_at" not in token_columns:
+                conn.execute("ALTER TABLE tokens ADD COLUMN expires_at REAL")
         self._conn = conn
 
     async def close(self) -> None:
@@ -344,9 +350,9 @@ class SqliteIndex(Index):
     async def put_token(self, token: TokenRecord) -> None:
         await self._run(lambda c: c.execute(
             "INSERT INTO tokens (token_id, name, token_hash, scopes, namespace, created_at, "
-            "revoked) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "revoked, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (token.token_id, token.name, token.token_hash, ",".join(token.scopes),
-             token.namespace, token.created_at, int(token.revoked))))
+             token.namespace, token.created_at, int(token.revoked), token.expires_at)))
 
     async def get_token(self, token_id: str) -> TokenRecord | None:
         row = await self._run(lambda c: c.execute(
@@ -407,13 +413,13 @@ class _transaction:
         self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
 
 
-TOKEN_COLUMNS = "token_id, name, token_hash, scopes, namespace, created_at, revoked"
+TOKEN_COLUMNS = "token_id, name, token_hash, scopes, namespace, created_at, revoked, expires_at"
 
 
 def _token(row: tuple) -> TokenRecord:
-    token_id, name, token_hash, scopes, namespace, created_at, revoked = row
+    token_id, name, token_hash, scopes, namespace, created_at, revoked, expires_at = row
     return TokenRecord(token_id, name, token_hash, tuple(scopes.split(",")), namespace,
-                       created_at, bool(revoked))
+                       created_at, bool(revoked), expires_at)
 
 
 def _entry(row: tuple) -> StoredEntry:
