@@ -21,8 +21,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from megacache_client.manifest import is_hex64
-from megacache_server import eviction, fsck
 from megacache_client.signing import SigningError
+from megacache_server import eviction, fsck
 from megacache_server.auth import new_token, parse_duration
 from megacache_server.errors import ApiError
 from megacache_server.settings import Settings

@@ -38,18 +38,24 @@ HEADER_SLACK = 16 * 1024
 """Room for the request line and separators above the headers' own bytes."""
 FD_RESERVE = 128
 """Descriptors kept for the index, blob files, logs and sockets being accepted."""
-PROTOCOL = "megacache_server.protocol:BoundedHttpToolsProtocol"
+_last_warned = 0.0
 
 
 @functools.lru_cache(maxsize=1)
-def _limits() -> tuple[int, float, int]:
-    """(raw header byte cap, header timeout, connection cap) from MEGACACHE_* settings."""
+def _limits() -> tuple[int, float, int | None]:
+    """(raw header byte cap, header timeout, configured connection cap) from MEGACACHE_*."""
     settings = Settings()
-    soft = raise_fd_limit()
-    cap = max(16, soft - FD_RESERVE)
-    if settings.max_connections is not None:
-        cap = min(cap, settings.max_connections)
-    return int(settings.max_header_size) + HEADER_SLACK, settings.header_timeout_s, cap
+    raise_fd_limit()
+    return (int(settings.max_header_size) + HEADER_SLACK, settings.header_timeout_s,
+            settings.max_connections)
+
+
+def connection_cap(configured: int | None) -> int:
+    """Connections to keep open: below the descriptor limit in force now (read each time:
+    an operator may lower it on a running process with prlimit), and the configured cap."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    cap = 1 << 20 if soft == resource.RLIM_INFINITY else max(16, soft - FD_RESERVE)
+    return cap if configured is None else min(cap, configured)
 
 
 def raise_fd_limit(ceiling: int = 65536) -> int:
@@ -77,7 +83,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._header_cap, self._header_timeout, self._max_connections = _limits()
+        self._header_cap, self._header_timeout, self._configured_cap = _limits()
         self._in_headers = True  # reading a header block (or waiting for one)
         self._header_bytes = 0
         self._header_timer: asyncio.TimerHandle | None = None
@@ -87,21 +93,25 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_header_timer()
-        if len(self.connections) > self._max_connections:
-            self._make_room()
+        cap = connection_cap(self._configured_cap)
+        if len(self.connections) > cap:
+            self._make_room(cap)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         super().connection_lost(exc)
 
-    def _make_room(self) -> None:
+    def _make_room(self, cap: int) -> None:
         """Close the connection idle the longest (this one if none is idle)."""
         idle = [c for c in self.connections
                 if isinstance(c, BoundedHttpToolsProtocol) and c is not self and c._idle()]
         victim = min(idle, key=lambda c: c._idle_since) if idle else self
-        log.warning("%d connections open (cap %d): closing one idle for %.1fs",
-                    len(self.connections), self._max_connections,
-                    time.monotonic() - victim._idle_since)
+        global _last_warned
+        if time.monotonic() - _last_warned > 10:  # a flood must not flood the log too
+            _last_warned = time.monotonic()
+            log.warning("%d connections open (cap %d): closing one idle for %.1fs",
+                        len(self.connections), cap,
+                        time.monotonic() - victim._idle_since)
         victim.connections.discard(victim)
         victim.transport.close()
 
