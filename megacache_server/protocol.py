@@ -128,11 +128,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             if self._header_timer is None:  # first bytes of a request on a kept-alive socket
                 self._arm_header_timer()
             self._header_bytes += len(data)
-            if self._header_bytes > self._header_cap:
-                self._refuse(431, "Request Header Fields Too Large", "headers_too_large",
-                             f"request headers are over {self._header_cap} bytes")
-                return
-        super().data_received(data)
+        super().data_received(data)  # one read (<= 256 KiB) at most past the cap
+        # still in the header block after this read: every byte of it was header bytes
+        # (on_headers_complete resets the count when the block ends inside a read)
+        if self._in_headers and self._header_bytes > self._header_cap \
+                and not self.transport.is_closing():
+            self._refuse(431, "Request Header Fields Too Large", "headers_too_large",
+                         f"request headers are over {self._header_cap} bytes")
 
     def on_headers_complete(self) -> None:
         self._in_headers = False

@@ -4,6 +4,7 @@ item 3), with real sockets against a real server.
 
 from __future__ import annotations
 
+import hashlib
 import resource
 import socket
 import time
@@ -116,3 +117,17 @@ def test_idle_sockets_cannot_exhaust_descriptors(bounded: ServerProcess):
             s.close()
         resource.prlimit(bounded.proc.pid, resource.RLIMIT_NOFILE, old)
     assert httpx.get(bounded.url + "/healthz", timeout=10).status_code == 200
+
+
+def test_bodies_and_pipelined_requests_do_not_count_as_header_bytes(bounded: ServerProcess):
+    """Headers and a 300 KiB body in one write; then two requests in one write."""
+    body = b"b" * (300 * 1024)
+    digest = hashlib.sha256(body).hexdigest()
+    with socket.create_connection((LOOPBACK, bounded.port), timeout=10) as s:
+        s.sendall(f"PUT /v1/cas/{digest} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        assert read_response(s).startswith(b"HTTP/1.1 201 ")
+    get = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection((LOOPBACK, bounded.port), timeout=10) as s:
+        s.sendall(get + get[:-2] + b"Connection: close\r\n\r\n")
+        assert read_response(s).count(b"HTTP/1.1 200 ") == 2

@@ -154,7 +154,13 @@ class SqliteIndex(Index):
                 raise ServiceUnavailable("index is not open", code="index_unavailable")
             with self._lock:
                 try:
-                    return fn(self._conn)
+                    result = fn(self._conn)
+                    if isinstance(result, sqlite3.Cursor):
+                        # finish a returned cursor under the lock: freed later on another
+                        # thread it races the connection (sqlite3.InterfaceError, issue 11)
+                        result.close()
+                        return None  # type: ignore[return-value]
+                    return result
                 except sqlite3.OperationalError as exc:
                     raise ServiceUnavailable(
                         f"index error: {exc}", code="index_unavailable"
