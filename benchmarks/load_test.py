@@ -227,14 +227,13 @@ def make_token(data_dir: Path, namespace: str) -> str:
 
 
 def limit_descriptors(pid: int, soft: int) -> None:
-    """Lower the soft descriptor limit of a server process and its workers (as a small
-    container would have it), so idle sockets would exhaust it if nothing bounded them."""
+    """Lower the descriptor limit of a server process and its workers (as a small container
+    would have it), so idle sockets would exhaust it if nothing bounded them."""
     children = Path(f"/proc/{pid}/task/{pid}/children")
     pids = [pid, *(int(p) for p in children.read_text().split())] if children.exists() \
         else [pid]
-    for p in pids:
-        hard = resource.prlimit(p, resource.RLIMIT_NOFILE)[1]
-        resource.prlimit(p, resource.RLIMIT_NOFILE, (soft, hard))
+    for p in pids:  # the hard limit too: the server raises its soft limit up to the hard
+        resource.prlimit(p, resource.RLIMIT_NOFILE, (soft, soft))
 
 
 def main(argv: list[str] | None = None) -> int:
