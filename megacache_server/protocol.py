@@ -88,6 +88,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._header_timer: asyncio.TimerHandle | None = None
         self._idle_since = time.monotonic()
+        self._served = 0  # requests whose header block completed on this connection
 
     # -- connection life ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -102,10 +103,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def _make_room(self, cap: int) -> None:
-        """Close the connection idle the longest (this one if none is idle)."""
+        """Close one idle connection (this one if none is idle), cheapest loss first.
+
+        Closing a kept-alive connection races the client's next request on it (the client
+        sees a reset), so sockets that never sent a byte go first, then half-sent header
+        blocks, and only then kept-alive ones; the oldest of the first tier found.
+        """
         idle = [c for c in self.connections
                 if isinstance(c, BoundedHttpToolsProtocol) and c is not self and c._idle()]
-        victim = min(idle, key=lambda c: c._idle_since) if idle else self
+        victim = min(idle, key=lambda c: (c._shed_tier(), c._idle_since)) if idle else self
         global _last_warned
         if time.monotonic() - _last_warned > 10:  # a flood must not flood the log too
             _last_warned = time.monotonic()
@@ -114,6 +120,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                         time.monotonic() - victim._idle_since)
         victim.connections.discard(victim)
         victim.transport.close()
+
+    def _shed_tier(self) -> int:
+        """0: never sent a byte; 1: in the middle of a header block; 2: kept alive."""
+        if self._header_bytes:
+            return 1
+        return 2 if self._served else 0
 
     def _idle(self) -> bool:
         """No request in flight: waiting for (or reading) a header block."""
@@ -139,6 +151,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_headers = False
         self._header_bytes = 0
+        self._served += 1
         self._disarm_header_timer()
         super().on_headers_complete()
 
