@@ -171,7 +171,8 @@ def test_oversize_blob_is_413_before_the_body_is_read(limited_server: ServerProc
     digest = "0" * 64
     status, response = raw_http(
         limited_server.port,
-        f"PUT /v1/cas/{digest} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {size}\r\n\r\n".encode(),
+        f"PUT /v1/cas/{digest} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Length: {size}\r\n\r\n".encode(),
     )
     assert status == 413, response
     assert b"payload_too_large" in response
