@@ -1,11 +1,19 @@
 """Load test: many concurrent clients doing what trainers do, then check nothing was lost.
 
-    python benchmarks/load_test.py                 # 200 clients, 60 s, server started here
+    python benchmarks/load_test.py                 # 200 clients, 60 s + 60 s, server here
     python benchmarks/load_test.py --clients 20 --seconds 5     # the test suite's short run
+    python benchmarks/load_test.py --no-hostile    # the well-behaved clients alone
 
 The mix per request: 70% entry lookups (job start: is there a bundle?), 20% blob
 downloads, 10% new entries (upload a blob, then its manifest). Bounded in time and count,
 loopback only. Afterwards every acknowledged write is read back and its bytes re-hashed.
+
+Two phases of `--seconds` each, on one server: `calm` (the well-behaved tenant alone),
+then `hostile`, where another tenant (its own token and namespace) runs
+benchmarks/hostile.py in its own process beside them: 150 MiB header lines, 1,100 idle
+sockets against a server whose processes may open 512 descriptors each (1,024 for 2
+workers), an event flood and non-finite manifests. The well-behaved clients must see no
+error and lose no write; their latency is reported for both phases.
 Prints a table and writes JSON (default benchmarks/results/load.json).
 """
 
@@ -17,6 +25,8 @@ import hashlib
 import json
 import os
 import random
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,9 +61,13 @@ class Tally:
         return sum(len(v) for v in self.latencies.values())
 
 
+GOOD_NAMESPACE, HOSTILE_NAMESPACE = "good-tenant", "hostile-tenant"
+
+
 def manifest_for(data: bytes, code: str) -> Manifest:
-    fp = Fingerprint(model="load-test", code=code, env={"torch": "2.13.0"},
-                     hw={"arch": "x86_64"}, config={"mode": "default"})
+    fp = Fingerprint(namespace=GOOD_NAMESPACE, model="load-test", code=code,
+                     env={"torch": "2.13.0"}, hw={"arch": "x86_64"},
+                     config={"mode": "default"})
     digest = hashlib.sha256(data).hexdigest()
     return Manifest(key=fp.key(), fingerprint=fp, torch_version="2.13.0", cold_compile_s=10.0,
                     blobs=[BlobRef(digest=digest, size=len(data), role="megacache",
@@ -127,27 +141,22 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run(url: str, clients: int, seconds: float, max_requests: int, seed_n: int,
-              blob_size: int, upload_size: int) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-        seeded = await seed(client, seed_n, blob_size)
-        tally = Tally(max_requests=max_requests)
-        started = time.monotonic()
-        deadline = started + seconds
-        print(f"[load] {clients} clients for {seconds:g}s against {url}", file=sys.stderr)
-        await asyncio.gather(*(one_client(client, deadline, seeded, tally, upload_size,
-                                          random.Random(i)) for i in range(clients)))
-        elapsed = time.monotonic() - started
-        print(f"[load] {tally.requests} requests; verifying {len(tally.written)} writes",
-              file=sys.stderr)
-        problems = await verify(client, tally.written)
+@dataclass
+class Tenants:
+    """Bearer tokens of the two tenants (None: the server runs without auth)."""
+
+    good: str | None = None
+    hostile: str | None = None
+    idle_sockets: int = 1100
+    hostile_on: bool = True
+
+
+def summary(tally: Tally, elapsed: float) -> dict[str, Any]:
     everything = [x for v in tally.latencies.values() for x in v]
     return {
-        "clients": clients, "seconds": round(elapsed, 2), "requests": tally.requests,
+        "seconds": round(elapsed, 2), "requests": tally.requests,
         "rps": round(tally.requests / elapsed, 1), "errors": sum(tally.errors.values()),
         "error_kinds": tally.errors, "writes_acknowledged": len(tally.written),
-        "writes_lost_or_corrupt": problems,
         "p50_ms": round(percentile(everything, 0.5) * 1000, 2),
         "p99_ms": round(percentile(everything, 0.99) * 1000, 2),
         "by_op": {op: {"count": len(v), "p50_ms": round(percentile(v, 0.5) * 1000, 2),
@@ -156,42 +165,149 @@ async def run(url: str, clients: int, seconds: float, max_requests: int, seed_n:
     }
 
 
+async def run(url: str, clients: int, seconds: float, max_requests: int, seed_n: int,
+              blob_size: int, upload_size: int, tenants: Tenants) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    headers = {"authorization": f"Bearer {tenants.good}"} if tenants.good else {}
+    phases: dict[str, Any] = {}
+    total = Tally(max_requests=max_requests)
+    hostile_result: dict[str, Any] = {}
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits,
+                                 headers=headers) as client:
+        seeded = await seed(client, seed_n, blob_size)
+        for phase in ("calm", "hostile") if tenants.hostile_on else ("calm",):
+            tally = Tally(max_requests=max_requests)
+            started = time.monotonic()
+            deadline = started + seconds
+            print(f"[load] {phase}: {clients} clients for {seconds:g}s against {url}",
+                  file=sys.stderr)
+            work = [one_client(client, deadline, seeded, tally, upload_size,
+                               random.Random(i)) for i in range(clients)]
+            if phase == "hostile":
+                work.append(hostile_process(url, tenants, seconds, hostile_result))
+            await asyncio.gather(*work)
+            phases[phase] = summary(tally, time.monotonic() - started)
+            for op, values in tally.latencies.items():
+                total.latencies.setdefault(op, []).extend(values)
+            for kind, n in tally.errors.items():
+                total.errors[kind] = total.errors.get(kind, 0) + n
+            total.written += tally.written
+        print(f"[load] {total.requests} requests; verifying {len(total.written)} writes",
+              file=sys.stderr)
+        problems = await verify(client, total.written)
+    result = summary(total, sum(p["seconds"] for p in phases.values()))
+    result.update(clients=clients, writes_lost_or_corrupt=problems, phases=phases)
+    if tenants.hostile_on:
+        result["hostile"] = hostile_result
+    return result
+
+
+async def hostile_process(url: str, tenants: Tenants, seconds: float,
+                          into: dict[str, Any]) -> None:
+    """benchmarks/hostile.py in its own process: another tenant, not our event loop."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "hostile.json"
+        cmd = [sys.executable, str(ROOT / "hostile.py"), "--url", url, "--namespace",
+               HOSTILE_NAMESPACE, "--seconds", str(seconds), "--idle-sockets",
+               str(tenants.idle_sockets), "--out", str(out)]
+        if tenants.hostile:
+            cmd += ["--token", tenants.hostile]
+        proc = await asyncio.create_subprocess_exec(*cmd)
+        if await proc.wait() != 0:
+            raise RuntimeError(f"the hostile tenant's process failed ({proc.returncode})")
+        into.update(json.loads(out.read_text()))
+
+
+def make_token(data_dir: Path, namespace: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "megacache_server", "token", "create",
+                          "--name", namespace, "--scopes", "read,write", "--namespace",
+                          namespace, "--data-dir", str(data_dir)],
+                         capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip()
+
+
+def limit_descriptors(pid: int, soft: int) -> None:
+    """Lower the descriptor limit of a server process and its workers (as a small container
+    would have it), so idle sockets would exhaust it if nothing bounded them."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    pids = [pid, *(int(p) for p in children.read_text().split())] if children.exists() \
+        else [pid]
+    for p in pids:  # the hard limit too: the server raises its soft limit up to the hard
+        resource.prlimit(p, resource.RLIMIT_NOFILE, (soft, soft))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="an existing server (default: start one here)")
     parser.add_argument("--clients", type=int, default=200)
-    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--seconds", type=float, default=60, help="length of each phase")
     parser.add_argument("--max-requests", type=int, default=2_000_000)
     parser.add_argument("--workers", type=int, default=2, help="workers of the started server")
     parser.add_argument("--seed-entries", type=int, default=20)
     parser.add_argument("--blob-size", type=int, default=256 * 1024)
     parser.add_argument("--upload-size", type=int, default=64 * 1024)
+    parser.add_argument("--no-hostile", action="store_true", help="skip the hostile phase")
+    parser.add_argument("--idle-sockets", type=int, default=1100)
+    parser.add_argument("--server-nofile", type=int, default=512,
+                        help="descriptor limit of each started server process (512 x 2 "
+                             "workers: 1,024, below the 1,100 idle sockets)")
+    parser.add_argument("--good-token", help="with --url: the well-behaved tenant's token")
+    parser.add_argument("--hostile-token", help="with --url: the hostile tenant's token")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "load.json")
     args = parser.parse_args(argv)
 
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # our own sockets: raise ours
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
     server = None
     url = args.url
+    tenants = Tenants(args.good_token, args.hostile_token, args.idle_sockets,
+                      not args.no_hostile)
     if url is None:
         data_dir = Path(tempfile.mkdtemp(prefix="megacache-load-")) / "data"
-        server = LocalServer(data_dir, "--workers", str(args.workers)).start()
+        server = LocalServer(data_dir, "--auth", "--workers", str(args.workers)).start()
         url = server.url
+        tenants.good = make_token(data_dir, GOOD_NAMESPACE)
+        tenants.hostile = make_token(data_dir, HOSTILE_NAMESPACE)
+        assert server.proc is not None
+        limit_descriptors(server.proc.pid, args.server_nofile)
     try:
         result = asyncio.run(run(url, args.clients, args.seconds, args.max_requests,
-                                 args.seed_entries, args.blob_size, args.upload_size))
+                                 args.seed_entries, args.blob_size, args.upload_size,
+                                 tenants))
     finally:
         if server is not None:
             server.stop()
     result["server_workers"] = args.workers if server is not None else None
-    print(f"\n{'clients':>8} {'req/s':>8} {'requests':>9} {'errors':>7} {'p50 ms':>8} "
-          f"{'p99 ms':>8} {'writes':>7} {'lost':>5}")
-    print(f"{result['clients']:>8} {result['rps']:>8} {result['requests']:>9} "
-          f"{result['errors']:>7} {result['p50_ms']:>8} {result['p99_ms']:>8} "
-          f"{result['writes_acknowledged']:>7} {len(result['writes_lost_or_corrupt']):>5}")
-    for op, s in result["by_op"].items():
-        print(f"  {op:<9} {s['count']:>7} requests  p50 {s['p50_ms']} ms  p99 {s['p99_ms']} ms")
+    result["server_nofile"] = args.server_nofile if server is not None else None
+    print_table(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     return 0 if result["errors"] == 0 and not result["writes_lost_or_corrupt"] else 1
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\n{'phase':>8} {'clients':>8} {'req/s':>8} {'requests':>9} {'errors':>7} "
+          f"{'p50 ms':>8} {'p99 ms':>8} {'writes':>7}")
+    for name, p in result["phases"].items():
+        print(f"{name:>8} {result['clients']:>8} {p['rps']:>8} {p['requests']:>9} "
+              f"{p['errors']:>7} {p['p50_ms']:>8} {p['p99_ms']:>8} "
+              f"{p['writes_acknowledged']:>7}")
+    print(f"writes lost or corrupt: {len(result['writes_lost_or_corrupt'])}")
+    for op, s in result["by_op"].items():
+        print(f"  {op:<9} {s['count']:>7} requests  p50 {s['p50_ms']} ms  p99 {s['p99_ms']} ms")
+    if "calm" in result["phases"] and "hostile" in result["phases"]:
+        calm, hostile = result["phases"]["calm"], result["phases"]["hostile"]
+        print(f"hostile / calm: p50 x{hostile['p50_ms'] / max(calm['p50_ms'], 1e-9):.2f}, "
+              f"p99 x{hostile['p99_ms'] / max(calm['p99_ms'], 1e-9):.2f}, "
+              f"req/s x{hostile['rps'] / max(calm['rps'], 1e-9):.2f}")
+    if "hostile" in result:
+        h = result["hostile"]
+        print(f"hostile tenant: {h['idle_sockets']} idle sockets "
+              f"({h['idle_closed_by_server']} closed by the server); most header bytes "
+              f"one connection got out before the server cut it {h['header_bytes_sent_max']}"
+              " (mostly kernel socket buffers)")
+        for what, n in h["outcomes"].items():
+            print(f"  {what:<40} {n:>7}")
 
 
 if __name__ == "__main__":

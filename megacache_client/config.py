@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from megacache_client.signing import SigningError, public_key_bytes
+
 Mode = Literal["off", "read-only", "read-write", "required"]
 MODES: tuple[Mode, ...] = ("off", "read-only", "read-write", "required")
 
@@ -27,7 +29,7 @@ def _default_node_cache() -> Path:
 class ClientConfig:
     url: str = ""
     token: str | None = None
-    signing_key: str | None = None
+    verify_key: str | None = None
     namespace: str = "default"
     model: str | None = None
     code: str | None = None
@@ -73,6 +75,11 @@ class ClientConfig:
             raise ConfigError(f"MEGACACHE_URL must start with http:// or https://: {self.url!r}")
         if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
             raise ConfigError("timeouts must be positive")
+        if self.verify_key:
+            try:
+                public_key_bytes(self.verify_key)
+            except SigningError as exc:
+                raise ConfigError(f"MEGACACHE_VERIFY_KEY: {exc}") from None
         return replace(self, url=self.url.rstrip("/"), node_cache_dir=Path(self.node_cache_dir))
 
 

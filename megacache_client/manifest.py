@@ -7,7 +7,6 @@ trainer-side client validate exactly the same schema without the client importin
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import re
 from datetime import datetime, timezone
@@ -30,6 +29,8 @@ def is_hex64(value: str) -> bool:
 HEX64_PATTERN = r"^[0-9a-f]{64}$"
 Hex64 = Annotated[str, StringConstraints(pattern=HEX64_PATTERN)]
 """A sha256 as 64 lowercase hex characters; the pattern shows in the OpenAPI schema too."""
+NAMESPACE_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+"""A namespace: what fingerprints, tokens and listings are scoped by."""
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Scalar = str | int | FiniteFloat | bool | None
 """A fingerprint value. NaN and infinities are refused: JSON cannot carry them, so a server
@@ -74,7 +75,7 @@ class BlobRef(_Strict):
 class Fingerprint(_Strict):
     """The components the key is derived from. Never a hostname, path, PID, rank or time."""
 
-    namespace: str = Field(default="default", pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+    namespace: str = Field(default="default", pattern=NAMESPACE_PATTERN)
     model: ShortText
     code: ShortText
     env: dict[ShortText, Scalar] = Field(default_factory=dict)
@@ -84,19 +85,6 @@ class Fingerprint(_Strict):
     def key(self) -> str:
         """The fingerprint key: sha256 of the canonical JSON of format + components."""
         return sha256_hex(canonical_json({"format": MANIFEST_FORMAT, **self.model_dump()}))
-
-
-SIGNATURE_HEADER = "x-megacache-signature"
-
-
-def sign_manifest(key: str, manifest_json: bytes) -> str:
-    """HMAC-SHA256 of the manifest bytes as served: the server signs, clients verify."""
-    return "hmac-sha256=" + hmac.new(key.encode(), manifest_json, hashlib.sha256).hexdigest()
-
-
-def signature_valid(key: str, manifest_json: bytes, signature: str | None) -> bool:
-    return signature is not None and hmac.compare_digest(sign_manifest(key, manifest_json),
-                                                         signature)
 
 
 def component_digest(component: dict[str, Scalar]) -> str:

@@ -32,7 +32,13 @@ from megacache_client.packs import (
     unpack,
     write_pack,
 )
-from megacache_client.transport import CorruptBlobError, Progress, RemoteCache, sha256_file
+from megacache_client.transport import (
+    CorruptBlobError,
+    Progress,
+    RemoteCache,
+    UntrustedEntryError,
+    sha256_file,
+)
 
 log = logging.getLogger("megacache")
 
@@ -164,6 +170,7 @@ class Session:
                     result: LoadResult) -> tuple[Manifest, str] | None:
         exact = remote.get_entry(fp.key())
         if exact is not None:
+            _require_match(exact[0], fp, COMPONENTS)
             result.outcome, result.reason = "hit", "exact fingerprint"
             return exact
         candidates = [m for m in remote.list_entries(model=fp.model, limit=50)
@@ -180,8 +187,12 @@ class Session:
             result.reason = (f"exact key missed; using the newest entry of {fp.model!r} "
                              f"with the same env and hw (differs in "
                              f"{', '.join(result.differing)})")
+            # the listing only nominates: what is loaded is fetched (and verified) by key and
+            # must still be of this namespace and model, with the same env and hw
             got = remote.get_entry(nearest.key)
-            return got if got is not None else None
+            if got is not None:
+                _require_match(got[0], fp, ("namespace", "model", "env", "hw"))
+            return got
         result.differing = _differing(candidates[0].fingerprint, fp)
         result.outcome = "miss"
         result.reason = (f"no entry for this fingerprint; the newest entry of {fp.model!r} "
@@ -489,6 +500,15 @@ def upload_blobs(remote: RemoteCache, node: NodeCache, blobs: list[BlobRef],
             remote.upload_blob(node.path(blob.digest), blob.digest, progress)
             sent += blob.size
     return sent
+
+
+def _require_match(entry: Manifest, fp: Fingerprint, components: tuple[str, ...]) -> None:
+    """Refuse an entry whose fingerprint differs from ours in `components`."""
+    differing = [name for name in ("namespace", *components)
+                 if getattr(entry.fingerprint, name) != getattr(fp, name)]
+    if differing:
+        raise UntrustedEntryError(f"entry {entry.key[:12]}… differs from this job in "
+                                  f"{', '.join(dict.fromkeys(differing))}: refusing it")
 
 
 def _differing(a: Fingerprint, b: Fingerprint) -> list[str]:

@@ -20,12 +20,8 @@ import httpx
 
 from megacache_client import __version__
 from megacache_client.config import ClientConfig
-from megacache_client.manifest import (
-    SIGNATURE_HEADER,
-    Manifest,
-    component_digest,
-    signature_valid,
-)
+from megacache_client.manifest import Manifest, component_digest
+from megacache_client.signing import SIGNATURE_HEADER, SigningError, signature_valid
 
 Progress = Callable[[int, int], None]
 CHUNK = 1024 * 1024
@@ -48,7 +44,8 @@ class CorruptBlobError(TransportError):
 
 
 class UntrustedEntryError(CorruptBlobError):
-    """A manifest without a valid server signature, when the client requires one."""
+    """A manifest not made for what was asked (another key or fingerprint), or without a
+    valid server signature when the client requires one."""
 
 
 class CircuitBreaker:
@@ -167,11 +164,28 @@ class RemoteCache:
         if r.status_code == 404:
             return None
         self._expect(r, (200,), "get entry")
-        key = self.config.signing_key
-        if key and not signature_valid(key, r.content, r.headers.get(SIGNATURE_HEADER)):
-            raise UntrustedEntryError(f"entry {entry_key[:12]}… has no valid signature: refusing "
-                                   "to load a manifest the server did not sign")
-        return Manifest.model_validate_json(r.content), r.headers.get("etag", "")
+        self._check_signature(entry_key, r)
+        manifest = Manifest.model_validate_json(r.content)
+        if manifest.key != entry_key:
+            raise UntrustedEntryError(f"asked for entry {entry_key[:12]}…, the server answered "
+                                      f"with the manifest of {manifest.key[:12]}…: refusing it")
+        return manifest, r.headers.get("etag", "")
+
+    def _check_signature(self, entry_key: str, r: httpx.Response) -> None:
+        """With a verify key, the manifest must be signed by the server for this key and the
+        client's namespace (a signature of another entry, replayed here, does not verify)."""
+        public_key = self.config.verify_key
+        if not public_key:
+            return
+        try:
+            ok = signature_valid(public_key, entry_key, self.config.namespace, r.content,
+                                 r.headers.get(SIGNATURE_HEADER))
+        except SigningError as exc:
+            raise UntrustedEntryError(f"cannot verify entry {entry_key[:12]}…: {exc}") from None
+        if not ok:
+            raise UntrustedEntryError(f"entry {entry_key[:12]}… has no valid signature for "
+                                      f"this key and namespace {self.config.namespace!r}: "
+                                      "refusing to load a manifest the server did not sign")
 
     def list_entries(self, *, model: str | None = None, env: dict[str, Any] | None = None,
                      hw: dict[str, Any] | None = None, limit: int = 20) -> list[Manifest]:

@@ -22,13 +22,15 @@ from megacache_server import __version__
 from megacache_server.cache import Cache
 from megacache_server.errors import ApiError, BadRequest
 from megacache_server.metrics import MeteredCache
-from megacache_server.middleware import HeaderLimit
+from megacache_server.middleware import HeaderLimit, LocalOnly
 from megacache_server.observe import Observe, configure_logging
+from megacache_server.redact import redact_access_log
 from megacache_server.routes_ac import router as ac_router
 from megacache_server.routes_cas import router as cas_router
 from megacache_server.routes_events import router as events_router
 from megacache_server.routes_observe import router as observe_router
 from megacache_server.settings import Settings
+from megacache_server.signing import check_signing_key
 from megacache_server.storage import Storage, build_storage
 
 log = logging.getLogger("megacache.server")
@@ -40,6 +42,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     problem = settings.exposure_problem()
     if problem:
         raise RuntimeError(problem)
+    check_signing_key(settings)
     storage = storage or build_storage(settings)
     cache = MeteredCache(storage)
 
@@ -81,8 +84,12 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     _add_health_routes(app, cache)
     _add_error_handlers(app)
     app.add_middleware(HeaderLimit, limit=int(settings.max_header_size))
+    if not settings.auth:
+        app.add_middleware(LocalOnly, allowed_hosts=frozenset(
+            h.strip() for h in settings.allowed_hosts.split(",") if h.strip()))
     app.add_middleware(Observe, log_requests=settings.log_format == "json")
     configure_logging(settings.log_format, settings.log_level)
+    redact_access_log()
     _openapi_with_models(app)
     return app
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,7 @@ from typing import Literal
 
 from fastapi import Request
 
+from megacache_client.manifest import NAMESPACE_PATTERN
 from megacache_server.errors import ApiError
 from megacache_server.index.base import TokenRecord
 from megacache_server.storage import Storage, storage_of
@@ -54,15 +56,38 @@ class Principal:
 ANONYMOUS = Principal("anonymous", frozenset(SCOPES), None)
 
 
-def new_token(name: str, scopes: tuple[str, ...], namespace: str) -> tuple[str, TokenRecord]:
-    """A fresh token (shown once) and the record to store (its hash only)."""
+def new_token(name: str, scopes: tuple[str, ...], namespace: str,
+              expires_in_s: float | None = None) -> tuple[str, TokenRecord]:
+    """A fresh token (shown once) and the record to store (its hash only).
+
+    The namespace must be one a fingerprint can carry: a token for any other name would
+    see nothing and could write nothing, which is never what was meant.
+    """
     bad = [s for s in scopes if s not in SCOPES]
     if bad or not scopes:
         raise ValueError(f"scopes must be some of {', '.join(SCOPES)}; got {', '.join(scopes)}")
+    if not re.fullmatch(NAMESPACE_PATTERN, namespace):
+        raise ValueError(f"namespace {namespace!r} is not valid: 1-64 of a-z 0-9 _ . - "
+                         "starting with a letter or digit")
+    if expires_in_s is not None and expires_in_s <= 0:
+        raise ValueError("a token's lifetime must be positive")
     token_id = secrets.token_hex(8)
     token = f"mc_{token_id}_{secrets.token_urlsafe(32)}"
+    now = time.time()
     return token, TokenRecord(token_id, name, hash_token(token), tuple(scopes), namespace,
-                              time.time())
+                              now, expires_at=None if expires_in_s is None
+                              else now + expires_in_s)
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """`30d`, `12h`, `90m`, `45s`, `2w` or plain seconds, as seconds (ValueError if not)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a duration: use e.g. 30d, 12h, 90m or seconds")
+    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
 
 
 def hash_token(token: str) -> str:
@@ -99,6 +124,10 @@ async def authenticate(request: Request, storage: Storage) -> Principal:
             not hmac.compare_digest(record.token_hash, hash_token(token.strip())):
         raise Unauthorized("invalid or revoked token", code="invalid_token",
                            headers={"www-authenticate": 'Bearer error="invalid_token"'})
+    if record.expired(time.time()):
+        raise Unauthorized("token expired", code="token_expired",
+                           headers={"www-authenticate": 'Bearer error="invalid_token", '
+                                                        'error_description="expired"'})
     return Principal(record.name, frozenset(record.scopes), record.namespace)
 
 

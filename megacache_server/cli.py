@@ -13,16 +13,20 @@ import contextlib
 import os
 import shutil
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from megacache_client.manifest import is_hex64
-from megacache_server.auth import ANONYMOUS, new_token
+from megacache_client.signing import SigningError
+from megacache_server.auth import ANONYMOUS, new_token, parse_duration
 from megacache_server.cache import Cache
 from megacache_server.errors import ApiError
 from megacache_server.settings import Settings
+from megacache_server.signing import signer_for, write_new_key
 from megacache_server.storage import build_storage
 
 
@@ -50,9 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--name", required=True, help="who or what uses it (shown in logs)")
     create.add_argument("--scopes", default="read", help="comma list of read,write,admin")
     create.add_argument("--namespace", default="default", help="the one namespace it sees")
+    create.add_argument("--expires", default=None,
+                        help="lifetime (30d, 12h, 90m, seconds); expired tokens get 401")
     tsub.add_parser("list", parents=[common], help="list tokens (never their secrets)")
     revoke = tsub.add_parser("revoke", parents=[common], help="revoke a token by id")
     revoke.add_argument("token_id")
+    keys = sub.add_parser("signing-key", help="the Ed25519 key pair that signs manifests")
+    ksub = keys.add_subparsers(dest="key_command", required=True)
+    gen = ksub.add_parser("generate", help="write a new private key; print the public key")
+    gen.add_argument("--out", required=True, type=Path,
+                     help="private key file to create (mode 0600; never overwritten)")
+    pub = ksub.add_parser("public", help="print the public key of a private key file")
+    pub.add_argument("key_file", type=Path)
     for name, what in (("pin", "never evict"), ("unpin", "let eviction age out")):
         p = sub.add_parser(name, parents=[common], help=f"{what} an entry")
         p.add_argument("key")
@@ -68,7 +81,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    default=argparse.SUPPRESS, help="require bearer tokens [env MEGACACHE_AUTH]")
     for name in ("host", "port", "data_dir", "index", "blob_store", "s3_bucket", "s3_prefix",
                  "s3_endpoint", "s3_region", "s3_redirect", "max_blob_size", "store_budget",
-                 "min_free_disk", "workers", "log_level", "log_format"):
+                 "min_free_disk", "workers", "log_level", "log_format", "signing_key_file"):
         flag = "--" + name.replace("_", "-")
         env = "MEGACACHE_" + name.upper()
         p.add_argument(flag, dest=name, default=argparse.SUPPRESS,
@@ -104,8 +117,20 @@ def serve(settings: Settings) -> None:
         workers=settings.workers,
         log_level=settings.log_level,
         access_log=settings.log_format != "json",  # JSON mode logs requests itself
-        timeout_keep_alive=30,
+        timeout_keep_alive=settings.keepalive_timeout_s,  # type: ignore[arg-type]
+        http=_http_protocol(),
+        h11_max_incomplete_event_size=int(settings.max_header_size) + 16 * 1024,
     )
+
+
+def _http_protocol() -> str:
+    """Our header-bounding protocol (megacache_server.protocol) when httptools is installed;
+    else h11, whose incomplete-event limit bounds header bytes while reading."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "megacache_server.protocol:BoundedHttpToolsProtocol"
 
 
 def _metrics_dir(settings: Settings) -> None:
@@ -176,19 +201,23 @@ async def manage_tokens(settings: Settings, args: argparse.Namespace) -> int:
         if args.token_command == "create":
             scopes = tuple(s.strip() for s in args.scopes.split(",") if s.strip())
             try:
-                token, record = new_token(args.name, scopes, args.namespace)
+                lifetime = parse_duration(args.expires) if args.expires else None
+                token, record = new_token(args.name, scopes, args.namespace, lifetime)
             except ValueError as exc:
                 print(f"megacache-server: {exc}", file=sys.stderr)
                 return 2
             await cache.add_token(record)
             print(token)
             print(f"created token {record.token_id} for {record.name!r}: scopes "
-                  f"{','.join(record.scopes)}, namespace {record.namespace!r} "
-                  "(shown once; only its hash is stored)", file=sys.stderr)
+                  f"{','.join(record.scopes)}, namespace {record.namespace!r}, expires "
+                  f"{_when(record.expires_at)} (shown once; only its hash is stored)",
+                  file=sys.stderr)
             return 0
         if args.token_command == "list":
+            now = time.time()
             for t in await cache.tokens():
-                state = "revoked" if t.revoked else "active"
+                state = "revoked" if t.revoked else "expired" if t.expired(now) else \
+                    f"active until {_when(t.expires_at)}"
                 print(f"{t.token_id}  {t.name:<24} {','.join(t.scopes):<16} "
                       f"{t.namespace:<16} {state}")
             return 0
@@ -197,6 +226,32 @@ async def manage_tokens(settings: Settings, args: argparse.Namespace) -> int:
             return 1
         print(f"revoked {args.token_id}")
         return 0
+
+
+def _when(epoch: float | None) -> str:
+    if epoch is None:
+        return "never"
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def signing_key(args: argparse.Namespace) -> int:
+    """`signing-key generate|public`: the server keeps the private key, clients the public."""
+    try:
+        if args.key_command == "generate":
+            public = write_new_key(args.out)
+            print(f"wrote private key {args.out} (mode 0600): set "
+                  f"MEGACACHE_SIGNING_KEY_FILE={args.out} on the server; give clients "
+                  "MEGACACHE_VERIFY_KEY=<the line on stdout>", file=sys.stderr)
+        else:
+            public = signer_for(args.key_file).public_key
+    except FileExistsError:
+        print(f"megacache-server: {args.out} exists; not overwriting a key", file=sys.stderr)
+        return 1
+    except (OSError, SigningError) as exc:
+        print(f"megacache-server: {exc}", file=sys.stderr)
+        return 1
+    print(public)
+    return 0
 
 
 async def set_pinned(settings: Settings, key: str, pinned: bool) -> int:
@@ -216,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"megacache-server: invalid settings:\n{exc}", file=sys.stderr)
         return 2
+    if args.command == "signing-key":
+        return signing_key(args)
     if args.command in (None, "serve"):
         problem = settings.exposure_problem()
         if problem:

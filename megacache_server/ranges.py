@@ -27,6 +27,8 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
         length = int(last)
         if length == 0:
             raise _unsatisfiable("empty suffix range", size)
+        if size == 0:  # RFC 9110 §14.1.1: no byte of an empty blob can be selected
+            raise _unsatisfiable("the blob is empty", size)
         return max(0, size - length), size
     start = int(first)
     end = size if not last else min(int(last) + 1, size)

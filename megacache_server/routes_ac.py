@@ -6,11 +6,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, Response
 
-from megacache_client.manifest import HEX64_PATTERN, SIGNATURE_HEADER, sign_manifest
+from megacache_client.manifest import HEX64_PATTERN
 from megacache_server.deps import Admin, Reader, Writer
 from megacache_server.errors import PayloadTooLarge, error_responses
-from megacache_server.index.base import Precondition
+from megacache_server.index.base import Precondition, StoredEntry
 from megacache_server.metrics import Metered
+from megacache_server.signing import signature_headers
 from megacache_server.validation import request_body, require_content_length
 
 router = APIRouter(prefix="/v1/ac", tags=["ac"],
@@ -48,8 +49,7 @@ async def put_entry(key: Key, request: Request, cache: Writer) -> Response:
     done = await cache.put_entry(key, body, Precondition(
         if_match=request.headers.get("if-match"),
         if_none_match=request.headers.get("if-none-match")))
-    return _json(body, 201 if done.created else 200,
-                 _entry_headers(cache, done.entry.etag, body))
+    return _json(body, 201 if done.created else 200, _entry_headers(cache, done.entry))
 
 
 @router.get("/{key}", responses={
@@ -60,8 +60,7 @@ async def get_entry(key: Key, request: Request, cache: Reader) -> Response:
     entry = await cache.get_entry(key)
     if request.headers.get("if-none-match") == entry.etag:
         return Response(status_code=304, headers={"etag": entry.etag})
-    return _json(entry.manifest_json,
-                 headers=_entry_headers(cache, entry.etag, entry.manifest_json))
+    return _json(entry.manifest_json, headers=_entry_headers(cache, entry))
 
 
 @router.get("", responses={200: {"description": "entries, newest first", "content": {
@@ -104,12 +103,10 @@ async def unpin_entry(key: Key, cache: Admin) -> Response:
     return Response(status_code=204)
 
 
-def _entry_headers(cache: Metered, etag: str, manifest_json: bytes) -> dict[str, str]:
-    headers = {"etag": etag}
-    key = cache.settings.signing_key
-    if key:
-        headers[SIGNATURE_HEADER] = sign_manifest(key, manifest_json)
-    return headers
+def _entry_headers(cache: Metered, entry: StoredEntry) -> dict[str, str]:
+    """ETag, and the signature binding these bytes to this key and namespace."""
+    return {"etag": entry.etag, **signature_headers(cache.settings, entry.key, entry.namespace,
+                                                    entry.manifest_json)}
 
 
 async def _read_limited(request: Request, limit: int) -> bytes:

@@ -28,11 +28,16 @@ class Settings(BaseSettings):
     insecure: bool = Field(
         False, description="allow serving without auth on a non-loopback address"
     )
+    allowed_hosts: str = Field(
+        "", description="without auth: Host names served besides loopback ones (comma list; "
+        "* = any). Guards against DNS rebinding"
+    )
     token_cache_s: float = Field(
         10, ge=0, description="seconds a token lookup is cached (revocation delay)"
     )
-    signing_key: str | None = Field(
-        None, description="HMAC key: sign manifests so clients can verify them"
+    signing_key_file: Path | None = Field(
+        None, description="Ed25519 private key (PEM) to sign manifests with; clients verify "
+        "with the public key (`megacache-server signing-key generate`)"
     )
     redis_prefix: str = Field("megacache:", description="key prefix of a Redis index")
     blob_store: Literal["fs", "s3"] = Field("fs", description="where blob bytes live")
@@ -56,6 +61,17 @@ class Settings(BaseSettings):
         ByteSize(256 * 1024**2), description="free disk to keep in reserve (507 below)"
     )
     max_header_size: ByteSize = Field(ByteSize(32 * 1024), description="request headers (431)")
+    header_timeout_s: float = Field(
+        10, gt=0, description="a connection must send a complete header block within this "
+        "long of connecting (or of its next request's first byte); else it is closed"
+    )
+    keepalive_timeout_s: float = Field(
+        30, gt=0, description="an idle kept-alive connection is closed after this long"
+    )
+    max_connections: int | None = Field(
+        None, ge=16, description="open connections per worker; past it the longest-idle one "
+        "is closed (default: the descriptor limit less a reserve)"
+    )
     max_manifest_size: ByteSize = Field(ByteSize(64 * 1024), description="largest manifest body")
     gc_grace_s: float = Field(
         3600, ge=0, description="unreferenced blobs younger than this are never collected"

@@ -1,4 +1,4 @@
-"""Tokens, scopes, namespaces and manifest signing."""
+"""Tokens, scopes and namespaces (manifest signing: test_signing.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ import pytest
 from conftest import BACKENDS, _configured, backend_args
 from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
 
-from megacache_client.config import ClientConfig
-from megacache_client.transport import RemoteCache, UntrustedEntryError
 from megacache_server.settings import Settings
 
 
@@ -128,28 +126,3 @@ def test_unauthenticated_serving_is_loopback_only(tmp_path: Path):
                           "--data-dir", str(tmp_path)], capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 2 and "refusing to serve without authentication" in out.stderr
-
-
-def test_signed_manifests(tmp_path: Path):
-    server = ServerProcess(tmp_path / "data", env={"MEGACACHE_SIGNING_KEY": "s3cret"}).start()
-    try:
-        data = os.urandom(64)
-        m = make_manifest({"megacache": data}, make_fingerprint(code="signed"))
-        with httpx.Client(base_url=server.url) as c:
-            c.put(f"/v1/cas/{sha256(data)}", content=data)
-            r = c.put(f"/v1/ac/{m.key}", content=m.to_json())
-            assert r.headers["x-megacache-signature"].startswith("hmac-sha256=")
-        with RemoteCache(ClientConfig(url=server.url, signing_key="s3cret")) as remote:
-            assert remote.get_entry(m.key)[0].key == m.key
-        with RemoteCache(ClientConfig(url=server.url, signing_key="wrong")) as remote, \
-                pytest.raises(UntrustedEntryError):
-            remote.get_entry(m.key)
-    finally:
-        server.stop()
-    unsigned = ServerProcess(tmp_path / "data").start()  # same data, server without the key
-    try:
-        with RemoteCache(ClientConfig(url=unsigned.url, signing_key="s3cret")) as remote, \
-                pytest.raises(UntrustedEntryError):
-            remote.get_entry(m.key)
-    finally:
-        unsigned.stop()

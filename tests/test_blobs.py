@@ -119,7 +119,7 @@ def test_malformed_digest_is_refused_and_nothing_written(server, client, bad):
 
 def test_traversal_never_reads_outside_the_store(server: ServerProcess):
     status, response = raw_http(server.port, b"GET /v1/cas/../../../../etc/passwd HTTP/1.1\r\n"
-                                             b"Host: x\r\nConnection: close\r\n\r\n")
+                                             b"Host: 127.0.0.1\r\nConnection: close\r\n\r\n")
     assert status in (400, 404)
     assert b"root:" not in response
 
@@ -151,7 +151,7 @@ def test_missing_content_length_is_411(server, client):
 def test_truncated_upload_leaves_nothing(server: ServerProcess):
     data = os.urandom(2 * MiB)
     digest = sha256(data)
-    head = (f"PUT /v1/cas/{digest} HTTP/1.1\r\nHost: x\r\n"
+    head = (f"PUT /v1/cas/{digest} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             f"Content-Length: {len(data)}\r\n\r\n").encode()
     raw_http(server.port, head + data[: len(data) // 2], close_write=True)
     with httpx.Client(base_url=server.url) as c:
@@ -171,7 +171,8 @@ def test_oversize_blob_is_413_before_the_body_is_read(limited_server: ServerProc
     digest = "0" * 64
     status, response = raw_http(
         limited_server.port,
-        f"PUT /v1/cas/{digest} HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\n\r\n".encode(),
+        f"PUT /v1/cas/{digest} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Length: {size}\r\n\r\n".encode(),
     )
     assert status == 413, response
     assert b"payload_too_large" in response

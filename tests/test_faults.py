@@ -57,7 +57,7 @@ def test_kill_during_upload_then_fsck_is_clean(tmp_path: Path):
         written = populate(server.url)
         data = os.urandom(8 * 1024 * 1024)
         sock = socket.create_connection(("127.0.0.1", server.port))
-        sock.sendall(f"PUT /v1/cas/{sha256(data)} HTTP/1.1\r\nHost: x\r\nContent-Length: "
+        sock.sendall(f"PUT /v1/cas/{sha256(data)} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: "
                      f"{len(data)}\r\n\r\n".encode() + data[:3_000_000])
         time.sleep(0.5)
         server.kill()

@@ -1,4 +1,5 @@
-"""A short run of the load test: concurrent mixed traffic, zero errors, no write lost."""
+"""A short run of the load test: concurrent mixed traffic, zero errors, no write lost, also
+while a hostile tenant attacks the server beside the well-behaved one."""
 
 from __future__ import annotations
 
@@ -21,3 +22,15 @@ def test_short_load_run_loses_nothing(tmp_path: Path):
     assert result["writes_acknowledged"] > 0
     assert result["writes_lost_or_corrupt"] == []
     assert set(result["by_op"]) == {"lookup", "download", "publish"}
+    assert set(result["phases"]) == {"calm", "hostile"}
+    assert result["phases"]["hostile"]["errors"] == 0
+    assert result["phases"]["hostile"]["writes_acknowledged"] > 0
+    hostile = result["hostile"]
+    # 1,100 idle sockets against 2 x 512 descriptors: the server shed some to make room
+    assert hostile["idle_closed_by_server"] > 0
+    # the header line was cut long before 150 MiB, answered 431 or closed
+    assert hostile["header_bytes_sent_max"] < 32 * 1024 * 1024
+    assert {k for k in hostile["outcomes"] if k.startswith("oversized")} <= {
+        "oversized header: 431", "oversized header: closed"}
+    assert any(k.startswith("event: ") for k in hostile["outcomes"])
+    assert any(k.startswith("non-finite manifest: ") for k in hostile["outcomes"])

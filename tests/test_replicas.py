@@ -65,7 +65,7 @@ def test_killed_replica_leaves_nothing_partial(replicas):
     digest = sha256(data)
     victim, survivors = replicas[0], replicas[1:]
     sock = socket.create_connection(("127.0.0.1", victim.port))
-    sock.sendall(f"PUT /v1/cas/{digest} HTTP/1.1\r\nHost: x\r\n"
+    sock.sendall(f"PUT /v1/cas/{digest} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data[:24 * 1024 * 1024])
     deadline = time.monotonic() + 30
     while not victim.temp_files() and time.monotonic() < deadline:

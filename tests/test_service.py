@@ -51,7 +51,7 @@ def test_kill_during_upload_leaves_no_partial_blob(tmp_path):
     try:
         import socket
         sock = socket.create_connection(("127.0.0.1", server.port))
-        sock.sendall(f"PUT /v1/cas/{digest} HTTP/1.1\r\nHost: x\r\n"
+        sock.sendall(f"PUT /v1/cas/{digest} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      f"Content-Length: {len(data)}\r\n\r\n".encode() + data[:1_500_000])
         for _ in range(100):  # wait until the upload is in flight
             if server.temp_files():
@@ -105,7 +105,7 @@ def test_settings_from_environment(tmp_path):
     }).start()
     try:
         status, _ = raw_http(server.port, b"PUT /v1/cas/" + b"0" * 64 +
-                             b" HTTP/1.1\r\nHost: x\r\nContent-Length: 2048\r\n\r\n")
+                             b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2048\r\n\r\n")
         assert status == 413
         assert (tmp_path / "from-env" / "index.sqlite3").exists()
     finally:

@@ -79,6 +79,10 @@ class TokenRecord:
     namespace: str
     created_at: float
     revoked: bool = False
+    expires_at: float | None = None  # epoch seconds; None: never
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
 
 
 @dataclass(frozen=True)

@@ -407,7 +407,8 @@ class RedisIndex(Index):
             await self.r.hset(self.k("token", token.token_id), mapping={
                 "name": token.name, "token_hash": token.token_hash,
                 "scopes": ",".join(token.scopes), "namespace": token.namespace,
-                "created_at": token.created_at, "revoked": "1" if token.revoked else "0"})
+                "created_at": token.created_at, "revoked": "1" if token.revoked else "0",
+                **({"expires_at": token.expires_at} if token.expires_at is not None else {})})
             await self.r.zadd(self.k("tokens"), {token.token_id: token.created_at})
 
         await self._do(op)
@@ -421,7 +422,8 @@ class RedisIndex(Index):
                                _str(data[b"token_hash"]) or "",
                                tuple((_str(data[b"scopes"]) or "").split(",")),
                                _str(data[b"namespace"]) or "", float(data[b"created_at"]),
-                               _str(data[b"revoked"]) == "1")
+                               _str(data[b"revoked"]) == "1",
+                               float(data[b"expires_at"]) if b"expires_at" in data else None)
 
         return await self._do(op)
 

@@ -78,7 +78,8 @@ CREATE TABLE IF NOT EXISTS tokens (
     scopes      TEXT NOT NULL,
     namespace   TEXT NOT NULL,
     created_at  REAL NOT NULL,
-    revoked     INTEGER NOT NULL DEFAULT 0
+    revoked     INTEGER NOT NULL DEFAULT 0,
+    expires_at  REAL
 );
 CREATE TABLE IF NOT EXISTS locks (
     name        TEXT PRIMARY KEY,
@@ -177,7 +178,13 @@ class SqliteIndex(Index):
                 if self._conn is None:
                     raise ServiceUnavailable("index is not open", code="index_unavailable")
                 try:
-                    return fn(self._conn)
+                    result = fn(self._conn)
+                    if isinstance(result, sqlite3.Cursor):
+                        # finish a returned cursor under the lock: freed later on another
+                        # thread it races the connection (sqlite3.InterfaceError, issue 11)
+                        result.close()
+                        return None  # type: ignore[return-value]
+                    return result
                 except sqlite3.OperationalError as exc:
                     raise ServiceUnavailable(
                         f"index error: {exc}", code="index_unavailable") from exc
@@ -391,9 +398,9 @@ class SqliteIndex(Index):
     # -- tokens -------------------------------------------------------------------------
     async def put_token(self, token: base.TokenRecord) -> None:
         await self._write(lambda c: c.execute(
-            f"INSERT INTO tokens ({TOKEN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO tokens ({TOKEN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (token.token_id, token.name, token.token_hash, ",".join(token.scopes),
-             token.namespace, token.created_at, int(token.revoked))))
+             token.namespace, token.created_at, int(token.revoked), token.expires_at)))
 
     async def get_token(self, token_id: str) -> base.TokenRecord | None:
         row = await self._read(f"SELECT {TOKEN_COLUMNS} FROM tokens WHERE token_id=?",
@@ -539,13 +546,13 @@ class _transaction:
         self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
 
 
-TOKEN_COLUMNS = "token_id, name, token_hash, scopes, namespace, created_at, revoked"
+TOKEN_COLUMNS = "token_id, name, token_hash, scopes, namespace, created_at, revoked, expires_at"
 
 
 def _token(row: tuple[Any, ...]) -> base.TokenRecord:
-    token_id, name, token_hash, scopes, namespace, created_at, revoked = row
+    token_id, name, token_hash, scopes, namespace, created_at, revoked, expires_at = row
     return base.TokenRecord(token_id, name, token_hash, tuple(scopes.split(",")), namespace,
-                       created_at, bool(revoked))
+                            created_at, bool(revoked), expires_at)
 
 
 def _info(row: tuple[Any, ...]) -> base.EntryInfo:
