@@ -1,3 +1,3 @@
 """megacache server: a content-addressed HTTP store for torch.compile cache bundles."""
 
-__version__ = "0.1.0"
+from megacache_client._version import __version__
