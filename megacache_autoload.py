@@ -10,12 +10,15 @@ zstandard: ~300 ms), which is why this is a top-level module and not part of the
 cache setting must never stop a Python process from starting.
 """
 
-from __future__ import annotations
-
 import os
 import sys
-from types import ModuleType
-from typing import Any
+
+# No `from __future__ import annotations` and no `typing` at run time: each is an import that
+# costs every interpreter start milliseconds; only the type checker reads these.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from types import ModuleType
+    from typing import Any
 
 
 def activate_from_env() -> None:
@@ -53,7 +56,7 @@ class TorchImportWatcher:
     """A meta-path finder that finds nothing itself: it wraps torch's own loader so the
     client is enabled as soon as `import torch` has finished executing."""
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+    def find_spec(self, fullname: str, path: "Any", target: "Any" = None) -> "Any":
         if fullname != "torch":
             return None
         if self in sys.meta_path:
@@ -70,7 +73,7 @@ class TorchImportWatcher:
         loader = spec.loader
         original_exec = loader.exec_module
 
-        def exec_module(module: ModuleType) -> None:
+        def exec_module(module: "ModuleType") -> None:
             original_exec(module)  # a failed torch import raises here: nothing to enable
             _enable()
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
-from megacache_server.local import LocalServer
+from services import LocalServer
 
 ROOT = Path(__file__).resolve().parent
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu",

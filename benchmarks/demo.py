@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from jobs import GxxCounter, JobRun, Machine, run_job  # noqa: E402
 
-from megacache_server.local import LocalServer  # noqa: E402
+from services import LocalServer  # noqa: E402
 
 
 def say(message: str) -> None:

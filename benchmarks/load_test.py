@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
-from megacache_server.local import LocalServer
+from services import LocalServer
 
 ROOT = Path(__file__).resolve().parent
 

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megacache_client.events import Event
 from megacache_client.manifest import Manifest
-from megacache_server import __version__, eviction
+from megacache_server import __version__, eviction, lifecycle
 from megacache_server.errors import ApiError, BadRequest, ServiceUnavailable
 from megacache_server.middleware import HeaderLimit
 from megacache_server.observe import Observe, configure_logging
@@ -106,6 +106,7 @@ async def _gc_forever(storage: Storage) -> None:
 
 def app_from_env() -> FastAPI:
     """Factory for `uvicorn --factory` worker processes: settings come from MEGACACHE_*."""
+    lifecycle.exit_with_supervisor()
     return create_app(Settings())
 
 

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 from helpers import ServerProcess  # noqa: E402
 
-from megacache_server.local import LocalRedis, LocalSeaweedS3  # noqa: E402
+from services import LocalRedis, LocalSeaweedS3  # noqa: E402
 
 _names = itertools.count()
 

@@ -29,7 +29,7 @@ from megacache_client.transport import (
     RemoteCache,
     TransportError,
 )
-from megacache_server.local import LocalRedis, LocalSeaweedS3
+from services import LocalRedis, LocalSeaweedS3
 
 
 def populate(url: str, n: int = 3, size: int = 200_000) -> list[tuple[bytes, str]]:
