@@ -35,7 +35,6 @@ from typing import Any
 
 from jobs import GxxCounter, Machine, proc_field, run_job  # benchmarks/jobs.py, next to this script
 from results_md import write_section
-
 from services import LocalRedis, LocalServer
 
 BENCH_DIR = Path(__file__).resolve().parent

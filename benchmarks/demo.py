@@ -20,7 +20,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from jobs import GxxCounter, JobRun, Machine, run_job  # noqa: E402
-
 from services import LocalServer  # noqa: E402
 
 

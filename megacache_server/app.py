@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from megacache_client.events import Event
 from megacache_client.manifest import Manifest
 from megacache_server import __version__, eviction, lifecycle
+from megacache_server.docs import add_offline_docs
 from megacache_server.errors import ApiError, BadRequest, ServiceUnavailable
 from megacache_server.middleware import HeaderLimit
 from megacache_server.observe import Observe, configure_logging
@@ -67,6 +68,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         summary="Remote compile cache for PyTorch 2: content-addressed Mega-Cache bundles.",
         lifespan=lifespan,
         redirect_slashes=False,
+        docs_url=None,  # add_offline_docs: no CDN
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.storage = storage
@@ -75,6 +78,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.include_router(events_router)
     app.include_router(observe_router)
     _add_health_routes(app, storage)
+    add_offline_docs(app)
     _add_error_handlers(app)
     app.add_middleware(HeaderLimit, limit=int(settings.max_header_size))
     app.add_middleware(Observe, log_requests=settings.log_format == "json")

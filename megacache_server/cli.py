@@ -25,12 +25,11 @@ from pydantic import ByteSize, ValidationError
 from megacache_client import exitcodes
 from megacache_client.exitcodes import ExitCode
 from megacache_client.manifest import is_hex64
-from megacache_server import __version__, eviction, fsck
-from megacache_server import lifecycle
-from megacache_server.lifecycle import SUPERVISOR_ENV
-from megacache_server.observe import configure_logging
+from megacache_server import __version__, eviction, fsck, lifecycle
 from megacache_server.auth import new_token
 from megacache_server.errors import ApiError
+from megacache_server.lifecycle import SUPERVISOR_ENV
+from megacache_server.observe import configure_logging
 from megacache_server.settings import Settings
 from megacache_server.storage import Storage, build_storage
 

@@ -14,7 +14,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 from helpers import ServerProcess  # noqa: E402
-
 from services import LocalRedis, LocalSeaweedS3  # noqa: E402
 
 _names = itertools.count()
