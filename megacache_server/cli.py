@@ -93,14 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_flags(p: argparse.ArgumentParser, names: Sequence[str]) -> None:
     """Flags for Settings fields: help from the field, choices from its type, a human default.
 
-    Every default is SUPPRESSed so only what was typed overrides the environment.
+    Every default is SUPPRESSed so only what was typed overrides the environment. The serve
+    flags a command does not use are still accepted, hidden from its --help, so a script
+    can pass one flag set to `serve` and to `token create` alike.
     """
     fields = Settings.model_fields
-    for name in names:
+    for name in (*names, *(n for n in SERVE_FLAGS if n not in names)):
         flag = "--" + name.replace("_", "-")
         field = fields[name]
         shown = DEFAULTS_SHOWN.get(name) or _human_default(field.default)
-        desc = f"{field.description} (default {shown})"
+        desc = (f"{field.description} (default {shown})" if name in names
+                else argparse.SUPPRESS)
         if name in BOOLEAN_FLAGS:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=desc)
