@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 
 LOOPBACK = "127.0.0.1"
+#: process groups started here, for `leftover_groups()` at the end of a test session
+STARTED_GROUPS: set[int] = set()
 
 
 def free_port() -> int:
@@ -58,6 +60,7 @@ class LocalServer:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, **self.env},
                                          start_new_session=True)
+        STARTED_GROUPS.add(self.proc.pid)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -107,6 +110,18 @@ def _stop(proc: subprocess.Popen[bytes] | None, sig: int) -> None:
     _signal_group(proc.pid, signal.SIGKILL)
 
 
+def leftover_groups() -> list[int]:
+    """Process groups started here that still have a live process; each is then killed.
+
+    The test suite calls this once at its end: anything listed was left behind by a test.
+    """
+    alive = sorted(g for g in STARTED_GROUPS if _group_alive(g))
+    for pgid in alive:
+        _signal_group(pgid, signal.SIGKILL)
+    STARTED_GROUPS.clear()
+    return alive
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
@@ -152,6 +167,7 @@ class _LocalService:
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                          cwd=self.workdir, start_new_session=True)
+        STARTED_GROUPS.add(self.proc.pid)
         _wait(ready, self.proc, what, log, timeout)
 
     def stop(self) -> None:

@@ -23,12 +23,14 @@ log = logging.getLogger("megacache.server")
 #: set by the supervisor for its workers: the pid whose death must end them
 SUPERVISOR_ENV = "MEGACACHE_SUPERVISOR_PID"
 PR_SET_PDEATHSIG = 1
+#: the exit code of a uvicorn server whose start-up failed (uvicorn.config.STARTUP_FAILURE in
+#: recent releases; older ones keep it elsewhere)
+UVICORN_STARTUP_FAILURE = 3
 
 
 def run(workers: int, **config: Any) -> ExitCode:
     """Serve until stopped; STARTUP if the service never started (or a worker could not)."""
     import uvicorn
-    from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import Multiprocess
 
     cfg = uvicorn.Config(workers=workers, **config)
@@ -46,7 +48,7 @@ def run(workers: int, **config: Any) -> ExitCode:
     os.environ[SUPERVISOR_ENV] = str(os.getpid())
     supervisor = Multiprocess(cfg, sockets=[sock])
     supervisor.run()
-    failed = [p.pid for p in supervisor.processes if p.exitcode == STARTUP_FAILURE]
+    failed = [p.pid for p in supervisor.processes if p.exitcode == UVICORN_STARTUP_FAILURE]
     if failed:
         log.error("worker(s) %s failed to start", failed)
         return ExitCode.STARTUP
