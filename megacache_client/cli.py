@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megacache_client import exitcodes
+from megacache_client import __version__, exitcodes
 from megacache_client.config import ClientConfig, ConfigError
 from megacache_client.exitcodes import ExitCode
 from megacache_client.manifest import is_hex64
@@ -183,6 +183,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megacache", description=__doc__.splitlines()[0],
                                      epilog=exitcodes.describe())
+    parser.add_argument("--version", action="version", version=f"megacache {__version__}")
     parser.add_argument("--url", help="server URL [MEGACACHE_URL]")
     parser.add_argument("--token", help="bearer token [MEGACACHE_TOKEN]")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -118,3 +118,10 @@ def test_pth_costs_nothing_until_torch_is_imported(tmp_path: Path):
                          text=True, check=True,
                          env={**env, "MEGACACHE_URL": "http://127.0.0.1:1"}).stdout.split()
     assert out == ["True", "False", "False", "False"]
+
+
+def test_version_is_the_package_version():
+    from megacache_client import __version__
+
+    r = megacache("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"megacache {__version__}"
