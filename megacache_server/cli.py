@@ -171,9 +171,6 @@ def serve(settings: Settings) -> ExitCode:
     from uvicorn.config import LOGGING_CONFIG
 
     configure_logging(settings.log_format, settings.log_level)
-    if settings.blob_store == "s3" and importlib.util.find_spec("boto3") is None:
-        log.error("--blob-store s3 needs boto3: pip install 'megacache[server,s3]'")
-        return ExitCode.CONFIG
     problem = asyncio.run(storage_problem(settings))
     if problem:
         log.error("storage unavailable, not starting: %s", problem)
@@ -330,6 +327,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = load_settings(args)
     except ValidationError as exc:
         print(f"megacache-server: invalid settings: {settings_errors(exc)}", file=sys.stderr)
+        return ExitCode.CONFIG
+    if settings.blob_store == "s3" and importlib.util.find_spec("boto3") is None:
+        print("megacache-server: --blob-store s3 needs boto3: "
+              "pip install 'megacache[server,s3]'", file=sys.stderr)
         return ExitCode.CONFIG
     if args.command in (None, "serve"):
         problem = settings.exposure_problem()

@@ -178,3 +178,14 @@ def test_metrics_follow_prometheus_naming_rules(tmp_path: Path):
             assert not f.name.endswith("_total"), f"{f.name}: _total on a {f.type}"
         for word in ("counter", "gauge", "histogram", "summary"):
             assert word not in f.name.split("_"), f"{f.name} names its type"
+
+
+def test_s3_without_boto3_names_the_extra(tmp_path: Path):
+    code = ("import sys; sys.modules['boto3'] = None; "  # as if the [s3] extra were absent
+            "from megacache_server.cli import main; sys.exit(main(sys.argv[1:]))")
+    for args in ([], ["gc"]):
+        out = subprocess.run([sys.executable, "-c", code, *args, "--blob-store", "s3",
+                              "--data-dir", str(tmp_path)], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == ExitCode.CONFIG, out.stderr
+        assert "megacache[server,s3]" in out.stderr and "Traceback" not in out.stderr
