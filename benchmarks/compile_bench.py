@@ -35,8 +35,7 @@ from typing import Any
 
 from jobs import GxxCounter, Machine, proc_field, run_job  # benchmarks/jobs.py, next to this script
 from results_md import write_section
-
-from megacache_server.local import LocalRedis, LocalServer
+from services import LocalRedis, LocalServer
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent

@@ -19,9 +19,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
+from services import LocalServer
 
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
-from megacache_server.local import LocalServer
 
 ROOT = Path(__file__).resolve().parent
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu",

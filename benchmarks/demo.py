@@ -20,8 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from jobs import GxxCounter, JobRun, Machine, run_job  # noqa: E402
-
-from megacache_server.local import LocalServer  # noqa: E402
+from services import LocalServer  # noqa: E402
 
 
 def say(message: str) -> None:

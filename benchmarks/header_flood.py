@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import httpx
+from services import LOOPBACK, LocalServer
 
 import megacache_server
-from megacache_server.local import LOOPBACK, LocalServer
 
 ROOT = Path(__file__).resolve().parent
 

@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from services import LocalServer
 
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
-from megacache_server.local import LocalServer
 
 ROOT = Path(__file__).resolve().parent
 

@@ -62,9 +62,9 @@ from typing import Any, Literal
 
 from jobs import proc_field  # benchmarks/jobs.py, next to this script
 from results_md import write_section
+from services import LOOPBACK, LocalRedis, LocalServer, free_port
 
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
-from megacache_server.local import LOOPBACK, LocalRedis, LocalServer, free_port
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent

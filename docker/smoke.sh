@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the image and check it serves, where a container engine exists (podman or docker).
 #   docker/smoke.sh            # from the repository root
+#   SMOKE_SCALE=0 docker/smoke.sh   # only the single image, not the compose scale profile
 # Exits 0 with a message when no engine can run here (our CI machines have none: the test
 # suite validates the Dockerfile and compose file and runs the image's entrypoint instead).
 set -euo pipefail
@@ -35,4 +36,22 @@ code="$(curl -s -o /dev/null -w '%{http_code}' -X PUT --data-binary hello \
 [ "$code" = "201" ] || { echo "smoke: PUT returned $code"; exit 1; }
 unauth="$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:${port}/v1/cas/${digest}")"
 [ "$unauth" = "401" ] || { echo "smoke: unauthenticated GET returned $unauth"; exit 1; }
-echo "smoke: ok ($engine)"
+echo "smoke: single image ok ($engine)"
+
+# The compose scale profile (Redis, SeaweedFS, 2 replicas, nginx), then a real trainer on
+# this host (the repository's .venv: torch + megacache) against it: twice, cold then warm.
+[ "${SMOKE_SCALE:-1}" = "1" ] || exit 0
+compose=("$engine" compose -f docker/compose.yaml --profile scale)
+"${compose[@]}" up -d --build --wait
+trap '"$engine" rm -f "$name" >/dev/null 2>&1 || true; "${compose[@]}" down -v >/dev/null 2>&1 || true' EXIT
+token="$("${compose[@]}" exec -T replica-1 megacache-server token create --name smoke --scopes read,write)"
+python="${SMOKE_PYTHON:-.venv/bin/python}"
+for run in cold warm; do
+  MEGACACHE_URL="http://127.0.0.1:8788" MEGACACHE_TOKEN="$token" MEGACACHE_MODEL=smoke \
+    MEGACACHE_CODE=smoke TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" \
+    "$python" benchmarks/train_job.py --model mlp --steps 2 --megacache env \
+      --result "/tmp/megacache-smoke-$run.json"
+done
+grep -q '"outcome": *"hit"' /tmp/megacache-smoke-warm.json \
+  || { echo "smoke: the warm trainer did not hit the cache"; exit 1; }
+echo "smoke: scale profile ok ($engine): cold run published, warm run hit"

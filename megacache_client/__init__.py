@@ -7,8 +7,7 @@ or set MEGACACHE_URL (and optionally MEGACACHE_MODEL, MEGACACHE_CODE, ...) and l
 autoload hook do it in every process, `torchrun` workers included.
 """
 
-__version__ = "0.1.0"
-
+from megacache_client._version import __version__
 from megacache_client.api import cached, disable, enable, session  # noqa: E402
 from megacache_client.config import ClientConfig  # noqa: E402
 from megacache_client.session import MegacacheError, Session  # noqa: E402

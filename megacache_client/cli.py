@@ -23,7 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from megacache_client import __version__, exitcodes
 from megacache_client.config import ClientConfig, ConfigError
+from megacache_client.exitcodes import ExitCode
 from megacache_client.manifest import is_hex64
 from megacache_client.nodecache import NodeCache
 from megacache_client.transport import RemoteCache, TransportError
@@ -159,9 +161,13 @@ def cmd_autoload(args: argparse.Namespace) -> int:
     return 0
 
 
+class UsageError(ValueError):
+    """An argument argparse could not check itself (exit 2, like argparse's own errors)."""
+
+
 def _key(value: str) -> str:
     if not is_hex64(value):
-        raise ConfigError(f"a key is 64 lowercase hex characters, not {value!r}")
+        raise UsageError(f"a key is 64 lowercase hex characters, not {value!r}")
     return value
 
 
@@ -175,40 +181,43 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megacache", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="megacache", description=__doc__.splitlines()[0],
+                                     epilog=exitcodes.describe())
+    parser.add_argument("--version", action="version", version=f"megacache {__version__}")
     parser.add_argument("--url", help="server URL [MEGACACHE_URL]")
     parser.add_argument("--token", help="bearer token [MEGACACHE_TOKEN]")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("fingerprint", help="print this environment's key and its components")
-    p.add_argument("--model")
-    p.add_argument("--code")
+    p.add_argument("--model", help="model name in the key [MEGACACHE_MODEL]")
+    p.add_argument("--code", help="code version in the key, e.g. a git SHA [MEGACACHE_CODE]")
     p.add_argument("--compile-mode", help="torch.compile mode the job uses")
     p.set_defaults(fn=cmd_fingerprint)
 
     p = sub.add_parser("ls", help="list entries, newest first")
-    p.add_argument("--model")
-    p.add_argument("--limit", type=int, default=20)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--model", help="only this model's entries")
+    p.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(fn=cmd_ls)
 
     p = sub.add_parser("show", help="print an entry's manifest")
-    p.add_argument("key")
+    p.add_argument("key", help="the entry's key (64 hex characters)")
     p.set_defaults(fn=cmd_show)
 
     p = sub.add_parser("pull", help="download an entry's blobs into the node cache")
-    p.add_argument("key")
+    p.add_argument("key", help="the entry's key (64 hex characters)")
     p.set_defaults(fn=cmd_pull)
 
     p = sub.add_parser("push", help="publish a Mega-Cache bundle file for this environment")
     p.add_argument("bundle", type=Path, help="bytes from torch.compiler.save_cache_artifacts()")
-    p.add_argument("--model", required=True)
-    p.add_argument("--code", required=True)
-    p.add_argument("--cold-compile-s", type=float, default=0.0)
+    p.add_argument("--model", required=True, help="model name in the key")
+    p.add_argument("--code", required=True, help="code version in the key, e.g. a git SHA")
+    p.add_argument("--cold-compile-s", type=float, default=0.0,
+                   help="what the cold compile took, for the saved-time stats (default 0)")
     p.set_defaults(fn=cmd_push)
 
     p = sub.add_parser("stats", help="runs, hit rate and compile time saved per model")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(fn=cmd_stats)
 
     p = sub.add_parser("autoload", help="install or remove the zero-code .pth hook")
@@ -219,12 +228,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # a bad command line exits 2 (USAGE) here
     try:
         return int(args.fn(args))
-    except (ConfigError, TransportError, OSError) as exc:
+    except (UsageError, ConfigError, TransportError, OSError) as exc:
         print(f"megacache: {exc}", file=sys.stderr)
-        return 2
+        return int(exit_code(exc))
+
+
+def exit_code(exc: Exception) -> ExitCode:
+    """The documented exit code of a failure (megacache_client.exitcodes)."""
+    if isinstance(exc, UsageError):
+        return ExitCode.USAGE
+    if isinstance(exc, ConfigError):
+        return ExitCode.CONFIG
+    if isinstance(exc, TransportError):
+        return transport_exit_code(exc)
+    return ExitCode.PROBLEM  # OSError: a local file (the bundle to push, the node cache)
+
+
+def transport_exit_code(exc: TransportError) -> ExitCode:
+    """No answer, or a server that cannot serve now (5xx): UNAVAILABLE. A refused token
+    (401, 403): CONFIG. Any other refusal (404, 413, ...): PROBLEM."""
+    if exc.status is None or exc.status >= 500:
+        return ExitCode.UNAVAILABLE
+    if exc.status in (401, 403):
+        return ExitCode.CONFIG
+    return ExitCode.PROBLEM
 
 
 if __name__ == "__main__":

@@ -1,3 +1,5 @@
 """megacache server: a content-addressed HTTP store for torch.compile cache bundles."""
 
-__version__ = "0.1.0"
+from megacache_client._version import __version__
+
+__all__ = ["__version__"]

@@ -18,8 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megacache_client.events import Event
 from megacache_client.manifest import Manifest
-from megacache_server import __version__
+from megacache_server import __version__, lifecycle
 from megacache_server.cache import Cache
+from megacache_server.docs import add_offline_docs
 from megacache_server.errors import ApiError, BadRequest
 from megacache_server.metrics import MeteredCache
 from megacache_server.middleware import HeaderLimit, LocalOnly
@@ -73,6 +74,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         summary="Remote compile cache for PyTorch 2: content-addressed Mega-Cache bundles.",
         lifespan=lifespan,
         redirect_slashes=False,
+        docs_url=None,  # add_offline_docs: no CDN
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.storage = storage
@@ -82,6 +85,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.include_router(events_router)
     app.include_router(observe_router)
     _add_health_routes(app, cache)
+    add_offline_docs(app)
     _add_error_handlers(app)
     app.add_middleware(HeaderLimit, limit=int(settings.max_header_size))
     if not settings.auth:
@@ -109,6 +113,7 @@ async def _gc_forever(cache: Cache) -> None:
 
 def app_from_env() -> FastAPI:
     """Factory for `uvicorn --factory` worker processes: settings come from MEGACACHE_*."""
+    lifecycle.exit_with_supervisor()
     return create_app(Settings())
 
 

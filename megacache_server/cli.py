@@ -10,85 +10,145 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
+import importlib.util
+import logging
 import os
 import shutil
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+import typing
+from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import ByteSize, ValidationError
 
+from megacache_client import exitcodes
+from megacache_client.exitcodes import ExitCode
 from megacache_client.manifest import is_hex64
 from megacache_client.signing import SigningError
+from megacache_server import __version__, lifecycle
 from megacache_server.auth import ANONYMOUS, new_token, parse_duration
 from megacache_server.cache import Cache
 from megacache_server.errors import ApiError
+from megacache_server.lifecycle import SUPERVISOR_ENV
+from megacache_server.observe import configure_logging
 from megacache_server.settings import Settings
 from megacache_server.signing import signer_for, write_new_key
-from megacache_server.storage import build_storage
+from megacache_server.storage import Storage, build_storage
+
+log = logging.getLogger("megacache.server")
+
+
+EPILOG = ("Flags override MEGACACHE_* environment variables, which override --env-file. "
+          "Sizes take units (512MiB, 8GiB). " + exitcodes.describe() + ".")
+#: flags of `serve` (and of the bare command), in --help order
+SERVE_FLAGS = ("host", "port", "auth", "insecure", "workers", "data_dir", "index",
+               "blob_store", "s3_bucket", "s3_prefix", "s3_endpoint", "s3_region", "s3_redirect",
+               "max_blob_size", "store_budget", "min_free_disk", "log_level", "log_format")
+#: where the maintenance commands find the storage they work on
+STORAGE_FLAGS = ("data_dir", "index", "blob_store", "s3_bucket", "s3_prefix", "s3_endpoint",
+                 "s3_region")
+INDEX_FLAGS = ("data_dir", "index")  # tokens live in the index only
+BOOLEAN_FLAGS = ("auth", "insecure", "s3_redirect")
+METAVARS = {"max_blob_size": "SIZE", "store_budget": "SIZE", "min_free_disk": "SIZE",
+            "workers": "N", "index": "URL", "s3_endpoint": "URL", "data_dir": "DIR"}
+DEFAULTS_SHOWN = {"index": "sqlite:///<data-dir>/index.sqlite3", "data_dir": "./megacache-data"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    _add_serve_flags(common)
     parser = argparse.ArgumentParser(
-        prog="megacache-server", parents=[common],
-        description="Remote compile cache for PyTorch 2 (content-addressed Mega-Cache bundles).",
-    )
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("serve", parents=[common], help="run the HTTP service (the default command)")
-    gc = sub.add_parser("gc", parents=[common],
-                        help="evict over-budget entries (LRU) and collect unreferenced blobs")
+        prog="megacache-server", epilog=EPILOG,
+        description="Remote compile cache for PyTorch 2 (content-addressed Mega-Cache bundles). "
+                    "Without a command: serve.")
+    parser.add_argument("--version", action="version", version=f"megacache-server {__version__}")
+    _add_flags(parser, SERVE_FLAGS)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_flags(sub.add_parser("serve", help="run the HTTP service (the default)",
+                              epilog=EPILOG), SERVE_FLAGS)
+    gc = sub.add_parser("gc", help="evict over-budget entries, collect unreferenced blobs")
     gc.add_argument("--dry-run", action="store_true", help="show what would go; change nothing")
-    fsck_p = sub.add_parser("fsck", parents=[common],
-                          help="check index and blob store agree (exit 1 on problems)")
+    _add_flags(gc, (*STORAGE_FLAGS, "store_budget"))
+    fsck_p = sub.add_parser("fsck", help="check index and blob store agree (exit 1 on problems)")
     fsck_p.add_argument("--repair", action="store_true",
-                      help="drop dangling entries and stale records, record orphan blobs")
-    fsck_p.add_argument("--verify", action="store_true",
-                      help="also re-hash every blob (reads everything)")
-    token = sub.add_parser("token", help="manage bearer tokens (stored hashed in the index)")
-    tsub = token.add_subparsers(dest="token_command", required=True)
-    create = tsub.add_parser("create", parents=[common], help="create a token; printed once")
-    create.add_argument("--name", required=True, help="who or what uses it (shown in logs)")
-    create.add_argument("--scopes", default="read", help="comma list of read,write,admin")
-    create.add_argument("--namespace", default="default", help="the one namespace it sees")
-    create.add_argument("--expires", default=None,
+                        help="drop dangling entries and stale records, record orphan blobs")
+    fsck_p.add_argument("--verify", action="store_true", help="also re-hash every blob")
+    _add_flags(fsck_p, STORAGE_FLAGS)
+    token = sub.add_parser("token", help="create, list or revoke bearer tokens")
+    tsub = token.add_subparsers(dest="token_command", required=True, metavar="ACTION")
+    create = tsub.add_parser("create", help="create a token; printed once")
+    create.add_argument("--name", required=True, help="who uses it (shown in logs)")
+    create.add_argument("--scopes", default="read", help="comma list of read,write,admin "
+                        "(default: read)")
+    create.add_argument("--namespace", default="default", help="the one namespace it sees "
+                        "(default: default)")
+    create.add_argument("--expires", default=None, metavar="DURATION",
                         help="lifetime (30d, 12h, 90m, seconds); expired tokens get 401")
-    tsub.add_parser("list", parents=[common], help="list tokens (never their secrets)")
-    revoke = tsub.add_parser("revoke", parents=[common], help="revoke a token by id")
+    _add_flags(create, INDEX_FLAGS)
+    _add_flags(tsub.add_parser("list", help="list tokens (never their secrets)"), INDEX_FLAGS)
+    revoke = tsub.add_parser("revoke", help="revoke a token by id")
     revoke.add_argument("token_id")
+    _add_flags(revoke, INDEX_FLAGS)
     keys = sub.add_parser("signing-key", help="the Ed25519 key pair that signs manifests")
-    ksub = keys.add_subparsers(dest="key_command", required=True)
+    ksub = keys.add_subparsers(dest="key_command", required=True, metavar="ACTION")
     gen = ksub.add_parser("generate", help="write a new private key; print the public key")
     gen.add_argument("--out", required=True, type=Path,
                      help="private key file to create (mode 0600; never overwritten)")
     pub = ksub.add_parser("public", help="print the public key of a private key file")
     pub.add_argument("key_file", type=Path)
     for name, what in (("pin", "never evict"), ("unpin", "let eviction age out")):
-        p = sub.add_parser(name, parents=[common], help=f"{what} an entry")
-        p.add_argument("key")
+        p = sub.add_parser(name, help=f"{what} an entry")
+        p.add_argument("key", help="the entry's key (64 hex characters)")
+        _add_flags(p, INDEX_FLAGS)
     return parser
 
 
-def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+def _add_flags(p: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    """Flags for Settings fields: help from the field, choices from its type, a human default.
+
+    Every default is SUPPRESSed so only what was typed overrides the environment. The serve
+    flags a command does not use are still accepted, hidden from its --help, so a script
+    can pass one flag set to `serve` and to `token create` alike.
+    """
     fields = Settings.model_fields
-    p.add_argument("--insecure", dest="insecure", action="store_const", const=True,
-                   default=argparse.SUPPRESS,
-                   help="serve without auth on a non-loopback address (trusted networks only)")
-    p.add_argument("--auth", dest="auth", action="store_const", const=True,
-                   default=argparse.SUPPRESS, help="require bearer tokens [env MEGACACHE_AUTH]")
-    for name in ("host", "port", "data_dir", "index", "blob_store", "s3_bucket", "s3_prefix",
-                 "s3_endpoint", "s3_region", "s3_redirect", "max_blob_size", "store_budget",
-                 "min_free_disk", "workers", "log_level", "log_format", "signing_key_file"):
+    for name in (*names, *(n for n in SERVE_FLAGS if n not in names)):
         flag = "--" + name.replace("_", "-")
-        env = "MEGACACHE_" + name.upper()
-        p.add_argument(flag, dest=name, default=argparse.SUPPRESS,
-                       help=f"{fields[name].description} [env {env}, default "
-                            f"{fields[name].default}]")
-    p.add_argument("--env-file", default=argparse.SUPPRESS,
+        field = fields[name]
+        shown = DEFAULTS_SHOWN.get(name) or _human_default(field.default)
+        desc = (f"{field.description} (default {shown})" if name in names
+                else argparse.SUPPRESS)
+        if name in BOOLEAN_FLAGS:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=desc)
+            continue
+        choices = typing.get_args(field.annotation)
+        if typing.get_origin(field.annotation) is typing.Literal:
+            p.add_argument(flag, dest=name, default=argparse.SUPPRESS, type=str.lower,
+                           choices=choices, help=desc)
+        else:
+            p.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=desc,
+                           metavar=METAVARS.get(name, name.split("_")[-1].upper()))
+    p.add_argument("--env-file", default=argparse.SUPPRESS, metavar="FILE",
                    help="read MEGACACHE_* settings from this file")
+
+
+def _human_default(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, ByteSize):
+        return human_bytes(int(value))
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value) if str(value) else "unset"
+
+
+def human_bytes(n: int) -> str:
+    """8589934592 -> '8GiB': the largest binary unit that divides n exactly."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
@@ -97,30 +157,61 @@ def load_settings(args: argparse.Namespace) -> Settings:
     return Settings(_env_file=env_file, **values)  # type: ignore[call-arg]
 
 
-def serve(settings: Settings) -> None:
-    import uvicorn
+def unknown_environment(environ: Mapping[str, str]) -> list[str]:
+    """One warning per MEGACACHE_* variable that neither the server nor the client reads.
 
+    pydantic-settings ignores them silently, so a typo (`MEGACACHE_STORE_BUGDET`) would
+    otherwise leave a setting at its default with nothing said.
+    """
+    from dataclasses import fields as dataclass_fields
+
+    from megacache_client.config import ClientConfig
+
+    known = {"MEGACACHE_" + n.upper() for n in Settings.model_fields}
+    known |= {"MEGACACHE_" + f.name.upper() for f in dataclass_fields(ClientConfig)}
+    known |= {SUPERVISOR_ENV}
+    warnings = []
+    for name in sorted(environ):
+        if name.startswith("MEGACACHE_") and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            warnings.append(f"megacache-server: warning: {name} is not a megacache setting; "
+                            f"ignored{hint}")
+    return warnings
+
+
+def serve(settings: Settings) -> ExitCode:
+    """Run the service in the foreground; the exit code says why it stopped."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    configure_logging(settings.log_format, settings.log_level)
+    problem = asyncio.run(storage_problem(settings))
+    if problem:
+        log.error("storage unavailable, not starting: %s", problem)
+        return ExitCode.UNAVAILABLE
     _export(settings)
-    if settings.workers > 1:
-        _metrics_dir(settings)
-    print(
-        f"megacache-server: http://{settings.host}:{settings.port}  data={settings.data_dir}  "
-        f"index={settings.index_url()}  workers={settings.workers}",
-        file=sys.stderr,
-        flush=True,
-    )
-    uvicorn.run(
-        "megacache_server.app:app_from_env",
-        factory=True,
-        host=settings.host,
-        port=settings.port,
-        workers=settings.workers,
-        log_level=settings.log_level,
-        access_log=settings.log_format != "json",  # JSON mode logs requests itself
-        timeout_keep_alive=settings.keepalive_timeout_s,  # type: ignore[arg-type]
-        http=_http_protocol(),
-        h11_max_incomplete_event_size=int(settings.max_header_size) + 16 * 1024,
-    )
+    own_metrics_dir = _metrics_dir(settings) if settings.workers > 1 else None
+    log.info("megacache-server %s: http://%s:%s  data=%s  index=%s  workers=%s", __version__,
+             settings.host, settings.port, settings.data_dir, settings.index_url(),
+             settings.workers, extra={"fields": {
+                 "event": "start", "version": __version__, "host": settings.host,
+                 "port": settings.port, "data_dir": str(settings.data_dir),
+                 "index": settings.index_url(), "workers": settings.workers}})
+    json_logs = settings.log_format == "json"
+    try:
+        return lifecycle.run(
+            settings.workers, app="megacache_server.app:app_from_env", factory=True,
+            host=settings.host, port=settings.port, log_level=settings.log_level,
+            # JSON mode: our handlers (configure_logging) instead of uvicorn's text config
+            log_config=None if json_logs else LOGGING_CONFIG,
+            access_log=not json_logs,  # JSON mode logs requests itself
+            timeout_keep_alive=settings.keepalive_timeout_s, timeout_graceful_shutdown=10,
+            http=_http_protocol(),
+            h11_max_incomplete_event_size=int(settings.max_header_size) + 16 * 1024)
+
+    finally:
+        if own_metrics_dir is not None:
+            shutil.rmtree(own_metrics_dir, ignore_errors=True)
 
 
 def _http_protocol() -> str:
@@ -133,14 +224,38 @@ def _http_protocol() -> str:
     return "megacache_server.protocol:BoundedHttpToolsProtocol"
 
 
-def _metrics_dir(settings: Settings) -> None:
-    """Several workers share Prometheus counters through files in a fresh directory."""
-    path = Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or
-                settings.data_dir.resolve() / ".metrics" / str(settings.port))
+async def storage_problem(settings: Settings) -> str | None:
+    """Why the configured index or blob store cannot be used now, or None."""
+    try:
+        async with opened_storage(settings) as storage:
+            for part in (storage.blobs, storage.index):
+                await part.ping()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _metrics_dir(settings: Settings) -> Path | None:
+    """Several workers share Prometheus counters through files in one directory.
+
+    A PROMETHEUS_MULTIPROC_DIR the user set is used as it is and never emptied (it is
+    theirs: it may hold anything). Otherwise the server makes its own under the data dir,
+    empties it at start and removes it at exit, and returns it so the caller can.
+    """
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if given:
+        path = Path(given)
+        path.mkdir(parents=True, exist_ok=True)
+        if any(path.glob("*.db")):
+            log.warning("PROMETHEUS_MULTIPROC_DIR=%s holds files of an earlier run: counters "
+                        "continue from them (empty it between runs)", path)
+        return None
+    path = settings.data_dir.resolve() / ".metrics" / str(settings.port)
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    return path
 
 
 def _export(settings: Settings) -> None:
@@ -153,14 +268,21 @@ def _export(settings: Settings) -> None:
 
 
 @contextlib.asynccontextmanager
-async def opened_cache(settings: Settings) -> AsyncIterator[Cache]:
-    """The cache service over the configured storage, for a maintenance command."""
+async def opened_storage(settings: Settings) -> AsyncIterator[Storage]:
+    """The configured storage, opened for a maintenance command and closed after it."""
     storage = build_storage(settings)
     await storage.open()
     try:
-        yield Cache(storage)
+        yield storage
     finally:
         await storage.close()
+
+
+@contextlib.asynccontextmanager
+async def opened_cache(settings: Settings) -> AsyncIterator[Cache]:
+    """The cache service over the configured storage: what every maintenance command uses."""
+    async with opened_storage(settings) as storage:
+        yield Cache(storage)
 
 
 async def run_gc(settings: Settings, *, dry_run: bool) -> int:
@@ -177,15 +299,15 @@ async def run_gc(settings: Settings, *, dry_run: bool) -> int:
         if dry_run:
             print(f"dry run: would evict {len(gc_plan.evict)} entries and delete "
                   f"{len(gc_plan.delete)} blobs ({gc_plan.freed_bytes} bytes)")
-            return 0
+            return ExitCode.OK
         done = await cache.collect(gc_plan=gc_plan)
         if done is None:
             print("megacache-server: another collector holds the GC lock; try again later",
                   file=sys.stderr)
-            return 1
+            return ExitCode.UNAVAILABLE
         print(f"evicted {done.evicted} entries, deleted {done.deleted} blobs "
               f"({done.freed_bytes} bytes), spared {done.spared}")
-        return 0
+        return ExitCode.OK
 
 
 async def run_fsck(settings: Settings, *, repair: bool, verify: bool) -> int:
@@ -193,7 +315,7 @@ async def run_fsck(settings: Settings, *, repair: bool, verify: bool) -> int:
         report = await cache.check(repair=repair, verify=verify)
     for line in report.lines():
         print(line)
-    return 0 if report.clean or repair else 1
+    return ExitCode.OK if report.clean or repair else ExitCode.PROBLEM
 
 
 async def manage_tokens(settings: Settings, args: argparse.Namespace) -> int:
@@ -205,14 +327,14 @@ async def manage_tokens(settings: Settings, args: argparse.Namespace) -> int:
                 token, record = new_token(args.name, scopes, args.namespace, lifetime)
             except ValueError as exc:
                 print(f"megacache-server: {exc}", file=sys.stderr)
-                return 2
+                return ExitCode.USAGE
             await cache.add_token(record)
             print(token)
             print(f"created token {record.token_id} for {record.name!r}: scopes "
                   f"{','.join(record.scopes)}, namespace {record.namespace!r}, expires "
                   f"{_when(record.expires_at)} (shown once; only its hash is stored)",
                   file=sys.stderr)
-            return 0
+            return ExitCode.OK
         if args.token_command == "list":
             now = time.time()
             for t in await cache.tokens():
@@ -220,12 +342,12 @@ async def manage_tokens(settings: Settings, args: argparse.Namespace) -> int:
                     f"active until {_when(t.expires_at)}"
                 print(f"{t.token_id}  {t.name:<24} {','.join(t.scopes):<16} "
                       f"{t.namespace:<16} {state}")
-            return 0
+            return ExitCode.OK
         if not await cache.revoke_token(args.token_id):
             print(f"megacache-server: no token {args.token_id}", file=sys.stderr)
-            return 1
+            return ExitCode.PROBLEM
         print(f"revoked {args.token_id}")
-        return 0
+        return ExitCode.OK
 
 
 def _when(epoch: float | None) -> str:
@@ -246,40 +368,49 @@ def signing_key(args: argparse.Namespace) -> int:
             public = signer_for(args.key_file).public_key
     except FileExistsError:
         print(f"megacache-server: {args.out} exists; not overwriting a key", file=sys.stderr)
-        return 1
+        return ExitCode.PROBLEM
     except (OSError, SigningError) as exc:
         print(f"megacache-server: {exc}", file=sys.stderr)
-        return 1
+        return ExitCode.PROBLEM
     print(public)
-    return 0
+    return ExitCode.OK
 
 
 async def set_pinned(settings: Settings, key: str, pinned: bool) -> int:
     async with opened_cache(settings) as cache:
         if not is_hex64(key):
             print(f"megacache-server: no entry {key}", file=sys.stderr)
-            return 1
+            return ExitCode.PROBLEM
         await cache.bound(ANONYMOUS).set_pinned(key, pinned)
         print(f"{'pinned' if pinned else 'unpinned'} {key}")
-        return 0
+        return ExitCode.OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # a bad command line exits 2 (USAGE) here
+    if args.command == "signing-key":
+        return signing_key(args)
+    for warning in unknown_environment(os.environ):
+        print(warning, file=sys.stderr)
     try:
         settings = load_settings(args)
     except ValidationError as exc:
-        print(f"megacache-server: invalid settings:\n{exc}", file=sys.stderr)
-        return 2
-    if args.command == "signing-key":
-        return signing_key(args)
+        print(f"megacache-server: invalid settings: {settings_errors(exc)}", file=sys.stderr)
+        return ExitCode.CONFIG
+    if settings.blob_store == "s3" and importlib.util.find_spec("boto3") is None:
+        print("megacache-server: --blob-store s3 needs boto3: "
+              "pip install 'megacache[server,s3]'", file=sys.stderr)
+        return ExitCode.CONFIG
     if args.command in (None, "serve"):
         problem = settings.exposure_problem()
         if problem:
             print(f"megacache-server: {problem}", file=sys.stderr)
-            return 2
-        serve(settings)
-        return 0
+            return ExitCode.CONFIG
+        return serve(settings)
+    problem = asyncio.run(storage_problem(settings))
+    if problem:
+        print(f"megacache-server: storage unavailable: {problem}", file=sys.stderr)
+        return ExitCode.UNAVAILABLE
     try:
         if args.command == "gc":
             return asyncio.run(run_gc(settings, dry_run=args.dry_run))
@@ -290,7 +421,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(set_pinned(settings, args.key, args.command == "pin"))
     except ApiError as exc:
         print(f"megacache-server: {exc.message}", file=sys.stderr)
-        return 1
+        return ExitCode.UNAVAILABLE if exc.status == 503 else ExitCode.PROBLEM
+
+
+def settings_errors(exc: ValidationError) -> str:
+    """pydantic's errors as `MEGACACHE_NAME: what is wrong (got 'value')`, one per problem."""
+    parts = []
+    for err in exc.errors():
+        name = "MEGACACHE_" + str(err["loc"][0]).upper() if err["loc"] else "settings"
+        parts.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":

@@ -56,11 +56,16 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(log_format: str, level: str) -> None:
-    if log_format != "json":
-        return
+    """megacache's own loggers get a handler at `level` in either format (text lines shaped
+    like uvicorn's); in JSON mode uvicorn's own loggers write JSON too."""
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter())
-    for name in ("megacache", "uvicorn", "uvicorn.error"):
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+        names: tuple[str, ...] = ("megacache", "uvicorn", "uvicorn.error")
+    else:
+        handler.setFormatter(logging.Formatter("%(levelname)-9s %(name)s: %(message)s"))
+        names = ("megacache",)
+    for name in names:
         logger = logging.getLogger(name)
         logger.handlers = [handler]
         logger.propagate = False

@@ -9,7 +9,7 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ByteSize, Field
+from pydantic import ByteSize, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
@@ -21,9 +21,7 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to bind; loopback by default")
     port: int = Field(8787, ge=0, le=65535, description="TCP port")
     data_dir: Path = Field(Path("./megacache-data"), description="blobs, temp files and index")
-    index: str = Field(
-        "", description="index URL: sqlite:///path (default: <data_dir>/index.sqlite3)"
-    )
+    index: str = Field("", description="index URL: sqlite:///path or redis://host:6379/0")
     auth: bool = Field(False, description="require bearer tokens (see `megacache-server token`)")
     insecure: bool = Field(
         False, description="allow serving without auth on a non-loopback address"
@@ -104,6 +102,12 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field(
         "text", description="json: one JSON object per line, with a per-request access log"
     )
+
+    @field_validator("log_level", "log_format", "blob_store", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        """`MEGACACHE_LOG_LEVEL=INFO` means info: names of choices ignore case."""
+        return value.strip().lower() if isinstance(value, str) else value
 
     def exposure_problem(self) -> str | None:
         """Why these settings must not serve, or None: no auth is only for loopback."""

@@ -14,8 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 from helpers import ServerProcess  # noqa: E402
-
-from megacache_server.local import LocalRedis, LocalSeaweedS3  # noqa: E402
+from services import LocalRedis, LocalSeaweedS3, leftover_groups  # noqa: E402
 
 _names = itertools.count()
 
@@ -119,3 +118,12 @@ def limited_server(request: pytest.FixtureRequest,
 def client(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=30) as c:
         yield c
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """No server, Redis or SeaweedFS process a test started may outlive the suite."""
+    left = leftover_groups()
+    if left:
+        print(f"\nprocess groups left running by the tests (now killed): {left}",
+              file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

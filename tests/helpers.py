@@ -7,8 +7,9 @@ import socket
 from datetime import datetime, timezone
 from typing import Any
 
+from services import LOOPBACK, LocalServer, free_port
+
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
-from megacache_server.local import LOOPBACK, LocalServer, free_port
 
 __all__ = ["LOOPBACK", "ServerProcess", "free_port", "make_fingerprint", "make_manifest",
            "raw_http", "sha256"]

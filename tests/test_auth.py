@@ -125,4 +125,5 @@ def test_unauthenticated_serving_is_loopback_only(tmp_path: Path):
     out = subprocess.run([sys.executable, "-m", "megacache_server", "--host", "0.0.0.0",
                           "--data-dir", str(tmp_path)], capture_output=True, text=True,
                          timeout=30)
-    assert out.returncode == 2 and "refusing to serve without authentication" in out.stderr
+    assert out.returncode == 3 and "refusing to serve without authentication" in out.stderr
+

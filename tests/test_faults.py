@@ -21,6 +21,7 @@ import httpx
 import pytest
 from conftest import service_missing, started
 from helpers import ServerProcess, free_port, make_fingerprint, make_manifest, sha256
+from services import LocalRedis, LocalSeaweedS3
 
 from megacache_client.config import ClientConfig
 from megacache_client.transport import (
@@ -29,7 +30,6 @@ from megacache_client.transport import (
     RemoteCache,
     TransportError,
 )
-from megacache_server.local import LocalRedis, LocalSeaweedS3
 
 
 def populate(url: str, n: int = 3, size: int = 200_000) -> list[tuple[bytes, str]]:

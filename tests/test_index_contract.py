@@ -14,12 +14,12 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from services import LocalRedis
 
 from megacache_client.events import Event
 from megacache_server.errors import PreconditionFailed
 from megacache_server.index.base import Index, NewEntry, Precondition, TokenRecord
 from megacache_server.index.sqlite import SqliteIndex
-from megacache_server.local import LocalRedis
 
 INDEXES = ["sqlite", "redis"]
 _n = iter(range(10**6))

@@ -16,6 +16,6 @@ def test_ruff() -> None:
 
 
 def test_mypy() -> None:
-    r = subprocess.run([sys.executable, "-m", "mypy", "megacache_server", "megacache_client"],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "mypy", "megacache_server", "megacache_client",
+                        "megacache_autoload.py"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

