@@ -1,7 +1,10 @@
 """One connection sends a 150 MiB header line; what does it cost the server and the others?
 
     python benchmarks/header_flood.py                   # the server of this checkout
-    PYTHONPATH=/path/to/other/checkout python benchmarks/header_flood.py   # another version
+    cd /tmp && PYTHONPATH=/other/checkout python /this/checkout/benchmarks/header_flood.py
+
+(the second form measures another version: run it outside any checkout, since
+`python -m megacache_server` puts the current directory first on the path).
 
 Measures the bytes the attacker got out before the server cut it (kernel socket buffers
 included), how long until the connection was answered or closed, the server's resident
@@ -62,13 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     server = LocalServer(Path(tempfile.mkdtemp(prefix="megacache-flood-")) / "data").start()
     assert server.proc is not None
     latencies: list[float] = []
+    failures: list[str] = []
     done = threading.Event()
 
     def probe() -> None:
         with httpx.Client(timeout=300) as c:
             while not done.is_set():
                 t = time.perf_counter()
-                c.get(server.url + "/healthz")
+                try:
+                    if c.get(server.url + "/healthz").status_code != 200:
+                        failures.append("status")
+                except httpx.HTTPError as exc:
+                    failures.append(type(exc).__name__)
                 latencies.append(time.perf_counter() - t)
                 time.sleep(0.05)
 
@@ -85,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {"code": str(Path(megacache_server.__file__).parent), "header_mib": args.mib,
               "sent_mib": round(sent / (1 << 20), 1), "answer": answer,
               "seconds": round(seconds, 2), "rss_before_mib": before, "rss_peak_mib": peak,
-              "healthz_max_ms": round(max(latencies) * 1000, 1), "probes": len(latencies)}
+              "healthz_max_ms": round(max(latencies, default=0) * 1000, 1),
+              "probes": len(latencies), "probe_failures": failures}
     print(f"{'sent MiB':>9} {'seconds':>8} {'RSS MiB':>13} {'healthz max ms':>15}  answer")
     print(f"{result['sent_mib']:>9} {result['seconds']:>8} "
-          f"{f'{before} -> {peak}':>13} {result['healthz_max_ms']:>15}  {answer}")
+          f"{f'{before} -> {peak}':>13} {result['healthz_max_ms']:>15}  {answer}"
+          f"{f'  ({len(failures)} failed probes)' if failures else ''}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     return 0
