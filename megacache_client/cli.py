@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from megacache_client.breaker import CircuitBreaker
 from megacache_client.config import ClientConfig, ConfigError
 from megacache_client.manifest import is_hex64
 from megacache_client.nodecache import NodeCache
-from megacache_client.breaker import CircuitBreaker
 from megacache_client.transport import RemoteCache, TransportError
 
 
