@@ -92,8 +92,9 @@ def config_component(options: dict[str, Any] | None) -> dict[str, Scalar]:
     from megacache_client import torch_env
 
     torch = torch_env.torch_module()
-    opts = dict(options or {})
-    opts.pop("disable", None)
+    defaults = _compile_defaults()
+    opts = {k: v for k, v in (options or {}).items()
+            if k != "disable" and not (k in defaults and _same(v, defaults[k]))}
     backend = opts.pop("backend", "inductor")
     inductor_options = opts.pop("options", None)
     return {
@@ -106,6 +107,26 @@ def config_component(options: dict[str, Any] | None) -> dict[str, Scalar]:
         "threads": torch.get_num_threads(),
         "cache_key_tag": str(getattr(torch.compiler.config, "cache_key_tag", "") or ""),
     }
+
+
+@functools.cache
+def _compile_defaults() -> dict[str, Any]:
+    """torch.compile's keyword defaults: an argument passed at its default (as the decorator
+    form does for all of them) must give the same fingerprint as one left out."""
+    import torch
+
+    try:
+        params = inspect.signature(torch.compile).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a is b or (type(a) is type(b) and a == b))
+    except Exception:
+        return False
 
 
 def differing(a: Fingerprint, b: Fingerprint) -> list[str]:
