@@ -183,9 +183,10 @@ def _source(obj: Any) -> str:
 
 
 def _short(obj: Any) -> str:
-    """A readable model name: the qualified name without `<locals>` noise."""
+    """A readable model name: the qualified name, from the innermost function scope on
+    (`main.<locals>.Net` is `Net`; `Outer.Inner` stays)."""
     name = str(getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "model"))
-    return name.replace(".<locals>", "")
+    return name.rsplit("<locals>.", 1)[-1]
 
 
 def _qualname(obj: Any) -> str:
