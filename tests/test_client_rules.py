@@ -221,9 +221,9 @@ def test_hung_server_is_bounded_by_the_deadline_not_the_read_timeout():
         cfg = ClientConfig(url=f"http://127.0.0.1:{listener.getsockname()[1]}", retries=2,
                            read_timeout_s=30)
         breaker = CircuitBreaker()
-        with RemoteCache(cfg, breaker, Deadline(1.0)) as remote:
-            with pytest.raises(TransportError, match="1s load deadline"):
-                remote.get_entry("0" * 64)
+        with RemoteCache(cfg, breaker, Deadline(1.0)) as remote, \
+                pytest.raises(TransportError, match="1s load deadline"):
+            remote.get_entry("0" * 64)
         assert breaker.is_open  # the node's other ranks will not wait on it too
     finally:
         listener.close()
