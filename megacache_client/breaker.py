@@ -46,8 +46,11 @@ class CircuitBreaker:
             if not self._open_until:
                 return
             left = self._open_until - time.time()
-            if left <= 0:  # half-open: let one attempt through
-                self._failures, self._open_until = self.threshold - 1, 0.0
+            if left <= 0:
+                # half-open: this caller is the one probe; the node's other ranks keep
+                # seeing the breaker open until the probe's success() closes it
+                self._failures = self.threshold - 1
+                self._open_until = time.time() + self.reset_s
                 self._save()
                 return
             raise CircuitOpenError(
@@ -109,7 +112,8 @@ _BREAKERS: dict[tuple[str, Path | None], CircuitBreaker] = {}
 _BREAKERS_LOCK = threading.Lock()
 
 
-def breaker_for(url: str, node_dir: Path | None = None) -> CircuitBreaker:
+def breaker_for(url: str, node_dir: Path | None = None,
+                reset_s: float = DEFAULT_RESET_S) -> CircuitBreaker:
     """The breaker of one server, shared by every session and thread of this process and,
     through `node_dir/breaker/`, by every process on the node that uses the same dir."""
     state_file = None
@@ -117,4 +121,6 @@ def breaker_for(url: str, node_dir: Path | None = None) -> CircuitBreaker:
         name = hashlib.sha256(url.encode()).hexdigest()[:16]
         state_file = Path(node_dir) / "breaker" / f"{name}.json"
     with _BREAKERS_LOCK:
-        return _BREAKERS.setdefault((url, state_file), CircuitBreaker(state_file=state_file))
+        breaker = _BREAKERS.setdefault((url, state_file), CircuitBreaker(state_file=state_file))
+        breaker.reset_s = reset_s
+        return breaker

@@ -53,6 +53,7 @@ class ClientConfig:
     read_timeout_s: float = 30.0
     retries: int = 2
     load_deadline_s: float = DEFAULT_LOAD_DEADLINE_S
+    breaker_reset_s: float = 30.0
     node_cache_dir: Path = field(default_factory=_default_node_cache)
     max_raw_bytes: Bytes = 16 * 1024**3
     publish_wait_s: float = 120.0
@@ -89,8 +90,11 @@ class ClientConfig:
             )
         if self.url and not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"MEGACACHE_URL must start with http:// or https://: {self.url!r}")
-        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0 or self.load_deadline_s <= 0:
-            raise ConfigError("timeouts and MEGACACHE_LOAD_DEADLINE_S must be positive")
+        for name in ("connect_timeout_s", "read_timeout_s", "load_deadline_s",
+                     "breaker_reset_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"MEGACACHE_{name.upper()} must be positive, "
+                                  f"not {getattr(self, name)}")
         if self.retries < 0:
             raise ConfigError(f"MEGACACHE_RETRIES must be 0 or more, not {self.retries}")
         max_raw = self.max_raw_bytes

@@ -49,7 +49,8 @@ class RemoteCache:
     def __init__(self, config: ClientConfig, breaker: CircuitBreaker | None = None,
                  deadline: Deadline | None = None) -> None:
         self.config = config
-        self.breaker = breaker or breaker_for(config.url, config.node_cache_dir)
+        self.breaker = breaker or breaker_for(config.url, config.node_cache_dir,
+                                              config.breaker_reset_s)
         self.deadline = deadline or Deadline(None)
         headers = {"user-agent": f"megacache-client/{__version__}"}
         if config.token:

@@ -121,7 +121,10 @@ def test_hung_server_costs_each_process_the_deadline_once(hung_server, gxx, tmp_
                 time.sleep(0.2)
         return run(machine, gxx, TRAIN_JOB, *args,
                    env={"MEGACACHE_URL": hung_server, "LOCAL_RANK": str(i), "RANK": str(i),
-                        "MEGACACHE_LOAD_DEADLINE_S": str(deadline)})
+                        "MEGACACHE_LOAD_DEADLINE_S": str(deadline),
+                        # long enough that rank 2's start-up (import torch on a busy CI
+                        # machine) never outlasts it
+                        "MEGACACHE_BREAKER_RESET_S": "600"})
 
     with ThreadPoolExecutor(3) as pool:
         runs = list(pool.map(rank, range(3)))
