@@ -68,10 +68,10 @@ def identity(target: Any) -> Identity:
         suffix = "" if isinstance(owner, torch.nn.Module) and method in CALL_METHODS \
             else "." + method
         if isinstance(owner, torch.nn.Module):
-            return Identity(_short(type(owner)) + suffix, module_code(owner))
+            return Identity(_short(type(_inner(owner))) + suffix, module_code(owner))
         return Identity(_short(type(owner)) + suffix, _code_of([type(owner)]))
     if isinstance(target, torch.nn.Module):
-        return Identity(_short(type(target)), module_code(target))
+        return Identity(_short(type(_inner(target))), module_code(target))
     if inspect.isfunction(target) or inspect.isclass(target):
         return Identity(_short(target), _code_of([target]))
     return Identity(_short(type(target)), _code_of([type(target)]))  # a callable object
@@ -161,6 +161,20 @@ def _unwrap(target: Any) -> Any:
         else:
             break
     return target
+
+
+def _inner(module: Any) -> Any:
+    """The user's model inside torch's data-parallel wrappers (DistributedDataParallel and
+    DataParallel keep it as `.module`): `DistributedDataParallel` names no model."""
+    import torch
+
+    for _ in range(8):
+        inner = getattr(module, "module", None)
+        wrapper_is_torch = (type(module).__module__ or "").startswith("torch.")
+        if not wrapper_is_torch or not isinstance(inner, torch.nn.Module):
+            break
+        module = inner
+    return module
 
 
 def _code_of(objects: list[Any]) -> str:

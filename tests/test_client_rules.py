@@ -103,6 +103,8 @@ def test_identity_sees_through_bound_methods_partials_and_decorators():
     assert identity(enc.forward).name == "Encoder.forward"
     assert identity(enc.forward).code == identity(enc).code
     assert identity(torch.compile(enc)) == identity(enc)
+    assert identity(torch.nn.DataParallel(enc)).name == "Encoder"  # a torch wrapper
+    assert identity(torch.nn.DataParallel(enc)._call_impl).name == "Encoder"
     assert identity(Trainer().step).name == "Trainer.step"
     assert identity(loss).name.endswith("loss")
     assert identity(functools.partial(loss, b=1)) == identity(loss)
