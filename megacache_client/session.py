@@ -162,6 +162,8 @@ class Session:
             try:
                 fp = self.fingerprint(target, options)
             except Exception as exc:  # a model whose source cannot be read, ...
+                if not self.tracks:
+                    self._no_track.load = result
                 self._fail(result, "error", f"fingerprint: {type(exc).__name__}: {exc}")
                 return result
             result.key = fp.key()
