@@ -52,18 +52,28 @@ class RemoteCache:
         self.breaker = breaker or breaker_for(config.url, config.node_cache_dir,
                                               config.breaker_reset_s)
         self.deadline = deadline or Deadline(None)
-        headers = {"user-agent": f"megacache-client/{__version__}"}
-        if config.token:
-            headers["authorization"] = f"Bearer {config.token}"
-        self._http = httpx.Client(
-            base_url=config.url,
-            headers=headers,
-            timeout=httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s),
-            follow_redirects=True,
-        )
+        self._client: httpx.Client | None = None
+
+    @property
+    def _http(self) -> httpx.Client:
+        """Made on first use: building one (its TLS context) takes a noticeable fraction of a
+        second, which a rank that finds the breaker open should not pay."""
+        if self._client is None:
+            headers = {"user-agent": f"megacache-client/{__version__}"}
+            if self.config.token:
+                headers["authorization"] = f"Bearer {self.config.token}"
+            self._client = httpx.Client(
+                base_url=self.config.url,
+                headers=headers,
+                timeout=httpx.Timeout(self.config.read_timeout_s,
+                                      connect=self.config.connect_timeout_s),
+                follow_redirects=True,
+            )
+        return self._client
 
     def close(self) -> None:
-        self._http.close()
+        if self._client is not None:
+            self._client.close()
 
     def __enter__(self) -> RemoteCache:
         return self
