@@ -8,9 +8,9 @@ autoload hook do it in every process, `torchrun` workers included.
 """
 
 from megacache_client._version import __version__
-from megacache_client.api import cached, disable, enable, session  # noqa: E402
-from megacache_client.config import ClientConfig  # noqa: E402
-from megacache_client.session import MegacacheError, Session  # noqa: E402
+from megacache_client.api import cached, disable, enable, session
+from megacache_client.config import ClientConfig
+from megacache_client.session import MegacacheError, Session
 
 __all__ = ["ClientConfig", "MegacacheError", "Session", "cached", "disable", "enable",
            "session", "__version__"]

@@ -8,7 +8,8 @@
     megacache stats
     megacache autoload install    # zero-code hook for this environment
 
-Server URL and token come from --url/--token or MEGACACHE_URL/MEGACACHE_TOKEN.
+Server URL and token come from --url/--token (before or after the subcommand) or
+MEGACACHE_URL/MEGACACHE_TOKEN.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from megacache_client import __version__, exitcodes
+from megacache_client.breaker import CircuitBreaker
 from megacache_client.config import ClientConfig, ConfigError
 from megacache_client.exitcodes import ExitCode
 from megacache_client.manifest import is_hex64
@@ -60,19 +62,25 @@ def _config(args: argparse.Namespace, **overrides: Any) -> ClientConfig:
     return config
 
 
+def _remote(config: ClientConfig) -> RemoteCache:
+    """A command's own breaker: one typed by a person is not held back by the node's (a
+    server that was down for the training ranks a minute ago may be fixed by now)."""
+    return RemoteCache(config, CircuitBreaker())
+
+
 def cmd_fingerprint(args: argparse.Namespace) -> int:
-    from megacache_client.session import Session
+    from megacache_client.fingerprint import compute
 
     options = {"mode": args.compile_mode} if args.compile_mode else None
-    config = ClientConfig.from_env(url=args.url or "http://unused", model=args.model,
-                                   code=args.code)
-    fp = Session(config, compile_options=options).fingerprint()
+    config = ClientConfig.from_env(model=args.model, code=args.code)  # no server needed
+    fp = compute(namespace=config.namespace, options=options, model=config.model,
+                 code=config.code)
     print(json.dumps({"key": fp.key(), **fp.model_dump()}, indent=2))
     return 0
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with RemoteCache(_config(args)) as remote:
+    with _remote(_config(args)) as remote:
         entries = remote.list_entries(model=args.model, limit=args.limit)
     if args.json:
         print(json.dumps([json.loads(m.to_json()) for m in entries], indent=2))
@@ -85,7 +93,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    with RemoteCache(_config(args)) as remote:
+    with _remote(_config(args)) as remote:
         found = remote.get_entry(_key(args.key))
     if found is None:
         print(f"megacache: no entry {args.key}", file=sys.stderr)
@@ -97,7 +105,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     config = _config(args)
     node = NodeCache(config.node_cache_dir, config.lock_timeout_s)
-    with RemoteCache(config) as remote:
+    with _remote(config) as remote:
         found = remote.get_entry(_key(args.key))
         if found is None:
             print(f"megacache: no entry {args.key}", file=sys.stderr)
@@ -111,15 +119,16 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from megacache_client.session import Session, upload_blobs
+    from megacache_client.fingerprint import compute
+    from megacache_client.session import Session, build_manifest, upload_blobs
 
     config = _config(args, model=args.model, code=args.code)
     session = Session(config)
-    session.fingerprint()
+    fp = compute(namespace=config.namespace, model=config.model, code=config.code)
     raw = args.bundle.read_bytes()
     blob = session.bundle_blob(raw)
-    manifest = session.manifest_for([blob], {}, args.cold_compile_s)
-    with RemoteCache(config) as remote:
+    manifest = build_manifest(fp, [blob], {}, args.cold_compile_s)
+    with _remote(config) as remote:
         sent = upload_blobs(remote, session.node, [blob], ProgressBar("megacache"))
         etag = remote.put_entry(manifest)
     print(f"pushed {manifest.key} ({sent} bytes uploaded, etag {etag})")
@@ -127,7 +136,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    with RemoteCache(_config(args)) as remote:
+    with _remote(_config(args)) as remote:
         stats = remote.stats()
     if args.json:
         print(json.dumps(stats, indent=2))
@@ -180,47 +189,65 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+MODEL_HELP = "model name in the fingerprint [MEGACACHE_MODEL] (default: derived from the " \
+    "compiled module's class)"
+CODE_HELP = "code version in the fingerprint, e.g. a git sha [MEGACACHE_CODE] (default: a " \
+    "hash of the model's source)"
+JSON_HELP = "print JSON instead of a table"
+
+
+def _global_options(parser: argparse.ArgumentParser, default: Any) -> None:
+    """--url/--token, accepted before the subcommand (`default` None) and after it
+    (`default` SUPPRESS, so an absent option there does not undo one given before)."""
+    parser.add_argument("--url", default=default, help="server URL [MEGACACHE_URL]")
+    parser.add_argument("--token", default=default, help="bearer token [MEGACACHE_TOKEN]")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megacache", description=__doc__.splitlines()[0],
                                      epilog=exitcodes.describe())
     parser.add_argument("--version", action="version", version=f"megacache {__version__}")
-    parser.add_argument("--url", help="server URL [MEGACACHE_URL]")
-    parser.add_argument("--token", help="bearer token [MEGACACHE_TOKEN]")
+    _global_options(parser, None)
+    common = argparse.ArgumentParser(add_help=False)
+    _global_options(common, argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("fingerprint", help="print this environment's key and its components")
-    p.add_argument("--model", help="model name in the key [MEGACACHE_MODEL]")
-    p.add_argument("--code", help="code version in the key, e.g. a git SHA [MEGACACHE_CODE]")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, parents=[common])
+
+    p = command("fingerprint", "print this environment's key and its components")
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument("--code", help=CODE_HELP)
     p.add_argument("--compile-mode", help="torch.compile mode the job uses")
     p.set_defaults(fn=cmd_fingerprint)
 
-    p = sub.add_parser("ls", help="list entries, newest first")
-    p.add_argument("--model", help="only this model's entries")
-    p.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p = command("ls", "list entries, newest first")
+    p.add_argument("--model", help="only entries of this model")
+    p.add_argument("--limit", type=int, default=20, help="at most this many entries")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(fn=cmd_ls)
 
-    p = sub.add_parser("show", help="print an entry's manifest")
-    p.add_argument("key", help="the entry's key (64 hex characters)")
+    p = command("show", "print an entry's manifest")
+    p.add_argument("key", help="the entry's 64-hex key")
     p.set_defaults(fn=cmd_show)
 
-    p = sub.add_parser("pull", help="download an entry's blobs into the node cache")
-    p.add_argument("key", help="the entry's key (64 hex characters)")
+    p = command("pull", "download an entry's blobs into the node cache")
+    p.add_argument("key", help="the entry's 64-hex key")
     p.set_defaults(fn=cmd_pull)
 
-    p = sub.add_parser("push", help="publish a Mega-Cache bundle file for this environment")
+    p = command("push", "publish a Mega-Cache bundle file for this environment")
     p.add_argument("bundle", type=Path, help="bytes from torch.compiler.save_cache_artifacts()")
-    p.add_argument("--model", required=True, help="model name in the key")
-    p.add_argument("--code", required=True, help="code version in the key, e.g. a git SHA")
+    p.add_argument("--model", required=True, help=MODEL_HELP.split(" (default")[0])
+    p.add_argument("--code", required=True, help=CODE_HELP.split(" (default")[0])
     p.add_argument("--cold-compile-s", type=float, default=0.0,
-                   help="what the cold compile took, for the saved-time stats (default 0)")
+                   help="seconds the bundle took to compile cold (for seconds-saved stats)")
     p.set_defaults(fn=cmd_push)
 
-    p = sub.add_parser("stats", help="runs, hit rate and compile time saved per model")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p = command("stats", "runs, hit rate and compile time saved per model")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(fn=cmd_stats)
 
-    p = sub.add_parser("autoload", help="install or remove the zero-code .pth hook")
+    p = command("autoload", "install or remove the zero-code .pth hook")
     p.add_argument("action", choices=("install", "remove"))
     p.add_argument("--target", help="site-packages directory (default: this environment's)")
     p.set_defaults(fn=cmd_autoload)

@@ -1,6 +1,9 @@
 """Client settings: keyword arguments win over `MEGACACHE_*` environment variables.
 
-Environment variables are how `torchrun` workers are configured without code changes.
+Environment variables are how `torchrun` workers are configured without code changes, so a
+value that is not what it claims to be is refused with an error naming the variable, never
+read as something else: `MEGACACHE_FALLBACK=flase` is an error, not false. Sizes take units
+as the server's settings do (`16GiB`, `512MB`, or a plain byte count).
 """
 
 from __future__ import annotations
@@ -10,10 +13,24 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
 from megacache_client.signing import SigningError, public_key_bytes
 
 Mode = Literal["off", "read-only", "read-write", "required"]
 MODES: tuple[Mode, ...] = ("off", "read-only", "read-write", "required")
+
+
+Bytes = int
+"""A size in bytes; from text it may carry a unit (`16GiB`, `512MB`), as on the server."""
+
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+DEFAULT_LOAD_DEADLINE_S = 10.0
+"""A healthy server answers an entry lookup in milliseconds; a busy one facing a thousand
+starting ranks in well under a second. Ten seconds is long enough never to give up on a
+slow-but-working server and short enough that a hung one costs a trainer next to nothing
+next to the minutes of a cold compile (it used to cost ~97 s)."""
 
 
 class ConfigError(ValueError):
@@ -37,8 +54,10 @@ class ClientConfig:
     connect_timeout_s: float = 3.0
     read_timeout_s: float = 30.0
     retries: int = 2
+    load_deadline_s: float = DEFAULT_LOAD_DEADLINE_S
+    breaker_reset_s: float = 30.0
     node_cache_dir: Path = field(default_factory=_default_node_cache)
-    max_raw_bytes: int = 16 * 1024**3
+    max_raw_bytes: Bytes = 16 * 1024**3
     publish_wait_s: float = 120.0
     lock_timeout_s: float = 600.0
     fallback: bool = True
@@ -73,27 +92,52 @@ class ClientConfig:
             )
         if self.url and not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"MEGACACHE_URL must start with http:// or https://: {self.url!r}")
-        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
-            raise ConfigError("timeouts must be positive")
+        for name in ("connect_timeout_s", "read_timeout_s", "load_deadline_s",
+                     "breaker_reset_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"MEGACACHE_{name.upper()} must be positive, "
+                                  f"not {getattr(self, name)}")
+        if self.retries < 0:
+            raise ConfigError(f"MEGACACHE_RETRIES must be 0 or more, not {self.retries}")
         if self.verify_key:
             try:
                 public_key_bytes(self.verify_key)
             except SigningError as exc:
                 raise ConfigError(f"MEGACACHE_VERIFY_KEY: {exc}") from None
-        return replace(self, url=self.url.rstrip("/"), node_cache_dir=Path(self.node_cache_dir))
+        max_raw = self.max_raw_bytes
+        if isinstance(max_raw, str):  # a keyword argument may use units too
+            max_raw = _coerce("max_raw_bytes", "Bytes", max_raw)
+        if max_raw <= 0:
+            raise ConfigError(f"MEGACACHE_MAX_RAW_BYTES must be positive, not {max_raw}")
+        return replace(self, url=self.url.rstrip("/"), node_cache_dir=Path(self.node_cache_dir),
+                       max_raw_bytes=max_raw)
+
+
+_BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 
 
 def _coerce(name: str, type_: Any, raw: str) -> Any:
+    """Text from the environment as the field's type, or a ConfigError naming the variable."""
     type_name = str(type_)
+    text = raw.strip()
     try:
-        if "bool" in type_name:
-            return raw.strip().lower() in ("1", "true", "yes", "on")
-        if "float" in type_name:
-            return float(raw)
+        if type_name == "bool":
+            if text.lower() in TRUE:
+                return True
+            if text.lower() in FALSE:
+                return False
+            raise ValueError
+        if type_name == "float":
+            return float(text)
         if type_name == "int":
-            return int(raw)
+            return int(text)
+        if type_name == "Bytes":
+            return int(_BYTE_SIZE.validate_python(text))
         if "Path" in type_name:
-            return Path(raw).expanduser()
-    except ValueError:
-        raise ConfigError(f"MEGACACHE_{name.upper()}={raw!r} is not a valid {type_name}") from None
+            return Path(text).expanduser()
+    except (ValueError, ValidationError):
+        expected = {"bool": f"a boolean ({'/'.join(TRUE)} or {'/'.join(FALSE)})",
+                    "Bytes": "a size in bytes, with an optional unit (16GiB, 512MB, 1000000)",
+                    "float": "a number", "int": "a whole number"}.get(type_name, type_name)
+        raise ConfigError(f"MEGACACHE_{name.upper()}={raw!r} is not {expected}") from None
     return raw

@@ -2,8 +2,11 @@
 
 torch.compile is lazy (it compiles on the first call of the returned module), so loading
 when torch.compile is *called* is early enough, and that call tells us what the fingerprint
-needs: the model (its class names the model, its source gives the code id) and the compile
-options. The hook is installed once; only the active session sees compile calls.
+needs: what is compiled (a module, `module._call_impl` from `nn.Module.compile()`, a
+function) and the compile options. Each distinct fingerprint is loaded once, so a process
+that compiles a model and its loss loads both entries. `torch.compile(fullgraph=True)` with
+no model returns a decorator that calls torch.compile again with the function: only that
+second call is a compile. The hook is installed once; only the active session sees calls.
 """
 
 from __future__ import annotations
@@ -57,10 +60,10 @@ def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def compile(*args: Any, **kwargs: Any) -> Any:
         session = _active
-        if session is not None:
-            module = args[0] if args else kwargs.get("model")
+        target = args[0] if args else kwargs.get("model")
+        if session is not None and target is not None and not kwargs.get("disable"):
             options = {k: v for k, v in kwargs.items() if k != "model"}
-            session.before_compile(module, options)
+            session.before_compile(target, options)
         return original(*args, **kwargs)
 
     return compile

@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -45,6 +46,15 @@ def canonical_json(value: Any) -> bytes:
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path, chunk: int = 1024 * 1024) -> str:
+    """sha256 of a file, read in large chunks (blobs can be gigabytes)."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            sha.update(data)
+    return sha.hexdigest()
 
 
 class _Strict(BaseModel):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from megacache_client.transport import TransportError, sha256_file
+from megacache_client.manifest import sha256_file
 
 
 class NodeCache:
@@ -50,7 +50,7 @@ class NodeCache:
                         tmp.unlink()
                 return final, size
         except Timeout:
-            raise TransportError(
+            raise TimeoutError(
                 f"waited {self.lock_timeout_s:.0f}s for another rank to download {digest[:12]}…"
             ) from None
 

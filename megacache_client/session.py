@@ -2,7 +2,14 @@
 
 Each step is a method of `Session`. The rule over all of them: nothing the cache does may
 hurt the trainer. Any failure is caught, logged as one clear warning, and the run compiles
-cold; only `mode="required"` turns a failure into an exception.
+cold; only `mode="required"` turns a failure into an exception. The load step has a total
+deadline (`load_deadline_s`), so a server that accepts connections and never answers costs
+seconds, not minutes.
+
+A process may compile several things (a model and its loss, a trainer and its EMA copy):
+each distinct fingerprint is a `Track` with its own entry, load and publish. Torch keeps one
+Mega-Cache per process, so every published entry carries the process's whole bundle: the
+blobs are stored once (same bytes, same digest) and each key gets its own entry.
 """
 
 from __future__ import annotations
@@ -19,10 +26,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from megacache_client import __version__, torch_env
+from megacache_client import torch_env
+from megacache_client._version import __version__
 from megacache_client.config import ClientConfig
 from megacache_client.events import Event, Outcome
-from megacache_client.manifest import BlobRef, Fingerprint, Manifest, sha256_hex
+from megacache_client.fingerprint import COMPONENTS, describe, differing
+from megacache_client.fingerprint import compute as compute_fingerprint
+from megacache_client.manifest import BlobRef, Fingerprint, Manifest, sha256_file, sha256_hex
 from megacache_client.nodecache import NodeCache
 from megacache_client.packs import (
     PackError,
@@ -34,17 +44,16 @@ from megacache_client.packs import (
 )
 from megacache_client.transport import (
     CorruptBlobError,
+    Deadline,
     Progress,
     RemoteCache,
     UntrustedEntryError,
-    sha256_file,
 )
 
 log = logging.getLogger("megacache")
 
 KERNEL_SUFFIXES = (".so",)
 TOOLCHAIN_SUFFIXES = (".h", ".gch")
-COMPONENTS = ("namespace", "model", "code", "env", "hw", "config")
 
 
 class MegacacheError(RuntimeError):
@@ -86,8 +95,28 @@ class PublishResult:
     key: str | None = None
 
 
+@dataclass
+class Track:
+    """One fingerprint this process compiled under: its entry's load and its publish."""
+
+    fp: Fingerprint
+    load: LoadResult
+    publish: PublishResult = field(default_factory=PublishResult)
+
+
+@dataclass
+class Snapshot:
+    """This run's artifacts, taken once, and the tracks whose entries lack some of them."""
+
+    raw: bytes
+    counts: dict[str, int]
+    kernels: dict[str, Path]
+    compile_s: float
+    tracks: list[Track]
+
+
 class Session:
-    """One process's use of the cache for one fingerprint."""
+    """One process's use of the cache: one track per distinct fingerprint it compiles."""
 
     def __init__(self, config: ClientConfig, *, model: str | None = None,
                  code: str | None = None, compile_options: dict[str, Any] | None = None,
@@ -96,35 +125,62 @@ class Session:
         self.model = model or config.model
         self.code = code or config.code
         self.compile_options = compile_options
-        self.fp: Fingerprint | None = fingerprint
-        self.load_result = LoadResult()
-        self.publish_result = PublishResult()
+        self.tracks: dict[str, Track] = {}
+        self._fixed_fp = fingerprint
+        self._no_track = Track(fingerprint or Fingerprint(model="none", code="none"),
+                               LoadResult())
         self.node = NodeCache(config.node_cache_dir, config.lock_timeout_s)
-        self._loaded = False
         self._closed = False
         self._warned = False
         self._publisher: threading.Thread | None = None
         self._lock = threading.RLock()
 
-    # -- entry points -------------------------------------------------------------------
-    def before_compile(self, module: Any, options: dict[str, Any]) -> None:
-        """Called by the torch.compile hook: load once, before the first compilation."""
-        self.load(module, options)
+    # -- the first track stands for the session (one model per process is the usual case)
+    @property
+    def _first(self) -> Track:
+        return next(iter(self.tracks.values()), self._no_track)
 
-    def load(self, module: Any = None, options: dict[str, Any] | None = None) -> LoadResult:
+    @property
+    def fp(self) -> Fingerprint | None:
+        return self._first.fp if self.tracks else None
+
+    @property
+    def load_result(self) -> LoadResult:
+        return self._first.load
+
+    @property
+    def publish_result(self) -> PublishResult:
+        return self._first.publish
+
+    # -- entry points -------------------------------------------------------------------
+    def before_compile(self, target: Any, options: dict[str, Any]) -> None:
+        """Called by the torch.compile hook: load each fingerprint once, before it compiles."""
+        self.load(target, options)
+
+    def load(self, target: Any = None, options: dict[str, Any] | None = None) -> LoadResult:
+        """Steps 1-5 for what is about to be compiled: fingerprint, find, fetch, place, load."""
         with self._lock:
-            if self._loaded or not self.config.enabled:
+            if not self.config.enabled or self._closed:
                 return self.load_result
-            self._loaded = True
+            result = LoadResult()
             started = time.monotonic()
-            result = self.load_result
+            step = result.timer()
             try:
-                step = result.timer()
-                fp = self.fingerprint(module, options)
-                result.key = fp.key()
-                torch_env.set_job_id("megacache-" + result.key[:16])
-                step("fingerprint")
-                with RemoteCache(self.config) as remote:
+                fp = self.fingerprint(target, options)
+            except Exception as exc:  # a model whose source cannot be read, ...
+                if not self.tracks:
+                    self._no_track.load = result
+                self._fail(result, "error", f"fingerprint: {type(exc).__name__}: {exc}")
+                return result
+            result.key = fp.key()
+            if result.key in self.tracks:
+                return self.tracks[result.key].load
+            self.tracks[result.key] = Track(fp, result)
+            torch_env.set_job_id("megacache-" + result.key[:16])
+            step("fingerprint")
+            try:
+                deadline = Deadline(self.config.load_deadline_s)
+                with RemoteCache(self.config, deadline=deadline) as remote:
                     found = self._find_entry(remote, fp, result)
                     step("find")
                     if found is not None:
@@ -142,28 +198,21 @@ class Session:
             finally:
                 result.seconds = time.monotonic() - started
             if result.outcome in ("hit", "fallback"):
-                log.info("megacache: %s %s in %.2fs (%s)", result.outcome,
-                         (result.entry.key[:12] if result.entry else ""), result.seconds,
-                         result.reason)
+                log.info("megacache: %s %s for %s in %.2fs (%s)", result.outcome,
+                         (result.entry.key[:12] if result.entry else ""), fp.model,
+                         result.seconds, result.reason)
             return result
 
     # -- step 1: fingerprint ------------------------------------------------------------
-    def fingerprint(self, module: Any = None, options: dict[str, Any] | None = None
+    def fingerprint(self, target: Any = None, options: dict[str, Any] | None = None
                     ) -> Fingerprint:
-        """The key's components. Computed once; the first compiled module names the model."""
-        if self.fp is None:
-            options = options if options is not None else self.compile_options
-            self.fp = Fingerprint(
-                namespace=self.config.namespace,
-                model=self.model or (torch_env.model_name(module) if module is not None
-                                     else "default"),
-                code=self.code or (torch_env.code_digest(module) if module is not None
-                                   else "unknown"),
-                env=torch_env.env_component(),
-                hw=torch_env.hw_component(),
-                config=torch_env.config_component(options),
-            )
-        return self.fp
+        """The fingerprint of compiling `target` (names given by the user win)."""
+        if self._fixed_fp is not None:
+            return self._fixed_fp
+        return compute_fingerprint(
+            namespace=self.config.namespace, target=target,
+            options=options if options is not None else self.compile_options,
+            model=self.model, code=self.code)
 
     # -- step 2: find the entry (exact, else the nearest of the same model) -------------
     def _find_entry(self, remote: RemoteCache, fp: Fingerprint,
@@ -182,7 +231,7 @@ class Session:
                       if m.fingerprint.env == fp.env and m.fingerprint.hw == fp.hw]
         if self.config.fallback and compatible:
             nearest = compatible[0]
-            result.differing = _differing(nearest.fingerprint, fp)
+            result.differing = differing(nearest.fingerprint, fp)
             result.outcome = "fallback"
             result.reason = (f"exact key missed; using the newest entry of {fp.model!r} "
                              f"with the same env and hw (differs in "
@@ -193,10 +242,10 @@ class Session:
             if got is not None:
                 _require_match(got[0], fp, ("namespace", "model", "env", "hw"))
             return got
-        result.differing = _differing(candidates[0].fingerprint, fp)
+        result.differing = differing(candidates[0].fingerprint, fp)
         result.outcome = "miss"
         result.reason = (f"no entry for this fingerprint; the newest entry of {fp.model!r} "
-                         f"differs in {_describe(candidates[0].fingerprint, fp)}")
+                         f"differs in {describe(candidates[0].fingerprint, fp)}")
         return None
 
     # -- step 3: fetch each blob once per node, verified --------------------------------
@@ -264,57 +313,65 @@ class Session:
     def publish(self, wait: bool = False) -> PublishResult:
         """Snapshot this run's artifacts now; upload them in a background thread.
 
-        Uploads only when this run has something the loaded entry lacked, only from local
-        rank 0, and never overwrites a newer entry (conditional PUT).
+        Uploads only when this run has something a track's loaded entry lacked, only from
+        local rank 0, and never overwrites a newer entry (conditional PUT).
         """
         with self._lock:
-            if self._publisher is not None or not self._may_publish():
-                return self._join(wait)
-            snapshot = self._snapshot()
-            if snapshot is None:
-                return self._join(wait)
-            self._publisher = threading.Thread(target=self._upload, args=snapshot,
-                                               name="megacache-publish", daemon=True)
-            self._publisher.start()
+            if self._publisher is None and self._may_publish():
+                snapshot = self._snapshot()
+                if snapshot is not None:
+                    self._publisher = threading.Thread(target=self._upload, args=(snapshot,),
+                                                       name="megacache-publish", daemon=True)
+                    self._publisher.start()
         return self._join(wait)
 
     def _may_publish(self) -> bool:
-        res = self.publish_result
-        if not self.config.may_publish or self.fp is None or not self._loaded:
-            res.reason = "publishing disabled or nothing compiled through megacache"
-            return False
-        if self.load_result.outcome in ("invalid", "error"):
-            res.reason = f"not publishing after a failed load ({self.load_result.outcome})"
-            return False
-        if os.environ.get("LOCAL_RANK", "0") != "0":
-            res.reason = "only local rank 0 publishes"
-            return False
-        return True
+        why = ""
+        if not self.config.may_publish or not self.tracks:
+            why = "publishing disabled or nothing compiled through megacache"
+        elif os.environ.get("LOCAL_RANK", "0") != "0":
+            why = "only local rank 0 publishes"
+        for track in self.tracks.values() if why else ():
+            track.publish.reason = why
+        self._no_track.publish.reason = why or self._no_track.publish.reason
+        return not why
 
-    def _snapshot(self) -> tuple[bytes, dict[str, int], dict[str, Path], float] | None:
+    def _snapshot(self) -> Snapshot | None:
         """Save the Mega-Cache and list compiled files on the caller's thread (fast)."""
-        res = self.publish_result
         try:
             saved = torch_env.save_bundle()
             if saved is None:
-                res.reason = "torch recorded no cache artifacts"
+                for track in self.tracks.values():
+                    track.publish.reason = "torch recorded no cache artifacts"
                 return None
             raw, keys = saved
             kernels = _files(torch_env.inductor_cache_dir(), KERNEL_SUFFIXES,
                              exclude=("triton", "locks"))
             new_keys = {(kind, k) for kind, ks in keys.items() for k in ks}
-            entry = self.load_result.entry
-            if self.load_result.outcome == "hit" and entry is not None:
-                old_kernels = self._entry_pack_names(entry, "kernels")
-                if new_keys <= self.load_result.loaded_keys and set(kernels) <= old_kernels:
-                    res.reason = "the loaded entry already has everything this run compiled"
-                    return None
+            tracks = [t for t in self.tracks.values() if self._lacks(t, new_keys, kernels)]
+            if not tracks:
+                return None
             counts = {kind: len(ks) for kind, ks in keys.items()}
-            return raw, counts, kernels, torch_env.compile_seconds()
+            return Snapshot(raw, counts, kernels, torch_env.compile_seconds(), tracks)
         except Exception as exc:
             self._warn(f"could not snapshot cache artifacts: {type(exc).__name__}: {exc}")
-            res.reason = "snapshot failed"
+            for track in self.tracks.values():
+                track.publish.reason = "snapshot failed"
             return None
+
+    def _lacks(self, track: Track, new_keys: set[tuple[str, str]],
+               kernels: dict[str, Path]) -> bool:
+        """Whether this track's entry should be (re)written with this run's artifacts."""
+        load, res = track.load, track.publish
+        if load.outcome in ("invalid", "error"):
+            res.reason = f"not publishing after a failed load ({load.outcome})"
+            return False
+        if load.outcome == "hit" and load.entry is not None \
+                and new_keys <= load.loaded_keys \
+                and set(kernels) <= self._entry_pack_names(load.entry, "kernels"):
+            res.reason = "the loaded entry already has everything this run compiled"
+            return False
+        return True
 
     def _entry_pack_names(self, entry: Manifest, role: str) -> set[str]:
         blob = entry.blob(role)
@@ -326,37 +383,39 @@ class Session:
         except PackError:
             return set()
 
-    def _upload(self, raw: bytes, counts: dict[str, int], kernels: dict[str, Path],
-                compile_s: float) -> None:
-        res = self.publish_result
+    def _upload(self, snap: Snapshot) -> None:
+        """Upload the blobs once, then write each track's entry (its own key, its own etag)."""
         try:
-            assert self.fp is not None
             with RemoteCache(self.config) as remote:
-                blobs = [self.bundle_blob(raw)]
-                if self.config.ship_kernels and kernels:
-                    blobs.append(self._pack_blob("kernels", kernels))
+                blobs = [self.bundle_blob(snap.raw)]
+                if self.config.ship_kernels and snap.kernels:
+                    blobs.append(self._pack_blob("kernels", snap.kernels))
                 if self.config.ship_toolchain:
                     toolchain = self._toolchain_blob(remote)
                     if toolchain is not None:
                         blobs.append(toolchain)
-                manifest = self.manifest_for(blobs, counts, compile_s)
-                res.bytes_up += upload_blobs(remote, self.node, blobs)
-                same_key = self.load_result.outcome == "hit" and self.load_result.etag
-                etag = remote.put_entry(
-                    manifest,
-                    if_match=self.load_result.etag if same_key else None,
-                    if_none_match=None if same_key else "*",
-                )
-            res.key = manifest.key
-            if etag is None:
-                res.reason = "another producer published this key first"
-            else:
-                res.published, res.reason = True, f"published {len(blobs)} blob(s)"
-                log.info("megacache: published %s (%d bytes uploaded)", manifest.key[:12],
-                         res.bytes_up)
+                snap.tracks[0].publish.bytes_up += upload_blobs(remote, self.node, blobs)
+                for track in snap.tracks:
+                    self._put_entry(remote, track, blobs, snap)
         except Exception as exc:
-            res.reason = f"publish failed: {type(exc).__name__}: {exc}"
-            self._warn(res.reason)
+            for track in snap.tracks:
+                track.publish.reason = f"publish failed: {type(exc).__name__}: {exc}"
+            self._warn(snap.tracks[0].publish.reason)
+
+    def _put_entry(self, remote: RemoteCache, track: Track, blobs: list[BlobRef],
+                   snap: Snapshot) -> None:
+        res, load = track.publish, track.load
+        manifest = build_manifest(track.fp, blobs, snap.counts, snap.compile_s, load.entry)
+        same_key = load.outcome == "hit" and load.etag
+        etag = remote.put_entry(manifest, if_match=load.etag if same_key else None,
+                                if_none_match=None if same_key else "*")
+        res.key = manifest.key
+        if etag is None:
+            res.reason = "another producer published this key first"
+        else:
+            res.published, res.reason = True, f"published {len(blobs)} blob(s)"
+            log.info("megacache: published %s for %s (%d bytes uploaded)", manifest.key[:12],
+                     track.fp.model, res.bytes_up)
 
     def bundle_blob(self, raw: bytes) -> BlobRef:
         data = compress_bytes(raw)
@@ -406,21 +465,6 @@ class Session:
                 return blob
         return self._pack_blob("toolchain", files, names=names)
 
-    def manifest_for(self, blobs: list[BlobRef], counts: dict[str, int],
-                  compile_s: float) -> Manifest:
-        """cold_compile_s stays the cold time: a partly warm run only raises it, never lowers."""
-        assert self.fp is not None
-        loaded = self.load_result.entry
-        cold = compile_s if loaded is None else max(compile_s, loaded.cold_compile_s)
-        return Manifest(
-            key=self.fp.key(), blobs=blobs, fingerprint=self.fp,
-            torch_version=torch_env.torch_version(), triton_version=torch_env.triton_version(),
-            artifact_counts=counts, cold_compile_s=round(cold, 3),
-            created_at=datetime.now(timezone.utc),
-            producer={"client": f"megacache {__version__}",
-                      "rank": os.environ.get("RANK", "0")},
-        )
-
     def _join(self, wait: bool) -> PublishResult:
         if wait and self._publisher is not None:
             self._publisher.join(self.config.publish_wait_s)
@@ -430,41 +474,62 @@ class Session:
         return self.publish_result
 
     # -- step 7: report -----------------------------------------------------------------
+    def events(self) -> list[Event]:
+        """One event per track. The process-wide figures (compile seconds, seconds saved,
+        bytes) go on the first track's event only, so stats never count them twice."""
+        counters = torch_env.cache_counters() if self.tracks else {}
+        compile_s = torch_env.compile_seconds() if self.tracks else 0.0
+        out = []
+        for n, track in enumerate(self.tracks.values()):
+            event = self._event(track, counters, compile_s if n == 0 else None)
+            if event is not None:
+                out.append(event)
+        return out
+
     def event(self) -> Event | None:
-        res = self.load_result
-        if res.key is None or res.outcome is None or self.fp is None:
+        events = self.events()
+        return events[0] if events else None
+
+    def _event(self, track: Track, counters: dict[str, int],
+               compile_s: float | None) -> Event | None:
+        res = track.load
+        if res.key is None or res.outcome is None:
             return None
-        counters = torch_env.cache_counters()
         outcome = res.outcome
         if outcome in ("hit", "fallback") and counters["fxgraph_hit"] == 0 \
                 and counters["fxgraph_miss"] > 0:
             outcome = "inert"
             res.reason = "bundle loaded but torch found none of its graphs (fxgraph hits = 0)"
             self._warn(res.reason)
-        compile_s = torch_env.compile_seconds()
         cold = res.entry.cold_compile_s if res.entry is not None else None
-        saved = max(0.0, cold - compile_s) if cold is not None and outcome != "inert" else 0.0
+        saved = 0.0
+        if compile_s is not None and cold is not None and outcome != "inert":
+            saved = max(0.0, cold - compile_s)
+        first = compile_s is not None
         return Event(
-            key=res.key, model=self.fp.model, outcome=outcome, reason=res.reason[:2000],
+            key=res.key, model=track.fp.model, outcome=outcome, reason=res.reason[:2000],
             entry_key=res.entry.key if res.entry else None, differing=res.differing,
-            compile_s=round(compile_s, 3), cold_compile_s=cold, saved_s=round(saved, 3),
+            compile_s=round(compile_s or 0.0, 3), cold_compile_s=cold, saved_s=round(saved, 3),
             load_s=round(res.seconds, 3), bytes_down=res.bytes_down,
-            bytes_up=self.publish_result.bytes_up, fxgraph_hit=counters["fxgraph_hit"],
-            fxgraph_miss=counters["fxgraph_miss"], published=self.publish_result.published,
+            bytes_up=track.publish.bytes_up, fxgraph_hit=counters["fxgraph_hit"] if first else 0,
+            fxgraph_miss=counters["fxgraph_miss"] if first else 0,
+            published=track.publish.published,
         )
 
     def report(self) -> Event | None:
-        """POST this run's event; returns it (also when the server could not take it)."""
+        """POST this run's events (within the load deadline); returns the first one."""
         try:
-            event = self.event()
-            if event is None:
+            events = self.events()
+            if not events:
                 return None
-            with RemoteCache(self.config) as remote:
-                remote.post_event(event.model_dump(mode="json"))
-            return event
+            with RemoteCache(self.config, deadline=Deadline(self.config.load_deadline_s)) \
+                    as remote:
+                for event in events:
+                    remote.post_event(event.model_dump(mode="json"))
+            return events[0]
         except Exception as exc:
-            log.debug("megacache: could not report the run's event: %s", exc)
-            return None
+            log.debug("megacache: could not report the run's events: %s", exc)
+            return self.event() if self.tracks else None
 
     def close(self) -> Event | None:
         """Publish (bounded wait), report, and stop. Safe to call more than once."""
@@ -491,6 +556,19 @@ class Session:
             log.info("megacache: %s", message)
 
 
+def build_manifest(fp: Fingerprint, blobs: list[BlobRef], counts: dict[str, int],
+                   compile_s: float, loaded: Manifest | None = None) -> Manifest:
+    """cold_compile_s stays the cold time: a partly warm run only raises it, never lowers."""
+    cold = compile_s if loaded is None else max(compile_s, loaded.cold_compile_s)
+    return Manifest(
+        key=fp.key(), blobs=blobs, fingerprint=fp,
+        torch_version=torch_env.torch_version(), triton_version=torch_env.triton_version(),
+        artifact_counts=counts, cold_compile_s=round(cold, 3),
+        created_at=datetime.now(timezone.utc),
+        producer={"client": f"megacache {__version__}", "rank": os.environ.get("RANK", "0")},
+    )
+
+
 def upload_blobs(remote: RemoteCache, node: NodeCache, blobs: list[BlobRef],
                  progress: Progress | None = None) -> int:
     """Upload the blobs the server lacks (HEAD before PUT); returns the bytes sent."""
@@ -504,28 +582,11 @@ def upload_blobs(remote: RemoteCache, node: NodeCache, blobs: list[BlobRef],
 
 def _require_match(entry: Manifest, fp: Fingerprint, components: tuple[str, ...]) -> None:
     """Refuse an entry whose fingerprint differs from ours in `components`."""
-    differing = [name for name in ("namespace", *components)
-                 if getattr(entry.fingerprint, name) != getattr(fp, name)]
-    if differing:
+    names = [name for name in ("namespace", *components)
+             if getattr(entry.fingerprint, name) != getattr(fp, name)]
+    if names:
         raise UntrustedEntryError(f"entry {entry.key[:12]}… differs from this job in "
-                                  f"{', '.join(dict.fromkeys(differing))}: refusing it")
-
-
-def _differing(a: Fingerprint, b: Fingerprint) -> list[str]:
-    return [name for name in COMPONENTS if getattr(a, name) != getattr(b, name)]
-
-
-def _describe(theirs: Fingerprint, ours: Fingerprint) -> str:
-    parts = []
-    for name in _differing(theirs, ours):
-        t, o = getattr(theirs, name), getattr(ours, name)
-        if isinstance(t, dict) and isinstance(o, dict):
-            keys = sorted(k for k in set(t) | set(o) if t.get(k) != o.get(k))
-            detail = ", ".join(f"{k}: {t.get(k)!r} vs {o.get(k)!r}" for k in keys[:4])
-            parts.append(f"{name} ({detail})")
-        else:
-            parts.append(f"{name} ({t!r} vs {o!r})")
-    return "; ".join(parts) or "nothing (listing raced a write)"
+                                  f"{', '.join(dict.fromkeys(names))}: refusing it")
 
 
 def _files(root: Path, suffixes: tuple[str, ...], exclude: tuple[str, ...]) -> dict[str, Path]:

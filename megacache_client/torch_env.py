@@ -1,15 +1,14 @@
 """Everything the client asks of torch, in one place, imported only once torch is in use.
 
-Fingerprint facts (versions, ISA, compiler), where torch keeps its caches, its compile
-metrics and hit counters, and the Mega-Cache save/load calls. Keeping torch behind this
-module means the rest of the client imports without torch and can be reasoned about alone.
+Fingerprint facts (versions, ISA, compiler; `fingerprint.py` combines them), where torch
+keeps its caches, its compile metrics and hit counters, and the Mega-Cache save/load calls.
+Keeping torch behind this module means the rest of the client imports without torch and
+can be reasoned about alone.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
 import platform
 import shutil
 import subprocess
@@ -18,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from megacache_client.manifest import Scalar, canonical_json
+from megacache_client.manifest import Scalar
 
 
 def torch_module() -> Any:
@@ -91,48 +90,6 @@ def cxx_version() -> str | None:
     return first[:200] if first else None
 
 
-def config_component(options: dict[str, Any] | None) -> dict[str, Scalar]:
-    """Compile-relevant settings: torch.compile arguments, threads, torch's cache tag."""
-    torch = torch_module()
-    opts = dict(options or {})
-    backend = opts.pop("backend", "inductor")
-    inductor_options = opts.pop("options", None)
-    return {
-        "backend": backend if isinstance(backend, str) else _qualname(backend),
-        "mode": opts.pop("mode", None) or "default",
-        "dynamic": _scalar(opts.pop("dynamic", None)),
-        "fullgraph": bool(opts.pop("fullgraph", False)),
-        "options": _digest(inductor_options) if inductor_options else None,
-        "other": _digest(opts) if opts else None,
-        "threads": torch.get_num_threads(),
-        "cache_key_tag": str(getattr(torch.compiler.config, "cache_key_tag", "") or ""),
-    }
-
-
-def model_name(module: Any) -> str:
-    target = getattr(module, "_orig_mod", module)
-    cls = target if inspect.isclass(target) or inspect.isfunction(target) else type(target)
-    return str(getattr(cls, "__qualname__", "model"))
-
-
-def code_digest(module: Any) -> str:
-    """Hash of the source of the user classes in a module tree (torch's own are versioned)."""
-    torch = torch_module()
-    sources: dict[str, str] = {}
-    target = getattr(module, "_orig_mod", module)
-    objects = [type(m) for m in target.modules()] if isinstance(target, torch.nn.Module) \
-        else [target]
-    for obj in objects:
-        mod = getattr(obj, "__module__", "") or ""
-        if mod.startswith("torch."):
-            continue
-        try:
-            sources[_qualname(obj)] = inspect.getsource(obj)
-        except (OSError, TypeError):
-            sources[_qualname(obj)] = ""
-    return "src:" + hashlib.sha256(canonical_json(sources)).hexdigest()[:20]
-
-
 def inductor_cache_dir() -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
@@ -185,25 +142,3 @@ def set_job_id(job_id: str) -> str:
     if not config.job_id:
         config.job_id = job_id
     return str(config.job_id)
-
-
-def _qualname(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
-
-
-def _digest(value: Any) -> str:
-    return hashlib.sha256(canonical_json(_jsonable(value))).hexdigest()[:16]
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return _qualname(value) if callable(value) else repr(value)
-
-
-def _scalar(value: Any) -> Scalar:
-    return value if isinstance(value, (str, int, float, bool)) or value is None else repr(value)

@@ -1,124 +1,74 @@
 """HTTP to the megacache server, with the manners a trainer needs.
 
-Every call has connect and read timeouts, retries transient failures (connection errors,
-5xx, 429) with jittered exponential backoff, and goes through a per-server circuit breaker:
-after repeated failures the client stops calling a dead server for a while instead of
-making every rank wait out its timeouts.
+Every request has connect and read timeouts and goes through one retry loop (`retry.py`):
+transient failures (connection errors, 5xx, 429) are retried with jittered backoff or after
+the server's `Retry-After`, every try is counted by a circuit breaker the node's ranks
+share, and an optional deadline bounds the whole step the requests belong to. A blob
+download is a request like any other: a 5xx there is retried, and a broken stream resumes
+with a Range request.
 """
 
 from __future__ import annotations
 
-import hashlib
-import random
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from megacache_client import __version__
+from megacache_client._version import __version__
+from megacache_client.breaker import CircuitBreaker, breaker_for
 from megacache_client.config import ClientConfig
-from megacache_client.manifest import Manifest, component_digest
+from megacache_client.errors import (
+    CircuitOpenError,
+    CorruptBlobError,
+    DeadlineExceeded,
+    TransportError,
+    UntrustedEntryError,
+)
+from megacache_client.manifest import Manifest, component_digest, sha256_file
+from megacache_client.retry import Deadline, RetryableStatus, retry_after_s, retryable, retrying
 from megacache_client.signing import SIGNATURE_HEADER, SigningError, signature_valid
+
+__all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineExceeded",
+           "Deadline", "Progress", "RemoteCache", "TransportError", "UntrustedEntryError",
+           "breaker_for", "sha256_file"]
 
 Progress = Callable[[int, int], None]
 CHUNK = 1024 * 1024
 
 
-class TransportError(Exception):
-    """The server could not be used for this request; `status` is the HTTP status if any."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class CircuitOpenError(TransportError):
-    """The breaker is open: the server failed recently, so we do not wait on it again."""
-
-
-class CorruptBlobError(TransportError):
-    """Downloaded bytes do not hash to their address: never loaded, reported as invalid."""
-
-
-class UntrustedEntryError(CorruptBlobError):
-    """A manifest not made for what was asked (another key or fingerprint), or without a
-    valid server signature when the client requires one."""
-
-
-class CircuitBreaker:
-    """Closed → open after `threshold` consecutive failures; half-open after `reset_s`."""
-
-    def __init__(self, threshold: int = 3, reset_s: float = 30.0) -> None:
-        self.threshold = threshold
-        self.reset_s = reset_s
-        self._failures = 0
-        self._opened_at: float | None = None
-        self._lock = threading.Lock()
-
-    def check(self) -> None:
-        with self._lock:
-            if self._opened_at is None:
-                return
-            if time.monotonic() - self._opened_at >= self.reset_s:
-                self._opened_at = None  # half-open: let one attempt through
-                self._failures = self.threshold - 1
-                return
-            raise CircuitOpenError(
-                f"server marked down after {self.threshold} failures; retrying in "
-                f"{self.reset_s - (time.monotonic() - self._opened_at):.0f}s"
-            )
-
-    def success(self) -> None:
-        with self._lock:
-            self._failures = 0
-            self._opened_at = None
-
-    def failure(self) -> None:
-        with self._lock:
-            self._failures += 1
-            if self._failures >= self.threshold:
-                self._opened_at = time.monotonic()
-
-    @property
-    def is_open(self) -> bool:
-        return self._opened_at is not None
-
-
-_BREAKERS: dict[str, CircuitBreaker] = {}
-_BREAKERS_LOCK = threading.Lock()
-
-
-def breaker_for(url: str) -> CircuitBreaker:
-    """One breaker per server per process, shared by every session and thread."""
-    with _BREAKERS_LOCK:
-        return _BREAKERS.setdefault(url, CircuitBreaker())
-
-
-def _retriable(status: int) -> bool:
-    return status >= 500 or status == 429
-
-
 class RemoteCache:
     """The v1 HTTP API as Python calls. Raises TransportError; never hangs past its timeouts."""
 
-    def __init__(self, config: ClientConfig, breaker: CircuitBreaker | None = None) -> None:
+    def __init__(self, config: ClientConfig, breaker: CircuitBreaker | None = None,
+                 deadline: Deadline | None = None) -> None:
         self.config = config
-        self.breaker = breaker or breaker_for(config.url)
-        headers = {"user-agent": f"megacache-client/{__version__}"}
-        if config.token:
-            headers["authorization"] = f"Bearer {config.token}"
-        self._http = httpx.Client(
-            base_url=config.url,
-            headers=headers,
-            timeout=httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s),
-            follow_redirects=True,
-        )
+        self.breaker = breaker or breaker_for(config.url, config.node_cache_dir,
+                                              config.breaker_reset_s)
+        self.deadline = deadline or Deadline(None)
+        self._client: httpx.Client | None = None
+
+    @property
+    def _http(self) -> httpx.Client:
+        """Made on first use: building one (its TLS context) takes a noticeable fraction of a
+        second, which a rank that finds the breaker open should not pay."""
+        if self._client is None:
+            headers = {"user-agent": f"megacache-client/{__version__}"}
+            if self.config.token:
+                headers["authorization"] = f"Bearer {self.config.token}"
+            self._client = httpx.Client(
+                base_url=self.config.url,
+                headers=headers,
+                timeout=httpx.Timeout(self.config.read_timeout_s,
+                                      connect=self.config.connect_timeout_s),
+                follow_redirects=True,
+            )
+        return self._client
 
     def close(self) -> None:
-        self._http.close()
+        if self._client is not None:
+            self._client.close()
 
     def __enter__(self) -> RemoteCache:
         return self
@@ -127,29 +77,26 @@ class RemoteCache:
         self.close()
 
     # -- plumbing -----------------------------------------------------------------------
-    def _call(self, fn: Callable[[], httpx.Response], what: str) -> httpx.Response:
-        """Run one request with retries, backoff and the breaker; 4xx is returned as is."""
-        attempts = self.config.retries + 1
-        last: Exception | None = None
-        for attempt in range(attempts):
-            self.breaker.check()
-            try:
-                response = fn()
-            except httpx.HTTPError as exc:
-                last = exc
-                self.breaker.failure()
-            else:
-                if not _retriable(response.status_code):
-                    self.breaker.success()
-                    return response
-                last = TransportError(f"{what}: HTTP {response.status_code} "
-                                      f"{_error_message(response)}", response.status_code)
-                self.breaker.failure()
-            if attempt + 1 < attempts:
-                time.sleep(min(4.0, 0.2 * 2**attempt) * (0.5 + random.random()))
-        if isinstance(last, TransportError):
-            raise last
-        raise TransportError(f"{what}: {type(last).__name__}: {last}") from last
+    def _call(self, fn: Callable[[httpx.Timeout], httpx.Response], what: str
+              ) -> httpx.Response:
+        """One request through the retry loop; a 4xx answer is returned as is."""
+
+        def attempt() -> httpx.Response:
+            response = fn(self._timeout())
+            if retryable(response.status_code):
+                raise _retryable(response, what)
+            return response
+
+        return self._retrying(attempt, what)
+
+    def _retrying(self, attempt: Callable[[], Any], what: str) -> Any:
+        return retrying(attempt, what=what, retries=self.config.retries,
+                        breaker=self.breaker, deadline=self.deadline)
+
+    def _timeout(self) -> httpx.Timeout:
+        """The configured timeouts, cut to what is left of the step's deadline."""
+        return httpx.Timeout(self.deadline.cap(self.config.read_timeout_s),
+                             connect=self.deadline.cap(self.config.connect_timeout_s))
 
     def _expect(self, response: httpx.Response, ok: tuple[int, ...], what: str) -> None:
         if response.status_code not in ok:
@@ -160,7 +107,7 @@ class RemoteCache:
 
     # -- entries ------------------------------------------------------------------------
     def get_entry(self, entry_key: str) -> tuple[Manifest, str] | None:
-        r = self._call(lambda: self._http.get(f"/v1/ac/{entry_key}"), "get entry")
+        r = self._call(lambda t: self._http.get(f"/v1/ac/{entry_key}", timeout=t), "get entry")
         if r.status_code == 404:
             return None
         self._expect(r, (200,), "get entry")
@@ -196,7 +143,8 @@ class RemoteCache:
             params["env"] = component_digest(env)
         if hw is not None:
             params["hw"] = component_digest(hw)
-        r = self._call(lambda: self._http.get("/v1/ac", params=params), "list entries")
+        r = self._call(lambda t: self._http.get("/v1/ac", params=params, timeout=t),
+                       "list entries")
         self._expect(r, (200,), "list entries")
         return [Manifest.model_validate(e, strict=False) for e in r.json()["entries"]]
 
@@ -209,8 +157,8 @@ class RemoteCache:
         if if_none_match:
             headers["if-none-match"] = if_none_match
         body = manifest.to_json()
-        r = self._call(lambda: self._http.put(f"/v1/ac/{manifest.key}", content=body,
-                                              headers=headers), "put entry")
+        r = self._call(lambda t: self._http.put(f"/v1/ac/{manifest.key}", content=body,
+                                                headers=headers, timeout=t), "put entry")
         if r.status_code == 412:
             return None
         self._expect(r, (200, 201), "put entry")
@@ -218,7 +166,7 @@ class RemoteCache:
 
     # -- blobs --------------------------------------------------------------------------
     def has_blob(self, digest: str) -> bool:
-        r = self._call(lambda: self._http.head(f"/v1/cas/{digest}"), "head blob")
+        r = self._call(lambda t: self._http.head(f"/v1/cas/{digest}", timeout=t), "head blob")
         if r.status_code == 404:
             return False
         self._expect(r, (200,), "head blob")
@@ -228,10 +176,11 @@ class RemoteCache:
         """PUT a file's bytes under `digest`, streamed. True when the server did not have it."""
         size = path.stat().st_size
 
-        def send() -> httpx.Response:
+        def send(timeout: httpx.Timeout) -> httpx.Response:
             return self._http.put(f"/v1/cas/{digest}", content=_file_chunks(path, progress),
                                   headers={"content-length": str(size),
-                                           "content-type": "application/octet-stream"})
+                                           "content-type": "application/octet-stream"},
+                                  timeout=timeout)
 
         r = self._call(send, "upload blob")
         self._expect(r, (200, 201), "upload blob")
@@ -253,19 +202,9 @@ class RemoteCache:
 
     def _download_to(self, digest: str, size: int, dest: Path,
                      progress: Progress | None) -> None:
-        attempts = self.config.retries + 1
         with open(dest, "wb") as f:
-            for attempt in range(attempts):
-                self.breaker.check()
-                try:
-                    self._stream_into(f, digest, size, progress)
-                    self.breaker.success()
-                    break
-                except httpx.HTTPError as exc:
-                    self.breaker.failure()
-                    if attempt + 1 == attempts:
-                        raise TransportError(f"download {digest[:12]}: {exc}") from exc
-                    time.sleep(min(4.0, 0.2 * 2**attempt))
+            self._retrying(lambda: self._stream_into(f, digest, size, progress),
+                           f"download {digest[:12]}")
         actual_size = dest.stat().st_size
         actual = sha256_file(dest)
         if actual_size != size or actual != digest:
@@ -275,20 +214,26 @@ class RemoteCache:
             )
 
     def _stream_into(self, f: Any, digest: str, size: int, progress: Progress | None) -> None:
+        """One try: GET the blob (the rest of it, after a broken try) and append it to `f`."""
         done = f.tell()
         headers = {"range": f"bytes={done}-"} if done else {}
-        with self._http.stream("GET", f"/v1/cas/{digest}", headers=headers) as r:
+        what = f"download {digest[:12]}"
+        with self._http.stream("GET", f"/v1/cas/{digest}", headers=headers,
+                               timeout=self._timeout()) as r:
             if r.status_code == 200 and done:
                 f.seek(0)
                 f.truncate()
                 done = 0
+            elif retryable(r.status_code):
+                raise _retryable(r, what)
             elif r.status_code not in (200, 206):
                 r.read()
-                raise TransportError(f"download {digest[:12]}: HTTP {r.status_code} "
-                                     f"{_error_message(r)}", r.status_code)
+                raise TransportError(f"{what}: HTTP {r.status_code} {_error_message(r)}",
+                                     r.status_code)
             for chunk in r.iter_bytes(CHUNK):
                 f.write(chunk)
                 done += len(chunk)
+                self.deadline.credit(len(chunk))
                 if done > size:
                     raise CorruptBlobError(f"blob {digest[:12]}… is longer than {size} bytes")
                 if progress:
@@ -297,11 +242,12 @@ class RemoteCache:
 
     # -- events and stats ---------------------------------------------------------------
     def post_event(self, event: dict[str, Any]) -> None:
-        r = self._call(lambda: self._http.post("/v1/events", json=event), "post event")
+        r = self._call(lambda t: self._http.post("/v1/events", json=event, timeout=t),
+                       "post event")
         self._expect(r, (200, 201, 202), "post event")
 
     def stats(self) -> dict[str, Any]:
-        r = self._call(lambda: self._http.get("/v1/stats"), "stats")
+        r = self._call(lambda t: self._http.get("/v1/stats", timeout=t), "stats")
         self._expect(r, (200,), "stats")
         return dict(r.json())
 
@@ -317,13 +263,9 @@ def _file_chunks(path: Path, progress: Progress | None) -> Iterator[bytes]:
             yield chunk
 
 
-def sha256_file(path: Path) -> str:
-    """sha256 of a file, read in large chunks."""
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            sha.update(chunk)
-    return sha.hexdigest()
+def _retryable(response: httpx.Response, what: str) -> RetryableStatus:
+    return RetryableStatus(f"{what}: HTTP {response.status_code} {_error_message(response)}",
+                           response.status_code, retry_after_s(response.headers.get("retry-after")))
 
 
 def _error_message(response: httpx.Response) -> str:

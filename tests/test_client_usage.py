@@ -1,0 +1,215 @@
+"""The client the way people really run torch: real torch.compile, real server, fresh processes.
+
+- every way of compiling (`model.compile()`, a decorator, a plain function, several models in
+  one process) gets its own correct key and entry;
+- a server that accepts connections and never answers costs each process the load deadline
+  (seconds), once per node, with one warning;
+- `torchrun --nproc-per-node 4` downloads each blob once per node and publishes once;
+- a Hugging Face `transformers` model, trained with nothing but MEGACACHE_* set, starts warm on
+  a new machine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import ServerProcess, free_port
+from jobs import TRAIN_JOB, GxxCounter, JobRun, Machine, run_job
+
+pytest.importorskip("torch", reason="torch is needed for the client end-to-end tests")
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def gxx(tmp_path_factory: pytest.TempPathFactory) -> GxxCounter:
+    return GxxCounter(tmp_path_factory.mktemp("bin"))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server that logs each request, so tests can count downloads and publishes."""
+    proc = ServerProcess(tmp_path_factory.mktemp("cache") / "data", log_level="info").start()
+    yield proc
+    proc.stop()
+    assert "Traceback" not in proc.log(), proc.log()
+
+
+def requests(server: ServerProcess, method: str, path_prefix: str) -> list[str]:
+    """The request lines of the server's access log that match, e.g. ("GET", "/v1/cas/")."""
+    pattern = re.compile(rf'"{method} ({re.escape(path_prefix)}\S*) HTTP')
+    return [m.group(1) for m in pattern.finditer(server.log())]
+
+
+def run(machine: Machine, gxx: GxxCounter, script: Path, *args: str, env: dict[str, str],
+        runner: list[str] | None = None) -> JobRun:
+    job = run_job(machine, *args, env=env, gxx=gxx,
+                  runner=runner or [sys.executable, str(script)], timeout=600)
+    assert job.returncode == 0, job.stderr[-4000:]
+    return job
+
+
+def test_each_compile_style_gets_its_own_key_and_entry(cache, gxx, tmp_path):
+    """`.compile()` of two models, an EMA copy, a decorated loss and a plain function."""
+    job = HERE / "compile_styles_job.py"
+    cold = run(Machine(tmp_path / "a"), gxx, job, env={"MEGACACHE_URL": cache.url})
+    tracks = {t["model"]: t for t in cold.result["tracks"]}
+    assert sorted(tracks) == ["MLP", "Tower", "loss_fn", "scale"]  # the EMA copy is MLP
+    assert len({t["key"] for t in tracks.values()}) == 4
+    assert len({t["code"] for t in tracks.values()}) == 4
+    assert tracks["loss_fn"]["config"]["fullgraph"] is True
+    assert tracks["scale"]["config"]["dynamic"] is False
+    assert tracks["MLP"]["config"] == tracks["Tower"]["config"]
+    assert all(t["outcome"] == "miss" and t["published"] for t in tracks.values()), tracks
+    entries = [httpx.get(f"{cache.url}/v1/ac/{t['key']}").json() for t in tracks.values()]
+    assert [e["fingerprint"]["model"] for e in entries] == list(tracks)
+    bundles = {next(b["digest"] for b in e["blobs"] if b["role"] == "megacache")
+               for e in entries}
+    assert len(bundles) == 1  # one process, one Mega-Cache: stored once, four entries
+
+    warm = run(Machine(tmp_path / "b"), gxx, job, env={"MEGACACHE_URL": cache.url})
+    again = {t["model"]: t for t in warm.result["tracks"]}
+    assert {m: t["key"] for m, t in again.items()} == {m: t["key"] for m, t in tracks.items()}
+    assert all(t["outcome"] == "hit" and not t["published"] for t in again.values()), again
+    assert warm.result["counters"]["fxgraph_miss"] == 0
+    assert warm.gxx_builds == 0
+    assert warm.warnings() == []
+
+
+@pytest.fixture
+def hung_server() -> Iterator[str]:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)  # accepts connections, never answers
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+
+
+def breaker_open(node_dir: Path) -> bool:
+    """Whether a breaker state file in the node cache dir says a server is marked down."""
+    for state in node_dir.glob("breaker/*.json"):
+        try:
+            if json.loads(state.read_text())["open_until"] > time.time():
+                return True
+        except (OSError, ValueError, KeyError):
+            pass
+    return False
+
+
+HUNG_RANK = """
+import json, torch, megacache_client
+session = megacache_client.enable(model="hung", code="v1")
+double = torch.compile(lambda x: torch.relu(x) * 2)
+out = float(double(torch.ones(8)).sum())
+session.close()
+r = session.load_result
+print(json.dumps({"out": out, "megacache": {"outcome": r.outcome, "reason": r.reason,
+                  "load_s": r.seconds, "load_steps": r.steps}}))
+"""
+"""A rank that compiles one small function: the test is about the wait, not the compile."""
+
+
+def test_hung_server_costs_each_process_the_deadline_once(hung_server, gxx, tmp_path):
+    """Ranks of one node, default read timeout (30 s) and retries: the two that start
+    together each give up within the 3 s load deadline, the first to find out opens the
+    node's breaker, and a rank starting after that does not wait at all. Each compiles cold
+    with exactly one warning. It used to take ~97 s per process."""
+    deadline = 3.0
+    machine = Machine(tmp_path / "node")
+
+    def rank(i: int) -> JobRun:
+        if i == 2:
+            limit = time.monotonic() + 120
+            while not breaker_open(machine.root / "node") and time.monotonic() < limit:
+                time.sleep(0.2)
+        return run(machine, gxx, TRAIN_JOB, runner=[sys.executable, "-c", HUNG_RANK],
+                   env={"MEGACACHE_URL": hung_server, "LOCAL_RANK": str(i), "RANK": str(i),
+                        "MEGACACHE_LOAD_DEADLINE_S": str(deadline),
+                        # long enough that rank 2's start-up (import torch on a busy CI
+                        # machine) never outlasts it
+                        "MEGACACHE_BREAKER_RESET_S": "600"})
+
+    with ThreadPoolExecutor(3) as pool:
+        runs = list(pool.map(rank, range(3)))
+    for r in runs:
+        assert r.mc["outcome"] == "error", r.mc
+        assert r.result["out"] == 16.0  # compiled cold and ran
+        assert len(r.warnings()) == 1 and "compiling cold" in r.warnings()[0], r.stderr
+        waited = r.mc["load_s"] - r.mc["load_steps"]["fingerprint"]  # time on the server
+        assert waited < deadline + 1.5, r.mc
+    assert any("3s load deadline" in r.mc["reason"] for r in runs[:2]), runs[0].mc
+    assert "marked down" in runs[2].mc["reason"], runs[2].mc  # the node's breaker was open
+    assert runs[2].mc["load_s"] - runs[2].mc["load_steps"]["fingerprint"] < 1.0
+
+
+TORCHRUN_JOB = HERE / "torchrun_job.py"
+
+
+def torchrun(machine: Machine, gxx: GxxCounter, url: str) -> list[dict]:
+    """A 4-rank job on `machine` (one node); the ranks' results, by rank."""
+    results = machine.root / "results"
+    results.mkdir()
+    runner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+              "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+              str(TORCHRUN_JOB)]
+    job = run_job(machine, env={"MEGACACHE_URL": url, "OMP_NUM_THREADS": "1",
+                                "RESULT_DIR": str(results)},
+                  gxx=gxx, runner=runner, timeout=900)
+    assert job.returncode == 0, job.stderr[-4000:]
+    ranks = [json.loads((results / f"rank{i}.json").read_text()) for i in range(4)]
+    return [{**r, "gxx_builds": job.gxx_builds} for r in ranks]
+
+
+def test_torchrun_downloads_once_per_node_and_publishes_once(cache, gxx, tmp_path):
+    cold = torchrun(Machine(tmp_path / "a"), gxx, cache.url)
+    key = cold[0]["key"]
+    assert {r["key"] for r in cold} == {key} and cold[0]["model"] == "TinyNet", cold
+    assert [r["outcome"] for r in cold] == ["miss"] * 4, cold
+    assert requests(cache, "PUT", f"/v1/ac/{key}") == [f"/v1/ac/{key}"]  # published once
+    assert sum(r["published"] for r in cold) == 1
+
+    downloads_before = len(requests(cache, "GET", "/v1/cas/"))
+    warm = torchrun(Machine(tmp_path / "b"), gxx, cache.url)
+    assert [r["outcome"] for r in warm] == ["hit"] * 4, warm
+    entry = httpx.get(f"{cache.url}/v1/ac/{key}").json()
+    downloads = requests(cache, "GET", "/v1/cas/")[downloads_before:]
+    assert sorted(downloads) == sorted(f"/v1/cas/{b['digest']}" for b in entry["blobs"])
+    assert sorted(r["bytes_down"] > 0 for r in warm) == [False, False, False, True]
+    assert warm[0]["gxx_builds"] == 0
+    assert len(requests(cache, "PUT", f"/v1/ac/{key}")) == 1  # nothing new: no publish
+
+
+HF_JOB = HERE / "hf_train_job.py"
+ZERO_CODE = ("from megacache_client import autoload; autoload.activate_from_env(); "
+             "import runpy, sys; sys.argv = sys.argv[1:]; "
+             "runpy.run_path(sys.argv[0], run_name='__main__')")
+"""What the .pth line does at interpreter start, then the unmodified script."""
+
+
+def test_transformers_model_with_only_env_vars_starts_warm_on_a_new_machine(
+        cache, gxx, tmp_path):
+    pytest.importorskip("transformers")
+    env = {"MEGACACHE_URL": cache.url, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    runner = [sys.executable, "-c", ZERO_CODE, str(HF_JOB)]
+    cold = run(Machine(tmp_path / "a"), gxx, HF_JOB, env=env, runner=runner)
+    assert cold.result["fxgraph_miss"] > 0 and cold.gxx_builds > 0
+    stats = {m["model"]: m for m in httpx.get(cache.url + "/v1/stats").json()["models"]}
+    assert stats["GPT2LMHeadModel"]["outcomes"]["miss"] == 1, stats
+
+    warm = run(Machine(tmp_path / "b"), gxx, HF_JOB, env=env, runner=runner)
+    assert warm.gxx_builds == 0
+    assert warm.result["fxgraph_hit"] > 0 and warm.result["fxgraph_miss"] == 0, warm.result
+    assert warm.result["aot_hit"] > 0 and warm.result["aot_miss"] == 0, warm.result
+    assert warm.result["loss"] == pytest.approx(cold.result["loss"])
+    assert [ln for ln in warm.stderr.splitlines() if ln.startswith("megacache:")] == []
+    stats = {m["model"]: m for m in httpx.get(cache.url + "/v1/stats").json()["models"]}
+    assert stats["GPT2LMHeadModel"]["outcomes"]["hit"] == 1, stats

@@ -1,0 +1,56 @@
+"""One rank of a tiny DDP job (gloo, CPU) for the torchrun e2e test.
+
+Enables megacache the way a user would (no model name or code), trains two steps of a tiny
+DistributedDataParallel MLP under torch.compile, closes the session and writes what its rank
+saw to $RESULT_DIR/rank<N>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import megacache_client
+
+
+class TinyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def main() -> None:
+    session = megacache_client.enable()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(TinyNet())
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 10 + step))
+        loss = compiled(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
+    session.close()
+    lr, pr = session.load_result, session.publish_result
+    result = {"rank": rank, "key": lr.key, "outcome": lr.outcome, "reason": lr.reason,
+              "bytes_down": lr.bytes_down, "published": pr.published,
+              "publish_reason": pr.reason, "model": session.fp.model if session.fp else None}
+    Path(os.environ["RESULT_DIR"], f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
