@@ -192,9 +192,10 @@ def pyplot() -> Any | None:
 
 
 def grouped_bars(ax: Any, groups: Sequence[str], series: Mapping[str, Sequence[float]],
-                 errors: Mapping[str, Sequence[Sequence[float]]] | None = None) -> None:
+                 errors: Mapping[str, Sequence[Sequence[float]]] | None = None,
+                 tick_fontsize: str | None = "small") -> None:
     """One group of bars per label in `groups`, one bar per series in each; `errors` gives a
-    series its [below, above] error bars."""
+    series its [below, above] error bars. `tick_fontsize` None: matplotlib's default."""
     width = 0.8 / max(len(series), 1)
     for i, (name, values) in enumerate(series.items()):
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
@@ -202,7 +203,8 @@ def grouped_bars(ax: Any, groups: Sequence[str], series: Mapping[str, Sequence[f
             ax.bar(xs, values, width, yerr=errors[name], capsize=2, label=name)
         else:
             ax.bar(xs, values, width, label=name)
-    ax.set_xticks(range(len(groups)), groups, fontsize="small")
+    font = {} if tick_fontsize is None else {"fontsize": tick_fontsize}
+    ax.set_xticks(range(len(groups)), groups, **font)
 
 
 def save_figure(plt: Any, fig: Any, path: Path, dpi: int) -> None:
