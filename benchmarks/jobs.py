@@ -7,7 +7,6 @@ megacache's node-local blob cache. A new machine is three empty directories.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -18,6 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# compile_bench.py still imports proc_field from here; it moved to benchlib with machine_info
+from benchlib import proc_field  # noqa: F401
 
 TRAIN_JOB = Path(__file__).resolve().parent / "train_job.py"
 BUILD_OUTPUT = re.compile(r" -o \S+\.(so|gch)(\s|$)")
@@ -81,15 +83,6 @@ class JobRun:
 
     def warnings(self) -> list[str]:
         return [ln for ln in self.stderr.splitlines() if ln.startswith("megacache:")]
-
-
-def proc_field(path: str, key: str) -> str | None:
-    """The value of the first `key: value` line of a /proc file (None where there is none)."""
-    with contextlib.suppress(OSError):
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(key):
-                return line.split(":", 1)[1].strip()
-    return None
 
 
 def clean_env() -> dict[str, str]:

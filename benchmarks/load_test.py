@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from benchlib import percentile  # benchmarks/benchlib.py, next to this script
 from services import LocalServer
 
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
@@ -132,13 +133,6 @@ async def verify(client: httpx.AsyncClient, written: list[tuple[str, str, bytes]
                 or blob.content != data:
             problems.append(f"blob {digest[:12]}: {blob.status_code}")
     return problems
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 @dataclass

@@ -4,6 +4,7 @@ They check that the scripts work, never how fast anything is."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,30 @@ def test_compile_bench_quick_writes_valid_json(tmp_path: Path):
     jobs = [j for j in result["jobs"] if j["scenario"] == "megacache"]
     assert jobs and jobs[0]["megacache"]["outcome"] == "hit"
     assert "megacache" in run.stdout and "cold" in run.stdout  # the table
+
+
+def test_server_bench_quick_writes_tables_json_and_chart(tmp_path: Path):
+    """The split server benchmark still composes: every job runs against every target and
+    the report has the shape RESULTS.md is rendered from (nginx and wrk are the references:
+    without them the script refuses to start, so the test skips)."""
+    missing = [t for t in ("nginx", "wrk")
+               if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (apt-get install -y nginx wrk)")
+    out = tmp_path / "server.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "server_bench.py"),
+                          "--quick", "--no-redis", "--out", str(out)], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [(r["size_mib"], r["readers"]) for r in report["get"]] == [(1, 1), (1, 16)]
+    for row in report["get"] + report["put"]:
+        for target in ("ours", "nginx"):
+            assert row[target]["errors"] == 0 and row[target]["mb_s"] > 0
+            assert len(row[target]["runs"]) == 1
+    assert {r["target"] for r in report["lookup"]} == {"ours", "healthz", "nginx"}
+    assert all(r["errors"] == 0 and r["requests_s"] > 0 for r in report["lookup"])
+    assert report["machine"]["git_commit"] and report["manifest_bytes"] > 0
+    assert [g["met"] for g in report["goals"]][0] is None  # 64 MiB x16 is not in --quick
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "| ours GET /v1/ac/{key} | 32 |" in run.stdout  # the lookup table on stdout

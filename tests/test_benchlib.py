@@ -1,0 +1,111 @@
+"""The benchmarks' shared helpers (benchmarks/benchlib.py) and the server benchmark's wire
+framing: pure functions and real processes, no timing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from benchlib import (
+    MiB,
+    machine_info,
+    markdown_table,
+    median,
+    median_of_present,
+    parse_list,
+    parse_size,
+    percentile,
+    ratio,
+    text_table,
+    wait_port,
+    write_json,
+)
+from megacache_server.local import free_port
+from serverbench.wire import ProtocolError, parse_head
+
+
+def test_sizes_parse_with_binary_units_and_refuse_the_rest():
+    assert parse_size("64MiB") == 64 * MiB
+    assert parse_size(" 512 KiB ") == 512 * 1024
+    assert parse_size("1GiB") == 1024 * MiB
+    assert parse_size("123") == parse_size("123B") == 123
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        parse_size("64MB")  # decimal units are ambiguous: refused, not guessed
+    sizes = parse_list(parse_size)
+    assert sizes("1MiB,64MiB,") == [MiB, 64 * MiB]
+    for bad in ("", "0", "4,-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive"):
+            parse_list(int)(bad)
+
+
+def test_medians_percentiles_and_ratios():
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([]) == 0.0
+    assert median_of_present([None, 4, 2, None]) == 3.0
+    assert median_of_present([None]) is None
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.5) == 51.0
+    assert percentile(values, 0.99) == 100.0
+    assert percentile([], 0.99) == 0.0
+    assert ratio(1.0, 3.0) == 0.333
+    assert ratio(1.0, 0.0) is None
+
+
+def test_tables_keep_their_columns():
+    md = markdown_table(["a", "b"], [["x|y", "2"]])
+    assert md.splitlines() == ["| a | b |", "|---|---|", "| x/y | 2 |"]
+    text = text_table(["name", "n"], [["long name", "1"], ["x", "22"]]).splitlines()
+    assert text[1] == "---------  --"
+    assert [line.index(cell) for line, cell in zip(text[2:], ("1", "22"), strict=True)] \
+        == [11, 11]
+
+
+def test_write_json_creates_the_directory(tmp_path: Path):
+    out = tmp_path / "a" / "b.json"
+    write_json(out, {"x": [1, 2]})
+    assert out.read_text().endswith("\n")
+    assert json.loads(out.read_text()) == {"x": [1, 2]}
+
+
+def test_machine_info_reports_missing_tools_and_packages_as_none():
+    info = machine_info(packages={"pytest": "pytest", "nope": "no-such-dist-xyz"},
+                        tools={"py": [sys.executable, "--version"],
+                               "gone": ["no-such-tool-xyz"]})
+    assert info["cores"] and info["python"] and info["pytest"] == pytest.__version__
+    assert info["py"].startswith("Python 3")
+    assert info["nope"] is None and info["gone"] is None
+    assert list(info)[-1] == "git_commit"
+
+
+def test_wait_port_returns_once_listening_and_fails_when_the_process_dies():
+    port = free_port()
+    listener = subprocess.Popen([sys.executable, "-c", (
+        "import socket, time; s = socket.socket(); "
+        f"s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(60)")])
+    try:
+        wait_port(port, listener, "listener", timeout=30)
+        socket.create_connection(("127.0.0.1", port), 5).close()
+    finally:
+        listener.kill()
+        listener.wait()
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match="dead exited with 3"):
+        wait_port(free_port(), dead, "dead", timeout=30)
+
+
+def test_parse_head_frames_http_and_resp():
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX: y\r\n\r\nhel"
+    assert parse_head("http", head[:20], 200) is None  # incomplete: read more
+    assert parse_head("http", head, 200) == (len(head) - 3, 5, True)
+    assert parse_head("http", head, 201)[2] is False  # type: ignore[index]
+    with pytest.raises(ProtocolError, match="no Content-Length"):
+        parse_head("http", b"HTTP/1.1 200 OK\r\nX: y\r\n\r\n", 200)
+    assert parse_head("resp", b"$10\r\n0123", 200) == (5, 12, True)  # value + CRLF
+    assert parse_head("resp", b"$10", 200) is None
+    with pytest.raises(ProtocolError, match="not a bulk string"):
+        parse_head("resp", b"-ERR nope\r\n", 200)
