@@ -26,6 +26,27 @@ def service_missing(what: str, why: object) -> None:
     pytest.skip(f"{what} unavailable: {why}")
 
 
+def ensure_tools(packages: dict[str, str]) -> None:
+    """Debian packages for missing tools ({tool: package}), installed when we are root (as
+    CI is); a tool still missing fails the test in CI and skips it on a laptop."""
+    import shutil
+    import subprocess
+
+    def missing() -> list[str]:
+        return [t for t in packages
+                if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
+
+    if missing() and shutil.which("apt-get") and os.geteuid() == 0:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=600)
+        subprocess.run(["apt-get", "install", "-y", "-qq",
+                        *sorted({packages[t] for t in missing()})],
+                       env=env, capture_output=True, timeout=900)
+    if missing():
+        service_missing(", ".join(missing()),
+                        f"not installed (apt-get install {' '.join(packages.values())})")
+
+
 S = TypeVar("S", LocalRedis, LocalSeaweedS3)
 
 

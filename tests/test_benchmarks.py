@@ -4,12 +4,12 @@ They check that the scripts work, never how fast anything is."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import ensure_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,11 +35,8 @@ def test_compile_bench_quick_writes_valid_json(tmp_path: Path):
 def test_server_bench_quick_writes_tables_json_and_chart(tmp_path: Path):
     """The split server benchmark still composes: every job runs against every target and
     the report has the shape RESULTS.md is rendered from (nginx and wrk are the references:
-    without them the script refuses to start, so the test skips)."""
-    missing = [t for t in ("nginx", "wrk")
-               if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not installed (apt-get install -y nginx wrk)")
+    installed with apt when missing, as CI runs as root)."""
+    ensure_tools({"nginx": "nginx", "wrk": "wrk"})
     out = tmp_path / "server.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "server_bench.py"),
                           "--quick", "--no-redis", "--out", str(out)], capture_output=True,

@@ -5,27 +5,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import service_missing
-from dashboard_shot import chromium, dump_dom, screenshot, seed
+from conftest import ensure_tools
+from dashboard_shot import dump_dom, screenshot, seed
 from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
 from prometheus_client.parser import text_string_to_metric_families
 
 
 def ensure_chromium() -> None:
-    """Install Debian's chromium when missing (root only); otherwise fail in CI, skip here."""
-    if chromium() is None and shutil.which("apt-get") and os.geteuid() == 0:
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=600)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], env=env,
-                       capture_output=True, timeout=900)
-    if chromium() is None:
-        service_missing("chromium", "not installed (apt-get install chromium)")
+    ensure_tools({"chromium": "chromium"})
 
 
 def metric(text: str, name: str, **labels: str) -> float:
