@@ -54,3 +54,15 @@ def test_server_bench_quick_writes_tables_json_and_chart(tmp_path: Path):
     assert [g["met"] for g in report["goals"]][0] is None  # 64 MiB x16 is not in --quick
     assert out.with_suffix(".png").stat().st_size > 0
     assert "| ours GET /v1/ac/{key} | 32 |" in run.stdout  # the lookup table on stdout
+
+
+def test_startup_bench_writes_its_table_and_json(tmp_path: Path):
+    out = tmp_path / "startup.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "startup_bench.py"),
+                          "--rounds", "2", "--out", str(out)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["rows"]] == ["no hook", "hook", "eager hook (before)"]
+    assert all(r["runs"] == 2 and r["median_ms"] > 0 for r in result["rows"])
+    assert "| hook |" in run.stdout
