@@ -25,8 +25,8 @@ from benchlib import (
     wait_port,
     write_json,
 )
-from megacache_server.local import free_port
 from serverbench.wire import ProtocolError, parse_head
+from services import free_port
 
 
 def test_sizes_parse_with_binary_units_and_refuse_the_rest():
