@@ -39,7 +39,7 @@ def triton_version() -> str | None:
 
 
 def torch_prefix() -> str:
-    """Where torch is installed: compiled-kernel keys embed it (g++ include paths)."""
+    """Where torch is installed (resolved): what packs of older clients were bound to."""
     return str(Path(torch_module().__file__).resolve().parent)
 
 
