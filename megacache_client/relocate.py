@@ -41,7 +41,7 @@ INDEX_FORMAT = 1
 ARTIFACT_SUFFIXES = (".so", ".gch")
 """Files that are compiled output: what a consumer would otherwise have to build."""
 BUILD_META_PREFIX = "build."
-_PREPROCESSED_HASH = re.compile(r"[0-9a-f]{128}")
+_PREPROCESSED_HASH = re.compile(r"[0-9a-f]{128}(?![0-9a-f])")
 
 
 # -- what the flags do not show -----------------------------------------------------------
