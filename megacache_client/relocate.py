@@ -29,7 +29,6 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import sysconfig
 import threading
 import uuid
@@ -99,17 +98,9 @@ def refusal(meta: Mapping[str, str], ours: Mapping[str, str] | None = None) -> s
 
 @functools.cache
 def _native_march() -> str | None:
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
+    from megacache_client.torch_env import compiler_output
 
-        compiler = get_cpp_compiler()
-    except Exception:
-        compiler = shutil.which("g++") or "g++"
-    try:
-        out = subprocess.run([compiler, "-march=native", "-Q", "--help=target"],
-                             capture_output=True, text=True, timeout=10, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
+    out = compiler_output("-march=native", "-Q", "--help=target") or ""
     found = re.search(r"^\s*-march=\s+(\S+)", out, re.MULTILINE)
     return found.group(1) if found else None
 

@@ -76,6 +76,13 @@ def hw_component() -> dict[str, Scalar]:
 @functools.cache
 def cxx_version() -> str | None:
     """First line of `<compiler> --version` for the compiler Inductor will use."""
+    out = compiler_output("--version")
+    first = out.strip().splitlines()[0] if out and out.strip() else None
+    return first[:200] if first else None
+
+
+def compiler_output(*args: str) -> str | None:
+    """stdout of the C++ compiler Inductor will use, run with `args` (None if it cannot run)."""
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
 
@@ -83,12 +90,10 @@ def cxx_version() -> str | None:
     except Exception:
         compiler = shutil.which("g++") or "g++"
     try:
-        out = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=10, check=False).stdout
+        return subprocess.run([compiler, *args], capture_output=True, text=True,
+                              timeout=10, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    first = out.strip().splitlines()[0] if out.strip() else None
-    return first[:200] if first else None
 
 
 def config_component(options: dict[str, Any] | None) -> dict[str, Scalar]:
