@@ -321,8 +321,10 @@ class Session:
     def _entry_pack_ids(self, entry: Manifest, role: str) -> set[str]:
         """What the entry's pack holds (relocate.content_ids), read from the node cache."""
         blob = entry.blob(role)
-        path = self.node.path(blob.digest) if blob is not None else None
-        if blob is None or path is None or not NodeCache.verified(path, blob.digest, blob.size):
+        if blob is None:
+            return set()
+        path = self.node.path(blob.digest)
+        if not NodeCache.verified(path, blob.digest, blob.size):
             return set()
         try:
             names = pack_names(path, self.config.max_raw_bytes)
