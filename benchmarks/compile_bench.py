@@ -6,7 +6,8 @@
 Every job is a fresh `train_job.py` process with its own Inductor/Triton cache dirs and its
 own TMPDIR (Inductor keeps precompiled headers there), so each one sees what a new machine
 or container would see. Scenarios (SCENARIOS below): cold, warm-local, mega-only,
-torch-redis (torch's own remote caches) and megacache (our server, a new machine per job).
+torch-redis (torch's own remote caches), megacache (our server, a new machine per job) and
+megacache-other-path (the same, with the consumer's torch in a venv at another path).
 
 The key figure is megacache / warm-local (goal: <= 1.25). Repeats are interleaved
 (repeat r runs every scenario) so background noise hits all scenarios alike. g++ is
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs import GxxCounter, Machine, proc_field, run_job  # benchmarks/jobs.py, next to this script
+from other_path import DEFAULT_VENV, OtherPath
 from results_md import write_section
 from services import LocalRedis, LocalServer
 
@@ -54,7 +56,13 @@ SCENARIOS = {
                    "local redis, filled first by one untimed producer job",
     "megacache": "empty caches + an empty node cache + our server, filled first by one "
                  "untimed producer job: every timed job is a brand-new machine",
+    "megacache-other-path": "as megacache (its own server and producer), but every timed "
+                            "consumer runs torch from a second venv at another path; after "
+                            "each, an untimed consumer at the producer's path checks that "
+                            "nothing was re-published over the entry (no thrash)",
 }
+OTHER_PATH = "megacache-other-path"
+MEGACACHE_SCENARIOS = ("megacache", OTHER_PATH)
 NEEDS_COLD = ("cold", "warm-local", "mega-only")  # these reuse the repeat's cold run
 GOAL_VS_WARM = 1.25
 
@@ -102,19 +110,27 @@ class Bench:
     steps: int
     timeout_s: float
     gxx: GxxCounter
+    other: OtherPath | None = None
 
     def machine(self, *parts: str) -> Machine:
         """A new machine: empty Inductor, Triton, TMPDIR and node-cache dirs."""
         return Machine(self.root.joinpath(*parts))
 
-    def run(self, machine: Machine, env: dict[str, str], args: Sequence[str]
-            ) -> dict[str, Any]:
-        """train_job.py on `machine` in a fresh process: its result and g++ builds, or an error."""
+    def run(self, machine: Machine, env: dict[str, str], args: Sequence[str],
+            other_path: bool = False) -> dict[str, Any]:
+        """train_job.py on `machine` in a fresh process: its result and g++ builds, or an error.
+
+        `other_path` runs it with the second venv's torch (OtherPath)."""
+        runner = None
+        if other_path:
+            assert self.other is not None
+            runner = [str(self.other.python), str(BENCH_DIR / "train_job.py")]
+            env = {**env, **self.other.env()}
         # Inductor runs config.cpp.cxx = $CXX or "g++" through PATH (cpp_builder
         # .get_cpp_compiler -> cpp_compiler_search): pinning CXX to the default "g++" keeps
         # a CXX of the calling shell from bypassing the counting wrapper first on PATH.
         run = run_job(machine, "--steps", str(self.steps), *args, env={**env, "CXX": "g++"},
-                      gxx=self.gxx, timeout=self.timeout_s)
+                      gxx=self.gxx, timeout=self.timeout_s, runner=runner)
         record: dict[str, Any] = {"wall_s": round(run.wall_s, 3), "gxx_builds": run.gxx_builds}
         if run.returncode == 0 and run.result:
             record.update(run.result, ok=True)
@@ -153,7 +169,7 @@ def run_benchmark(bench: Bench, models: Sequence[str], scenarios: Sequence[str],
     jobs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         remotes = {name: start_remote(stack, bench.root, name)
-                   for name in ("torch-redis", "megacache") if name in scenarios}
+                   for name in ("torch-redis", *MEGACACHE_SCENARIOS) if name in scenarios}
         for model in models:
             produced = {name: produce(bench, model, name, remote)
                         for name, remote in remotes.items()}
@@ -178,12 +194,13 @@ def start_remote(stack: contextlib.ExitStack, root: Path, name: str) -> Remote:
     return Remote(env=env)
 
 
-def remote_job(bench: Bench, model: str, name: str, remote: Remote, machine: Machine
-               ) -> dict[str, Any]:
+def remote_job(bench: Bench, model: str, name: str, remote: Remote, machine: Machine,
+               other_path: bool = False) -> dict[str, Any]:
     """One job of a remote scenario on a new machine (producer and consumers alike)."""
     assert remote.env is not None
-    mode = "explicit" if name == "megacache" else "off"
-    return bench.run(machine, remote.env, ["--model", model, "--megacache", mode])
+    mode = "explicit" if name in MEGACACHE_SCENARIOS else "off"
+    return bench.run(machine, remote.env, ["--model", model, "--megacache", mode],
+                     other_path=other_path)
 
 
 def produce(bench: Bench, model: str, name: str, remote: Remote) -> dict[str, Any] | None:
@@ -239,8 +256,14 @@ def remote_repeat(bench: Bench, model: str, name: str, remote: Remote, r: int,
     """A timed consumer of torch-redis or megacache on a new machine, or why it was skipped."""
     if remote.env is None:
         return {"ok": False, "skipped": remote.skipped}
-    record = remote_job(bench, model, name, remote, bench.machine(model, f"r{r}", name))
+    record = remote_job(bench, model, name, remote, bench.machine(model, f"r{r}", name),
+                        other_path=name == OTHER_PATH)
     record["producer"] = summarize_producer(producer)
+    if name == OTHER_PATH:
+        after = remote_job(bench, model, name, remote,
+                           bench.machine(model, f"r{r}", name + "-then-original"))
+        record["then_original_path"] = summarize_producer(after)
+        log(f"{model} {name} r{r}: then a consumer at the original path: {describe(after)}")
     return record
 
 
@@ -311,6 +334,10 @@ def summarize_one(model: str, name: str, runs: Sequence[dict[str, Any]]) -> dict
         "mb_down": median([mb(j["megacache"].get("bytes_down")) for j in ok
                            if j.get("megacache")]),
         "outcomes": sorted({j["megacache"].get("outcome") for j in ok if j.get("megacache")}),
+        "then_original_gxx": [(j.get("then_original_path") or {}).get("gxx_builds")
+                              for j in ok if "then_original_path" in j] or None,
+        "republished": [bool((j.get("megacache") or {}).get("published"))
+                        for j in ok if j.get("megacache")] or None,
     }
 
 
@@ -363,7 +390,7 @@ def render_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def over_goal(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if r["scenario"] == "megacache" and r.get("vs_warm-local")
+    return [r for r in rows if r["scenario"] in MEGACACHE_SCENARIOS and r.get("vs_warm-local")
             and r["vs_warm-local"] > GOAL_VS_WARM]
 
 
@@ -435,8 +462,16 @@ def write_chart(rows: Sequence[dict[str, Any]], path: Path) -> bool:
     return True
 
 
-def write_results_md(report: dict[str, Any], chart: Path | None) -> None:
-    """Regenerate the compile section of RESULTS.md from one run (other sections stay)."""
+def thrash_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The no-thrash check of megacache-other-path, one line per model."""
+    return [f"- {r['model']}: other-path consumers re-published {r['republished']}; "
+            f"then consumers at the original path paid g++ builds {r['then_original_gxx']}"
+            for r in rows if r["scenario"] == OTHER_PATH and r.get("then_original_gxx")]
+
+
+def write_results_md(report: dict[str, Any], chart: Path | None,
+                     section: str = "compile") -> None:
+    """Regenerate one section of RESULTS.md from one run (other sections stay)."""
     m, rows = report["machine"], report["summary"]
     lines = [
         "# Compile benchmark results",
@@ -464,13 +499,16 @@ def write_results_md(report: dict[str, Any], chart: Path | None) -> None:
     misses = over_goal(rows)
     if misses:
         lines += ["Over the goal: " + ", ".join(
-            f"{r['model']} ({r['vs_warm-local']:.2f}x warm-local)" for r in misses), ""]
+            f"{r['model']} {r['scenario']} ({r['vs_warm-local']:.2f}x warm-local)"
+            for r in misses), ""]
+    if thrash := thrash_lines(rows):
+        lines += ["No thrash (megacache-other-path):", "", *thrash, ""]
     lines += ["## Scenarios", ""]
     lines += [f"- `{name}`: {what}" for name, what in SCENARIOS.items()]
     lines += ["", "Every job runs with a `g++` wrapper first on PATH; `g++ builds` counts the "
               "calls that wrote a kernel `.so` or a precompiled header (version queries and "
               "Inductor's `-E` pass over its header, which keys the `.gch`, excluded).", ""]
-    write_section("compile", "\n".join(lines), RESULTS_MD)
+    write_section(section, "\n".join(lines), RESULTS_MD)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -489,6 +527,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help=f"regenerate {RESULTS_MD.relative_to(REPO)}")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
     parser.add_argument("--keep-temp", action="store_true", help="keep the temp root")
+    parser.add_argument("--other-venv", type=Path, default=DEFAULT_VENV,
+                        help=f"the second venv of {OTHER_PATH} (created once, then kept)")
+    parser.add_argument("--section", default="compile",
+                        help="the RESULTS.md section to write (a partial run can keep its own)")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.scenarios, args.repeats, args.steps = "mlp", "cold,megacache", 1, 2
@@ -510,7 +552,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"temp root {root}; models {','.join(args.models)}; scenarios "
         f"{','.join(args.scenarios)}; {args.repeats} repeats of {args.steps} steps")
     try:
-        bench = Bench(root, args.steps, args.timeout, GxxCounter(root / "bin"))
+        other = OtherPath(args.other_venv).ensure(log) if OTHER_PATH in args.scenarios \
+            else None
+        bench = Bench(root, args.steps, args.timeout, GxxCounter(root / "bin"), other)
         jobs = run_benchmark(bench, args.models, args.scenarios, args.repeats)
     finally:
         if args.keep_temp:
@@ -529,10 +573,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     have_chart = write_chart(rows, chart)
     print(render_text(rows))
     for r in over_goal(rows):
-        print(f"note: {r['model']} megacache is {r['vs_warm-local']:.2f}x warm-local "
+        print(f"note: {r['model']} {r['scenario']} is {r['vs_warm-local']:.2f}x warm-local "
               f"(goal <= {GOAL_VS_WARM})")
+    print("\n".join(thrash_lines(rows)))
     if args.write_results:
-        write_results_md(report, chart if have_chart else None)
+        write_results_md(report, chart if have_chart else None, args.section)
     log(f"wrote {args.out}" + (f", {chart}" if have_chart else "")
         + (f", {RESULTS_MD}" if args.write_results else ""))
     return 0 if all(j.get("ok") or j.get("skipped") for j in jobs) else 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import tarfile
 import uuid
@@ -49,15 +50,32 @@ def decompress_bytes(data: bytes, raw_size: int, raw_sha256: str | None, cap: in
     return raw
 
 
-def write_pack(files: Iterable[tuple[str, Path]], dest: Path) -> tuple[int, int]:
-    """Write (name, path) pairs as a deterministic zstd tar; returns (raw, stored) sizes."""
+INDEX_NAME = "megacache-index.json"
+"""A pack's optional first member: what each file is, independent of paths (relocate.py)."""
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+
+
+def write_pack(files: Iterable[tuple[str, Path]], dest: Path, index: bytes | None = None
+               ) -> tuple[int, int]:
+    """Write (name, path) pairs as a deterministic zstd tar; returns (raw, stored) sizes.
+
+    `index`, when given, is stored first under INDEX_NAME, so a reader finds it without
+    decompressing the files behind it.
+    """
     dest.parent.mkdir(parents=True, exist_ok=True)
     raw_size = 0
     with open(dest, "wb") as out:
         cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1)
         with cctx.stream_writer(out, closefd=False) as zw, \
                 tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+            if index is not None:
+                info = tarfile.TarInfo(INDEX_NAME)
+                info.size, info.mode, info.mtime = len(index), 0o644, 0
+                tar.addfile(info, io.BytesIO(index))
+                raw_size += info.size
             for name, path in sorted(files):
+                if name == INDEX_NAME:
+                    raise PackError(f"{INDEX_NAME} is reserved for the pack index")
                 info = tarfile.TarInfo(_safe_name(name))
                 info.size = path.stat().st_size
                 info.mode = 0o755 if name.endswith(".so") else 0o644
@@ -69,8 +87,26 @@ def write_pack(files: Iterable[tuple[str, Path]], dest: Path) -> tuple[int, int]
 
 
 def pack_names(pack: Path, cap: int) -> list[str]:
-    """The file names inside a pack (validated), without extracting it."""
+    """The file names inside a pack (validated, the index left out), without extracting it."""
     return [m.name for m in _members(pack, cap, suffixes=None, into=None)]
+
+
+def read_index(pack: Path) -> bytes | None:
+    """The pack's index (its first member), or None for a pack made without one."""
+    try:
+        with open(pack, "rb") as raw, \
+                zstandard.ZstdDecompressor().stream_reader(raw) as zr, \
+                tarfile.open(fileobj=zr, mode="r|", bufsize=1 << 20) as tar:
+            first = tar.next()
+            if first is None or first.name != INDEX_NAME:
+                return None
+            if not first.isfile() or first.size > MAX_INDEX_BYTES:
+                raise PackError(f"pack index is not a file of at most {MAX_INDEX_BYTES} bytes")
+            src = tar.extractfile(first)
+            assert src is not None
+            return src.read()
+    except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+        raise PackError(f"pack is malformed: {exc}") from None
 
 
 def unpack(pack: Path, into: Path, *, suffixes: tuple[str, ...], cap: int) -> list[str]:
@@ -90,13 +126,15 @@ def _members(pack: Path, cap: int, *, suffixes: tuple[str, ...] | None,
         with open(pack, "rb") as raw, \
                 zstandard.ZstdDecompressor().stream_reader(raw) as zr, \
                 tarfile.open(fileobj=zr, mode="r|", bufsize=1 << 20) as tar:
-            for member in tar:
+            for i, member in enumerate(tar):
                 if not member.isfile():
                     raise PackError(f"pack entry {member.name!r} is not a regular file")
                 name = _safe_name(member.name)
                 total += member.size
                 if total > cap:
                     raise PackError(f"pack expands past the cap of {cap} bytes")
+                if i == 0 and name == INDEX_NAME:
+                    continue  # read by read_index, never extracted
                 if suffixes is not None and not name.endswith(suffixes):
                     raise PackError(f"pack entry {name!r} has a suffix not allowed here")
                 if into is not None:

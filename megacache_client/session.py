@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from megacache_client import torch_env
+from megacache_client import relocate, torch_env
 from megacache_client._version import __version__
 from megacache_client.config import ClientConfig
 from megacache_client.events import Event, Outcome
@@ -39,6 +39,7 @@ from megacache_client.packs import (
     compress_bytes,
     decompress_bytes,
     pack_names,
+    read_index,
     unpack,
     write_pack,
 )
@@ -177,6 +178,7 @@ class Session:
                 return self.tracks[result.key].load
             self.tracks[result.key] = Track(fp, result)
             torch_env.set_job_id("megacache-" + result.key[:16])
+            self._record_kernel_keys()
             step("fingerprint")
             try:
                 deadline = Deadline(self.config.load_deadline_s)
@@ -273,25 +275,29 @@ class Session:
         if blob.role == "toolchain" and not self.config.ship_toolchain:
             return "toolchain disabled by configuration"
         if blob.role in ("kernels", "toolchain"):
-            prefix = blob.meta.get("torch_prefix")
-            if prefix and prefix != torch_env.torch_prefix():
-                return (f"torch is installed at {torch_env.torch_prefix()}, the producer's at "
-                        f"{prefix}; compiled-kernel keys embed that path, so these files "
-                        "would never be used (use identical images for a full warm start)")
+            return relocate.refusal(blob.meta)
         return ""
+
+    def _record_kernel_keys(self) -> None:
+        """Watch torch key its kernels, so they ship and place by path-free identity."""
+        try:
+            relocate.recorder().install()
+        except Exception as exc:
+            self._warn(f"kernels will only be reused at this torch path: "
+                       f"{type(exc).__name__}: {exc}")
 
     # -- step 4: place compiled artifacts where torch looks for them -------------------
     def _place_artifacts(self, entry: Manifest, paths: dict[str, Path],
                          result: LoadResult) -> None:
         cap = self.config.max_raw_bytes
-        if "kernels" in paths:
-            placed = unpack(paths["kernels"], torch_env.inductor_cache_dir(),
-                            suffixes=KERNEL_SUFFIXES, cap=cap)
-            result.placed["kernels"] = len(placed)
-        if "toolchain" in paths:
-            placed = unpack(paths["toolchain"], torch_env.header_dir(),
-                            suffixes=TOOLCHAIN_SUFFIXES, cap=cap)
-            result.placed["toolchain"] = len(placed)
+        roots = {"kernels": (torch_env.inductor_cache_dir(), KERNEL_SUFFIXES),
+                 "toolchain": (torch_env.header_dir(), TOOLCHAIN_SUFFIXES)}
+        for role, (root, suffixes) in roots.items():
+            if role in paths:
+                ids = relocate.parse_index(read_index(paths[role]))
+                placed = unpack(paths[role], root, suffixes=suffixes, cap=cap)
+                relocate.recorder().learn(root, ids)
+                result.placed[role] = len(placed)
 
     # -- step 5: verify and hot-load the Mega-Cache bundle ------------------------------
     def _load_bundle(self, entry: Manifest, paths: dict[str, Path], result: LoadResult) -> None:
@@ -337,7 +343,11 @@ class Session:
         return not why
 
     def _snapshot(self) -> Snapshot | None:
-        """Save the Mega-Cache and list compiled files on the caller's thread (fast)."""
+        """Save the Mega-Cache and list compiled files on the caller's thread (fast).
+
+        Kernels compare by path-free identity: a consumer whose torch is elsewhere holds the
+        entry's kernels under other names, and must not publish them back as new (thrash).
+        """
         try:
             saved = torch_env.save_bundle()
             if saved is None:
@@ -347,8 +357,11 @@ class Session:
             raw, keys = saved
             kernels = _files(torch_env.inductor_cache_dir(), KERNEL_SUFFIXES,
                              exclude=("triton", "locks"))
+            ids = relocate.recorder().ids_for(kernels)
+            kernels = relocate.dedupe(kernels, ids)
             new_keys = {(kind, k) for kind, ks in keys.items() for k in ks}
-            tracks = [t for t in self.tracks.values() if self._lacks(t, new_keys, kernels)]
+            tracks = [t for t in self.tracks.values()
+                      if self._lacks(t, new_keys, relocate.content_ids(kernels, ids))]
             if not tracks:
                 return None
             counts = {kind: len(ks) for kind, ks in keys.items()}
@@ -359,8 +372,8 @@ class Session:
                 track.publish.reason = "snapshot failed"
             return None
 
-    def _lacks(self, track: Track, new_keys: set[tuple[str, str]],
-               kernels: dict[str, Path]) -> bool:
+    def _lacks(self, track: Track, new_keys: set[tuple[str, str]], kernel_ids: set[str]
+               ) -> bool:
         """Whether this track's entry should be (re)written with this run's artifacts."""
         load, res = track.load, track.publish
         if load.outcome in ("invalid", "error"):
@@ -368,18 +381,22 @@ class Session:
             return False
         if load.outcome == "hit" and load.entry is not None \
                 and new_keys <= load.loaded_keys \
-                and set(kernels) <= self._entry_pack_names(load.entry, "kernels"):
+                and kernel_ids <= self._entry_pack_ids(load.entry, "kernels"):
             res.reason = "the loaded entry already has everything this run compiled"
             return False
         return True
 
-    def _entry_pack_names(self, entry: Manifest, role: str) -> set[str]:
+    def _entry_pack_ids(self, entry: Manifest, role: str) -> set[str]:
+        """What the entry's pack holds (relocate.content_ids), read from the node cache."""
         blob = entry.blob(role)
-        if blob is None or not NodeCache.verified(self.node.path(blob.digest), blob.digest,
-                                                   blob.size):
+        if blob is None:
+            return set()
+        path = self.node.path(blob.digest)
+        if not NodeCache.verified(path, blob.digest, blob.size):
             return set()
         try:
-            return set(pack_names(self.node.path(blob.digest), self.config.max_raw_bytes))
+            names = pack_names(path, self.config.max_raw_bytes)
+            return relocate.content_ids(names, relocate.parse_index(read_index(path)))
         except PackError:
             return set()
 
@@ -389,7 +406,8 @@ class Session:
             with RemoteCache(self.config) as remote:
                 blobs = [self.bundle_blob(snap.raw)]
                 if self.config.ship_kernels and snap.kernels:
-                    blobs.append(self._pack_blob("kernels", snap.kernels))
+                    blobs.append(self._pack_blob(
+                        "kernels", snap.kernels, relocate.recorder().ids_for(snap.kernels)))
                 if self.config.ship_toolchain:
                     toolchain = self._toolchain_blob(remote)
                     if toolchain is not None:
@@ -427,15 +445,17 @@ class Session:
         return BlobRef(digest=digest, size=len(data), role="megacache", compression="zstd",
                        raw_size=len(raw), raw_sha256=sha256_hex(raw))
 
-    def _pack_blob(self, role: str, files: dict[str, Path], names: str | None = None
-                   ) -> BlobRef:
+    def _pack_blob(self, role: str, files: dict[str, Path], ids: dict[str, str],
+                   contents: str | None = None) -> BlobRef:
+        """A pack of compiled files with its identity index; its meta says what build made
+        it (the consumer's check), never where torch was installed."""
         tmp = self.node.blob_dir / f".{uuid.uuid4().hex}.new"
-        raw_size, size = write_pack(files.items(), tmp)
+        raw_size, size = write_pack(files.items(), tmp, index=relocate.index_bytes(ids))
         digest = sha256_file(tmp)
         self.node.add(digest, tmp)
-        meta = {"torch_prefix": torch_env.torch_prefix(), "files": str(len(files))}
-        if names is not None:
-            meta["names"] = names
+        meta = {**relocate.build_meta(), "files": str(len(files))}
+        if contents is not None:
+            meta["contents"] = contents
         return BlobRef(digest=digest, size=size, role=role, compression="zstd",
                        raw_size=raw_size, meta=meta)
 
@@ -443,15 +463,17 @@ class Session:
         """The precompiled header pack, reusing one already stored when it holds our files.
 
         The header is model-independent but g++ does not write it byte-identically twice, so
-        content addressing alone would store a new ~21 MB copy per cold producer. Its file
-        names are content keys (of header text + flags), recorded in the blob's meta: a
-        stored pack with the same names and torch path is the same toolchain.
+        content addressing alone would store a new ~21 MB copy per cold producer. Its
+        path-free content (identities of header text + flags) is recorded in the blob's
+        meta: a stored pack with the same contents and build facts is the same toolchain,
+        wherever its producer's torch was installed.
         """
         files = _files(torch_env.header_dir(), TOOLCHAIN_SUFFIXES, exclude=("locks",))
         if not files:
             return None
-        names = ",".join(sorted(files))
-        prefix = torch_env.torch_prefix()
+        ids = relocate.recorder().ids_for(files)
+        files = relocate.dedupe(files, ids)
+        contents = sha256_hex(",".join(sorted(relocate.content_ids(files, ids))).encode())
         loaded = [self.load_result.entry] if self.load_result.entry is not None else []
         assert self.fp is not None
         try:
@@ -460,10 +482,10 @@ class Session:
             stored = []
         for entry in loaded + stored:
             blob = entry.blob("toolchain")
-            if blob is not None and blob.meta.get("names") == names \
-                    and blob.meta.get("torch_prefix") == prefix:
+            if blob is not None and blob.meta.get("contents") == contents \
+                    and not relocate.refusal(blob.meta):
                 return blob
-        return self._pack_blob("toolchain", files, names=names)
+        return self._pack_blob("toolchain", files, ids, contents=contents)
 
     def _join(self, wait: bool) -> PublishResult:
         if wait and self._publisher is not None:

@@ -38,7 +38,7 @@ def triton_version() -> str | None:
 
 
 def torch_prefix() -> str:
-    """Where torch is installed: compiled-kernel keys embed it (g++ include paths)."""
+    """Where torch is installed (resolved): what packs of older clients were bound to."""
     return str(Path(torch_module().__file__).resolve().parent)
 
 
@@ -75,6 +75,13 @@ def hw_component() -> dict[str, Scalar]:
 @functools.cache
 def cxx_version() -> str | None:
     """First line of `<compiler> --version` for the compiler Inductor will use."""
+    out = compiler_output("--version")
+    first = out.strip().splitlines()[0] if out and out.strip() else None
+    return first[:200] if first else None
+
+
+def compiler_output(*args: str) -> str | None:
+    """stdout of the C++ compiler Inductor will use, run with `args` (None if it cannot run)."""
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
 
@@ -82,12 +89,10 @@ def cxx_version() -> str | None:
     except Exception:
         compiler = shutil.which("g++") or "g++"
     try:
-        out = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=10, check=False).stdout
+        return subprocess.run([compiler, *args], capture_output=True, text=True,
+                              timeout=10, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    first = out.strip().splitlines()[0] if out.strip() else None
-    return first[:200] if first else None
 
 
 def inductor_cache_dir() -> Path:
