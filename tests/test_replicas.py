@@ -89,7 +89,7 @@ def test_killed_replica_leaves_nothing_partial(replicas):
 
 def test_presigned_redirect_lets_reads_bypass_the_server(request, tmp_path):
     args, env = backend_args("redis+s3", request)
-    server = _configured(ServerProcess(tmp_path / "data", *args, "--s3-redirect", "true",
+    server = _configured(ServerProcess(tmp_path / "data", *args, "--s3-redirect",
                                        env=env), "redis+s3", args).start()
     try:
         data = os.urandom(3 * 1024 * 1024)
