@@ -5,8 +5,8 @@ Two connections per process:
   cost grows with the store (GC plans, fsck, rollup sums);
 - a reader, used on the event loop itself for point lookups by primary key (an entry, a
   token, a blob, the running totals), which take microseconds: no thread hop on the hottest
-  requests. A reader
-  that meets a lock gives up at once and the lookup goes through the writer instead.
+  requests. A reader that meets a lock gives up at once and the lookup goes through the
+  writer instead.
 Processes coordinate through SQLite's own locking (WAL + busy timeout); conditional writes
 run inside `BEGIN IMMEDIATE` so check-then-write is atomic across processes.
 """
