@@ -430,6 +430,9 @@ class RedisS3(Backend):
             calls += [("hincrbyfloat", (k("rollup", "default", hour), f"{model}\t{name}", v))
                       for (hour, model), sums in rollups.hourly.items()
                       for name, v in sums.items() if v]
+            calls += [("hincrbyfloat", (k("hourly", "default", hour), name, v))
+                      for (hour, _), sums in rollups.hourly.items()
+                      for name, v in sums.items() if v]
             calls += [("zincrby", (k("misses", "default", hour), n,
                                    json.dumps([model, outcome, reason])))
                       for (hour, model, outcome, reason), n in rollups.misses.items()]
@@ -680,6 +683,9 @@ def run_backend(kind: str, args: Args, root: Path) -> list[dict[str, Any]]:
             log(f"{kind} {size}: concurrent {json.dumps(row['concurrent'])}")
             alive = size - row["concurrent"]["gc"]["evicted"]
             rows.append(row)
+            partial = args.out.with_suffix(".partial.json")  # kept if a later size is cut
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({"rows": rows}, indent=2))
     finally:
         backend.stop()
     return rows
