@@ -601,24 +601,28 @@ def gc_during_lookups(backend: Backend, sample: list[Entry], stored: int) -> dic
 
 
 def cli(backend: Backend, *args: str, budget: int | None = None) -> dict[str, Any]:
-    """`megacache-server ARGS` in its own process: wall time, peak RSS, last output line."""
+    """`megacache-server ARGS` in its own process: wall time, peak RSS, last output line.
+
+    Peak RSS comes from GNU time, a small process that forks the command: Linux carries the
+    forking process's high-water RSS into an exec'd child's ru_maxrss, so wait4 on a child
+    of this (large) benchmark process would report this process's size, not the command's.
+    """
     env = {**os.environ, **backend.env()}
     if budget is not None:
         env.update(MEGACACHE_STORE_BUDGET=str(budget), MEGACACHE_GC_LOW_WATER="1.0")
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    gnu_time = shutil.which("time") or "/usr/bin/time"
+    with tempfile.TemporaryDirectory() as tmp:
+        rss_file = Path(tmp) / "rss"
         t = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "megacache_server", *args], env=env,
-                                stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)  # reaped here, with its resource usage
+        run = subprocess.run([gnu_time, "-f", "%M", "-o", str(rss_file), sys.executable, "-m",
+                              "megacache_server", *args], env=env, capture_output=True)
         wall = time.perf_counter() - t
-        proc.returncode = code = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        lines = out.read().decode(errors="replace").strip().splitlines()
-        if code not in (0, 1):
-            raise RuntimeError(f"{args}: exit {code}\n{err.read().decode()[-2000:]}")
-    return {"wall_s": round(wall, 2), "max_rss_mb": round(usage.ru_maxrss / 1024, 1),
-            "last_line": lines[-1][:200] if lines else "", "exit": code}
+        rss_kb = int(rss_file.read_text().split()[-1])
+    lines = run.stdout.decode(errors="replace").strip().splitlines()
+    if run.returncode not in (0, 1):
+        raise RuntimeError(f"{args}: exit {run.returncode}\n{run.stderr.decode()[-2000:]}")
+    return {"wall_s": round(wall, 2), "max_rss_mb": round(rss_kb / 1024, 1),
+            "last_line": lines[-1][:200] if lines else "", "exit": run.returncode}
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -636,6 +640,7 @@ class Args:
     chart: Path | None
     write_results: bool
     from_json: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 def run_backend(kind: str, args: Args, root: Path) -> list[dict[str, Any]]:
@@ -812,6 +817,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
         "",
         ("Goals missed: " + "; ".join(missed)) if missed else "All goals met at the sizes run.",
         "",
+        *(f"- {note}" for note in result.get("notes", [])),
+        "",
         "Disk: the fs blob store allocates one 4 KiB block per 1 KiB blob (4x the bytes); "
         "packing small blobs would fix it. Redis index bytes are RAM (used_memory).",
         "",
@@ -852,6 +859,8 @@ def parse(argv: list[str] | None = None) -> Args:
     p.add_argument("--out", type=Path, default=RESULTS / "scale.json")
     p.add_argument("--from-json", type=Path, nargs="+",
                    help="measure nothing: combine the rows of earlier runs' JSON files")
+    p.add_argument("--note", action="append", default=[],
+                   help="a line to add under the RESULTS.md table (e.g. what a run lacked)")
     p.add_argument("--write-results", action="store_true",
                    help="also write benchmarks/RESULTS.md's scale section and the chart")
     a = p.parse_args(argv)
@@ -860,7 +869,7 @@ def parse(argv: list[str] | None = None) -> Args:
                 n_fast=100 if a.quick else 500, n_slow=20 if a.quick else 50,
                 repeats=3 if a.quick else 10, workdir=a.workdir, out=a.out,
                 chart=RESULTS / "scale.png" if a.write_results else a.out.with_suffix(".png"),
-                write_results=a.write_results, from_json=a.from_json or [])
+                write_results=a.write_results, from_json=a.from_json or [], notes=a.note)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -879,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows += run_backend(kind, args, root / kind.replace("+", "-"))
     result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "commit": git_commit(), "machine": machine(), "command": command,
-              "n_fast": args.n_fast, "n_slow": args.n_slow, "rows": rows}
+              "n_fast": args.n_fast, "n_slow": args.n_slow, "notes": args.notes, "rows": rows}
     missed = goals(rows)
     result["goals_missed"] = missed
     args.out.parent.mkdir(parents=True, exist_ok=True)
