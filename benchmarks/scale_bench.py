@@ -57,6 +57,7 @@ from typing import Any
 
 import httpx
 from results_md import write_section  # benchmarks/results_md.py, next to this script
+from services import LocalRedis, LocalSeaweedS3, LocalServer  # benchmarks/services.py
 
 from megacache_client.events import Event
 from megacache_client.manifest import (
@@ -69,7 +70,6 @@ from megacache_client.manifest import (
     sha256_hex,
 )
 from megacache_server.index import base
-from megacache_server.local import LocalRedis, LocalSeaweedS3, LocalServer
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
