@@ -1,0 +1,906 @@
+"""The store at scale: what lookups, scrapes, the dashboard, GC and fsck cost as entries grow.
+
+For each backend (sqlite+fs, redis+s3) the store is filled to each size in turn (it only
+grows: the next size adds to the last), then measured:
+
+- p50/p99 of exact lookup (GET /v1/ac/{key}), fallback lookup (?model&env&hw&limit=1),
+  publish lookup (?env&hw&limit=20), HEAD /v1/cas/{digest}, /v1/stats, /metrics and
+  /v1/dashboard, one client at a time against a real server with one worker;
+- exact lookups while a scrape, a dashboard load, and a GC that evicts 10% of the store
+  (the server's own background GC, budget set at 90% of stored bytes) run alongside:
+  max and p99 of the lookups that overlapped each;
+- wall time and peak RSS of `megacache-server gc --dry-run` (a GC plan) and
+  `megacache-server fsck` (no --verify), each in its own process;
+- bytes on disk per entry: index and blobs.
+
+How the store is filled (not through HTTP: a million PUTs would measure the fill, not the
+store): every entry is a real, valid manifest naming its own 1 KiB blob (random bytes,
+addressed by their sha256), 200 models x 5 env variants, plus 10 client events per entry
+spread over the last 13 days (inside raw-event retention: GC has nothing to prune).
+- sqlite+fs: blob files written straight into `<data>/cas/ab/<digest>`; index rows written
+  in bulk transactions (synchronous=OFF) with the server's own schema; the rollup rows are
+  the sums `add_event` would have made, computed with the server's `event_counters`.
+- redis+s3: blobs put into SeaweedFS by 32 threads; entries and blob records through the
+  Redis index's own `put`/`record_blob` (many in flight at once); events as rollup hashes
+  written in pipelines (the same keys `add_event` writes).
+
+    python benchmarks/scale_bench.py --sizes 10000,100000,300000 --write-results
+    python benchmarks/scale_bench.py --quick     # 2k entries: checks the script works
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+from results_md import write_section  # benchmarks/results_md.py, next to this script
+from services import LocalRedis, LocalSeaweedS3, LocalServer  # benchmarks/services.py
+
+from megacache_client.events import Event
+from megacache_client.manifest import (
+    BlobRef,
+    Fingerprint,
+    Manifest,
+    Scalar,
+    canonical_json,
+    component_digest,
+    sha256_hex,
+)
+from megacache_server.index import base
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+MODELS, ENV_VARIANTS, EVENTS_PER_ENTRY, BLOB_SIZE = 200, 5, 10, 1024
+EVENT_SPAN_S = 13 * 86400
+HW: dict[str, Scalar] = {"arch": "x86_64", "isa": "avx2", "cxx": "g++ 12.2.0", "gpu": "H100-80GB"}
+GOALS_MS = {"exact": 10, "fallback": 10, "publish": 10, "head_cas": 10, "stats": 100,
+            "metrics": 100, "dashboard": 100}
+GOAL_WAIT_MS = 50
+ROUTE_BUDGET_S = 30.0
+"""A route slower than this many seconds in all gets fewer samples (at least 10)."""
+OUTCOME_CYCLE = ("hit", "hit", "hit", "hit", "hit", "fallback", "fallback", "miss", "hit",
+                 "error")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- what one entry is ---------------------------------------------------------------------
+
+def env_of(variant: int) -> dict[str, Scalar]:
+    return {"torch": "2.13.0", "python": "3.11", "cuda": f"12.{variant}", "triton": None}
+
+
+ENV_DIGESTS = [component_digest(env_of(v)) for v in range(ENV_VARIANTS)]
+HW_DIGEST = component_digest(HW)
+
+
+@dataclass(frozen=True)
+class Entry:
+    index: int
+    key: str
+    model: str
+    env_digest: str
+    manifest: bytes
+    blob: bytes
+    digest: str
+    created_at: float
+
+
+CONFIG: dict[str, Scalar] = {"backend": "inductor", "mode": "max-autotune"}
+
+
+def _manifest_template() -> str:
+    """A manifest's JSON as pydantic writes it, with slots for what differs per entry."""
+    fp = Fingerprint(model="@MODEL@", code="@CODE@", env={"@ENV@": "x"}, hw=HW, config=CONFIG)
+    m = Manifest(key=fp.key(), fingerprint=fp, torch_version="2.13.0",
+                 blobs=[BlobRef(digest="b" * 64, size=BLOB_SIZE, role="megacache",
+                                compression="none")],
+                 artifact_counts={"inductor": 12, "aot_autograd": 4}, cold_compile_s=120.0,
+                 created_at=datetime(2000, 1, 1, tzinfo=timezone.utc),
+                 producer={"client": "scale_bench"})
+    text = m.to_json().decode().replace("{", "{{").replace("}", "}}")
+    return (text.replace(fp.key(), "{key}").replace("b" * 64, "{digest}")
+            .replace('"@MODEL@"', "{model}").replace('"@CODE@"', "{code}")
+            .replace('{{"@ENV@":"x"}}', "{env}").replace('"2000-01-01T00:00:00Z"', "{created}"))
+
+
+MANIFEST = _manifest_template()
+
+
+def make_entry(i: int, t0: float) -> Entry:
+    """Entry `i`: model i % 200, env variant (i // 200) % 5, its own random 1 KiB blob.
+
+    Formatted from a template rather than built with pydantic (a fill of 300k would spend
+    minutes validating); the first entries are checked against pydantic by `check_entry`.
+    """
+    model, variant = f"model-{i % MODELS:03d}", (i // MODELS) % ENV_VARIANTS
+    blob = random.Random(i).randbytes(BLOB_SIZE)
+    digest = hashlib.sha256(blob).hexdigest()
+    code = f"code-{i:09d}"
+    key = sha256_hex(canonical_json({"format": 1, "namespace": "default", "model": model,
+                                     "code": code, "env": env_of(variant), "hw": HW,
+                                     "config": CONFIG}))
+    created = t0 + i * 0.001
+    stamp = datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z")
+    manifest = MANIFEST.format(key=key, digest=digest, model=json.dumps(model),
+                               code=json.dumps(code), created=json.dumps(stamp),
+                               env=json.dumps(env_of(variant), separators=(",", ":")))
+    return Entry(i, key, model, ENV_DIGESTS[variant], manifest.encode(), blob, digest, created)
+
+
+def check_entry(e: Entry) -> None:
+    """The templated entry is exactly what pydantic would accept and key."""
+    m = Manifest.model_validate_json(e.manifest)
+    if m.key != e.key or m.fingerprint.key() != e.key or m.blobs[0].digest != e.digest \
+            or component_digest(m.fingerprint.env) != e.env_digest:
+        raise AssertionError(f"templated manifest {e.index} is inconsistent")
+
+
+TEMPLATES = [Event(key="0" * 64, model="m", outcome=outcome,  # type: ignore[arg-type]
+                   reason="" if outcome in ("hit", "fallback") else "no entry for this key",
+                   compile_s=3.0 if outcome in ("hit", "fallback") else 120.0,
+                   cold_compile_s=120.0,
+                   saved_s=117.0 if outcome in ("hit", "fallback") else 0.0,
+                   load_s=0.4 if outcome in ("hit", "fallback") else 0.0,
+                   bytes_down=BLOB_SIZE if outcome in ("hit", "fallback") else 0,
+                   bytes_up=0 if outcome in ("hit", "fallback") else BLOB_SIZE)
+             for outcome in OUTCOME_CYCLE]
+"""The 10 runs every entry gets, validated once; copies differ in key, model and time."""
+COUNTERS = [base.event_counters(t) for t in TEMPLATES]
+
+
+def _event_format(t: Event) -> str:
+    d = t.model_dump(mode="json")
+    d.update(key="@KEY@", model="@MODEL@", created_at="@AT@")
+    text = json.dumps(d).replace("{", "{{").replace("}", "}}")
+    return text.replace('"@KEY@"', '"{key}"').replace('"@MODEL@"', '"{model}"').replace(
+        '"@AT@"', '"{at}"')
+
+
+EVENT_FORMATS = [_event_format(t) for t in TEMPLATES]
+
+
+@dataclass(frozen=True)
+class RawEvent:
+    at: float
+    model: str
+    template: int
+
+    def json(self, key: str) -> str:
+        at = datetime.fromtimestamp(self.at, timezone.utc).isoformat().replace("+00:00", "Z")
+        return EVENT_FORMATS[self.template].format(key=key, model=self.model, at=at)
+
+
+def events_of(entry: Entry, now: float) -> list[RawEvent]:
+    """The entry's 10 client runs, spread over the last 13 days."""
+    rng = random.Random(entry.index * 7919)
+    return [RawEvent(now - rng.random() * EVENT_SPAN_S, entry.model, t)
+            for t in range(len(TEMPLATES))]
+
+
+class Rollups:
+    """The sums `add_event` keeps, built in memory for a bulk fill. Events here are never
+    older than 30 days nor in the future, so their hour is simply the hour they ran."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[int, str, int], int] = {}
+
+    def add(self, event: RawEvent) -> None:
+        k = (base.hour_of(event.at), event.model, event.template)
+        self.counts[k] = self.counts.get(k, 0) + 1
+
+    @property
+    def total(self) -> dict[str, dict[str, float]]:
+        return self._sums(lambda hour, model: model)
+
+    @property
+    def hourly(self) -> dict[tuple[int, str], dict[str, float]]:
+        return self._sums(lambda hour, model: (hour, model))
+
+    def _sums(self, key: Callable[[int, str], Any]) -> dict[Any, dict[str, float]]:
+        out: dict[Any, dict[str, float]] = {}
+        for (hour, model, template), n in self.counts.items():
+            bucket = out.setdefault(key(hour, model), {})
+            for name, value in COUNTERS[template].items():
+                bucket[name] = bucket.get(name, 0.0) + value * n
+        return out
+
+    @property
+    def misses(self) -> dict[tuple[int, str, str, str], int]:
+        out: dict[tuple[int, str, str, str], int] = {}
+        for (hour, model, template), n in self.counts.items():
+            t = TEMPLATES[template]
+            if t.outcome not in ("hit", "fallback"):
+                k = (hour, model, t.outcome, t.reason[:200])
+                out[k] = out.get(k, 0) + n
+        return out
+
+
+# -- backends: fill, disk, server settings --------------------------------------------------
+
+class Backend:
+    name = ""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.data_dir = root / "data"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+
+    def env(self) -> dict[str, str]:
+        """MEGACACHE_* settings shared by the server and the CLI (gc, fsck)."""
+        return {"MEGACACHE_DATA_DIR": str(self.data_dir), "MEGACACHE_GC_INTERVAL_S": "0",
+                "MEGACACHE_LOG_LEVEL": "warning", "MEGACACHE_EVENT_RATE": "0"}
+
+    def fill(self, entries: list[Entry], now: float) -> None:
+        raise NotImplementedError
+
+    def disk(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def gc_running(self) -> bool:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        pass
+
+
+def du(path: Path) -> int:
+    """Bytes allocated on disk under `path` (blocks, not sizes)."""
+    if path.is_file():
+        return path.stat().st_blocks * 512
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            with suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+    return total
+
+
+class SqliteFs(Backend):
+    name = "sqlite+fs"
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.db = self.data_dir / "index.sqlite3"
+        from megacache_server.index.sqlite import SqliteIndex
+
+        index = SqliteIndex(self.db)  # the server's own schema
+        asyncio.run(index.open())
+        asyncio.run(index.close())
+
+    def fill(self, entries: list[Entry], now: float) -> None:
+        cas = self.data_dir / "cas"
+        for e in entries:
+            shard = cas / e.digest[:2]
+            shard.mkdir(parents=True, exist_ok=True)
+            (shard / e.digest).write_bytes(e.blob)
+        rollups = Rollups()
+        events: list[tuple[float, str, bytes]] = []
+        for e in entries:
+            for ev in events_of(e, now):
+                rollups.add(ev)
+                events.append((ev.at, "default", ev.json(e.key).encode()))
+        conn = sqlite3.connect(self.db, isolation_level=None)
+        conn.execute("PRAGMA synchronous=OFF")
+        conn.execute("BEGIN")
+        conn.executemany(
+            "INSERT INTO entries (key, manifest, etag, namespace, model, env_digest, hw_digest,"
+            " size, created_at, updated_at, last_access) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            [(e.key, e.manifest, base.entry_etag(e.manifest), "default", e.model,
+              e.env_digest, HW_DIGEST, BLOB_SIZE, e.created_at, e.created_at, e.created_at)
+             for e in entries])
+        conn.executemany("INSERT INTO entry_blobs (key, digest) VALUES (?, ?)",
+                         [(e.key, e.digest) for e in entries])
+        conn.executemany("INSERT INTO blobs (digest, size, created_at, touched_at) "
+                         "VALUES (?,?,?,?)",
+                         [(e.digest, BLOB_SIZE, e.created_at, e.created_at) for e in entries])
+        conn.executemany("INSERT INTO blob_owners (namespace, digest) VALUES ('default', ?)",
+                         [(e.digest,) for e in entries])
+        conn.executemany("INSERT INTO events (received_at, namespace, event) VALUES (?,?,?)",
+                         events)
+        cols = ", ".join(base.COUNTERS)
+        marks = ", ".join("?" * len(base.COUNTERS))
+        upsert = ", ".join(f"{c}={c}+excluded.{c}" for c in base.COUNTERS)
+        conn.executemany(
+            f"INSERT INTO rollup_total (namespace, model, {cols}) VALUES ('default', ?, {marks})"
+            f" ON CONFLICT DO UPDATE SET {upsert}",
+            [(m, *(s.get(c, 0.0) for c in base.COUNTERS)) for m, s in rollups.total.items()])
+        conn.executemany(
+            f"INSERT INTO rollup_hourly (namespace, hour, model, {cols}) "
+            f"VALUES ('default', ?, ?, {marks}) ON CONFLICT DO UPDATE SET {upsert}",
+            [(h, m, *(s.get(c, 0.0) for c in base.COUNTERS))
+             for (h, m), s in rollups.hourly.items()])
+        conn.executemany(
+            "INSERT INTO miss_reasons VALUES ('default', ?, ?, ?, ?, ?) "
+            "ON CONFLICT DO UPDATE SET count=count+excluded.count",
+            [(*k, n) for k, n in rollups.misses.items()])
+        conn.execute("COMMIT")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        conn.close()
+
+    def disk(self) -> dict[str, int]:
+        index = sum(du(p) for p in self.data_dir.glob("index.sqlite3*"))
+        conn = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True)
+        events = conn.execute("SELECT COALESCE(SUM(pgsize), 0) FROM dbstat "
+                              "WHERE name IN ('events', 'events_by_time')").fetchone()[0] \
+            if _has_dbstat(conn) else 0
+        conn.close()
+        return {"index": index, "index_raw_events": int(events),
+                "blobs": du(self.data_dir / "cas")}
+
+    def gc_running(self) -> bool:
+        conn = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=1)
+        try:
+            row = conn.execute("SELECT expires_at FROM locks WHERE name='gc'").fetchone()
+        finally:
+            conn.close()
+        return bool(row and row[0] > time.time())
+
+
+def _has_dbstat(conn: sqlite3.Connection) -> bool:
+    try:
+        conn.execute("SELECT 1 FROM dbstat LIMIT 1")
+        return True
+    except sqlite3.OperationalError:
+        return False
+
+
+class RedisS3(Backend):
+    name = "redis+s3"
+    BUCKET = "scale"
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.redis = LocalRedis(root / "redis").start()
+        self.s3 = LocalSeaweedS3(root / "seaweed").start()
+        import boto3
+
+        self.client = boto3.client("s3", endpoint_url=self.s3.endpoint, region_name="us-east-1",
+                                   aws_access_key_id="test", aws_secret_access_key="test")
+        self.client.create_bucket(Bucket=self.BUCKET)
+
+    def env(self) -> dict[str, str]:
+        return {**super().env(), "MEGACACHE_INDEX": self.redis.url,
+                "MEGACACHE_BLOB_STORE": "s3", "MEGACACHE_S3_ENDPOINT": self.s3.endpoint,
+                "MEGACACHE_S3_BUCKET": self.BUCKET, "AWS_ACCESS_KEY_ID": "test",
+                "AWS_SECRET_ACCESS_KEY": "test"}
+
+    def fill(self, entries: list[Entry], now: float) -> None:
+        with ThreadPoolExecutor(32) as pool:
+            list(pool.map(lambda e: self.client.put_object(
+                Bucket=self.BUCKET, Key=f"cas/{e.digest[:2]}/{e.digest}", Body=e.blob),
+                entries))
+        asyncio.run(self._fill_index(entries, now))
+
+    async def _fill_index(self, entries: list[Entry], now: float) -> None:
+        from megacache_server.index.redis import RedisIndex
+
+        index = RedisIndex(self.redis.url)
+        await index.open()
+        try:
+            sem = asyncio.Semaphore(8)  # more connections time out on a busy 2-core box
+
+            async def one(e: Entry) -> None:
+                async with sem:
+                    await index.record_blob(e.digest, BLOB_SIZE, "default")
+                    await index.put(base.NewEntry(
+                        key=e.key, manifest_json=e.manifest, namespace="default",
+                        model=e.model, env_digest=e.env_digest, hw_digest=HW_DIGEST,
+                        digests=(e.digest,), size=BLOB_SIZE, created_at=e.created_at),
+                        base.Precondition())
+
+            for i in range(0, len(entries), 5000):
+                await asyncio.gather(*(one(e) for e in entries[i:i + 5000]))
+            rollups = Rollups()
+            raw: list[str] = []
+            for e in entries:
+                for ev in events_of(e, now):
+                    rollups.add(ev)
+                    if len(raw) < 10_000:
+                        raw.append(ev.json(e.key))
+            r, k = index.r, index.k
+            calls: list[tuple[str, tuple[Any, ...]]] = [("sadd", (k("namespaces"), "default"))]
+            calls += [("hincrbyfloat", (k("total", "default"), f"{model}\t{name}", v))
+                      for model, sums in rollups.total.items() for name, v in sums.items() if v]
+            calls += [("hincrbyfloat", (k("rollup", "default", hour), f"{model}\t{name}", v))
+                      for (hour, model), sums in rollups.hourly.items()
+                      for name, v in sums.items() if v]
+            calls += [("hincrbyfloat", (k("hourly", "default", hour), name, v))
+                      for (hour, _), sums in rollups.hourly.items()
+                      for name, v in sums.items() if v]
+            calls += [("zincrby", (k("misses", "default", hour), n,
+                                   json.dumps([model, outcome, reason])))
+                      for (hour, model, outcome, reason), n in rollups.misses.items()]
+            calls += [("lpush", (k("events", "default"), *raw[i:i + 1000]))
+                      for i in range(0, len(raw), 1000)]
+            calls.append(("ltrim", (k("events", "default"), 0, 9_999)))
+            for i in range(0, len(calls), 2000):  # pipelines small enough for the timeout
+                async with r.pipeline(transaction=False) as pipe:
+                    for method, call_args in calls[i:i + 2000]:
+                        getattr(pipe, method)(*call_args)
+                    await pipe.execute()
+        finally:
+            await index.close()
+
+    def disk(self) -> dict[str, int]:
+        info = httpx_redis_info(self.redis.port)
+        return {"index": int(info.get("used_memory", 0)), "index_is_ram": 1,
+                "blobs": du(self.root / "seaweed")}
+
+    def gc_running(self) -> bool:
+        import redis
+
+        r = redis.Redis(host="127.0.0.1", port=self.redis.port)
+        try:
+            return bool(r.exists("megacache:lock:gc"))
+        finally:
+            r.close()
+
+    def stop(self) -> None:
+        self.s3.stop()
+        self.redis.stop()
+
+
+def httpx_redis_info(port: int) -> dict[str, str]:
+    import redis
+
+    r = redis.Redis(host="127.0.0.1", port=port)
+    try:
+        return {k: str(v) for k, v in r.info("memory").items()}
+    finally:
+        r.close()
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+def pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[max(0, math.ceil(p / 100 * len(s)) - 1)] if s else float("nan")
+
+
+def summary(ms: list[float]) -> dict[str, float]:
+    return {"n": len(ms), "p50_ms": round(pct(ms, 50), 3), "p99_ms": round(pct(ms, 99), 3),
+            "max_ms": round(max(ms), 3) if ms else float("nan")}
+
+
+def timed(client: httpx.Client, method: str, url: str, ok: tuple[int, ...] = (200,)) -> float:
+    t = time.perf_counter()
+    r = client.request(method, url)
+    ms = (time.perf_counter() - t) * 1000
+    if r.status_code not in ok:
+        raise RuntimeError(f"{method} {url}: {r.status_code} {r.text[:300]}")
+    return ms
+
+
+def latencies(server: LocalServer, sample: list[Entry], n_fast: int, n_slow: int
+              ) -> dict[str, dict[str, float]]:
+    """One client, requests in turn: every route alone, its p50/p99."""
+    rng = random.Random(1)
+    routes: dict[str, Callable[[Entry], str]] = {
+        "exact": lambda e: f"/v1/ac/{e.key}",
+        "fallback": lambda e: f"/v1/ac?model={e.model}&env={e.env_digest}&hw={HW_DIGEST}"
+                              "&limit=1",
+        "publish": lambda e: f"/v1/ac?env={e.env_digest}&hw={HW_DIGEST}&limit=20",
+        "head_cas": lambda e: f"/v1/cas/{e.digest}",
+        "stats": lambda e: "/v1/stats",
+        "metrics": lambda e: "/metrics",
+        "dashboard": lambda e: "/v1/dashboard",
+    }
+    out = {}
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        for name, url in routes.items():
+            n = n_fast if name in ("exact", "fallback", "publish", "head_cas") else n_slow
+            method = "HEAD" if name == "head_cas" else "GET"
+            for _ in range(min(20, n)):  # warm-up
+                timed(client, method, url(rng.choice(sample)))
+            ms: list[float] = []
+            deadline = time.monotonic() + ROUTE_BUDGET_S
+            while len(ms) < n and (len(ms) < 10 or time.monotonic() < deadline):
+                ms.append(timed(client, method, url(rng.choice(sample))))
+            out[name] = summary(ms)
+    return out
+
+
+class Lookups:
+    """Exact lookups back to back in a thread, each with its start and end time."""
+
+    def __init__(self, server: LocalServer, sample: list[Entry]) -> None:
+        self.server, self.sample = server, sample
+        self.done: list[tuple[float, float]] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        rng = random.Random(2)
+        with httpx.Client(base_url=self.server.url, timeout=120) as client:
+            while not self._stop.is_set():
+                t = time.perf_counter()
+                r = client.get(f"/v1/ac/{rng.choice(self.sample).key}")
+                if r.status_code not in (200, 404):
+                    self.errors += 1
+                self.done.append((t, time.perf_counter()))
+
+    def __enter__(self) -> Lookups:
+        self._thread.start()
+        time.sleep(0.3)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def during(self, windows: list[tuple[float, float]]) -> dict[str, float]:
+        """Lookups that overlapped any window: their max and p99."""
+        ms = [(e - s) * 1000 for s, e in self.done
+              if any(s < we and e > ws for ws, we in windows)]
+        return summary(ms)
+
+
+def concurrent(server: LocalServer, sample: list[Entry], repeats: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        for name, url in (("scrape", "/metrics"), ("dashboard", "/v1/dashboard")):
+            with Lookups(server, sample) as lookups:
+                windows = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    timed(client, "GET", url)
+                    windows.append((t, time.perf_counter()))
+                    time.sleep(0.05)
+            out[name] = {**lookups.during(windows), "requests": repeats}
+    return out
+
+
+def gc_during_lookups(backend: Backend, sample: list[Entry], stored: int) -> dict[str, Any]:
+    """The server's own background GC evicting 10% (budget 90% of stored, low water 1.0),
+    with exact lookups running: how long it held the GC lock, and the lookups meanwhile."""
+    env = {**backend.env(), "MEGACACHE_STORE_BUDGET": str(int(stored * 0.9)),
+           "MEGACACHE_GC_LOW_WATER": "1.0", "MEGACACHE_GC_INTERVAL_S": "2"}
+    with LocalServer(backend.data_dir, "--workers", "1", env=env) as server:
+        with Lookups(server, sample) as lookups:
+            deadline = time.monotonic() + 30
+            while not backend.gc_running():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the background GC did not start")
+                time.sleep(0.02)
+            start = time.perf_counter()
+            while backend.gc_running():
+                time.sleep(0.05)
+            end = time.perf_counter()
+        metrics = httpx.get(server.url + "/metrics", timeout=60).text
+    evicted = next((float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith('megacache_evictions_total{kind="entry"}')), 0.0)
+    return {"wall_s": round(end - start, 2), "evicted": int(evicted),
+            "lookups": lookups.during([(start, end)]), "lookup_errors": lookups.errors}
+
+
+def cli(backend: Backend, *args: str, budget: int | None = None) -> dict[str, Any]:
+    """`megacache-server ARGS` in its own process: wall time, peak RSS, last output line.
+
+    Peak RSS comes from GNU time, a small process that forks the command: Linux carries the
+    forking process's high-water RSS into an exec'd child's ru_maxrss, so wait4 on a child
+    of this (large) benchmark process would report this process's size, not the command's.
+    """
+    env = {**os.environ, **backend.env()}
+    if budget is not None:
+        env.update(MEGACACHE_STORE_BUDGET=str(budget), MEGACACHE_GC_LOW_WATER="1.0")
+    gnu_time = shutil.which("time") or "/usr/bin/time"
+    with tempfile.TemporaryDirectory() as tmp:
+        rss_file = Path(tmp) / "rss"
+        t = time.perf_counter()
+        run = subprocess.run([gnu_time, "-f", "%M", "-o", str(rss_file), sys.executable, "-m",
+                              "megacache_server", *args], env=env, capture_output=True)
+        wall = time.perf_counter() - t
+        rss_kb = int(rss_file.read_text().split()[-1])
+    lines = run.stdout.decode(errors="replace").strip().splitlines()
+    if run.returncode not in (0, 1):
+        raise RuntimeError(f"{args}: exit {run.returncode}\n{run.stderr.decode()[-2000:]}")
+    return {"wall_s": round(wall, 2), "max_rss_mb": round(rss_kb / 1024, 1),
+            "last_line": lines[-1][:200] if lines else "", "exit": run.returncode}
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+@dataclass
+class Args:
+    sizes: list[int]
+    backends: list[str]
+    redis_max: int
+    n_fast: int
+    n_slow: int
+    repeats: int
+    workdir: Path | None
+    out: Path
+    chart: Path | None
+    write_results: bool
+    from_json: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def run_backend(kind: str, args: Args, root: Path) -> list[dict[str, Any]]:
+    backend: Backend = SqliteFs(root) if kind == "sqlite+fs" else RedisS3(root)
+    rows = []
+    t0 = time.time() - 30 * 86400
+    filled, alive = 0, 0
+    try:
+        for size in args.sizes:
+            if kind == "redis+s3" and size > args.redis_max:
+                log(f"{kind}: skipping {size} (over --redis-max {args.redis_max})")
+                continue
+            now = time.time()
+            t = time.perf_counter()
+            add = size - alive
+            for start in range(filled, filled + add, 20_000):
+                batch = [make_entry(i, t0) for i in range(start, min(filled + add,
+                                                                        start + 20_000))]
+                for e in batch[:3]:
+                    check_entry(e)
+                backend.fill(batch, now)
+            filled += add
+            fill_s = time.perf_counter() - t
+            log(f"{kind}: filled to {size} entries ({add} added in {fill_s:.0f}s)")
+            # lookups pick from the newest half: the GC below evicts the oldest 10%
+            rng = random.Random(size)
+            sample = [make_entry(rng.randrange(filled - size // 2, filled), t0)
+                      for _ in range(200)]
+            disk = backend.disk()
+            stored = size * BLOB_SIZE
+            row: dict[str, Any] = {"backend": kind, "entries": size, "fill_s": round(fill_s, 1),
+                                   "disk": disk,
+                                   "index_bytes_per_entry": round(disk["index"] / size, 1),
+                                   "blob_bytes_per_entry": round(disk["blobs"] / size, 1)}
+            row["cli_start"] = cli(backend, "--help")
+            row["gc_plan"] = cli(backend, "gc", "--dry-run", budget=int(stored * 0.9))
+            log(f"{kind} {size}: gc plan {row['gc_plan']}")
+            row["fsck"] = cli(backend, "fsck")
+            log(f"{kind} {size}: fsck {row['fsck']}")
+            with LocalServer(backend.data_dir, "--workers", "1", env=backend.env()) as server:
+                row["latency"] = latencies(server, sample, args.n_fast, args.n_slow)
+                log(f"{kind} {size}: latency {json.dumps(row['latency'])}")
+                row["concurrent"] = concurrent(server, sample, args.repeats)
+            row["concurrent"]["gc"] = gc_during_lookups(backend, sample, stored)
+            log(f"{kind} {size}: concurrent {json.dumps(row['concurrent'])}")
+            alive = size - row["concurrent"]["gc"]["evicted"]
+            rows.append(row)
+            partial = args.out.with_suffix(".partial.json")  # kept if a later size is cut
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({"rows": rows}, indent=2))
+    finally:
+        backend.stop()
+    return rows
+
+
+def machine() -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "sqlite": sqlite3.sqlite_version, "platform": platform.platform()}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| backend | entries | exact p50/p99 | fallback p50/p99 | publish p50/p99 | "
+            "HEAD cas p50/p99 | stats p50/p99 | metrics p50/p99 | dashboard p50/p99 |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lat = r["latency"]
+        cells = [f"{lat[k]['p50_ms']:.2f} / {lat[k]['p99_ms']:.2f}" for k in GOALS_MS]
+        out.append(f"| {r['backend']} | {r['entries']:,} | " + " | ".join(cells) + " |")
+    out += ["", "| backend | entries | lookups during scrape max/p99 | during dashboard "
+            "max/p99 | during GC max/p99 | GC evict 10% s (entries) | GC plan s / MB | "
+            "fsck s / MB | CLI start s / MB | index B/entry | blob B/entry |",
+            "|" + "---|" * 11]
+    for r in rows:
+        c = r["concurrent"]
+
+        def mp(x: dict[str, Any]) -> str:
+            return f"{x['max_ms']:.1f} / {x['p99_ms']:.1f} (n={x['n']})"
+
+        out.append(f"| {r['backend']} | {r['entries']:,} | {mp(c['scrape'])} | "
+                   f"{mp(c['dashboard'])} | {mp(c['gc']['lookups'])} | "
+                   f"{c['gc']['wall_s']:.1f} ({c['gc']['evicted']:,}) | "
+                   f"{r['gc_plan']['wall_s']:.1f} / {r['gc_plan']['max_rss_mb']:.0f} | "
+                   f"{r['fsck']['wall_s']:.1f} / {r['fsck']['max_rss_mb']:.0f} | "
+                   f"{r['cli_start']['wall_s']:.1f} / {r['cli_start']['max_rss_mb']:.0f} | "
+                   f"{r['index_bytes_per_entry']:.0f} | {r['blob_bytes_per_entry']:.0f} |")
+    return "\n".join(out)
+
+
+def goals(rows: list[dict[str, Any]]) -> list[str]:
+    """Goals missed at each backend's largest size."""
+    missed = []
+    for kind in sorted({r["backend"] for r in rows}):
+        r = max((r for r in rows if r["backend"] == kind), key=lambda r: r["entries"])
+        where = f"{kind} at {r['entries']:,}"
+        for k, goal in GOALS_MS.items():
+            if r["latency"][k]["p99_ms"] >= goal:
+                missed.append(f"{where}: {k} p99 {r['latency'][k]['p99_ms']:.1f} ms >= {goal}")
+        for k in ("scrape", "dashboard"):
+            if r["concurrent"][k]["max_ms"] > GOAL_WAIT_MS:
+                missed.append(f"{where}: lookup max during {k} "
+                              f"{r['concurrent'][k]['max_ms']:.1f} ms > {GOAL_WAIT_MS}")
+        if r["concurrent"]["gc"]["lookups"]["max_ms"] > GOAL_WAIT_MS:
+            missed.append(f"{where}: lookup max during GC "
+                          f"{r['concurrent']['gc']['lookups']['max_ms']:.1f} ms > {GOAL_WAIT_MS}")
+    return missed
+
+
+def chart(rows: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
+    for kind, style in (("sqlite+fs", "-"), ("redis+s3", "--")):
+        mine = sorted((r for r in rows if r["backend"] == kind), key=lambda r: r["entries"])
+        if not mine:
+            continue
+        xs = [r["entries"] for r in mine]
+        for k in GOALS_MS:
+            a.plot(xs, [r["latency"][k]["p99_ms"] for r in mine], style, marker="o",
+                   label=f"{kind} {k}")
+        b.plot(xs, [r["gc_plan"]["wall_s"] for r in mine], style, marker="o",
+               label=f"{kind} GC plan s")
+        b.plot(xs, [r["fsck"]["wall_s"] for r in mine], style, marker="s", label=f"{kind} fsck s")
+        b.plot(xs, [r["concurrent"]["gc"]["wall_s"] for r in mine], style, marker="^",
+               label=f"{kind} GC evicting 10% s")
+    for ax, title in ((a, "p99 latency (ms), one client"), (b, "maintenance wall time (s)")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("entries")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def markdown(result: dict[str, Any], command: str) -> str:
+    m = result["machine"]
+    missed = result["goals_missed"]
+    return "\n".join([
+        "# Store at scale",
+        "",
+        "Generated by `benchmarks/scale_bench.py` (do not edit by hand):",
+        "",
+        f"    {command}",
+        "",
+        f"- date: {result['date']}; commit {result['commit']}",
+        f"- machine: {m['cpu']}, {m['cores']} cores (shared), Python {m['python']}, "
+        f"SQLite {m['sqlite']}",
+        "- fill: bulk, through the storage layer (SQLite rows in bulk transactions and blob "
+        "files written in place; Redis through the index's own put/record_blob, blobs put "
+        "straight into SeaweedFS); each entry a valid manifest with its own 1 KiB blob, "
+        "200 models x 5 env variants, 10 events per entry over 13 days",
+        "- server: one worker; latencies from one client, requests in turn "
+        f"({result['n_fast']} per lookup route, {result['n_slow']} per stats/metrics/"
+        "dashboard); GC evicts 10% (budget 90% of stored, low water 1.0) in the server's "
+        "background GC while lookups run",
+        "",
+        table(result["rows"]),
+        "",
+        "Goals at the largest size: lookup p99 < 10 ms; stats, metrics, dashboard < 100 ms; "
+        "lookups never wait > 50 ms on a scrape, a dashboard load or GC; GC plan < 10 s and "
+        "< 500 MB at 1M; fsck < 60 s at 1M.",
+        "",
+        ("Goals missed: " + "; ".join(missed)) if missed else "All goals met at the sizes run.",
+        "",
+        *(f"- {note}" for note in result.get("notes", [])),
+        "",
+        "Disk: the fs blob store allocates one 4 KiB block per 1 KiB blob (4x the bytes); "
+        "packing small blobs would fix it. Redis index bytes are RAM (used_memory).",
+        "",
+        "![cost against entries](results/scale.png)",
+    ])
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+                              capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "?"
+
+
+@contextmanager
+def workdir(path: Path | None) -> Iterator[Path]:
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="scale-bench-"))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def parse(argv: list[str] | None = None) -> Args:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="10000,100000,300000",
+                   help="entry counts, ascending (the store grows from one to the next)")
+    p.add_argument("--backends", default="sqlite+fs,redis+s3")
+    p.add_argument("--redis-max", type=int, default=100_000,
+                   help="largest size filled on redis+s3 (its fill is slower)")
+    p.add_argument("--quick", action="store_true", help="2k entries, few samples")
+    p.add_argument("--workdir", type=Path, help="keep the stores here (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=RESULTS / "scale.json")
+    p.add_argument("--from-json", type=Path, nargs="+",
+                   help="measure nothing: combine the rows of earlier runs' JSON files")
+    p.add_argument("--note", action="append", default=[],
+                   help="a line to add under the RESULTS.md table (e.g. what a run lacked)")
+    p.add_argument("--write-results", action="store_true",
+                   help="also write benchmarks/RESULTS.md's scale section and the chart")
+    a = p.parse_args(argv)
+    sizes = [2000] if a.quick else sorted(int(s) for s in a.sizes.split(","))
+    return Args(sizes=sizes, backends=a.backends.split(","), redis_max=a.redis_max,
+                n_fast=100 if a.quick else 500, n_slow=20 if a.quick else 50,
+                repeats=3 if a.quick else 10, workdir=a.workdir, out=a.out,
+                chart=RESULTS / "scale.png" if a.write_results else a.out.with_suffix(".png"),
+                write_results=a.write_results, from_json=a.from_json or [], notes=a.note)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop children on the way out
+    command = "python benchmarks/scale_bench.py " + " ".join(sys.argv[1:])
+    rows: list[dict[str, Any]] = []
+    if args.from_json:
+        runs = [json.loads(p.read_text()) for p in args.from_json]
+        rows = [r for run in runs for r in run["rows"]]
+        command = "; ".join(run["command"] for run in runs)
+        args.n_fast, args.n_slow = runs[0]["n_fast"], runs[0]["n_slow"]
+    else:
+        with workdir(args.workdir) as root:
+            for kind in args.backends:
+                rows += run_backend(kind, args, root / kind.replace("+", "-"))
+    result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "commit": git_commit(), "machine": machine(), "command": command,
+              "n_fast": args.n_fast, "n_slow": args.n_slow, "notes": args.notes, "rows": rows}
+    missed = goals(rows)
+    result["goals_missed"] = missed
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(table(rows))
+    print("\n" + "\n".join(["goals missed:", *missed] if missed else ["all goals met"]))
+    if args.chart is not None:
+        chart(rows, args.chart)
+    if args.write_results:
+        write_section("scale", markdown(result, command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
