@@ -42,6 +42,9 @@ class ClientConfig:
     fallback: bool = True
     ship_kernels: bool = True
     ship_toolchain: bool = True
+    precompile: bool = True
+    prefetch: bool = True
+    prefetch_wait_s: float = 60.0
 
     @property
     def enabled(self) -> bool:
@@ -73,6 +76,8 @@ class ClientConfig:
             raise ConfigError(f"MEGACACHE_URL must start with http:// or https://: {self.url!r}")
         if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
             raise ConfigError("timeouts must be positive")
+        if not 0 <= self.prefetch_wait_s <= 3600:
+            raise ConfigError("MEGACACHE_PREFETCH_WAIT_S must be between 0 and 3600 seconds")
         return replace(self, url=self.url.rstrip("/"), node_cache_dir=Path(self.node_cache_dir))
 
 

@@ -61,6 +61,7 @@ def _wrap(original: Any) -> Any:
             module = args[0] if args else kwargs.get("model")
             options = {k: v for k, v in kwargs.items() if k != "model"}
             session.before_compile(module, options)
-        return original(*args, **kwargs)
+        compiled = original(*args, **kwargs)
+        return session.after_compile(compiled) if session is not None else compiled
 
     return compile

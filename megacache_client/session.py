@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from megacache_client import __version__, torch_env
+from megacache_client import __version__, precompile, torch_env, tts
 from megacache_client.config import ClientConfig
 from megacache_client.events import Event, Outcome
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest, sha256_hex
@@ -32,6 +32,7 @@ from megacache_client.packs import (
     unpack,
     write_pack,
 )
+from megacache_client.prefetch import Prefetcher, PrefetchResult, skip_reason
 from megacache_client.transport import CorruptBlobError, Progress, RemoteCache, sha256_file
 
 log = logging.getLogger("megacache")
@@ -59,6 +60,8 @@ class LoadResult:
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     steps: dict[str, float] = field(default_factory=dict)
+    precompile: str = ""
+    """Why the entry's precompiled Dynamo output was not loaded ("" when loaded or absent)."""
 
     def timer(self) -> Callable[[str], None]:
         """Returns `mark(name)`: records the seconds since the previous mark under `name`."""
@@ -99,11 +102,36 @@ class Session:
         self._warned = False
         self._publisher: threading.Thread | None = None
         self._lock = threading.RLock()
+        self.clock = tts.TimeToStart()
+        self.prefetcher: Prefetcher | None = None
+        self.precompile_off = ""
+        """Why caching precompile is off in this process ("" when on)."""
+
+    def start(self) -> Session:
+        """Called when the client is enabled: precompile on, clock started, prefetch begun.
+
+        Runs before the trainer's first torch.compile, so the prefetch thread overlaps the
+        trainer's initialisation and torch records Dynamo's output from the first compile.
+        """
+        self.clock.mark_enabled()
+        try:
+            self.precompile_off = precompile.turn_on(self.config)
+        except Exception as exc:
+            self.precompile_off = f"could not turn precompile on: {exc}"
+        if self.config.prefetch and self.prefetcher is None:
+            self.prefetcher = Prefetcher(self.config, self.node).start()
+        return self
 
     # -- entry points -------------------------------------------------------------------
     def before_compile(self, module: Any, options: dict[str, Any]) -> None:
         """Called by the torch.compile hook: load once, before the first compilation."""
         self.load(module, options)
+
+    def after_compile(self, compiled: Any) -> Any:
+        """Called by the torch.compile hook with its result: time the first compiled step."""
+        if not self.config.enabled or self.clock.first_step_end is not None:
+            return compiled
+        return tts.watch(compiled, self.clock)
 
     def load(self, module: Any = None, options: dict[str, Any] | None = None) -> LoadResult:
         with self._lock:
@@ -118,12 +146,14 @@ class Session:
                 result.key = fp.key()
                 torch_env.set_job_id("megacache-" + result.key[:16])
                 step("fingerprint")
+                prefetched = self._await_prefetch(result)
+                step("prefetch")
                 with RemoteCache(self.config) as remote:
                     found = self._find_entry(remote, fp, result)
                     step("find")
                     if found is not None:
                         result.entry, result.etag = found
-                        paths = self._fetch_blobs(remote, result.entry, result)
+                        paths = self._fetch_blobs(remote, result.entry, result, prefetched)
                         step("fetch")
                         self._place_artifacts(result.entry, paths, result)
                         step("place")
@@ -135,6 +165,10 @@ class Session:
                 self._fail(result, "error", f"{type(exc).__name__}: {exc}")
             finally:
                 result.seconds = time.monotonic() - started
+                steps = result.steps
+                self.clock.fetch_s = sum(steps.get(k, 0.0) for k in ("prefetch", "find", "fetch"))
+                self.clock.load_s = sum(steps.get(k, 0.0)
+                                        for k in ("fingerprint", "place", "load"))
             if result.outcome in ("hit", "fallback"):
                 log.info("megacache: %s %s in %.2fs (%s)", result.outcome,
                          (result.entry.key[:12] if result.entry else ""), result.seconds,
@@ -188,14 +222,31 @@ class Session:
                          f"differs in {_describe(candidates[0].fingerprint, fp)}")
         return None
 
+    # -- step 2b: what the prefetch thread already fetched ------------------------------
+    def _await_prefetch(self, result: LoadResult) -> PrefetchResult | None:
+        """Wait (bounded) for a prefetch still running; None when there is none or it failed."""
+        if self.prefetcher is None:
+            return None
+        done = self.prefetcher.wait(self.config.prefetch_wait_s)
+        if done is None:
+            self._warn(f"prefetch still running after {self.config.prefetch_wait_s:.0f}s; "
+                       "fetching without it")
+            return None
+        result.bytes_down += done.bytes_down
+        return None if done.error else done
+
     # -- step 3: fetch each blob once per node, verified --------------------------------
-    def _fetch_blobs(self, remote: RemoteCache, entry: Manifest,
-                     result: LoadResult) -> dict[str, Path]:
+    def _fetch_blobs(self, remote: RemoteCache, entry: Manifest, result: LoadResult,
+                     prefetched: PrefetchResult | None = None) -> dict[str, Path]:
         paths: dict[str, Path] = {}
+        ready = prefetched.paths if prefetched is not None else {}
         for blob in entry.blobs:
-            skip = self._skip_reason(blob)
+            skip = skip_reason(self.config, blob)
             if skip:
                 result.skipped[blob.role] = skip
+                continue
+            if blob.digest in ready and _has_size(ready[blob.digest], blob.size):
+                paths[blob.role] = ready[blob.digest]  # verified by the prefetch thread
                 continue
             path, downloaded = self.node.fetch(
                 blob.digest, blob.size,
@@ -205,20 +256,6 @@ class Session:
         if "megacache" not in paths:
             raise PackError("entry has no megacache bundle blob")
         return paths
-
-    def _skip_reason(self, blob: BlobRef) -> str:
-        """Why a compiled-artifact blob cannot help here (it would only cost a download)."""
-        if blob.role == "kernels" and not self.config.ship_kernels:
-            return "kernels disabled by configuration"
-        if blob.role == "toolchain" and not self.config.ship_toolchain:
-            return "toolchain disabled by configuration"
-        if blob.role in ("kernels", "toolchain"):
-            prefix = blob.meta.get("torch_prefix")
-            if prefix and prefix != torch_env.torch_prefix():
-                return (f"torch is installed at {torch_env.torch_prefix()}, the producer's at "
-                        f"{prefix}; compiled-kernel keys embed that path, so these files "
-                        "would never be used (use identical images for a full warm start)")
-        return ""
 
     # -- step 4: place compiled artifacts where torch looks for them -------------------
     def _place_artifacts(self, entry: Manifest, paths: dict[str, Path],
@@ -244,9 +281,15 @@ class Session:
             raw = decompress_bytes(data, ref.raw_size, ref.raw_sha256, self.config.max_raw_bytes)
         else:
             raw = data
-        keys = torch_env.load_bundle(raw)
-        if keys is None:
+        refused = precompile.refusal(result.outcome, ref)
+        loaded = torch_env.load_bundle(
+            raw, skip=frozenset({precompile.ARTIFACT_TYPE}) if refused else frozenset())
+        if loaded is None:
             raise PackError("torch refused the bundle (load_cache_artifacts returned None)")
+        keys, skipped = loaded
+        if skipped:
+            result.precompile = f"precompiled Dynamo output not loaded: {refused}"
+            log.info("megacache: %s", result.precompile)
         result.loaded_keys = {(kind, k) for kind, ks in keys.items() for k in ks}
 
     # -- step 6: publish what this run compiled ----------------------------------------
@@ -321,7 +364,7 @@ class Session:
         try:
             assert self.fp is not None
             with RemoteCache(self.config) as remote:
-                blobs = [self.bundle_blob(raw)]
+                blobs = [self.bundle_blob(raw, precompile.producer_meta(counts))]
                 if self.config.ship_kernels and kernels:
                     blobs.append(self._pack_blob("kernels", kernels))
                 if self.config.ship_toolchain:
@@ -347,7 +390,7 @@ class Session:
             res.reason = f"publish failed: {type(exc).__name__}: {exc}"
             self._warn(res.reason)
 
-    def bundle_blob(self, raw: bytes) -> BlobRef:
+    def bundle_blob(self, raw: bytes, meta: dict[str, str] | None = None) -> BlobRef:
         data = compress_bytes(raw)
         digest = sha256_hex(data)
         tmp = self.node.blob_dir / f".{uuid.uuid4().hex}.new"
@@ -355,7 +398,7 @@ class Session:
         tmp.write_bytes(data)
         self.node.add(digest, tmp)
         return BlobRef(digest=digest, size=len(data), role="megacache", compression="zstd",
-                       raw_size=len(raw), raw_sha256=sha256_hex(raw))
+                       raw_size=len(raw), raw_sha256=sha256_hex(raw), meta=meta or {})
 
     def _pack_blob(self, role: str, files: dict[str, Path], names: str | None = None
                    ) -> BlobRef:
@@ -440,7 +483,19 @@ class Session:
             load_s=round(res.seconds, 3), bytes_down=res.bytes_down,
             bytes_up=self.publish_result.bytes_up, fxgraph_hit=counters["fxgraph_hit"],
             fxgraph_miss=counters["fxgraph_miss"], published=self.publish_result.published,
+            **self._start_fields(),
         )
+
+    def _start_fields(self) -> dict[str, Any]:
+        """The event's time-to-start split and precompile fields (issue 13)."""
+        return {**self._precompile_fields(), **self.clock.fields()}
+
+    def _precompile_fields(self) -> dict[str, Any]:
+        """The event's precompile counters (torch's) and why it was not used, if it was not."""
+        c = precompile.counters()
+        note = self.precompile_off or self.load_result.precompile
+        return {"precompile_hit": c["hit"], "precompile_miss": c["miss"] + c["error"],
+                "precompile_reason": note[:500]}
 
     def report(self) -> Event | None:
         """POST this run's event; returns it (also when the server could not take it)."""
@@ -489,6 +544,13 @@ def upload_blobs(remote: RemoteCache, node: NodeCache, blobs: list[BlobRef],
             remote.upload_blob(node.path(blob.digest), blob.digest, progress)
             sent += blob.size
     return sent
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
 
 
 def _differing(a: Fingerprint, b: Fingerprint) -> list[str]:

@@ -1,0 +1,131 @@
+"""Prefetch while the trainer initialises: download what the first compile will need.
+
+Started in a background thread as soon as the client is enabled (right after `import torch`
+in zero-code mode), long before the first `torch.compile`, so downloads overlap the
+trainer's own set-up (data loading, model construction, process groups). It fetches what
+does not depend on the compiled module:
+
+- the toolchain pack (precompiled headers), keyed by torch + compiler + ISA: any entry of
+  this env and hw carries it;
+- with a model name given (MEGACACHE_MODEL, and MEGACACHE_CODE when known), every blob of
+  the newest entry of that model, env and hw: usually the one the first compile asks for.
+
+Blobs land in the node cache (once per node, verified); the session then takes them from
+there without downloading or re-hashing them again. The first compile waits only for a
+prefetch still running, at most `prefetch_wait_s`; whatever fails here is only logged at
+debug level and the session fetches on its own, as it would without prefetch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megacache_client import torch_env
+from megacache_client.config import ClientConfig
+from megacache_client.manifest import BlobRef, Manifest, Scalar
+from megacache_client.nodecache import NodeCache
+from megacache_client.transport import RemoteCache
+
+log = logging.getLogger("megacache")
+
+
+@dataclass
+class PrefetchResult:
+    """What the prefetch left in the node cache, and how it went."""
+
+    paths: dict[str, Path] = field(default_factory=dict)
+    """digest -> verified local path, for every blob fetched or found on disk."""
+    bytes_down: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    entry_key: str | None = None
+
+
+class Prefetcher:
+    """One background prefetch for one process; `wait()` is the only way to read it."""
+
+    def __init__(self, config: ClientConfig, node: NodeCache) -> None:
+        self.config = config
+        self.node = node
+        self.result = PrefetchResult()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="megacache-prefetch",
+                                        daemon=True)
+
+    def start(self) -> Prefetcher:
+        self._thread.start()
+        return self
+
+    def wait(self, timeout: float) -> PrefetchResult | None:
+        """The result once the prefetch has finished, or None if it is still running."""
+        return self.result if self._done.wait(timeout) else None
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            self._prefetch()
+        except Exception as exc:  # the session fetches on its own
+            self.result.error = f"{type(exc).__name__}: {exc}"
+            log.debug("megacache: prefetch failed: %s", self.result.error)
+        finally:
+            self.result.seconds = time.monotonic() - started
+            self._done.set()
+
+    def _prefetch(self) -> None:
+        env, hw = torch_env.env_component(), torch_env.hw_component()
+        with RemoteCache(self.config) as remote:
+            blobs: list[BlobRef] = []
+            if self.config.model:
+                entry = self._newest_of_model(remote, env, hw)
+                if entry is not None:
+                    self.result.entry_key = entry.key
+                    blobs += [b for b in entry.blobs if not skip_reason(self.config, b)]
+            if not any(b.role == "toolchain" for b in blobs) and self.config.ship_toolchain:
+                toolchain = self._toolchain(remote, env, hw)
+                if toolchain is not None:
+                    blobs.append(toolchain)
+            for blob in blobs:
+                path, downloaded = self.node.fetch(
+                    blob.digest, blob.size,
+                    functools.partial(remote.download_blob, blob.digest, blob.size))
+                self.result.paths[blob.digest] = path
+                self.result.bytes_down += downloaded
+
+    def _newest_of_model(self, remote: RemoteCache, env: dict[str, Scalar],
+                         hw: dict[str, Scalar]) -> Manifest | None:
+        """The newest entry of the configured model here; one of its code version if given."""
+        entries = [m for m in remote.list_entries(model=self.config.model, env=env, hw=hw,
+                                                  limit=50)
+                   if m.fingerprint.namespace == self.config.namespace]
+        same_code = [m for m in entries if m.fingerprint.code == self.config.code]
+        chosen = same_code or entries
+        return chosen[0] if chosen else None
+
+    def _toolchain(self, remote: RemoteCache, env: dict[str, Scalar],
+                   hw: dict[str, Scalar]) -> BlobRef | None:
+        """A toolchain pack any model of this env and hw published (they are model-free)."""
+        for entry in remote.list_entries(env=env, hw=hw, limit=20):
+            blob = entry.blob("toolchain")
+            if blob is not None and not skip_reason(self.config, blob):
+                return blob
+        return None
+
+
+def skip_reason(config: ClientConfig, blob: BlobRef) -> str:
+    """Why a compiled-artifact blob cannot help here (it would only cost a download)."""
+    if blob.role == "kernels" and not config.ship_kernels:
+        return "kernels disabled by configuration"
+    if blob.role == "toolchain" and not config.ship_toolchain:
+        return "toolchain disabled by configuration"
+    if blob.role in ("kernels", "toolchain"):
+        prefix = blob.meta.get("torch_prefix")
+        if prefix and prefix != torch_env.torch_prefix():
+            return (f"torch is installed at {torch_env.torch_prefix()}, the producer's at "
+                    f"{prefix}; compiled-kernel keys embed that path, so these files "
+                    "would never be used (use identical images for a full warm start)")
+    return ""
