@@ -10,10 +10,13 @@ does not depend on the compiled module:
 - with a model name given (MEGACACHE_MODEL, and MEGACACHE_CODE when known), every blob of
   the newest entry of that model, env and hw: usually the one the first compile asks for.
 
-Blobs land in the node cache (once per node, verified); the session then takes them from
-there without downloading or re-hashing them again. The first compile waits only for a
-prefetch still running, at most `prefetch_wait_s`; whatever fails here is only logged at
-debug level and the session fetches on its own, as it would without prefetch.
+Blobs land in the node cache (once per node, verified) and the kernel and toolchain packs
+are unpacked where torch looks for them (their files are content-keyed by torch, so placing
+them early is harmless even if the first compile then wants another entry); the session
+takes all of it from there without downloading, re-hashing or unpacking again. The first
+compile waits only for a prefetch still running, at most `prefetch_wait_s`; whatever fails
+here is only logged at debug level and the session fetches on its own, as it would
+without prefetch.
 """
 
 from __future__ import annotations
@@ -29,9 +32,13 @@ from megacache_client import torch_env
 from megacache_client.config import ClientConfig
 from megacache_client.manifest import BlobRef, Manifest, Scalar
 from megacache_client.nodecache import NodeCache
+from megacache_client.packs import unpack
 from megacache_client.transport import RemoteCache
 
 log = logging.getLogger("megacache")
+
+KERNEL_SUFFIXES = (".so",)
+TOOLCHAIN_SUFFIXES = (".h", ".gch")
 
 
 @dataclass
@@ -40,6 +47,8 @@ class PrefetchResult:
 
     paths: dict[str, Path] = field(default_factory=dict)
     """digest -> verified local path, for every blob fetched or found on disk."""
+    placed: dict[str, int] = field(default_factory=dict)
+    """digest -> files unpacked from that kernels/toolchain pack."""
     bytes_down: int = 0
     seconds: float = 0.0
     error: str = ""
@@ -95,6 +104,10 @@ class Prefetcher:
                     functools.partial(remote.download_blob, blob.digest, blob.size))
                 self.result.paths[blob.digest] = path
                 self.result.bytes_down += downloaded
+            for blob in blobs:
+                if blob.role in ("kernels", "toolchain"):
+                    self.result.placed[blob.digest] = place(
+                        blob.role, self.result.paths[blob.digest], self.config.max_raw_bytes)
 
     def _newest_of_model(self, remote: RemoteCache, env: dict[str, Scalar],
                          hw: dict[str, Scalar]) -> Manifest | None:
@@ -114,6 +127,16 @@ class Prefetcher:
             if blob is not None and not skip_reason(self.config, blob):
                 return blob
         return None
+
+
+def place(role: str, pack: Path, cap: int) -> int:
+    """Unpack a kernels or toolchain pack where torch looks for those files; files written."""
+    if role == "kernels":
+        return len(unpack(pack, torch_env.inductor_cache_dir(), suffixes=KERNEL_SUFFIXES,
+                          cap=cap))
+    if role == "toolchain":
+        return len(unpack(pack, torch_env.header_dir(), suffixes=TOOLCHAIN_SUFFIXES, cap=cap))
+    return 0
 
 
 def skip_reason(config: ClientConfig, blob: BlobRef) -> str:

@@ -29,16 +29,20 @@ from megacache_client.packs import (
     compress_bytes,
     decompress_bytes,
     pack_names,
-    unpack,
     write_pack,
 )
-from megacache_client.prefetch import Prefetcher, PrefetchResult, skip_reason
+from megacache_client.prefetch import (
+    KERNEL_SUFFIXES,
+    TOOLCHAIN_SUFFIXES,
+    Prefetcher,
+    PrefetchResult,
+    place,
+    skip_reason,
+)
 from megacache_client.transport import CorruptBlobError, Progress, RemoteCache, sha256_file
 
 log = logging.getLogger("megacache")
 
-KERNEL_SUFFIXES = (".so",)
-TOOLCHAIN_SUFFIXES = (".h", ".gch")
 COMPONENTS = ("namespace", "model", "code", "env", "hw", "config")
 
 
@@ -155,7 +159,7 @@ class Session:
                         result.entry, result.etag = found
                         paths = self._fetch_blobs(remote, result.entry, result, prefetched)
                         step("fetch")
-                        self._place_artifacts(result.entry, paths, result)
+                        self._place_artifacts(result.entry, paths, result, prefetched)
                         step("place")
                         self._load_bundle(result.entry, paths, result)
                         step("load")
@@ -258,17 +262,16 @@ class Session:
         return paths
 
     # -- step 4: place compiled artifacts where torch looks for them -------------------
-    def _place_artifacts(self, entry: Manifest, paths: dict[str, Path],
-                         result: LoadResult) -> None:
-        cap = self.config.max_raw_bytes
-        if "kernels" in paths:
-            placed = unpack(paths["kernels"], torch_env.inductor_cache_dir(),
-                            suffixes=KERNEL_SUFFIXES, cap=cap)
-            result.placed["kernels"] = len(placed)
-        if "toolchain" in paths:
-            placed = unpack(paths["toolchain"], torch_env.header_dir(),
-                            suffixes=TOOLCHAIN_SUFFIXES, cap=cap)
-            result.placed["toolchain"] = len(placed)
+    def _place_artifacts(self, entry: Manifest, paths: dict[str, Path], result: LoadResult,
+                         prefetched: PrefetchResult | None = None) -> None:
+        done = prefetched.placed if prefetched is not None else {}
+        for role in ("kernels", "toolchain"):
+            blob = entry.blob(role)
+            if role not in paths or blob is None:
+                continue
+            count = done.get(blob.digest)
+            result.placed[role] = count if count is not None else \
+                place(role, paths[role], self.config.max_raw_bytes)
 
     # -- step 5: verify and hot-load the Mega-Cache bundle ------------------------------
     def _load_bundle(self, entry: Manifest, paths: dict[str, Path], result: LoadResult) -> None:

@@ -103,7 +103,7 @@ def test_two_local_ranks_download_once(cache, producer, gxx, tmp_path):
     assert [r.mc["outcome"] for r in runs] == ["hit", "hit"]
     entry = httpx.get(f"{cache.url}/v1/ac/{runs[0].mc['entry_key']}").json()
     total = sum(b["size"] for b in entry["blobs"])
-    assert sorted(r.mc["bytes_down"] for r in runs) == [0, total]
+    assert sum(r.mc["bytes_down"] for r in runs) == total  # prefetch may split it
     assert runs[1].mc["publish_reason"] in ("only local rank 0 publishes",
                                             "the loaded entry already has everything this "
                                             "run compiled")
