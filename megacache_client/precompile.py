@@ -13,10 +13,18 @@ an entry of its *exact* fingerprint (same model, code, env, hw, compile config) 
 producer ran the same torch and Python; anything else is refused with a reason and the run
 compiles Dynamo as usual. Guards that fail on the consumer (other shapes, grad mode, ...)
 make Dynamo recompile normally: the precompiled entry is one more cache entry, not a bypass.
+
+One torch 2.13 defect needs a hand: the globals a precompiled entry installs (its builtins
+dict, `__builtins_dict___0`, ...) are named by the *producer's* process-wide unique-id
+counter, while a fresh consumer's counter starts at 0 again, so its first recompile (after
+a guard failure) picks the same name and Dynamo raises "Name '__builtins_dict___0' already
+exists in scope". The producer records its counter's high-water mark with the bundle and
+the consumer moves its own counter past it before the entry is installed.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import platform
 from typing import Any
@@ -30,6 +38,8 @@ log = logging.getLogger("megacache")
 ARTIFACT_TYPE = "precompile"
 META_TORCH = "precompile_torch"
 META_PYTHON = "precompile_python"
+META_IDS = "precompile_unique_ids"
+MAX_IDS = 10**9
 
 
 def supported() -> bool:
@@ -68,7 +78,11 @@ def producer_meta(counts: dict[str, int]) -> dict[str, str]:
     """What the bundle blob records about its precompile artifacts, for consumers to check."""
     if not counts.get(ARTIFACT_TYPE):
         return {}
-    return {META_TORCH: torch_env.torch_version(), META_PYTHON: platform.python_version()}
+    from torch._dynamo import bytecode_transformation
+
+    high_water = next(bytecode_transformation._unique_id_counter)
+    return {META_TORCH: torch_env.torch_version(), META_PYTHON: platform.python_version(),
+            META_IDS: str(high_water)}
 
 
 def refusal(outcome: str | None, bundle: BlobRef) -> str:
@@ -90,7 +104,23 @@ def refusal(outcome: str | None, bundle: BlobRef) -> str:
     if theirs != ours:
         return (f"precompile artifacts made by torch {theirs[0]} / Python {theirs[1]}, this "
                 f"process runs torch {ours[0]} / Python {ours[1]}")
+    ids = bundle.meta.get(META_IDS, "")
+    if not ids.isdigit() or int(ids) > MAX_IDS:
+        return "entry does not record the producer's Dynamo unique-id counter"
     return ""
+
+
+def reserve_ids(bundle: BlobRef) -> None:
+    """Move Dynamo's unique-id counter past every name the producer's entries may install.
+
+    Call before the precompiled entries are installed (at the latest, before the first
+    recompile); `refusal` has checked the recorded value.
+    """
+    from torch._dynamo import bytecode_transformation
+
+    floor = int(bundle.meta[META_IDS])
+    current = next(bytecode_transformation._unique_id_counter)
+    bytecode_transformation._unique_id_counter = itertools.count(max(current, floor))
 
 
 def counters() -> dict[str, int]:

@@ -290,6 +290,8 @@ class Session:
         if loaded is None:
             raise PackError("torch refused the bundle (load_cache_artifacts returned None)")
         keys, skipped = loaded
+        if keys.get(precompile.ARTIFACT_TYPE):
+            precompile.reserve_ids(ref)
         if skipped:
             result.precompile = f"precompiled Dynamo output not loaded: {refused}"
             log.info("megacache: %s", result.precompile)
