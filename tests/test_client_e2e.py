@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -144,15 +143,6 @@ def test_corrupt_blob_is_rejected_before_torch_sees_it(cache, producer, gxx, tmp
     assert not run.mc["published"]
     models = {m["model"]: m for m in httpx.get(cache.url + "/v1/stats").json()["models"]}
     assert models[MODEL]["outcomes"]["invalid"] >= 1
-
-
-@pytest.fixture
-def hanging_server() -> Iterator[str]:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)  # accepts, never answers
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    listener.close()
 
 
 @pytest.mark.parametrize("where", ["down", "hanging"])

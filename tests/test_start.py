@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -178,15 +177,6 @@ def test_precompile_from_another_torch_is_refused_with_a_reason(cache, producer,
     assert run.result["precompile_hit"] == 0
     assert run.result["losses"] == cold.result["losses"]
     assert run.gxx_builds == 0  # only Dynamo's part is redone
-
-
-@pytest.fixture
-def hanging_server() -> Iterator[str]:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)  # accepts, never answers
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    listener.close()
 
 
 def test_stuck_prefetch_never_blocks_the_first_compile(producer, gxx, hanging_server):
