@@ -73,7 +73,8 @@ SHARED_PRODUCER = {"megacache+precompile+init5": "megacache+precompile"}
 START_GOALS = {"megacache+precompile": 1.0, "megacache+precompile+init5": 1.1}
 """Time to first step of a new machine / torch's warm-local (with the same init)."""
 FIRST_STEP_GOAL_S = 0.2
-NEEDS_COLD = ("cold", "warm-local", "mega-only")  # these reuse the repeat's cold run
+NEEDS_COLD = ("cold", "warm-local", "mega-only", "warm-local+precompile",
+              "warm-local+init5")  # these reuse the repeat's cold run
 GOAL_VS_WARM = 1.25
 
 START = time.time()
@@ -258,7 +259,7 @@ def local_job(bench: Bench, model: str, name: str, r: int, cold_box: Machine
     if name in ("warm-local", "warm-local+init5"):
         return bench.run(cold_box, {}, [*args, *init_args(name)])
     if name == "warm-local+precompile":
-        box = precompile_box(bench, model)
+        box = precompile_box(bench, model, r, cold_box)
         if box is None:
             return {"ok": False, "error": "the untimed cold job with precompile failed"}
         return bench.run(box, {}, [*args, "--precompile"])
@@ -268,18 +269,23 @@ def local_job(bench: Bench, model: str, name: str, r: int, cold_box: Machine
                      [*args, "--load-bundle", str(bundle)])
 
 
-def precompile_box(bench: Bench, model: str) -> Machine | None:
-    """A node whose caches a cold job with caching precompile filled (once per model)."""
-    box = bench.machine(model, "precompile-box")
-    ready = box.root / "ready"
-    if not ready.exists():
-        log(f"{model} warm-local+precompile: untimed cold job with precompile")
-        record = bench.run(box, {}, ["--model", model, "--megacache", "off", "--precompile",
-                                     "--save-bundle", str(box.root / "bundle.bin")])
-        if not record.get("ok"):
-            log(f"{model} precompile box: {describe(record)}")
-            return None
-        ready.touch()
+def precompile_box(bench: Bench, model: str, r: int, cold_box: Machine) -> Machine | None:
+    """The repeat's cold node after one more untimed job, this one with precompile on.
+
+    A copy of the cold node (kernels, headers, FX graphs: no g++ run again) on which a job
+    with caching precompile on called save_cache_artifacts, which writes Dynamo's cache:
+    a node that has run the job before with precompile on.
+    """
+    box = bench.machine(model, f"r{r}", "precompile-box")
+    if not (cold_box.root / "megacache.bin").exists():
+        return None  # the cold run failed
+    shutil.copytree(cold_box.root, box.root, dirs_exist_ok=True, symlinks=True)
+    log(f"{model} warm-local+precompile r{r}: untimed job with precompile on the cold node")
+    record = bench.run(box, {}, ["--model", model, "--megacache", "off", "--precompile",
+                                 "--save-bundle", str(box.root / "precompile.bin")])
+    if not record.get("ok"):
+        log(f"{model} precompile box: {describe(record)}")
+        return None
     return box
 
 
