@@ -64,7 +64,7 @@ def run_on(machine: Machine, gxx: GxxCounter, url: str, *extra: str, code: str =
            env: dict[str, str] | None = None) -> JobRun:
     job = run_job(machine, "--model", "mlp", "--steps", "3", "--megacache", "explicit",
                   "--name", MODEL, "--code", code, *extra,
-                  env={"MEGACACHE_URL": url, **(env or {})}, gxx=gxx, timeout=300)
+                  env={"MEGACACHE_URL": url, **(env or {})}, gxx=gxx, timeout=900)
     if job.returncode != 0:
         raise AssertionError(f"job failed ({job.returncode}):\n{job.stderr[-4000:]}")
     return job
@@ -207,3 +207,25 @@ def test_turning_precompile_off_is_reported(tmp_path: Path) -> None:
         assert torch._dynamo.config.caching_precompile is True
     finally:
         torch._dynamo.config.caching_precompile = before
+
+
+def test_precompile_is_loaded_only_from_an_exact_hit_of_the_same_torch() -> None:
+    torch = pytest.importorskip("torch")
+    import platform
+
+    from megacache_client import precompile
+    from megacache_client.manifest import BlobRef
+
+    def bundle(**meta: str) -> BlobRef:
+        good = {precompile.META_TORCH: torch.__version__,
+                precompile.META_PYTHON: platform.python_version(), precompile.META_IDS: "7"}
+        return BlobRef(digest="b" * 64, size=1, role="megacache", meta={**good, **meta})
+
+    with torch._dynamo.config.patch(caching_precompile=True):
+        assert precompile.refusal("hit", bundle()) == ""
+        assert "fallback" in precompile.refusal("fallback", bundle())
+        assert "torch 2.12.0" in precompile.refusal("hit", bundle(precompile_torch="2.12.0"))
+        assert "Python 3.99.0" in precompile.refusal("hit", bundle(precompile_python="3.99.0"))
+        assert "unique-id" in precompile.refusal("hit", bundle(precompile_unique_ids="x"))
+    with torch._dynamo.config.patch(caching_precompile=False):
+        assert "off" in precompile.refusal("hit", bundle())
