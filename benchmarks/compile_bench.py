@@ -205,7 +205,8 @@ def remote_job(bench: Bench, model: str, name: str, remote: Remote, machine: Mac
     """One job of a remote scenario on a new machine (producer and consumers alike)."""
     assert remote.env is not None
     mode = "explicit" if name.startswith("megacache") else "off"
-    env = {**remote.env, "MEGACACHE_PRECOMPILE": "0"} if name == "megacache" else remote.env
+    env = {**remote.env, "MEGACACHE_PRECOMPILE": "0"} if name == "megacache" else \
+        {**remote.env, "MEGACACHE_MODEL": model}  # named, as a deployment would: prefetched
     return bench.run(machine, env, ["--model", model, "--megacache", mode,
                                     *init_args(name)])
 

@@ -17,6 +17,12 @@ takes all of it from there without downloading, re-hashing or unpacking again. T
 compile waits only for a prefetch still running, at most `prefetch_wait_s`; whatever fails
 here is only logged at debug level and the session fetches on its own, as it would
 without prefetch.
+
+After the downloads the thread imports the compiler's own modules (Inductor's compile_fx,
+which pulls in Dynamo and AOTAutograd): seconds of imports that the first torch.compile
+would otherwise pay on the critical path, now overlapped with the trainer's set-up too.
+The first compile waits for those imports as well (bounded), so the two threads never
+import the same modules at once.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class Prefetcher:
         self.config = config
         self.node = node
         self.result = PrefetchResult()
+        self._fetched = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megacache-prefetch",
                                         daemon=True)
@@ -71,8 +78,15 @@ class Prefetcher:
         return self
 
     def wait(self, timeout: float) -> PrefetchResult | None:
-        """The result once the prefetch has finished, or None if it is still running."""
-        return self.result if self._done.wait(timeout) else None
+        """The result once the downloads have finished, or None if they are still running."""
+        return self.result if self._fetched.wait(timeout) else None
+
+    def wait_imports(self, timeout: float) -> bool:
+        """Wait for the import warm-up, so the caller never imports the same modules at once.
+
+        Returns at once when the downloads are still running (the warm-up comes after them).
+        """
+        return self._fetched.is_set() and self._done.wait(timeout)
 
     def _run(self) -> None:
         started = time.monotonic()
@@ -83,6 +97,12 @@ class Prefetcher:
             log.debug("megacache: prefetch failed: %s", self.result.error)
         finally:
             self.result.seconds = time.monotonic() - started
+            self._fetched.set()
+        try:
+            warm_imports()
+        except Exception as exc:  # the compile imports them itself
+            log.debug("megacache: import warm-up failed: %s", exc)
+        finally:
             self._done.set()
 
     def _prefetch(self) -> None:
@@ -127,6 +147,12 @@ class Prefetcher:
             if blob is not None and not skip_reason(self.config, blob):
                 return blob
         return None
+
+
+def warm_imports() -> None:
+    """Import what torch.compile's first call imports (Inductor's entry point, Dynamo)."""
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
 
 
 def place(role: str, pack: Path, cap: int) -> int:

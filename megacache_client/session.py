@@ -152,6 +152,9 @@ class Session:
                 step("fingerprint")
                 prefetched = self._await_prefetch(result)
                 step("prefetch")
+                if self.prefetcher is not None:  # its compiler imports: "rest" in the split
+                    self.prefetcher.wait_imports(self.config.prefetch_wait_s)
+                    step("imports")
                 with RemoteCache(self.config) as remote:
                     found = self._find_entry(remote, fp, result)
                     step("find")
