@@ -107,8 +107,11 @@ def redis_service(root: Path) -> Iterator[dict[str, str]]:
 @contextlib.contextmanager
 def megacache_service(root: Path) -> Iterator[dict[str, str]]:
     """Our server on loopback with an empty data dir; yields the env that points clients at it."""
-    with LocalServer(root / "megacache" / "data") as server:
+    server = LocalServer(root / "megacache" / "data").start(timeout=180)  # busy hosts are slow
+    try:
         yield {"MEGACACHE_URL": server.url}
+    finally:
+        server.stop()
 
 
 # -- one job -----------------------------------------------------------------------------
