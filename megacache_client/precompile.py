@@ -20,6 +20,12 @@ counter, while a fresh consumer's counter starts at 0 again, so its first recomp
 a guard failure) picks the same name and Dynamo raises "Name '__builtins_dict___0' already
 exists in scope". The producer records its counter's high-water mark with the bundle and
 the consumer moves its own counter past it before the entry is installed.
+
+torch also keeps precompiled entries on local disk (`<inductor cache>/dynamo/<key>`, written
+by `save_cache_artifacts` and by loading a bundle) under that same weak key, where any later
+process on the node with caching precompile on would pick them up, whatever its model. The
+client removes the entries its process wrote or loaded when it closes, so only its gated
+path ever hands precompiled Dynamo output to torch.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ from __future__ import annotations
 import itertools
 import logging
 import platform
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from megacache_client import torch_env
@@ -121,6 +131,25 @@ def reserve_ids(bundle: BlobRef) -> None:
     floor = int(bundle.meta[META_IDS])
     current = next(bytecode_transformation._unique_id_counter)
     bytecode_transformation._unique_id_counter = itertools.count(max(current, floor))
+
+
+def forget_local(loaded: Iterable[str]) -> int:
+    """Remove this process's precompiled entries from torch's on-disk Dynamo cache.
+
+    `loaded` are the precompile keys this process loaded from a bundle; the ones it recorded
+    itself come from torch's precompile context. Returns how many entries were removed.
+    """
+    from torch._dynamo.package import DynamoCache
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    root = Path(DynamoCache.path_prefix())
+    removed = 0
+    for key in set(loaded) | set(PrecompileContext._dynamo_cache_entries):
+        path = root / key
+        if re.fullmatch(r"[0-9a-f]{64}", key) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 def counters() -> dict[str, int]:

@@ -525,7 +525,18 @@ class Session:
                 return None
             self._closed = True
         self.publish(wait=True)
+        self._forget_precompiled()
         return self.report()
+
+    def _forget_precompiled(self) -> None:
+        """Leave no precompiled entry on local disk for another process to load ungated."""
+        if self.precompile_off or not precompile.enabled():
+            return
+        try:
+            precompile.forget_local(k for kind, k in self.load_result.loaded_keys
+                                    if kind == precompile.ARTIFACT_TYPE)
+        except Exception as exc:
+            log.debug("megacache: could not clear local precompiled entries: %s", exc)
 
     # -- failure policy -----------------------------------------------------------------
     def _fail(self, result: LoadResult, outcome: Outcome, reason: str) -> None:

@@ -110,6 +110,8 @@ def test_precompiled_start_is_bit_identical_prefetched_once_and_timed(
     assert run.mc["precompile"] == ""
     assert run.result["losses"] == cold.result["losses"]  # bit-identical, every step
     assert run.gxx_builds == 0
+    # Nothing left in torch's local Dynamo cache for an ungated process to pick up.
+    assert list((tmp_path / "b" / "inductor" / "dynamo").glob("*/entry")) == []
     # The prefetch (started at enable) fetched every blob; the first compile fetched none.
     assert run.mc["prefetch"] == {"bytes_down": total, "error": "", "entry_key": entry["key"]}
     assert run.mc["bytes_down"] == total
