@@ -57,9 +57,9 @@ SCENARIOS = {
                  "untimed producer job: every timed job is a brand-new machine "
                  "(MEGACACHE_PRECOMPILE=0: Inductor and AOTAutograd artifacts only)",
     "warm-local+precompile": "torch alone with torch._dynamo.config.caching_precompile on, "
-                             "on a node whose caches an untimed cold job with precompile on "
-                             "filled (it called save_cache_artifacts, which writes Dynamo's "
-                             "cache): torch's best local restart",
+                             "on a copy of the repeat's cold node after one more untimed job "
+                             "with precompile on (its save_cache_artifacts call writes "
+                             "Dynamo's cache): torch's best local restart",
     "megacache+precompile": "as megacache with the client's defaults: precompiled Dynamo "
                             "output in the bundle, prefetch at enable (its own producer)",
     "warm-local+init5": "warm-local with a 5 s simulated trainer initialisation (sleep) "
