@@ -73,7 +73,8 @@ def test_new_machine_starts_warm(cache, producer, gxx, tmp_path):
     _, cold = producer
     run = run_on(Machine(tmp_path / "b"), gxx, *job_args(), url=cache.url)
     assert run.mc["outcome"] == "hit", run.mc
-    assert run.result["counters"]["fxgraph_hit"] > 0
+    # Precompiled Dynamo output (the default) skips the FX graph lookups altogether.
+    assert run.result["counters"]["fxgraph_hit"] > 0 or run.result["precompile_hit"] > 0
     assert run.result["counters"]["fxgraph_miss"] == 0
     assert run.result["counters"]["aot_miss"] == 0
     assert run.gxx_builds == 0, "a warm start must not build kernels or headers"
