@@ -207,9 +207,10 @@ def test_pgo_profile_travels_in_the_bundle(cache, producer, gxx, tmp_path):
     assert producer_b.mc["bytes_up"] < first_toolchain["size"]
     consumer = run_on(Machine(tmp_path / "c"), gxx, *args, url=cache.url)
     assert consumer.mc["outcome"] == "hit"
-    assert consumer.result["frames"] == 1, consumer.result  # straight to the dynamic graph
+    # Straight to the dynamic graph; with precompiled Dynamo output, no tracing at all.
+    assert consumer.result["frames"] <= 1, consumer.result
     assert consumer.result["counters"]["fxgraph_miss"] == 0
-    assert consumer.result["counters"]["fxgraph_hit"] > 0
+    assert consumer.result["counters"]["fxgraph_hit"] > 0 or consumer.result["precompile_hit"]
 
 
 def test_server_stopped_mid_run(producer, gxx, tmp_path):
