@@ -14,6 +14,7 @@ import time
 PROCESS_START = time.time()
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -35,6 +36,13 @@ def main() -> int:
                         help="torch's load_cache_artifacts of this file only (no megacache)")
     parser.add_argument("--save-bundle", type=Path, help="save_cache_artifacts to this file")
     parser.add_argument("--result", type=Path, help="write the measurements here as JSON")
+    parser.add_argument("--init-s", type=float, default=0.0,
+                        help="simulated trainer initialisation (data loading): seconds of "
+                             "sleep between `import torch` and torch.compile")
+    parser.add_argument("--eager-check", action="store_true",
+                        help="train an eager copy side by side; report the largest loss gap")
+    parser.add_argument("--precompile", action="store_true",
+                        help="torch alone: turn torch._dynamo.config.caching_precompile on")
     args = parser.parse_args()
 
     import models
@@ -45,21 +53,36 @@ def main() -> int:
         import megacache_client
 
         session = megacache_client.enable(model=args.name, code=args.code)
+    if args.precompile:
+        torch._dynamo.config.caching_precompile = True
     if args.load_bundle:
         torch.compiler.load_cache_artifacts(args.load_bundle.read_bytes())
+    if args.init_s:
+        time.sleep(args.init_s)  # the trainer's own set-up; prefetch overlaps it
 
     model, make_batch, loss_fn = models.build(args.model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    eager = copy.deepcopy(model) if args.eager_check else None
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.01) if eager is not None else None
+    eager_gap = 0.0
     compiled = torch.compile(model)
     sizes = [0] * args.steps if args.shapes == "fixed" else \
         [8 + 4 * (i % 3) for i in range(args.steps)]
     step_times = []
+    losses = []
     first_step_end = None
     for size in sizes:
         t = time.time()
         inputs, target = make_batch(size)
         loss = loss_fn(compiled(*inputs), target)
         loss.backward()
+        losses.append(float(loss.detach()))
+        if eager is not None and eager_opt is not None:
+            eager_loss = loss_fn(eager(*inputs), target)
+            eager_loss.backward()
+            eager_opt.step()
+            eager_opt.zero_grad()
+            eager_gap = max(eager_gap, abs(float(eager_loss.detach()) - losses[-1]))
         opt.step()
         opt.zero_grad()
         step_times.append(time.time() - t)
@@ -79,7 +102,10 @@ def main() -> int:
         "compile_s": round(torch_env.compile_seconds(), 3),
         "counters": torch_env.cache_counters(),
         "frames": int(counters["stats"]["unique_graphs"]),
+        "precompile_hit": int(counters["dynamo_cache"]["dynamo_cache_hit"]),
         "loss": float(loss.detach()),
+        "losses": losses,
+        "eager_gap": eager_gap if eager is not None else None,
     }
     if args.save_bundle:
         saved = torch.compiler.save_cache_artifacts()
@@ -107,6 +133,12 @@ def main() -> int:
             "published": pr.published,
             "publish_reason": pr.reason,
             "bytes_up": pr.bytes_up,
+            "precompile": lr.precompile or session.precompile_off,
+            "prefetch": None if session.prefetcher is None else {
+                k: v for k, v in vars(session.prefetcher.result).items()
+                if k in ("bytes_down", "error", "entry_key")},
+            "tts": {k: v for k, v in (event.model_dump() if event else {}).items()
+                    if k.startswith(("tts_", "precompile_"))},
         }
     line = json.dumps(result)
     print(line, flush=True)

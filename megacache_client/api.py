@@ -28,6 +28,7 @@ def enable(*, model: str | None = None, code: str | None = None,
     cfg = ClientConfig.from_env(model=model, code=code, **config)
     session = Session(cfg, compile_options=compile_options)
     if cfg.enabled:
+        session.start()
         hook.install(session)
         atexit.register(_close_at_exit, session)
         if load_now:

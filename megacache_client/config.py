@@ -63,6 +63,9 @@ class ClientConfig:
     fallback: bool = True
     ship_kernels: bool = True
     ship_toolchain: bool = True
+    precompile: bool = True
+    prefetch: bool = True
+    prefetch_wait_s: float = 60.0
 
     @property
     def enabled(self) -> bool:
@@ -97,6 +100,8 @@ class ClientConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"MEGACACHE_{name.upper()} must be positive, "
                                   f"not {getattr(self, name)}")
+        if not 0 <= self.prefetch_wait_s <= 3600:
+            raise ConfigError("MEGACACHE_PREFETCH_WAIT_S must be between 0 and 3600 seconds")
         if self.retries < 0:
             raise ConfigError(f"MEGACACHE_RETRIES must be 0 or more, not {self.retries}")
         if self.verify_key:

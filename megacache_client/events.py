@@ -40,6 +40,24 @@ class Event(BaseModel):
     fxgraph_hit: Count = 0
     fxgraph_miss: Count = 0
     published: bool = False
+    precompile_hit: Count = Field(default=0, description="torch's Dynamo cache hits "
+                                  "(precompiled Dynamo output used)")
+    precompile_miss: Count = Field(default=0, description="Dynamo cache misses and errors")
+    precompile_reason: str = Field(default="", max_length=500,
+                                   description="why precompiled Dynamo output was off or "
+                                   "not loaded")
+    tts_s: Seconds | None = Field(default=None, description="time to start: process start "
+                                  "to the end of the first compiled step")
+    tts_import_s: Seconds | None = Field(default=None, description="process start to the "
+                                         "client enabled (imports)")
+    tts_fetch_s: Seconds | None = Field(default=None, description="first compile waiting "
+                                        "for lookups and downloads")
+    tts_load_s: Seconds | None = Field(default=None, description="fingerprint, placing files "
+                                       "and loading the bundle")
+    tts_compile_s: Seconds | None = Field(default=None, description="torch compile seconds "
+                                          "up to the first step's end")
+    tts_rest_s: Seconds | None = Field(default=None, description="the remainder: trainer "
+                                       "set-up, data, running the step")
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
 
     @model_validator(mode="after")

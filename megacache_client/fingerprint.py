@@ -106,6 +106,8 @@ def config_component(options: dict[str, Any] | None) -> dict[str, Scalar]:
         "other": _digest(opts) if opts else None,
         "threads": torch.get_num_threads(),
         "cache_key_tag": str(getattr(torch.compiler.config, "cache_key_tag", "") or ""),
+        # AOTAutograd bundles its entries differently with caching precompile on.
+        "precompile": bool(getattr(torch._dynamo.config, "caching_precompile", False)),
     }
 
 

@@ -64,6 +64,7 @@ def _wrap(original: Any) -> Any:
         if session is not None and target is not None and not kwargs.get("disable"):
             options = {k: v for k, v in kwargs.items() if k != "model"}
             session.before_compile(target, options)
-        return original(*args, **kwargs)
+        compiled = original(*args, **kwargs)
+        return session.after_compile(compiled) if session is not None else compiled
 
     return compile

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from megacache_client import relocate, torch_env
+from megacache_client import precompile, relocate, torch_env, tts
 from megacache_client._version import __version__
 from megacache_client.config import ClientConfig
 from megacache_client.events import Event, Outcome
@@ -40,8 +40,15 @@ from megacache_client.packs import (
     decompress_bytes,
     pack_names,
     read_index,
-    unpack,
     write_pack,
+)
+from megacache_client.prefetch import (
+    KERNEL_SUFFIXES,
+    TOOLCHAIN_SUFFIXES,
+    Prefetcher,
+    PrefetchResult,
+    place,
+    skip_reason,
 )
 from megacache_client.transport import (
     CorruptBlobError,
@@ -52,9 +59,6 @@ from megacache_client.transport import (
 )
 
 log = logging.getLogger("megacache")
-
-KERNEL_SUFFIXES = (".so",)
-TOOLCHAIN_SUFFIXES = (".h", ".gch")
 
 
 class MegacacheError(RuntimeError):
@@ -75,6 +79,8 @@ class LoadResult:
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     steps: dict[str, float] = field(default_factory=dict)
+    precompile: str = ""
+    """Why the entry's precompiled Dynamo output was not loaded ("" when loaded or absent)."""
 
     def timer(self) -> Callable[[str], None]:
         """Returns `mark(name)`: records the seconds since the previous mark under `name`."""
@@ -135,6 +141,25 @@ class Session:
         self._warned = False
         self._publisher: threading.Thread | None = None
         self._lock = threading.RLock()
+        self.clock = tts.TimeToStart()
+        self.prefetcher: Prefetcher | None = None
+        self.precompile_off = ""
+        """Why caching precompile is off in this process ("" when on)."""
+
+    def start(self) -> Session:
+        """Called when the client is enabled: precompile on, clock started, prefetch begun.
+
+        Runs before the trainer's first torch.compile, so the prefetch thread overlaps the
+        trainer's initialisation and torch records Dynamo's output from the first compile.
+        """
+        self.clock.mark_enabled()
+        try:
+            self.precompile_off = precompile.turn_on(self.config)
+        except Exception as exc:
+            self.precompile_off = f"could not turn precompile on: {exc}"
+        if self.config.prefetch and self.prefetcher is None:
+            self.prefetcher = Prefetcher(self.config, self.node).start()
+        return self
 
     # -- the first track stands for the session (one model per process is the usual case)
     @property
@@ -157,6 +182,12 @@ class Session:
     def before_compile(self, target: Any, options: dict[str, Any]) -> None:
         """Called by the torch.compile hook: load each fingerprint once, before it compiles."""
         self.load(target, options)
+
+    def after_compile(self, compiled: Any) -> Any:
+        """Called by the torch.compile hook with its result: time the first compiled step."""
+        if not self.config.enabled or self.clock.first_step_end is not None:
+            return compiled
+        return tts.watch(compiled, self.clock)
 
     def load(self, target: Any = None, options: dict[str, Any] | None = None) -> LoadResult:
         """Steps 1-5 for what is about to be compiled: fingerprint, find, fetch, place, load."""
@@ -181,15 +212,20 @@ class Session:
             self._record_kernel_keys()
             step("fingerprint")
             try:
+                prefetched = self._await_prefetch(result)
+                step("prefetch")
+                if self.prefetcher is not None:  # its compiler imports: "rest" in the split
+                    self.prefetcher.wait_imports(self.config.prefetch_wait_s)
+                    step("imports")
                 deadline = Deadline(self.config.load_deadline_s)
                 with RemoteCache(self.config, deadline=deadline) as remote:
                     found = self._find_entry(remote, fp, result)
                     step("find")
                     if found is not None:
                         result.entry, result.etag = found
-                        paths = self._fetch_blobs(remote, result.entry, result)
+                        paths = self._fetch_blobs(remote, result.entry, result, prefetched)
                         step("fetch")
-                        self._place_artifacts(result.entry, paths, result)
+                        self._place_artifacts(result.entry, paths, result, prefetched)
                         step("place")
                         self._load_bundle(result.entry, paths, result)
                         step("load")
@@ -199,6 +235,10 @@ class Session:
                 self._fail(result, "error", f"{type(exc).__name__}: {exc}")
             finally:
                 result.seconds = time.monotonic() - started
+                steps = result.steps
+                self.clock.fetch_s = sum(steps.get(k, 0.0) for k in ("prefetch", "find", "fetch"))
+                self.clock.load_s = sum(steps.get(k, 0.0)
+                                        for k in ("fingerprint", "place", "load"))
             if result.outcome in ("hit", "fallback"):
                 log.info("megacache: %s %s for %s in %.2fs (%s)", result.outcome,
                          (result.entry.key[:12] if result.entry else ""), fp.model,
@@ -250,14 +290,31 @@ class Session:
                          f"differs in {describe(candidates[0].fingerprint, fp)}")
         return None
 
+    # -- step 2b: what the prefetch thread already fetched ------------------------------
+    def _await_prefetch(self, result: LoadResult) -> PrefetchResult | None:
+        """Wait (bounded) for a prefetch still running; None when there is none or it failed."""
+        if self.prefetcher is None:
+            return None
+        done = self.prefetcher.wait(self.config.prefetch_wait_s)
+        if done is None:
+            self._warn(f"prefetch still running after {self.config.prefetch_wait_s:.0f}s; "
+                       "fetching without it")
+            return None
+        result.bytes_down += done.bytes_down
+        return None if done.error else done
+
     # -- step 3: fetch each blob once per node, verified --------------------------------
-    def _fetch_blobs(self, remote: RemoteCache, entry: Manifest,
-                     result: LoadResult) -> dict[str, Path]:
+    def _fetch_blobs(self, remote: RemoteCache, entry: Manifest, result: LoadResult,
+                     prefetched: PrefetchResult | None = None) -> dict[str, Path]:
         paths: dict[str, Path] = {}
+        ready = prefetched.paths if prefetched is not None else {}
         for blob in entry.blobs:
-            skip = self._skip_reason(blob)
+            skip = skip_reason(self.config, blob)
             if skip:
                 result.skipped[blob.role] = skip
+                continue
+            if blob.digest in ready and _has_size(ready[blob.digest], blob.size):
+                paths[blob.role] = ready[blob.digest]  # verified by the prefetch thread
                 continue
             path, downloaded = self.node.fetch(
                 blob.digest, blob.size,
@@ -268,16 +325,6 @@ class Session:
             raise PackError("entry has no megacache bundle blob")
         return paths
 
-    def _skip_reason(self, blob: BlobRef) -> str:
-        """Why a compiled-artifact blob cannot help here (it would only cost a download)."""
-        if blob.role == "kernels" and not self.config.ship_kernels:
-            return "kernels disabled by configuration"
-        if blob.role == "toolchain" and not self.config.ship_toolchain:
-            return "toolchain disabled by configuration"
-        if blob.role in ("kernels", "toolchain"):
-            return relocate.refusal(blob.meta)
-        return ""
-
     def _record_kernel_keys(self) -> None:
         """Watch torch key its kernels, so they ship and place by path-free identity."""
         try:
@@ -287,17 +334,16 @@ class Session:
                        f"{type(exc).__name__}: {exc}")
 
     # -- step 4: place compiled artifacts where torch looks for them -------------------
-    def _place_artifacts(self, entry: Manifest, paths: dict[str, Path],
-                         result: LoadResult) -> None:
-        cap = self.config.max_raw_bytes
-        roots = {"kernels": (torch_env.inductor_cache_dir(), KERNEL_SUFFIXES),
-                 "toolchain": (torch_env.header_dir(), TOOLCHAIN_SUFFIXES)}
-        for role, (root, suffixes) in roots.items():
-            if role in paths:
-                ids = relocate.parse_index(read_index(paths[role]))
-                placed = unpack(paths[role], root, suffixes=suffixes, cap=cap)
-                relocate.recorder().learn(root, ids)
-                result.placed[role] = len(placed)
+    def _place_artifacts(self, entry: Manifest, paths: dict[str, Path], result: LoadResult,
+                         prefetched: PrefetchResult | None = None) -> None:
+        done = prefetched.placed if prefetched is not None else {}
+        for role in ("kernels", "toolchain"):
+            blob = entry.blob(role)
+            if role not in paths or blob is None:
+                continue
+            count = done.get(blob.digest)
+            result.placed[role] = count if count is not None else \
+                place(role, paths[role], self.config.max_raw_bytes)
 
     # -- step 5: verify and hot-load the Mega-Cache bundle ------------------------------
     def _load_bundle(self, entry: Manifest, paths: dict[str, Path], result: LoadResult) -> None:
@@ -310,9 +356,17 @@ class Session:
             raw = decompress_bytes(data, ref.raw_size, ref.raw_sha256, self.config.max_raw_bytes)
         else:
             raw = data
-        keys = torch_env.load_bundle(raw)
-        if keys is None:
+        refused = precompile.refusal(result.outcome, ref)
+        loaded = torch_env.load_bundle(
+            raw, skip=frozenset({precompile.ARTIFACT_TYPE}) if refused else frozenset())
+        if loaded is None:
             raise PackError("torch refused the bundle (load_cache_artifacts returned None)")
+        keys, skipped = loaded
+        if keys.get(precompile.ARTIFACT_TYPE):
+            precompile.reserve_ids(ref)
+        if skipped:
+            result.precompile = f"precompiled Dynamo output not loaded: {refused}"
+            log.info("megacache: %s", result.precompile)
         result.loaded_keys = {(kind, k) for kind, ks in keys.items() for k in ks}
 
     # -- step 6: publish what this run compiled ----------------------------------------
@@ -404,7 +458,7 @@ class Session:
         """Upload the blobs once, then write each track's entry (its own key, its own etag)."""
         try:
             with RemoteCache(self.config) as remote:
-                blobs = [self.bundle_blob(snap.raw)]
+                blobs = [self.bundle_blob(snap.raw, precompile.producer_meta(snap.counts))]
                 if self.config.ship_kernels and snap.kernels:
                     blobs.append(self._pack_blob(
                         "kernels", snap.kernels, relocate.recorder().ids_for(snap.kernels)))
@@ -435,7 +489,7 @@ class Session:
             log.info("megacache: published %s for %s (%d bytes uploaded)", manifest.key[:12],
                      track.fp.model, res.bytes_up)
 
-    def bundle_blob(self, raw: bytes) -> BlobRef:
+    def bundle_blob(self, raw: bytes, meta: dict[str, str] | None = None) -> BlobRef:
         data = compress_bytes(raw)
         digest = sha256_hex(data)
         tmp = self.node.blob_dir / f".{uuid.uuid4().hex}.new"
@@ -443,7 +497,7 @@ class Session:
         tmp.write_bytes(data)
         self.node.add(digest, tmp)
         return BlobRef(digest=digest, size=len(data), role="megacache", compression="zstd",
-                       raw_size=len(raw), raw_sha256=sha256_hex(raw))
+                       raw_size=len(raw), raw_sha256=sha256_hex(raw), meta=meta or {})
 
     def _pack_blob(self, role: str, files: dict[str, Path], ids: dict[str, str],
                    contents: str | None = None) -> BlobRef:
@@ -536,7 +590,19 @@ class Session:
             bytes_up=track.publish.bytes_up, fxgraph_hit=counters["fxgraph_hit"] if first else 0,
             fxgraph_miss=counters["fxgraph_miss"] if first else 0,
             published=track.publish.published,
+            **(self._start_fields() if first else {}),
         )
+
+    def _start_fields(self) -> dict[str, Any]:
+        """The event's time-to-start split and precompile fields (issue 13)."""
+        return {**self._precompile_fields(), **self.clock.fields()}
+
+    def _precompile_fields(self) -> dict[str, Any]:
+        """The event's precompile counters (torch's) and why it was not used, if it was not."""
+        c = precompile.counters()
+        note = self.precompile_off or self.load_result.precompile
+        return {"precompile_hit": c["hit"], "precompile_miss": c["miss"] + c["error"],
+                "precompile_reason": note[:500]}
 
     def report(self) -> Event | None:
         """POST this run's events (within the load deadline); returns the first one."""
@@ -560,7 +626,18 @@ class Session:
                 return None
             self._closed = True
         self.publish(wait=True)
+        self._forget_precompiled()
         return self.report()
+
+    def _forget_precompiled(self) -> None:
+        """Leave no precompiled entry on local disk for another process to load ungated."""
+        if self.precompile_off or not precompile.enabled():
+            return
+        try:
+            precompile.forget_local(k for kind, k in self.load_result.loaded_keys
+                                    if kind == precompile.ARTIFACT_TYPE)
+        except Exception as exc:
+            log.debug("megacache: could not clear local precompiled entries: %s", exc)
 
     # -- failure policy -----------------------------------------------------------------
     def _fail(self, result: LoadResult, outcome: Outcome, reason: str) -> None:
@@ -609,6 +686,13 @@ def _require_match(entry: Manifest, fp: Fingerprint, components: tuple[str, ...]
     if names:
         raise UntrustedEntryError(f"entry {entry.key[:12]}… differs from this job in "
                                   f"{', '.join(dict.fromkeys(names))}: refusing it")
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
 
 
 def _files(root: Path, suffixes: tuple[str, ...], exclude: tuple[str, ...]) -> dict[str, Path]:

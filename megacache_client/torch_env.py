@@ -127,10 +127,24 @@ def cache_counters() -> dict[str, int]:
     }
 
 
-def load_bundle(raw: bytes) -> dict[str, list[str]] | None:
-    """Hot-load Mega-Cache bytes; the artifact keys per type, or None if torch refused them."""
-    info = torch_module().compiler.load_cache_artifacts(raw)
-    return None if info is None else {k: list(v) for k, v in info.artifacts.items()}
+def load_bundle(raw: bytes, skip: frozenset[str] = frozenset()
+                ) -> tuple[dict[str, list[str]], dict[str, int]] | None:
+    """Hot-load Mega-Cache bytes, leaving out the artifact types in `skip`.
+
+    Returns the loaded artifact keys per type and the number skipped per type, or None if
+    torch could not read the bytes. Same steps as `torch.compiler.load_cache_artifacts`
+    (deserialize, then populate each artifact's cache), with the filter in between.
+    """
+    from torch.compiler._cache import CacheArtifactManager
+
+    artifacts = CacheArtifactManager.deserialize(raw)
+    if artifacts is None:
+        return None
+    skipped = {kind: len(items) for kind, items in artifacts.items()
+               if kind in skip and items}
+    kept = {kind: items for kind, items in artifacts.items() if kind not in skip}
+    info = CacheArtifactManager.populate_caches(kept)
+    return {k: list(v) for k, v in info.artifacts.items()}, skipped
 
 
 def save_bundle() -> tuple[bytes, dict[str, list[str]]] | None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +58,16 @@ def started(service: S, what: str) -> S:
     except (FileNotFoundError, RuntimeError) as exc:
         service_missing(what, exc)
         raise  # unreachable: service_missing always raises
+
+
+@pytest.fixture
+def hanging_server() -> Iterator[str]:
+    """A URL whose server accepts connections and never answers (a stuck cache server)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -74,7 +73,8 @@ def test_new_machine_starts_warm(cache, producer, gxx, tmp_path):
     _, cold = producer
     run = run_on(Machine(tmp_path / "b"), gxx, *job_args(), url=cache.url)
     assert run.mc["outcome"] == "hit", run.mc
-    assert run.result["counters"]["fxgraph_hit"] > 0
+    # Precompiled Dynamo output (the default) skips the FX graph lookups altogether.
+    assert run.result["counters"]["fxgraph_hit"] > 0 or run.result["precompile_hit"] > 0
     assert run.result["counters"]["fxgraph_miss"] == 0
     assert run.result["counters"]["aot_miss"] == 0
     assert run.gxx_builds == 0, "a warm start must not build kernels or headers"
@@ -103,7 +103,7 @@ def test_two_local_ranks_download_once(cache, producer, gxx, tmp_path):
     assert [r.mc["outcome"] for r in runs] == ["hit", "hit"]
     entry = httpx.get(f"{cache.url}/v1/ac/{runs[0].mc['entry_key']}").json()
     total = sum(b["size"] for b in entry["blobs"])
-    assert sorted(r.mc["bytes_down"] for r in runs) == [0, total]
+    assert sum(r.mc["bytes_down"] for r in runs) == total  # prefetch may split it
     assert runs[1].mc["publish_reason"] in ("only local rank 0 publishes",
                                             "the loaded entry already has everything this "
                                             "run compiled")
@@ -144,15 +144,6 @@ def test_corrupt_blob_is_rejected_before_torch_sees_it(cache, producer, gxx, tmp
     assert not run.mc["published"]
     models = {m["model"]: m for m in httpx.get(cache.url + "/v1/stats").json()["models"]}
     assert models[MODEL]["outcomes"]["invalid"] >= 1
-
-
-@pytest.fixture
-def hanging_server() -> Iterator[str]:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)  # accepts, never answers
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    listener.close()
 
 
 @pytest.mark.parametrize("where", ["down", "hanging"])
@@ -216,16 +207,18 @@ def test_pgo_profile_travels_in_the_bundle(cache, producer, gxx, tmp_path):
     assert producer_b.mc["bytes_up"] < first_toolchain["size"]
     consumer = run_on(Machine(tmp_path / "c"), gxx, *args, url=cache.url)
     assert consumer.mc["outcome"] == "hit"
-    assert consumer.result["frames"] == 1, consumer.result  # straight to the dynamic graph
+    # Straight to the dynamic graph; with precompiled Dynamo output, no tracing at all.
+    assert consumer.result["frames"] <= 1, consumer.result
     assert consumer.result["counters"]["fxgraph_miss"] == 0
-    assert consumer.result["counters"]["fxgraph_hit"] > 0
+    assert consumer.result["counters"]["fxgraph_hit"] > 0 or consumer.result["precompile_hit"]
 
 
 def test_server_stopped_mid_run(producer, gxx, tmp_path):
     """The server dies after the job loaded (missed) and before it publishes: one warning."""
     server = ServerProcess(tmp_path / "data", log_level="info").start()
     machine, _ = producer
-    env = {**machine.env(), "MEGACACHE_URL": server.url}
+    # No prefetch: its listing at enable would trip the kill below before the load ran.
+    env = {**machine.env(), "MEGACACHE_URL": server.url, "MEGACACHE_PREFETCH": "0"}
     env.update(gxx.env(tmp_path / "gxx.log"))
     cmd = [sys.executable, str(TRAIN_JOB), *job_args(code="mid-run", name="mid-run")]
     full_env = {**clean_env(), **env}

@@ -1,0 +1,179 @@
+"""Prefetch while the trainer initialises: download what the first compile will need.
+
+Started in a background thread as soon as the client is enabled (right after `import torch`
+in zero-code mode), long before the first `torch.compile`, so downloads overlap the
+trainer's own set-up (data loading, model construction, process groups). It fetches what
+does not depend on the compiled module:
+
+- the toolchain pack (precompiled headers), keyed by torch + compiler + ISA: any entry of
+  this env and hw carries it;
+- with a model name given (MEGACACHE_MODEL, and MEGACACHE_CODE when known), every blob of
+  the newest entry of that model, env and hw: usually the one the first compile asks for.
+
+Blobs land in the node cache (once per node, verified) and the kernel and toolchain packs
+are unpacked where torch looks for them (their files are content-keyed by torch, so placing
+them early is harmless even if the first compile then wants another entry); the session
+takes all of it from there without downloading, re-hashing or unpacking again. The first
+compile waits only for a prefetch still running, at most `prefetch_wait_s`; whatever fails
+here is only logged at debug level and the session fetches on its own, as it would
+without prefetch.
+
+After the downloads the thread imports the compiler's own modules (Inductor's compile_fx,
+which pulls in Dynamo and AOTAutograd): seconds of imports that the first torch.compile
+would otherwise pay on the critical path, now overlapped with the trainer's set-up too.
+The first compile waits for those imports as well (bounded), so the two threads never
+import the same modules at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megacache_client import relocate, torch_env
+from megacache_client.config import ClientConfig
+from megacache_client.manifest import BlobRef, Manifest, Scalar
+from megacache_client.nodecache import NodeCache
+from megacache_client.packs import read_index, unpack
+from megacache_client.transport import RemoteCache
+
+log = logging.getLogger("megacache")
+
+KERNEL_SUFFIXES = (".so",)
+TOOLCHAIN_SUFFIXES = (".h", ".gch")
+
+
+@dataclass
+class PrefetchResult:
+    """What the prefetch left in the node cache, and how it went."""
+
+    paths: dict[str, Path] = field(default_factory=dict)
+    """digest -> verified local path, for every blob fetched or found on disk."""
+    placed: dict[str, int] = field(default_factory=dict)
+    """digest -> files unpacked from that kernels/toolchain pack."""
+    bytes_down: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    entry_key: str | None = None
+
+
+class Prefetcher:
+    """One background prefetch for one process; `wait()` is the only way to read it."""
+
+    def __init__(self, config: ClientConfig, node: NodeCache) -> None:
+        self.config = config
+        self.node = node
+        self.result = PrefetchResult()
+        self._fetched = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="megacache-prefetch",
+                                        daemon=True)
+
+    def start(self) -> Prefetcher:
+        self._thread.start()
+        return self
+
+    def wait(self, timeout: float) -> PrefetchResult | None:
+        """The result once the downloads have finished, or None if they are still running."""
+        return self.result if self._fetched.wait(timeout) else None
+
+    def wait_imports(self, timeout: float) -> bool:
+        """Wait for the import warm-up, so the caller never imports the same modules at once.
+
+        Returns at once when the downloads are still running (the warm-up comes after them).
+        """
+        return self._fetched.is_set() and self._done.wait(timeout)
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            self._prefetch()
+        except Exception as exc:  # the session fetches on its own
+            self.result.error = f"{type(exc).__name__}: {exc}"
+            log.debug("megacache: prefetch failed: %s", self.result.error)
+        finally:
+            self.result.seconds = time.monotonic() - started
+            self._fetched.set()
+        try:
+            warm_imports()
+        except Exception as exc:  # the compile imports them itself
+            log.debug("megacache: import warm-up failed: %s", exc)
+        finally:
+            self._done.set()
+
+    def _prefetch(self) -> None:
+        env, hw = torch_env.env_component(), torch_env.hw_component()
+        with RemoteCache(self.config) as remote:
+            blobs: list[BlobRef] = []
+            if self.config.model:
+                entry = self._newest_of_model(remote, env, hw)
+                if entry is not None:
+                    self.result.entry_key = entry.key
+                    blobs += [b for b in entry.blobs if not skip_reason(self.config, b)]
+            if not any(b.role == "toolchain" for b in blobs) and self.config.ship_toolchain:
+                toolchain = self._toolchain(remote, env, hw)
+                if toolchain is not None:
+                    blobs.append(toolchain)
+            for blob in blobs:
+                path, downloaded = self.node.fetch(
+                    blob.digest, blob.size,
+                    functools.partial(remote.download_blob, blob.digest, blob.size))
+                self.result.paths[blob.digest] = path
+                self.result.bytes_down += downloaded
+            for blob in blobs:
+                if blob.role in ("kernels", "toolchain"):
+                    self.result.placed[blob.digest] = place(
+                        blob.role, self.result.paths[blob.digest], self.config.max_raw_bytes)
+
+    def _newest_of_model(self, remote: RemoteCache, env: dict[str, Scalar],
+                         hw: dict[str, Scalar]) -> Manifest | None:
+        """The newest entry of the configured model here; one of its code version if given."""
+        entries = [m for m in remote.list_entries(model=self.config.model, env=env, hw=hw,
+                                                  limit=50)
+                   if m.fingerprint.namespace == self.config.namespace]
+        same_code = [m for m in entries if m.fingerprint.code == self.config.code]
+        chosen = same_code or entries
+        return chosen[0] if chosen else None
+
+    def _toolchain(self, remote: RemoteCache, env: dict[str, Scalar],
+                   hw: dict[str, Scalar]) -> BlobRef | None:
+        """A toolchain pack any model of this env and hw published (they are model-free)."""
+        for entry in remote.list_entries(env=env, hw=hw, limit=20):
+            blob = entry.blob("toolchain")
+            if blob is not None and not skip_reason(self.config, blob):
+                return blob
+        return None
+
+
+def warm_imports() -> None:
+    """Import what torch.compile's first call imports (Inductor's entry point, Dynamo)."""
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+
+
+def place(role: str, pack: Path, cap: int) -> int:
+    """Unpack a kernels or toolchain pack where torch looks for those files; files written."""
+    roots = {"kernels": (torch_env.inductor_cache_dir(), KERNEL_SUFFIXES),
+             "toolchain": (torch_env.header_dir(), TOOLCHAIN_SUFFIXES)}
+    if role not in roots:
+        return 0
+    root, suffixes = roots[role]
+    ids = relocate.parse_index(read_index(pack))
+    placed = unpack(pack, root, suffixes=suffixes, cap=cap)
+    relocate.recorder().learn(root, ids)  # torch finds them under its own local names
+    return len(placed)
+
+
+def skip_reason(config: ClientConfig, blob: BlobRef) -> str:
+    """Why a compiled-artifact blob cannot help here (it would only cost a download)."""
+    if blob.role == "kernels" and not config.ship_kernels:
+        return "kernels disabled by configuration"
+    if blob.role == "toolchain" and not config.ship_toolchain:
+        return "toolchain disabled by configuration"
+    if blob.role in ("kernels", "toolchain"):
+        return relocate.refusal(blob.meta)
+    return ""

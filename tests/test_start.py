@@ -1,0 +1,233 @@
+"""Issue 13: precompiled Dynamo in the bundle, prefetch at enable, time to start in events.
+
+Real training processes (benchmarks/train_job.py), real torch.compile of a small MLP, a
+real server. One cold producer publishes with caching precompile on (the client default);
+each consumer is a fresh machine unless it only has to show the trainer survives.
+Consumers that could change the entry run read-only so the tests do not depend on order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import ServerProcess
+from jobs import GxxCounter, JobRun, Machine, run_job
+from pydantic import ValidationError
+
+from megacache_client.events import Event
+
+MODEL, CODE = "start-mlp", "v1"
+READ_ONLY = {"MEGACACHE_MODE": "read-only"}
+SPLIT = ("tts_import_s", "tts_fetch_s", "tts_load_s", "tts_compile_s", "tts_rest_s")
+
+
+# -- the event's time-to-start fields: bounded (the server validates with this model) -------
+
+def event(**fields: object) -> Event:
+    return Event.model_validate({"key": "a" * 64, "model": "m", "outcome": "hit", **fields})
+
+
+def test_time_to_start_fields_are_optional_and_bounded() -> None:
+    assert event().tts_s is None
+    assert event(tts_s=12.5, tts_import_s=3.0).tts_s == 12.5
+    for bad in (-0.001, 8 * 24 * 3600.0, math.inf, math.nan):
+        with pytest.raises(ValidationError):
+            event(tts_compile_s=bad)
+    with pytest.raises(ValidationError):  # the server parses JSON: NaN spelled out is refused
+        Event.model_validate_json('{"key": "%s", "model": "m", "outcome": "hit", '
+                                  '"tts_s": NaN}' % ("a" * 64))
+
+
+# -- real processes ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gxx(tmp_path_factory: pytest.TempPathFactory) -> GxxCounter:
+    return GxxCounter(tmp_path_factory.mktemp("bin"))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    pytest.importorskip("torch", reason="torch is needed for compile tests")
+    proc = ServerProcess(tmp_path_factory.mktemp("start-cache") / "data").start()
+    yield proc
+    proc.stop()
+    assert "Traceback" not in proc.log(), proc.log()
+
+
+def run_on(machine: Machine, gxx: GxxCounter, url: str, *extra: str, code: str = CODE,
+           env: dict[str, str] | None = None) -> JobRun:
+    job = run_job(machine, "--model", "mlp", "--steps", "3", "--megacache", "explicit",
+                  "--name", MODEL, "--code", code, *extra,
+                  env={"MEGACACHE_URL": url, **(env or {})}, gxx=gxx, timeout=900)
+    if job.returncode != 0:
+        raise AssertionError(f"job failed ({job.returncode}):\n{job.stderr[-4000:]}")
+    return job
+
+
+@pytest.fixture(scope="module")
+def producer(cache: ServerProcess, gxx: GxxCounter,
+             tmp_path_factory: pytest.TempPathFactory) -> tuple[Machine, JobRun]:
+    """Machine A compiles cold with precompile on and publishes: the cold reference run."""
+    machine = Machine(tmp_path_factory.mktemp("start-a"))
+    run = run_on(machine, gxx, cache.url)
+    assert run.mc["outcome"] == "miss" and run.mc["published"], run.mc
+    entry = httpx.get(f"{cache.url}/v1/ac/{run.mc['key']}").json()
+    assert entry["artifact_counts"].get("precompile", 0) >= 1, entry["artifact_counts"]
+    bundle = next(b for b in entry["blobs"] if b["role"] == "megacache")
+    assert bundle["meta"]["precompile_torch"], bundle["meta"]
+    return machine, run
+
+
+def sent_bytes(url: str) -> float:
+    """Response body bytes the server has sent so far (its Prometheus counter)."""
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("megacache_http_sent_bytes_total{"))
+
+
+def stored_events(cache: ServerProcess) -> list[dict[str, object]]:
+    with sqlite3.connect(cache.data_dir / "index.sqlite3") as db:
+        return [json.loads(row[0]) for row in db.execute("SELECT event FROM events")]
+
+
+def test_precompiled_start_is_bit_identical_prefetched_once_and_timed(
+        cache, producer, gxx, tmp_path):
+    _, cold = producer
+    entry = httpx.get(f"{cache.url}/v1/ac/{cold.mc['key']}").json()
+    total = sum(b["size"] for b in entry["blobs"])
+    before = sent_bytes(cache.url)
+    run = run_on(Machine(tmp_path / "b"), gxx, cache.url)
+    sent = sent_bytes(cache.url) - before
+
+    assert run.mc["outcome"] == "hit", run.mc
+    assert run.result["precompile_hit"] == 1, run.mc  # Dynamo's output came from the bundle
+    assert run.mc["precompile"] == ""
+    assert run.result["losses"] == cold.result["losses"]  # bit-identical, every step
+    assert run.gxx_builds == 0
+    # Nothing left in torch's local Dynamo cache for an ungated process to pick up.
+    assert list((tmp_path / "b" / "inductor" / "dynamo").glob("*/entry")) == []
+    # The prefetch (started at enable) fetched every blob; the first compile fetched none.
+    assert run.mc["prefetch"] == {"bytes_down": total, "error": "", "entry_key": entry["key"]}
+    assert run.mc["bytes_down"] == total
+    assert total <= sent < total + 1_000_000  # each blob crossed the wire once
+
+    stored = [e for e in stored_events(cache)
+              if e["key"] == cold.mc["key"] and e["outcome"] == "hit"]
+    ev = stored[-1]  # this run's: it reported before its process exited
+    assert ev["precompile_hit"] == 1 and ev["precompile_reason"] == ""
+    tts = ev["tts_s"]
+    assert isinstance(tts, float) and 0 < tts <= run.wall_s
+    parts = [ev[name] for name in SPLIT]
+    assert all(isinstance(p, float) and 0 <= p <= tts for p in parts), ev
+    assert sum(parts) == pytest.approx(tts, abs=0.02)
+    assert ev["tts_import_s"] > 0  # `import torch` is never free
+    # The trainer's own clock starts later (after interpreter start-up) and stops a little
+    # later (after the optimizer step, within its first step's time).
+    assert tts >= run.result["time_to_first_step_s"] - run.result["first_step_s"]
+
+
+def test_failed_guard_recompiles_and_never_runs_a_wrong_graph(cache, producer, gxx, tmp_path):
+    # Batch sizes 8, 12, 16 instead of the producer's 32: the precompiled entry's shape
+    # guards fail, so Dynamo must trace and compile anew, not run the batch-32 graph.
+    run = run_on(Machine(tmp_path / "c"), gxx, cache.url, "--shapes", "varying",
+                 "--eager-check", env=READ_ONLY)
+    # The lookup hit; the event says "inert" because none of the bundle's graphs fit.
+    assert run.mc["entry_key"] == run.mc["key"] and run.mc["outcome"] == "inert", run.mc
+    assert run.result["precompile_hit"] == 1  # the precompiled entry was installed ...
+    assert run.result["frames"] >= 1  # ... and Dynamo compiled the new shapes itself
+    assert run.result["eager_gap"] < 1e-4, run.result  # same numbers as eager PyTorch
+    assert "Traceback" not in run.stderr
+
+
+def test_other_code_never_loads_precompiled_dynamo(cache, producer, gxx, tmp_path):
+    _, cold = producer
+    run = run_on(Machine(tmp_path / "d"), gxx, cache.url, code="v2", env=READ_ONLY)
+    assert run.mc["outcome"] == "fallback", run.mc
+    assert "fallback" in run.mc["precompile"], run.mc
+    assert run.result["precompile_hit"] == 0
+    assert run.result["counters"]["fxgraph_hit"] > 0  # the rest of the bundle still helps
+    assert run.result["losses"] == cold.result["losses"]
+
+
+def test_precompile_from_another_torch_is_refused_with_a_reason(cache, producer, gxx,
+                                                                 tmp_path):
+    _, cold = producer
+    url = f"{cache.url}/v1/ac/{cold.mc['key']}"
+    original = httpx.get(url)
+    skewed = original.json()
+    for blob in skewed["blobs"]:
+        if blob["role"] == "megacache":
+            blob["meta"]["precompile_torch"] = "2.12.0"
+    put = httpx.put(url, content=json.dumps(skewed),
+                    headers={"content-type": "application/json",
+                             "if-match": original.headers["etag"]})
+    assert put.status_code in (200, 201), put.text
+    try:
+        run = run_on(Machine(tmp_path / "e"), gxx, cache.url, env=READ_ONLY)
+    finally:
+        current = httpx.get(url).headers["etag"]
+        httpx.put(url, content=original.content,
+                  headers={"content-type": "application/json", "if-match": current})
+    assert run.mc["outcome"] == "hit", run.mc
+    assert "torch 2.12.0" in run.mc["precompile"], run.mc
+    assert run.result["precompile_hit"] == 0
+    assert run.result["losses"] == cold.result["losses"]
+    assert run.gxx_builds == 0  # only Dynamo's part is redone
+
+
+def test_stuck_prefetch_never_blocks_the_first_compile(producer, gxx, hanging_server):
+    machine, _ = producer  # local caches warm: this run only has to show the trainer goes on
+    run = run_on(machine, gxx, hanging_server,
+                 env={"MEGACACHE_PREFETCH_WAIT_S": "0.5", "MEGACACHE_READ_TIMEOUT_S": "5",
+                      "MEGACACHE_RETRIES": "0", **READ_ONLY})
+    assert run.mc["outcome"] == "error", run.mc
+    assert run.mc["load_steps"]["prefetch"] < 4.0  # waited ~0.5 s, not the 5 s read timeout
+    assert run.result["losses"][0] > 0
+    assert len(run.warnings()) == 1, run.stderr
+    assert "prefetch still running" in run.warnings()[0]
+
+
+def test_turning_precompile_off_is_reported(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from megacache_client import precompile
+    from megacache_client.config import ClientConfig
+
+    before = torch._dynamo.config.caching_precompile
+    try:
+        torch._dynamo.config.caching_precompile = False
+        off = ClientConfig.from_env({"MEGACACHE_URL": "http://127.0.0.1:1",
+                                     "MEGACACHE_PRECOMPILE": "0"})
+        assert "MEGACACHE_PRECOMPILE=0" in precompile.turn_on(off)
+        assert torch._dynamo.config.caching_precompile is False
+        assert precompile.turn_on(ClientConfig(url="http://127.0.0.1:1")) == ""
+        assert torch._dynamo.config.caching_precompile is True
+    finally:
+        torch._dynamo.config.caching_precompile = before
+
+
+def test_precompile_is_loaded_only_from_an_exact_hit_of_the_same_torch() -> None:
+    torch = pytest.importorskip("torch")
+    import platform
+
+    from megacache_client import precompile
+    from megacache_client.manifest import BlobRef
+
+    def bundle(**meta: str) -> BlobRef:
+        good = {precompile.META_TORCH: torch.__version__,
+                precompile.META_PYTHON: platform.python_version(), precompile.META_IDS: "7"}
+        return BlobRef(digest="b" * 64, size=1, role="megacache", meta={**good, **meta})
+
+    with torch._dynamo.config.patch(caching_precompile=True):
+        assert precompile.refusal("hit", bundle()) == ""
+        assert "fallback" in precompile.refusal("fallback", bundle())
+        assert "torch 2.12.0" in precompile.refusal("hit", bundle(precompile_torch="2.12.0"))
+        assert "Python 3.99.0" in precompile.refusal("hit", bundle(precompile_python="3.99.0"))
+        assert "unique-id" in precompile.refusal("hit", bundle(precompile_unique_ids="x"))
+    with torch._dynamo.config.patch(caching_precompile=False):
+        assert "off" in precompile.refusal("hit", bundle())
