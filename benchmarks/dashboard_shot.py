@@ -62,6 +62,8 @@ def seed(url: str, seed_value: int = 7, headers: dict[str, str] | None = None) -
                          "compile_s": 9.0 if warm else 180.0, "cold_compile_s": 180.0,
                          "saved_s": round(rng.uniform(140, 171), 1) if warm else 0.0,
                          "reason": REASONS.get(outcome, "exact fingerprint"),
+                         "tts_s": round(rng.uniform(20, 40) if warm else rng.uniform(150, 200),
+                                        1),
                          "created_at": (now - timedelta(hours=h)).isoformat()}
                 c.post("/v1/events", json=event).raise_for_status()
 

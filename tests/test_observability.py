@@ -81,6 +81,7 @@ def test_dashboard_shows_what_the_api_says(tmp_path: Path):
     assert shown("saved-hours") == f"{total['saved_s'] / 3600:.2f}"
     assert shown("hit-rate") == f"{100 * total['hit_rate']:.1f}%"
     assert shown("entries") == str(api["store"]["entries"]) == "6"
+    assert total["mean_tts_s"] and shown("tts") == f"{total['mean_tts_s']:.1f} s"
     for m in api["models"]:
         row = re.search(rf'<tr data-model="{re.escape(m["model"])}">(.*?)</tr>', dom, re.S)
         assert row, m["model"]
