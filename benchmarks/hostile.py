@@ -98,15 +98,14 @@ def nonfinite_body(data: bytes, namespace: str, n: int) -> tuple[str, bytes]:
     """A manifest whose fingerprint config holds NaN, Infinity or -Infinity, as raw JSON (a
     client library would write null), keyed as the server computes keys."""
     token = ("NaN", "Infinity", "-Infinity")[n % 3]
-    value = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}[token]
     fp = Fingerprint(namespace=namespace, model="poison", code=f"p{n}",
-                     config={"lr": value})
+                     config={"lr": 0.5})  # the client refuses NaN itself: swapped in below
     digest = hashlib.sha256(data).hexdigest()
     m = Manifest(key=fp.key(), fingerprint=fp, torch_version="2.13.0", cold_compile_s=1.0,
                  blobs=[BlobRef(digest=digest, size=len(data), role="megacache",
                                 compression="none")],
                  created_at=datetime.now(timezone.utc))
-    return m.key, m.to_json().replace(b'"lr":null', b'"lr":' + token.encode())
+    return m.key, m.to_json().replace(b'"lr":0.5', b'"lr":' + token.encode())
 
 
 async def nonfinite_manifests(client: httpx.AsyncClient, namespace: str, deadline: float,

@@ -28,12 +28,26 @@ def enable(*, model: str | None = None, code: str | None = None,
     cfg = ClientConfig.from_env(model=model, code=code, **config)
     session = Session(cfg, compile_options=compile_options)
     if cfg.enabled:
+        _adopt(session, hook.active_session())
         session.start()
         hook.install(session)
         atexit.register(_close_at_exit, session)
         if load_now:
             session.load(options=compile_options)
     return session
+
+
+def _adopt(new: Session, old: Session | None) -> None:
+    """An explicit enable() after the zero-code hook's: one session per process.
+
+    The hook's session has compiled nothing yet (else it stays): the new one takes over its
+    prefetch, whose downloads then count in the new session's event, and the old one retires
+    without publishing or reporting.
+    """
+    if old is None or old.tracks or old.config.url != new.config.url:
+        return
+    new.prefetcher = old.prefetcher
+    old.retire()
 
 
 def disable(session: Session | None = None) -> None:

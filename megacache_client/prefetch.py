@@ -39,7 +39,7 @@ from megacache_client.config import ClientConfig
 from megacache_client.manifest import BlobRef, Manifest, Scalar
 from megacache_client.nodecache import NodeCache
 from megacache_client.packs import read_index, unpack
-from megacache_client.transport import RemoteCache
+from megacache_client.transport import Deadline, RemoteCache
 
 log = logging.getLogger("megacache")
 
@@ -107,7 +107,9 @@ class Prefetcher:
 
     def _prefetch(self) -> None:
         env, hw = torch_env.env_component(), torch_env.hw_component()
-        with RemoteCache(self.config) as remote:
+        # the load step's deadline bounds the prefetch too: a hung server costs it no more
+        # than it costs the load, and the node's breaker then spares the load the wait
+        with RemoteCache(self.config, deadline=Deadline(self.config.load_deadline_s)) as remote:
             blobs: list[BlobRef] = []
             if self.config.model:
                 entry = self._newest_of_model(remote, env, hw)

@@ -434,11 +434,22 @@ class Session:
             res.reason = f"not publishing after a failed load ({load.outcome})"
             return False
         if load.outcome == "hit" and load.entry is not None \
-                and new_keys <= load.loaded_keys \
+                and new_keys <= self._loaded_with(load.entry) \
                 and kernel_ids <= self._entry_pack_ids(load.entry, "kernels"):
             res.reason = "the loaded entry already has everything this run compiled"
             return False
         return True
+
+    def _loaded_with(self, entry: Manifest) -> set[tuple[str, str]]:
+        """What every track that loaded this entry's bundle got from it: torch keeps one
+        Mega-Cache per process, so the tracks of one process share what they loaded."""
+        bundle = entry.blob("megacache")
+        keys: set[tuple[str, str]] = set()
+        for t in self.tracks.values():
+            other = t.load.entry.blob("megacache") if t.load.entry is not None else None
+            if other is not None and bundle is not None and other.digest == bundle.digest:
+                keys |= t.load.loaded_keys
+        return keys
 
     def _entry_pack_ids(self, entry: Manifest, role: str) -> set[str]:
         """What the entry's pack holds (relocate.content_ids), read from the node cache."""
@@ -618,6 +629,11 @@ class Session:
         except Exception as exc:
             log.debug("megacache: could not report the run's events: %s", exc)
             return self.event() if self.tracks else None
+
+    def retire(self) -> None:
+        """Stop without publishing or reporting: another session took this one's place."""
+        with self._lock:
+            self._closed = True
 
     def close(self) -> Event | None:
         """Publish (bounded wait), report, and stop. Safe to call more than once."""

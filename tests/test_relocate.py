@@ -22,6 +22,7 @@ from megacache_client import relocate
 from megacache_client.config import ClientConfig
 from megacache_client.manifest import BlobRef
 from megacache_client.packs import INDEX_NAME, PackError, pack_names, read_index, unpack, write_pack
+from megacache_client.prefetch import skip_reason
 
 torch = pytest.importorskip("torch", reason="torch is needed for kernel relocation")
 
@@ -97,10 +98,10 @@ def test_session_skips_a_foreign_kernel_pack_before_downloading_it(tmp_path):
     meta = {**relocate.build_meta(), "build.isa": "avx2-from-another-host", "files": "3"}
     for role in ("kernels", "toolchain"):
         blob = BlobRef(digest="0" * 64, size=1, role=role, meta=meta)
-        reason = session._skip_reason(blob)
+        reason = skip_reason(session.config, blob)
         assert "isa" in reason and "avx2-from-another-host" in reason
     same = BlobRef(digest="0" * 64, size=1, role="kernels", meta=relocate.build_meta())
-    assert session._skip_reason(same) == ""
+    assert skip_reason(session.config, same) == ""
 
 
 def test_pack_of_an_older_client_is_used_only_at_its_torch_path():
