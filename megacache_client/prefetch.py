@@ -98,12 +98,10 @@ class Prefetcher:
         finally:
             self.result.seconds = time.monotonic() - started
             self._fetched.set()
-        try:
-            warm_imports()
-        except Exception as exc:  # the compile imports them itself
-            log.debug("megacache: import warm-up failed: %s", exc)
-        finally:
-            self._done.set()
+        # No import warm-up here: importing torch._dynamo on this thread while the trainer's
+        # thread imports it too broke a real job (a partially initialised module, seen with
+        # transformers); the first compile imports what it needs itself.
+        self._done.set()
 
     def _prefetch(self) -> None:
         env, hw = torch_env.env_component(), torch_env.hw_component()
@@ -149,12 +147,6 @@ class Prefetcher:
             if blob is not None and not skip_reason(self.config, blob):
                 return blob
         return None
-
-
-def warm_imports() -> None:
-    """Import what torch.compile's first call imports (Inductor's entry point, Dynamo)."""
-    import torch._dynamo  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401
 
 
 def place(role: str, pack: Path, cap: int) -> int:

@@ -64,7 +64,8 @@ def run_on(machine: Machine, gxx: GxxCounter, url: str, *extra: str, code: str =
            env: dict[str, str] | None = None) -> JobRun:
     job = run_job(machine, "--model", "mlp", "--steps", "3", "--megacache", "explicit",
                   "--name", MODEL, "--code", code, *extra,
-                  env={"MEGACACHE_URL": url, **(env or {})}, gxx=gxx, timeout=900)
+                  env={"MEGACACHE_URL": url, "MEGACACHE_PRECOMPILE": "1", **(env or {})},
+                  gxx=gxx, timeout=900)
     if job.returncode != 0:
         raise AssertionError(f"job failed ({job.returncode}):\n{job.stderr[-4000:]}")
     return job
