@@ -74,6 +74,18 @@ class Prefetcher:
                                         daemon=True)
 
     def start(self) -> Prefetcher:
+        # The env and hw components import parts of torch (ISA detection, the compiler's
+        # facts): done here, on the caller's thread, never beside the trainer's own imports.
+        try:
+            self._components = (torch_env.env_component(), torch_env.hw_component())
+            # what the thread's checks and unpacking look up, imported here once
+            torch_env.inductor_cache_dir(), torch_env.header_dir()
+            relocate.build_facts()
+        except Exception as exc:  # the session fetches on its own
+            self.result.error = f"{type(exc).__name__}: {exc}"
+            self._fetched.set()
+            self._done.set()
+            return self
         self._thread.start()
         return self
 
@@ -104,7 +116,7 @@ class Prefetcher:
         self._done.set()
 
     def _prefetch(self) -> None:
-        env, hw = torch_env.env_component(), torch_env.hw_component()
+        env, hw = self._components
         # the load step's deadline bounds the prefetch too: a hung server costs it no more
         # than it costs the load, and the node's breaker then spares the load the wait
         with RemoteCache(self.config, deadline=Deadline(self.config.load_deadline_s)) as remote:
