@@ -211,19 +211,25 @@ def test_an_entry_whose_blobs_cannot_be_freed_is_not_evicted(settings: Settings)
     run(settings, scenario)
 
 
+def publish_entries(c: httpx.Client, n: int, size: int, code: str) -> list[str]:
+    """`n` entries with a blob of `size` bytes each, oldest first (distinct access times)."""
+    keys = []
+    for i in range(n):
+        data = os.urandom(size)
+        assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+        m = make_manifest({"megacache": data}, make_fingerprint(code=f"{code}{i}"))
+        assert c.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+        keys.append(m.key)
+        time.sleep(0.02)
+    return keys
+
+
 def test_upload_over_budget_within_grace_evicts_one_entry_and_succeeds(tmp_path: Path):
     """The default one-hour grace period: blobs of a fresh store are all recent."""
     server = ServerProcess(tmp_path / "data", "--store-budget", "3MiB").start()
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c:
-            keys = []
-            for i in range(5):
-                data = os.urandom(600 * 1024)
-                assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
-                m = make_manifest({"megacache": data}, make_fingerprint(code=f"g{i}"))
-                assert c.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
-                keys.append(m.key)
-                time.sleep(0.02)
+            keys = publish_entries(c, 5, 600 * 1024, "g")
             extra = os.urandom(600 * 1024)
             assert c.put(f"/v1/cas/{sha256(extra)}", content=extra).status_code == 201
             present = [c.get(f"/v1/ac/{k}").status_code for k in keys]
@@ -239,14 +245,7 @@ def test_budget_pressure_at_upload_evicts_instead_of_refusing(tmp_path: Path):
                            env={"MEGACACHE_GC_GRACE_S": "0"}).start()
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c:
-            keys = []
-            for i in range(3):
-                data = os.urandom(1000 * 1024)
-                assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
-                m = make_manifest({"megacache": data}, make_fingerprint(code=f"u{i}"))
-                assert c.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
-                keys.append(m.key)
-                time.sleep(0.02)
+            keys = publish_entries(c, 3, 1000 * 1024, "u")
             assert c.put(f"/v1/ac/{keys[0]}/pin").status_code == 204
             extra = os.urandom(600 * 1024)
             assert c.put(f"/v1/cas/{sha256(extra)}", content=extra).status_code == 201
