@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from megacache_client import hook
 from megacache_client.config import ClientConfig
+from megacache_client.prefetch import Prefetcher
 from megacache_client.session import Session
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -46,7 +47,12 @@ def _adopt(new: Session, old: Session | None) -> None:
     """
     if old is None or old.tracks or old.config.url != new.config.url:
         return
-    new.prefetcher = old.prefetcher
+    if old.prefetcher is not None and (old.config.model, old.config.code) != (
+            new.config.model, new.config.code) and new.config.prefetch:
+        # the hook knew no model: a new prefetch continues the old one with the model's entry
+        new.prefetcher = Prefetcher(new.config, new.node, previous=old.prefetcher).start()
+    else:
+        new.prefetcher = old.prefetcher
     old.retire()
 
 

@@ -64,9 +64,13 @@ class PrefetchResult:
 class Prefetcher:
     """One background prefetch for one process; `wait()` is the only way to read it."""
 
-    def __init__(self, config: ClientConfig, node: NodeCache) -> None:
+    def __init__(self, config: ClientConfig, node: NodeCache,
+                 previous: Prefetcher | None = None) -> None:
         self.config = config
         self.node = node
+        self.previous = previous
+        """An earlier prefetch of this process (the zero-code hook's, before an explicit
+        enable() named the model): this one continues it instead of fetching twice."""
         self.result = PrefetchResult()
         self._fetched = threading.Event()
         self._done = threading.Event()
@@ -115,7 +119,18 @@ class Prefetcher:
         # transformers); the first compile imports what it needs itself.
         self._done.set()
 
+    def _continue_previous(self) -> None:
+        """Take over what an earlier prefetch of this process fetched (waiting for it, bounded)."""
+        if self.previous is None:
+            return
+        done = self.previous.wait(self.config.load_deadline_s)
+        if done is not None:
+            self.result.paths.update(done.paths)
+            self.result.placed.update(done.placed)
+            self.result.bytes_down += done.bytes_down
+
     def _prefetch(self) -> None:
+        self._continue_previous()
         env, hw = self._components
         # the load step's deadline bounds the prefetch too: a hung server costs it no more
         # than it costs the load, and the node's breaker then spares the load the wait
@@ -130,6 +145,7 @@ class Prefetcher:
                 toolchain = self._toolchain(remote, env, hw)
                 if toolchain is not None:
                     blobs.append(toolchain)
+            blobs = [b for b in blobs if b.digest not in self.result.paths]
             for blob in blobs:
                 path, downloaded = self.node.fetch(
                     blob.digest, blob.size,

@@ -97,8 +97,6 @@ def stored_events(cache: ServerProcess) -> list[dict[str, object]]:
         return [json.loads(row[0]) for row in db.execute("SELECT event FROM events")]
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known after the client merges: fails with precompile on (issue 13 left open)"))
 def test_precompiled_start_is_bit_identical_prefetched_once_and_timed(
         cache, producer, gxx, tmp_path):
     _, cold = producer
