@@ -71,6 +71,9 @@ class Prefetcher:
         self.previous = previous
         """An earlier prefetch of this process (the zero-code hook's, before an explicit
         enable() named the model): this one continues it instead of fetching twice."""
+        self.deadline = previous.deadline if previous else Deadline(config.load_deadline_s)
+        """The load step's budget, counted from the first enable: a continued prefetch
+        shares it, so a hung server costs the process one deadline, not one per prefetch."""
         self.result = PrefetchResult()
         self._fetched = threading.Event()
         self._done = threading.Event()
@@ -123,7 +126,7 @@ class Prefetcher:
         """Take over what an earlier prefetch of this process fetched (waiting for it, bounded)."""
         if self.previous is None:
             return
-        done = self.previous.wait(self.config.load_deadline_s)
+        done = self.previous.wait(self.deadline.cap(self.config.load_deadline_s))
         if done is not None:
             self.result.paths.update(done.paths)
             self.result.placed.update(done.placed)
@@ -134,7 +137,7 @@ class Prefetcher:
         env, hw = self._components
         # the load step's deadline bounds the prefetch too: a hung server costs it no more
         # than it costs the load, and the node's breaker then spares the load the wait
-        with RemoteCache(self.config, deadline=Deadline(self.config.load_deadline_s)) as remote:
+        with RemoteCache(self.config, deadline=self.deadline) as remote:
             blobs: list[BlobRef] = []
             if self.config.model:
                 entry = self._newest_of_model(remote, env, hw)

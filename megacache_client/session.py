@@ -51,6 +51,7 @@ from megacache_client.prefetch import (
     skip_reason,
 )
 from megacache_client.transport import (
+    CircuitOpenError,
     CorruptBlobError,
     Deadline,
     Progress,
@@ -232,7 +233,8 @@ class Session:
             except (CorruptBlobError, PackError) as exc:
                 self._fail(result, "invalid", str(exc))
             except Exception as exc:  # never let the cache break the trainer
-                self._fail(result, "error", f"{type(exc).__name__}: {exc}")
+                self._fail(result, "error", f"{type(exc).__name__}: {exc}"
+                           + self._prefetch_failure(exc))
             finally:
                 result.seconds = time.monotonic() - started
                 steps = result.steps
@@ -302,6 +304,13 @@ class Session:
             return None
         result.bytes_down += done.bytes_down
         return None if done.error else done
+
+    def _prefetch_failure(self, exc: Exception) -> str:
+        """The prefetch's own error, when it is why the load found the server marked down."""
+        done = self.prefetcher.wait(0) if self.prefetcher is not None else None
+        if isinstance(exc, CircuitOpenError) and done is not None and done.error:
+            return f" (the prefetch: {done.error})"
+        return ""
 
     # -- step 3: fetch each blob once per node, verified --------------------------------
     def _fetch_blobs(self, remote: RemoteCache, entry: Manifest, result: LoadResult,

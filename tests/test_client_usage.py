@@ -120,8 +120,6 @@ print(json.dumps({"out": out, "megacache": {"outcome": r.outcome, "reason": r.re
 """A rank that compiles one small function: the test is about the wait, not the compile."""
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known after the prefetch merge: a rank waits longer than the deadline (issue 12 open)"))
 def test_hung_server_costs_each_process_the_deadline_once(hung_server, gxx, tmp_path):
     """Ranks of one node, default read timeout (30 s) and retries: the two that start
     together each give up within the 3 s load deadline, the first to find out opens the
