@@ -71,7 +71,8 @@ class Prefetcher:
         self.previous = previous
         """An earlier prefetch of this process (the zero-code hook's, before an explicit
         enable() named the model): this one continues it instead of fetching twice."""
-        self.deadline = previous.deadline if previous else Deadline(config.load_deadline_s)
+        self.deadline: Deadline = (previous.deadline if previous is not None
+                                   else Deadline(config.load_deadline_s))
         """The load step's budget, counted from the first enable: a continued prefetch
         shares it, so a hung server costs the process one deadline, not one per prefetch."""
         self.result = PrefetchResult()
