@@ -18,23 +18,31 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
-import json
-import os
-import platform
 import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from importlib import metadata, util
+from importlib import util
 from pathlib import Path
 from typing import Any
 
-from jobs import GxxCounter, Machine, proc_field, run_job  # benchmarks/jobs.py, next to this script
+from benchlib import (  # benchmarks/benchlib.py, next to this script
+    generated_by,
+    grouped_bars,
+    image_link,
+    log,
+    machine_info,
+    machine_line,
+    markdown_table,
+    pyplot,
+    save_figure,
+    temp_root,
+    text_table,
+    utc_now,
+    write_json,
+)
+from benchlib import median_of_present as median
+from jobs import GxxCounter, Machine, run_job
 from other_path import DEFAULT_VENV, OtherPath
 from results_md import write_section
 from services import LocalRedis, LocalServer
@@ -84,14 +92,6 @@ FIRST_STEP_GOAL_S = 0.2
 NEEDS_COLD = ("cold", "warm-local", "mega-only", "warm-local+precompile",
               "warm-local+init5")  # these reuse the repeat's cold run
 GOAL_VS_WARM = 1.25
-
-START = time.time()
-
-
-def log(message: str) -> None:
-    """Progress on stderr, stamped with the time since the benchmark started."""
-    print(f"[{time.time() - START:7.1f}s] {message}", file=sys.stderr, flush=True)
-
 
 # -- services the benchmark owns ---------------------------------------------------------
 
@@ -352,11 +352,6 @@ def mb(n: Any) -> float:
     return round((n or 0) / 1e6, 2)
 
 
-def median(values: Sequence[float | int | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return float(statistics.median(present)) if present else None
-
-
 def summarize(jobs: Sequence[dict[str, Any]], models: Sequence[str],
               scenarios: Sequence[str]) -> list[dict[str, Any]]:
     """Median and range per model and scenario, with the ratios against the baselines."""
@@ -437,19 +432,11 @@ def table_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
 
 
 def render_text(rows: Sequence[dict[str, Any]]) -> str:
-    cells = [list(HEADER)] + table_cells(rows)
-    widths = [max(len(row[i]) for row in cells) for i in range(len(HEADER))]
-    lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
-             for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table(HEADER, table_cells(rows))
 
 
 def render_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |"
-              for row in table_cells(rows)]
-    return "\n".join(lines)
+    return markdown_table(HEADER, table_cells(rows))
 
 
 def over_goal(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -491,69 +478,36 @@ def render_split(rows: Sequence[dict[str, Any]]) -> str:
 
 # -- outputs -----------------------------------------------------------------------------
 
-def machine_info() -> dict[str, Any]:
-    """What the numbers depend on: CPU, cores, RAM, toolchain and library versions."""
-    def version(pkg: str) -> str | None:
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return None
-
-    def output(cmd: Sequence[str]) -> str | None:
-        try:
-            out = subprocess.run(list(cmd), capture_output=True, text=True, timeout=10,
-                                 check=False, cwd=REPO).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.splitlines()[0] if out else None
-
-    mem_kb = proc_field("/proc/meminfo", "MemTotal")
-    return {
-        "cpu": proc_field("/proc/cpuinfo", "model name") or platform.processor() or None,
-        "cores": os.cpu_count(),
-        "ram_gb": round(int(mem_kb.split()[0]) / 1024**2, 1) if mem_kb else None,
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "redis_py": version("redis"),
-        "gxx": output(["g++", "--version"]),
-        "redis_server": output(["redis-server", "--version"]),
-        "git_commit": output(["git", "rev-parse", "--short", "HEAD"]),
-    }
+def compile_machine_info() -> dict[str, Any]:
+    """What the numbers depend on: the machine, torch, g++ and the Redis reference."""
+    return machine_info(packages={"torch": "torch", "redis_py": "redis"},
+                        tools={"gxx": ("g++", "--version"),
+                               "redis_server": ("redis-server", "--version")})
 
 
 def write_chart(rows: Sequence[dict[str, Any]], path: Path) -> bool:
     """Grouped bars of median time-to-first-step; skipped (False) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not importable: no chart (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return False
     models = list(dict.fromkeys(r["model"] for r in rows))
     names = list(dict.fromkeys(r["scenario"] for r in rows))
-    width = 0.8 / max(len(names), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(models)), 4.5))
-    for i, name in enumerate(names):
+    series: dict[str, list[float]] = {}
+    errors: dict[str, list[list[float]]] = {}
+    for name in names:
         by_model = {r["model"]: r for r in rows if r["scenario"] == name}
-        xs = [m + (i - (len(names) - 1) / 2) * width for m in range(len(models))]
         med = [by_model[m]["ttfs_median_s"] or 0.0 for m in models]
-        err = [[(by_model[m]["ttfs_median_s"] or 0) - (by_model[m]["ttfs_min_s"] or 0)
-                for m in models],
-               [(by_model[m]["ttfs_max_s"] or 0) - (by_model[m]["ttfs_median_s"] or 0)
-                for m in models]]
-        ax.bar(xs, med, width, yerr=err, capsize=2, label=name)
-    ax.set_xticks(range(len(models)), models)
+        series[name] = med
+        pairs = list(zip(models, med, strict=True))
+        errors[name] = [[mid - (by_model[m]["ttfs_min_s"] or 0) for m, mid in pairs],
+                        [(by_model[m]["ttfs_max_s"] or 0) - mid for m, mid in pairs]]
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(models)), 4.5))
+    grouped_bars(ax, models, series, errors, tick_fontsize=None)
     ax.set_ylabel("time to first step, s (median, min-max)")
     ax.set_title("torch.compile: time to first training step on a new job")
     ax.legend(fontsize="small")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path, dpi=120)
     return True
 
 
@@ -573,12 +527,9 @@ def write_results_md(report: dict[str, Any], chart: Path | None,
     lines = [
         f"# {title}",
         "",
-        "Generated by `benchmarks/compile_bench.py` (do not edit by hand):",
-        "",
-        f"    python benchmarks/compile_bench.py {' '.join(report['argv'])}",
-        "",
+        *generated_by("compile_bench.py", report["argv"]),
         f"- date: {report['date']}",
-        f"- machine: {m['cpu']}, {m['cores']} cores, {m['ram_gb']} GB RAM, {m['os']}",
+        machine_line(m),
         f"- torch {m['torch']}, Python {m['python']}, {m['gxx']}, "
         f"redis-py {m['redis_py']}, {m['redis_server'] or 'no redis-server'}",
         f"- commit {m['git_commit']}; {report['repeats']} repeats of {report['steps']} "
@@ -598,7 +549,7 @@ def write_results_md(report: dict[str, Any], chart: Path | None,
                   "its event (`tts_*_s`, medians; see README, Time to start):", "",
                   render_split(rows), ""]
     if chart is not None:
-        lines += [f"![time to first step]({os.path.relpath(chart, BENCH_DIR)})", ""]
+        lines += [image_link("time to first step", chart), ""]
     misses = over_goal(rows)
     if misses:
         lines += ["Over the goal: " + ", ".join(
@@ -652,27 +603,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    root = Path(tempfile.mkdtemp(prefix="compile_bench."))
-    log(f"temp root {root}; models {','.join(args.models)}; scenarios "
-        f"{','.join(args.scenarios)}; {args.repeats} repeats of {args.steps} steps")
-    try:
+    with temp_root("compile_bench.", args.keep_temp) as root:
+        log(f"temp root {root}; models {','.join(args.models)}; scenarios "
+            f"{','.join(args.scenarios)}; {args.repeats} repeats of {args.steps} steps")
         other = OtherPath(args.other_venv).ensure(log) if OTHER_PATH in args.scenarios \
             else None
         bench = Bench(root, args.steps, args.timeout, GxxCounter(root / "bin"), other)
         jobs = run_benchmark(bench, args.models, args.scenarios, args.repeats)
-    finally:
-        if args.keep_temp:
-            log(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
     rows = summarize(jobs, args.models, args.scenarios)
     report = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "argv": argv, "repeats": args.repeats, "steps": args.steps,
-        "machine": machine_info(), "summary": rows, "jobs": jobs,
+        "date": utc_now(), "argv": argv, "repeats": args.repeats, "steps": args.steps,
+        "machine": compile_machine_info(), "summary": rows, "jobs": jobs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report)
     chart = args.out.with_suffix(".png")
     have_chart = write_chart(rows, chart)
     print(render_text(rows))

@@ -18,9 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# compile_bench.py still imports proc_field from here; it moved to benchlib with machine_info
-from benchlib import proc_field  # noqa: F401
-
 TRAIN_JOB = Path(__file__).resolve().parent / "train_job.py"
 BUILD_OUTPUT = re.compile(r" -o \S+\.(so|gch)(\s|$)")
 """g++ calls that write a kernel/probe `.so` or a precompiled header: real builds. Inductor
