@@ -22,10 +22,7 @@ figure that counts is the median difference to `no hook` within this one run.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import machine_info, markdown_table, utc_now, write_json  # next to this script
 from results_md import write_section  # benchmarks/results_md.py, next to this script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,19 +106,15 @@ def run(rounds: int) -> dict:
     added = next(r["added_ms"] for r in rows if r["variant"] == "hook")
     return {"benchmark": "startup", "command": "python -c pass, MEGACACHE_URL set",
             "goal_added_ms": GOAL_MS, "hook_added_ms": added, "goal_met": added <= GOAL_MS,
-            "rows": rows, "machine": {"python": platform.python_version(),
-                                      "cpus": os.cpu_count(), "platform": platform.platform()},
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+            "rows": rows, "machine": machine_info(), "date": utc_now()}
 
 
 def table(result: dict) -> str:
-    lines = ["| variant | runs | median ms | p90 ms | min ms | added ms (median) | × no hook |",
-             "|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['variant']} | {r['runs']} | {r['median_ms']:.1f} | "
-                     f"{r['p90_ms']:.1f} | {r['min_ms']:.1f} | {r['added_ms']:+.1f} | "
-                     f"{r['vs_no_hook']:.2f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ("variant", "runs", "median ms", "p90 ms", "min ms", "added ms (median)", "× no hook"),
+        ([r["variant"], str(r["runs"]), f"{r['median_ms']:.1f}", f"{r['p90_ms']:.1f}",
+          f"{r['min_ms']:.1f}", f"{r['added_ms']:+.1f}", f"{r['vs_no_hook']:.2f}"]
+         for r in result["rows"]))
 
 
 def main() -> int:
@@ -132,8 +126,7 @@ def main() -> int:
                         help="also replace the startup section of RESULTS.md")
     args = parser.parse_args()
     result = run(args.rounds)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result, indent=2)
     print(table(result))
     verdict = "met" if result["goal_met"] else "MISSED"
     print(f"\nhook adds {result['hook_added_ms']:+.1f} ms (median) to `python -c pass` with "
@@ -141,7 +134,7 @@ def main() -> int:
     if args.write_results:
         write_section("startup", "## Interpreter start-up with the zero-code hook\n\n"
                       f"`python benchmarks/startup_bench.py --rounds {args.rounds}` "
-                      f"({result['date']}, {result['machine']['cpus']} CPUs, Python "
+                      f"({result['date']}, {result['machine']['cores']} CPUs, Python "
                       f"{result['machine']['python']}): `python -c pass` with "
                       "MEGACACHE_URL set, interleaved runs.\n\n" + table(result) + "\n")
     return 0
