@@ -10,9 +10,10 @@ Rules, in order:
 3. Right before a blob is deleted, its references and last touch are read again, so a
    manifest written while the plan was made keeps its blobs.
 
-`plan()` only reads, from the index's columns (never a manifest), and does its arithmetic in
-a worker thread so a plan over a million entries does not stall the event loop; `apply()`
-acts on a plan. Callers take the GC lock: `Cache.collect` in `megacache_server.cache`.
+`plan()` only reads, from the index's columns (never a manifest), page by page, so a
+plan over a million entries neither holds them all in memory nor stalls the event loop;
+`apply()` acts on a plan, in batches. Callers take the GC lock: `Cache.collect` in
+`megacache_server.cache`.
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from anyio import to_thread
-
-from megacache_server.index.base import BlobRecord, EntryInfo
+from megacache_server.index.base import BlobRecord, EntryInfo, Index
 from megacache_server.storage import Storage
 
 
@@ -58,104 +57,108 @@ class GcResult:
     spared: int = 0  # blobs re-referenced or touched between plan and delete
 
 
+PAGE = 2000
+"""LRU entries read per page while eviction looks for enough bytes to free."""
+
+
 async def plan(storage: Storage, *, budget: int | None, grace_s: float,
                low_water: float = 0.9, now: float | None = None) -> GcPlan:
+    """Read-only. Its cost follows what goes, not the store: the unreferenced blobs (one
+    paged scan of the ledger in the index, never a manifest), and only as many LRU entries
+    as eviction needs, with the reference counts of just their blobs."""
     now = time.time() if now is None else now
-    records = await storage.index.blob_records()
-    entries = await storage.index.entry_infos()
-    return await to_thread.run_sync(lambda: decide(records, entries, budget=budget,
-                                                   grace_s=grace_s, low_water=low_water,
-                                                   now=now))
-
-
-def decide(records_list: list[BlobRecord], entries: list[EntryInfo], *, budget: int | None,
-           grace_s: float, low_water: float, now: float) -> GcPlan:
-    """The plan itself: pure arithmetic over what the index holds."""
-    records = {b.digest: b for b in records_list}
-    stored = sum(b.size for b in records_list)
+    index = storage.index
+    stored = await index.stored_bytes()
     target = int(budget * low_water) if budget is not None else None
     result = GcPlan(stored_bytes=stored, budget=budget, target_bytes=target)
-    refcount: dict[str, int] = {}
-    for entry in entries:
-        for digest in set(entry.digests):
-            refcount[digest] = refcount.get(digest, 0) + 1
-
     # Blobs no entry names, out of their grace period: going anyway, whatever eviction does.
-    idle = {d for d, rec in records.items()
-            if refcount.get(d, 0) == 0 and rec.touched_at < now - grace_s}
-    projected = stored - sum(records[d].size for d in idle)
-    freed_by_eviction: set[str] = set()
-    if budget is not None and target is not None and stored > budget:
-        lru = sorted((e for e in entries if not e.pinned), key=lambda e: (e.last_access, e.key))
-        freed_by_eviction = _evict_lru(result, lru, refcount, records, projected=projected,
-                                       target=target)
-
-    for digest, rec in sorted(records.items()):
-        if digest in freed_by_eviction:
+    idle: list[BlobRecord] = []
+    for rec in await index.unreferenced_blobs():
+        if rec.touched_at < now - grace_s:
+            idle.append(rec)
+        else:
+            result.kept_in_grace += 1
+    projected = stored - sum(rec.size for rec in idle)
+    if budget is not None and target is not None and stored > budget and projected > target:
+        lru = _Lru(index, result)
+        for digest, size in await lru.evict_until(projected, target):
             # The grace period shields fresh uploads no manifest names yet; these were named
             # until this plan, so only a touch from now on (a new manifest) spares them.
-            result.delete.append(Deletion(digest, rec.size, "named only by evicted entries",
+            result.delete.append(Deletion(digest, size, "named only by evicted entries",
                                           touched_before=now))
-        elif digest in idle:
-            result.delete.append(Deletion(digest, rec.size, "no entry names it",
-                                          touched_before=now - grace_s))
-        elif refcount.get(digest, 0) == 0:
-            result.kept_in_grace += 1
+    result.delete += [Deletion(rec.digest, rec.size, "no entry names it",
+                               touched_before=now - grace_s) for rec in idle]
     return result
 
 
-def _evict_lru(result: GcPlan, lru: list[EntryInfo], refcount: dict[str, int],
-               records: dict[str, BlobRecord], *, projected: int, target: int) -> set[str]:
-    """Pick least-recently-used entries until the bytes they really free reach `target`.
+class _Lru:
+    """Least-recently-used entries taken page by page until the bytes they free reach the
+    target. A blob is freed only when every entry naming it goes (pinned entries count as
+    naming it). Entries taken that free no blob (all their blobs still named by entries
+    that stay) are put back: evicting one would lose a cache entry and free nothing."""
 
-    A blob is freed only when every entry naming it goes. Entries are taken in LRU order
-    while the projection is above target; afterwards, any taken entry that names no freed
-    blob (all its blobs are still named by entries that stay, pinned ones included) is put
-    back: evicting it would lose a cache entry and free nothing. Returns the freed blobs.
-    """
-    taken: list[EntryInfo] = []
-    freed: set[str] = set()
-    for entry in lru:
-        if projected <= target:
-            break
-        taken.append(entry)
-        for digest in set(entry.digests):
-            refcount[digest] -= 1
-            if refcount[digest] == 0 and digest in records:
-                freed.add(digest)
-                projected -= records[digest].size
-    for entry in taken:
-        if set(entry.digests) & freed:
-            when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry.last_access))
-            result.evict.append((entry.key, f"least recently used (last access {when} UTC)"))
-        else:
-            for digest in set(entry.digests):
-                refcount[digest] += 1
-    return freed
+    def __init__(self, index: Index, result: GcPlan) -> None:
+        self.index = index
+        self.result = result
+        self.refcount: dict[str, int] = {}
+        self.sizes: dict[str, int] = {}
+
+    async def evict_until(self, projected: int, target: int) -> list[tuple[str, int]]:
+        taken: list[EntryInfo] = []
+        freed: dict[str, int] = {}
+        offset = 0
+        while projected > target:
+            page = await self.index.lru_entries(PAGE, offset=offset)
+            if not page:
+                break
+            offset += len(page)
+            await self._learn({d for e in page for d in e.digests})
+            for entry in page:
+                if projected <= target:
+                    break
+                taken.append(entry)
+                for digest in set(entry.digests):
+                    self.refcount[digest] -= 1
+                    if self.refcount[digest] == 0 and digest in self.sizes:
+                        freed[digest] = self.sizes[digest]
+                        projected -= self.sizes[digest]
+        for entry in taken:
+            if not freed.keys().isdisjoint(entry.digests):
+                when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry.last_access))
+                self.result.evict.append(
+                    (entry.key, f"least recently used (last access {when} UTC)"))
+        return sorted(freed.items())
+
+    async def _learn(self, digests: set[str]) -> None:
+        """Reference counts and sizes of blobs first met on this page."""
+        new = sorted(digests - self.refcount.keys())
+        self.refcount.update(await self.index.reference_counts(new))
+        self.sizes.update((d, rec.size)
+                          for d, rec in (await self.index.blob_records_of(new)).items())
 
 
 async def apply(storage: Storage, gc_plan: GcPlan) -> GcResult:
-    """Act on a plan, re-checking each entry and blob as it goes (the plan may be stale)."""
+    """Act on a plan, re-checking each entry and blob as it goes (the plan may be stale):
+    entries go in batches (an entry pinned since the plan stays), then each blob whose
+    references and last touch still allow it."""
     result = GcResult()
-    for key, _ in gc_plan.evict:
-        entry = await storage.index.get(key, touch=False)
-        if entry is not None and entry.pinned:
-            continue  # pinned since the plan was made
-        if await storage.index.delete(key):
-            result.evicted += 1
-    for deletion in gc_plan.delete:
-        if await _still_collectable(storage, deletion):
+    index = storage.index
+    result.evicted = await index.delete_unpinned([key for key, _ in gc_plan.evict])
+    for i in range(0, len(gc_plan.delete), PAGE):
+        part = gc_plan.delete[i:i + PAGE]
+        digests = [d.digest for d in part]
+        named = await index.referenced(digests)
+        records = await index.blob_records_of(digests)
+        gone: list[str] = []
+        for deletion in part:
+            rec = records.get(deletion.digest)
+            if deletion.digest in named or rec is None or \
+                    rec.touched_at >= deletion.touched_before:
+                result.spared += 1
+                continue
             await storage.blobs.delete(deletion.digest)
-            await storage.index.forget_blob(deletion.digest)
+            gone.append(deletion.digest)
             result.deleted += 1
             result.freed_bytes += deletion.size
-        else:
-            result.spared += 1
+        await index.forget_blobs(gone)
     return result
-
-
-async def _still_collectable(storage: Storage, deletion: Deletion) -> bool:
-    if await storage.index.referenced([deletion.digest]):
-        return False
-    rec = await storage.index.blob_record(deletion.digest)
-    return rec is not None and rec.touched_at < deletion.touched_before

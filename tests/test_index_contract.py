@@ -111,6 +111,24 @@ def test_entry_store_lru_follows_access(make_index: Callable[[], Index]):
     run(make_index, body)
 
 
+def test_entry_store_lru_pages_and_batch_eviction(make_index: Callable[[], Index]):
+    """GC reads LRU entries page by page and evicts in batches; a pinned entry never goes."""
+    async def body(ix: Index) -> None:
+        keys = [f"k{i:02d}" for i in range(7)]
+        for key in keys:
+            await ix.put(entry(key), Precondition())
+            await asyncio.sleep(0.005)
+        await ix.set_pinned("k03", True)
+        unpinned = [k for k in keys if k != "k03"]
+        pages = [[e.key for e in await ix.lru_entries(2, offset=o)] for o in (0, 2, 4, 6)]
+        assert pages == [unpinned[0:2], unpinned[2:4], unpinned[4:6], []]
+        assert await ix.delete_unpinned(["k00", "k03", "k05", "missing"]) == 2
+        assert {e.key for e in await ix.entry_infos()} == set(keys) - {"k00", "k05"}
+        assert not await ix.delete("k03", unless_pinned=True) and await ix.delete("k03")
+
+    run(make_index, body)
+
+
 # -- BlobLedger -------------------------------------------------------------------------
 def test_blob_ledger(make_index: Callable[[], Index]):
     async def body(ix: Index) -> None:
@@ -132,6 +150,28 @@ def test_blob_ledger(make_index: Callable[[], Index]):
         assert await ix.blob_record("d2") is None and await ix.stored_bytes() == 100
         assert not await ix.owns_blob("ns", "d2")
         assert [b.digest for b in await ix.blob_records()] == ["d1"]
+
+    run(make_index, body)
+
+
+def test_blob_ledger_batches_for_gc(make_index: Callable[[], Index]):
+    """What a GC plan reads: unreferenced blobs, reference counts and records by digest."""
+    async def body(ix: Index) -> None:
+        digests = [f"d{i:04d}" for i in range(1200)]  # more than one page of every batch
+        for d in digests:
+            await ix.record_blob(d, 10, "ns")
+        await ix.put(entry("a", digests=("d0001", "d0002")), Precondition())
+        await ix.put(entry("b", digests=("d0002",)), Precondition())
+        idle = await ix.unreferenced_blobs()
+        assert sorted(b.digest for b in idle) == sorted(set(digests) - {"d0001", "d0002"})
+        assert all(b.size == 10 and b.touched_at > 0 for b in idle)
+        counts = await ix.reference_counts(["d0001", "d0002", "d0003", "nope"])
+        assert counts == {"d0001": 1, "d0002": 2, "d0003": 0, "nope": 0}
+        records = await ix.blob_records_of(digests + ["nope"])
+        assert set(records) == set(digests) and records["d0007"].size == 10
+        await ix.forget_blobs(digests[600:])
+        assert await ix.stored_bytes() == 6000
+        assert len(await ix.blob_records_of(digests)) == 600
 
     run(make_index, body)
 

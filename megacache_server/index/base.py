@@ -195,16 +195,23 @@ class EntryStore(ABC):
         """(entries, bytes of their blobs) of a namespace, or of the whole store."""
 
     @abstractmethod
-    async def delete(self, key: str) -> bool:
-        """Remove an entry; True if it was there."""
+    async def delete(self, key: str, *, unless_pinned: bool = False) -> bool:
+        """Remove an entry; True if it was there (and, with `unless_pinned`, not pinned)."""
+
+    async def delete_unpinned(self, keys: list[str]) -> int:
+        """Evict many entries, each only if it is still there and unpinned; how many went.
+        Backends that can delete in batches override this."""
+        return sum([await self.delete(key, unless_pinned=True) for key in keys])
 
     @abstractmethod
     async def set_pinned(self, key: str, pinned: bool) -> bool:
         """Pin (never evict) or unpin an entry; False if there is no such entry."""
 
     @abstractmethod
-    async def lru_entries(self, limit: int, *, namespace: str | None = None) -> list[EntryInfo]:
-        """Unpinned entries, least recently accessed first: eviction candidates."""
+    async def lru_entries(self, limit: int, *, namespace: str | None = None,
+                          offset: int = 0) -> list[EntryInfo]:
+        """Unpinned entries, least recently accessed first, skipping the first `offset`:
+        eviction candidates, read page by page."""
 
 
 class BlobLedger(ABC):
@@ -229,16 +236,31 @@ class BlobLedger(ABC):
         """One blob's record, or None."""
 
     @abstractmethod
+    async def blob_records_of(self, digests: list[str]) -> dict[str, BlobRecord]:
+        """The records of those of `digests` the index holds."""
+
+    @abstractmethod
+    async def unreferenced_blobs(self) -> list[BlobRecord]:
+        """Every recorded blob that no entry names (GC's candidates), read in pages."""
+
+    @abstractmethod
+    async def reference_counts(self, digests: list[str]) -> dict[str, int]:
+        """How many entries name each of `digests` (0 for none)."""
+
     async def referenced(self, digests: list[str]) -> set[str]:
         """Which of `digests` some entry names."""
+        return {d for d, n in (await self.reference_counts(digests)).items() if n}
 
     @abstractmethod
     async def touch_blobs(self, digests: list[str]) -> None:
         """Mark blobs as just used (a manifest naming them is being written)."""
 
     @abstractmethod
+    async def forget_blobs(self, digests: list[str]) -> None:
+        """Drop blobs' records (and their owners) after the store deleted them."""
+
     async def forget_blob(self, digest: str) -> None:
-        """Drop a blob's record (and its owners) after the store deleted it."""
+        await self.forget_blobs([digest])
 
     @abstractmethod
     async def owns_blob(self, namespace: str, digest: str) -> bool:

@@ -243,16 +243,21 @@ class RedisIndex(Index):
         return await self._do(op)
 
     async def _zset_infos(self, zkey: str, *, reverse: bool, limit: int,
-                          skip_pinned: bool = False) -> list[EntryInfo]:
+                          skip_pinned: bool = False, offset: int = 0) -> list[EntryInfo]:
+        """Entries in the zset's order; `offset` skips that many of those kept."""
         found: list[EntryInfo] = []
-        start = 0
+        start, skip = 0, offset
         while len(found) < limit:
             read = self.r.zrevrange if reverse else self.r.zrange
             keys = [_str(k) or "" for k in await read(zkey, start, start + SCAN - 1)]
             if not keys:
                 break
             for e in await self._entries(keys, full=False):
-                if not (skip_pinned and e.pinned):
+                if skip_pinned and e.pinned:
+                    continue
+                if skip:
+                    skip -= 1
+                else:
                     found.append(e)
             start += SCAN
         return found[:limit]
@@ -271,7 +276,7 @@ class RedisIndex(Index):
             self.k("usage"), [f"{ns}:entries", f"{ns}:bytes"]))
         return int(entries or 0), int(size or 0)
 
-    async def delete(self, key: str) -> bool:
+    async def delete(self, key: str, *, unless_pinned: bool = False) -> bool:
         ekey = self.k("entry", key)
 
         async def op() -> bool:
@@ -280,7 +285,7 @@ class RedisIndex(Index):
                     try:
                         await pipe.watch(ekey)
                         old = await pipe.hgetall(ekey)
-                        if not old:
+                        if not old or (unless_pinned and _str(old.get(b"pinned")) == "1"):
                             await pipe.unwatch()
                             return False
                         pipe.multi()
@@ -302,11 +307,11 @@ class RedisIndex(Index):
 
         return await self._do(op)
 
-    async def lru_entries(self, limit: int, *, namespace: str | None = None
-                          ) -> list[EntryInfo]:
+    async def lru_entries(self, limit: int, *, namespace: str | None = None,
+                          offset: int = 0) -> list[EntryInfo]:
         zkey = self.k("lru", namespace) if namespace is not None else self.k("lru")
         return await self._do(lambda: self._zset_infos(zkey, reverse=False, limit=limit,
-                                                        skip_pinned=True))
+                                                        skip_pinned=True, offset=offset))
 
     # -- blobs --------------------------------------------------------------------------
     async def record_blob(self, digest: str, size: int, namespace: str) -> bool:
@@ -368,13 +373,53 @@ class RedisIndex(Index):
 
         return await self._do(op)
 
-    async def referenced(self, digests: list[str]) -> set[str]:
-        async def op() -> set[str]:
-            async with self.r.pipeline(transaction=False) as pipe:
-                for d in digests:
-                    pipe.scard(self.k("refs", d))
-                counts = await pipe.execute()
-            return {d for d, n in zip(digests, counts, strict=True) if n}
+    async def reference_counts(self, digests: list[str]) -> dict[str, int]:
+        async def op() -> dict[str, int]:
+            counts: dict[str, int] = {}
+            for i in range(0, len(digests), SCAN):
+                part = digests[i:i + SCAN]
+                async with self.r.pipeline(transaction=False) as pipe:
+                    for d in part:
+                        pipe.scard(self.k("refs", d))
+                    counts.update(zip(part, map(int, await pipe.execute()), strict=True))
+            return counts
+
+        return await self._do(op)
+
+    async def blob_records_of(self, digests: list[str]) -> dict[str, BlobRecord]:
+        async def op() -> dict[str, BlobRecord]:
+            found: dict[str, BlobRecord] = {}
+            for i in range(0, len(digests), SCAN):
+                part = digests[i:i + SCAN]
+                async with self.r.pipeline(transaction=False) as pipe:
+                    pipe.hmget(self.k("blobs"), part)
+                    pipe.zmscore(self.k("blob_touched"), part)
+                    sizes, touched = await pipe.execute()
+                found.update((d, BlobRecord(d, int(size), float(t or 0.0)))
+                             for d, size, t in zip(part, sizes, touched, strict=True)
+                             if size is not None)
+            return found
+
+        return await self._do(op)
+
+    async def unreferenced_blobs(self) -> list[BlobRecord]:
+        async def op() -> list[BlobRecord]:
+            found: list[BlobRecord] = []
+            cursor = 0
+            while True:
+                cursor, page = await self.r.hscan(self.k("blobs"), cursor, count=SCAN)
+                digests = [_str(d) or "" for d in page]
+                if digests:
+                    async with self.r.pipeline(transaction=False) as pipe:
+                        for d in digests:
+                            pipe.scard(self.k("refs", d))
+                        pipe.zmscore(self.k("blob_touched"), digests)
+                        *refs, touched = await pipe.execute()
+                    found += [BlobRecord(d, int(page[raw]), float(t or 0.0))
+                              for d, raw, n, t in zip(digests, page, refs, touched, strict=True)
+                              if not n]
+                if not cursor:
+                    return found
 
         return await self._do(op)
 
@@ -384,7 +429,11 @@ class RedisIndex(Index):
             await self._do(lambda: self.r.zadd(self.k("blob_touched"),
                                                dict.fromkeys(digests, now)))
 
-    async def forget_blob(self, digest: str) -> None:
+    async def forget_blobs(self, digests: list[str]) -> None:
+        for digest in digests:
+            await self._forget_blob(digest)
+
+    async def _forget_blob(self, digest: str) -> None:
         async def op() -> None:
             size = await self.r.hget(self.k("blobs"), digest)
             if size is not None and await self.r.hdel(self.k("blobs"), digest):

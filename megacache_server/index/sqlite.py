@@ -18,7 +18,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -151,6 +151,10 @@ ACCESS_FLUSH_S = 1.0
 INFO_COLUMNS = ("key, namespace, model, size, created_at, updated_at, last_access, pinned, "
                 "(SELECT group_concat(digest) FROM entry_blobs b WHERE b.key = entries.key)")
 ENTRY_COLUMNS = INFO_COLUMNS + ", manifest, etag"
+BATCH = 500
+"""Keys or digests per statement in batched reads and deletes."""
+SCAN_PAGE = 5000
+"""Rows per page when a scan crosses the whole store."""
 _UPSERT = ", ".join(f"{c}={c}+excluded.{c}" for c in base.COUNTERS)
 
 
@@ -346,19 +350,32 @@ class SqliteIndex(Index):
             f"SELECT COALESCE(SUM(entries), 0), COALESCE(SUM(bytes), 0) FROM usage{where}", args)
         return (int(row[0]), int(row[1])) if row else (0, 0)
 
-    async def delete(self, key: str) -> bool:
-        def op(c: sqlite3.Connection) -> bool:
-            with _transaction(c, immediate=True):
-                return c.execute("DELETE FROM entries WHERE key=?", (key,)).rowcount > 0
+    async def delete(self, key: str, *, unless_pinned: bool = False) -> bool:
+        return await self.delete_many([key], unless_pinned=unless_pinned) == 1
 
-        return await self._run(op)
+    async def delete_unpinned(self, keys: list[str]) -> int:
+        return await self.delete_many(keys, unless_pinned=True)
+
+    async def delete_many(self, keys: list[str], *, unless_pinned: bool) -> int:
+        """Entries deleted in transactions of BATCH keys (eviction of many: few commits, and
+        the writer is free between batches)."""
+        extra = " AND pinned=0" if unless_pinned else ""
+        deleted = 0
+        for part in _batches(keys):
+            def op(c: sqlite3.Connection, part: list[str] = part) -> int:
+                with _transaction(c, immediate=True):
+                    return c.execute(f"DELETE FROM entries WHERE key IN ({_marks(part)}){extra}",
+                                     part).rowcount
+
+            deleted += await self._run(op)
+        return deleted
 
     async def set_pinned(self, key: str, pinned: bool) -> bool:
         return await self._run(lambda c: c.execute(
             "UPDATE entries SET pinned=? WHERE key=?", (int(pinned), key)).rowcount > 0)
 
-    async def lru_entries(self, limit: int, *, namespace: str | None = None
-                          ) -> list[base.EntryInfo]:
+    async def lru_entries(self, limit: int, *, namespace: str | None = None,
+                          offset: int = 0) -> list[base.EntryInfo]:
         pending, self._touched = self._touched, {}
         where = " AND namespace=?" if namespace is not None else ""
         args: tuple[Any, ...] = (namespace,) if namespace is not None else ()
@@ -367,7 +384,7 @@ class SqliteIndex(Index):
             _flush_access(c, pending)
             return [_info(r) for r in c.execute(
                 f"SELECT {INFO_COLUMNS} FROM entries WHERE pinned=0{where} "
-                "ORDER BY last_access, key LIMIT ?", (*args, limit)).fetchall()]
+                "ORDER BY last_access, key LIMIT ? OFFSET ?", (*args, limit, offset)).fetchall()]
 
         return await self._run(op)
 
@@ -405,30 +422,56 @@ class SqliteIndex(Index):
                                (digest,))
         return base.BlobRecord(*row) if row else None
 
-    async def referenced(self, digests: list[str]) -> set[str]:
-        def op(c: sqlite3.Connection) -> set[str]:
-            found: set[str] = set()
-            for i in range(0, len(digests), 500):
-                part = digests[i:i + 500]
-                marks = ",".join("?" * len(part))
-                found.update(r[0] for r in c.execute(
-                    f"SELECT DISTINCT digest FROM entry_blobs WHERE digest IN ({marks})", part))
-            return found
+    async def reference_counts(self, digests: list[str]) -> dict[str, int]:
+        counts = dict.fromkeys(digests, 0)
+        for part in _batches(digests):
+            counts.update(await self._rows(
+                f"SELECT digest, COUNT(*) FROM entry_blobs WHERE digest IN ({_marks(part)}) "
+                "GROUP BY digest", part))
+        return counts
 
-        return await self._run(op)
+    async def blob_records_of(self, digests: list[str]) -> dict[str, base.BlobRecord]:
+        found: dict[str, base.BlobRecord] = {}
+        for part in _batches(digests):
+            rows = await self._rows(
+                f"SELECT digest, size, touched_at FROM blobs WHERE digest IN ({_marks(part)})",
+                part)
+            found.update((r[0], base.BlobRecord(*r)) for r in rows)
+        return found
+
+    async def _rows(self, sql: str, args: Sequence[Any]) -> list[Any]:
+        """All rows of one read on the writer connection (in its thread)."""
+        return await self._run(lambda c: c.execute(sql, args).fetchall())
+
+    async def unreferenced_blobs(self) -> list[base.BlobRecord]:
+        """Pages of BATCH blobs in digest order, each one short read on the writer: a scan of
+        a million blobs never holds it for long."""
+        found: list[base.BlobRecord] = []
+        after = ""
+        while True:
+            rows = await self._rows(
+                "SELECT digest, size, touched_at, EXISTS (SELECT 1 FROM entry_blobs e "
+                "WHERE e.digest = b.digest) FROM blobs b WHERE digest > ? ORDER BY digest "
+                "LIMIT ?", (after, SCAN_PAGE))
+            found += [base.BlobRecord(d, size, touched) for d, size, touched, named in rows
+                      if not named]
+            if len(rows) < SCAN_PAGE:
+                return found
+            after = rows[-1][0]
 
     async def touch_blobs(self, digests: list[str]) -> None:
         now = time.time()
         await self._write(lambda c: c.executemany(
             "UPDATE blobs SET touched_at=? WHERE digest=?", [(now, d) for d in digests]))
 
-    async def forget_blob(self, digest: str) -> None:
-        def op(c: sqlite3.Connection) -> None:
-            with _transaction(c, immediate=True):
-                c.execute("DELETE FROM blobs WHERE digest=?", (digest,))
-                c.execute("DELETE FROM blob_owners WHERE digest=?", (digest,))
+    async def forget_blobs(self, digests: list[str]) -> None:
+        for part in _batches(digests):
+            def op(c: sqlite3.Connection, part: list[str] = part) -> None:
+                with _transaction(c, immediate=True):
+                    c.execute(f"DELETE FROM blobs WHERE digest IN ({_marks(part)})", part)
+                    c.execute(f"DELETE FROM blob_owners WHERE digest IN ({_marks(part)})", part)
 
-        await self._run(op)
+            await self._run(op)
 
     async def owns_blob(self, namespace: str, digest: str) -> bool:
         return await self._read("SELECT 1 FROM blob_owners WHERE namespace=? AND digest=?",
@@ -604,6 +647,15 @@ def _token(row: tuple[Any, ...]) -> base.TokenRecord:
     token_id, name, token_hash, scopes, namespace, created_at, revoked, expires_at = row
     return base.TokenRecord(token_id, name, token_hash, tuple(scopes.split(",")), namespace,
                             created_at, bool(revoked), expires_at)
+
+
+def _batches(items: list[str]) -> list[list[str]]:
+    """`items` in chunks that fit one statement's parameters."""
+    return [items[i:i + BATCH] for i in range(0, len(items), BATCH)]
+
+
+def _marks(part: list[str]) -> str:
+    return ",".join("?" * len(part))
 
 
 def _info(row: tuple[Any, ...]) -> base.EntryInfo:
