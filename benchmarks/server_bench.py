@@ -94,14 +94,16 @@ def run_benchmark(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         if args.profile_ours:
             stack.enter_context(py_spy(ours, Path(args.profile_ours)))
 
-        gets = run_gets(bench, {s: blobs[s] for s in args.sizes}, args.readers, services)
+        gets = run_gets(bench, {s: blobs[s] for s in args.sizes}, args.readers, services) \
+            if "get" in args.jobs else []
         lookups = run_lookups(bench, {
             "ours": (f"{server.url}/v1/ac/{key}", ours),
             "healthz": (f"{server.url}/healthz", ours),
             "nginx": (f"http://{LOOPBACK}:{nginx.port}/static/manifest.json", nginx),
-        }, LOOKUP_CLIENTS)
+        }, LOOKUP_CLIENTS) if "lookup" in args.jobs else []
         puts = run_puts(bench, blobs[args.put_size], args.put_uploaders,
-                        put_targets(ours, nginx, data_dir, root / "nginx"))
+                        put_targets(ours, nginx, data_dir, root / "nginx")) \
+            if "put" in args.jobs else []
     return {"get": gets, "put": puts, "lookup": lookups,
             "manifest_bytes": len(manifest_json), "load_avg_1min": bench.load_avg}
 
@@ -132,6 +134,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--max-uploads", type=int, default=200,
                         help="uploads per uploader per measurement at most")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--jobs", default="get,lookup,put",
+                        help="which measurements to run (get,lookup,put); a partial run "
+                             "never rewrites RESULTS.md")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 1 MiB, 1 and 16 readers, 1 repeat of 1 s")
     parser.add_argument("--no-redis", action="store_true", help="skip the Redis reference")
@@ -152,6 +157,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.no_results_md = True  # a smoke test never replaces the published numbers
     elif args.out is None:
         args.out = DEFAULT_OUT
+    args.jobs = [j for j in args.jobs.split(",") if j]
+    if unknown := set(args.jobs) - {"get", "lookup", "put"}:
+        parser.error(f"unknown job(s) {', '.join(sorted(unknown))}: choose from get,lookup,put")
+    if set(args.jobs) != {"get", "lookup", "put"}:
+        args.no_results_md = True
     for tool in ("nginx", "wrk"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
             parser.error(f"{tool} is not installed (Debian: apt-get install -y nginx wrk)")
