@@ -228,6 +228,10 @@ class Rollups:
     def hourly(self) -> dict[tuple[int, str], dict[str, float]]:
         return self._sums(lambda hour, model: (hour, model))
 
+    @property
+    def daily(self) -> dict[tuple[int, str], dict[str, float]]:
+        return self._sums(lambda hour, model: (hour // base.DAY * base.DAY, model))
+
     def _sums(self, key: Callable[[int, str], Any]) -> dict[Any, dict[str, float]]:
         out: dict[Any, dict[str, float]] = {}
         for (hour, model, template), n in self.counts.items():
@@ -238,11 +242,18 @@ class Rollups:
 
     @property
     def misses(self) -> dict[tuple[int, str, str, str], int]:
+        return self._misses(1)
+
+    @property
+    def misses_daily(self) -> dict[tuple[int, str, str, str], int]:
+        return self._misses(base.DAY)
+
+    def _misses(self, period: int) -> dict[tuple[int, str, str, str], int]:
         out: dict[tuple[int, str, str, str], int] = {}
         for (hour, model, template), n in self.counts.items():
             t = TEMPLATES[template]
             if t.outcome not in ("hit", "fallback"):
-                k = (hour, model, t.outcome, t.reason[:200])
+                k = (hour // period * period, model, t.outcome, t.reason[:200])
                 out[k] = out.get(k, 0) + n
         return out
 
@@ -336,15 +347,17 @@ class SqliteFs(Backend):
             f"INSERT INTO rollup_total (namespace, model, {cols}) VALUES ('default', ?, {marks})"
             f" ON CONFLICT DO UPDATE SET {upsert}",
             [(m, *(s.get(c, 0.0) for c in base.COUNTERS)) for m, s in rollups.total.items()])
-        conn.executemany(
-            f"INSERT INTO rollup_hourly (namespace, hour, model, {cols}) "
-            f"VALUES ('default', ?, ?, {marks}) ON CONFLICT DO UPDATE SET {upsert}",
-            [(h, m, *(s.get(c, 0.0) for c in base.COUNTERS))
-             for (h, m), s in rollups.hourly.items()])
-        conn.executemany(
-            "INSERT INTO miss_reasons VALUES ('default', ?, ?, ?, ?, ?) "
-            "ON CONFLICT DO UPDATE SET count=count+excluded.count",
-            [(*k, n) for k, n in rollups.misses.items()])
+        for table, sums in (("rollup_hourly", rollups.hourly), ("rollup_daily", rollups.daily)):
+            conn.executemany(
+                f"INSERT INTO {table} VALUES ('default', ?, ?, {marks}) "
+                f"ON CONFLICT DO UPDATE SET {upsert}",
+                [(h, m, *(s.get(c, 0.0) for c in base.COUNTERS)) for (h, m), s in sums.items()])
+        for table, misses in (("miss_reasons", rollups.misses),
+                              ("miss_reasons_daily", rollups.misses_daily)):
+            conn.executemany(
+                f"INSERT INTO {table} VALUES ('default', ?, ?, ?, ?, ?) "
+                "ON CONFLICT DO UPDATE SET count=count+excluded.count",
+                [(*k, n) for k, n in misses.items()])
         conn.execute("COMMIT")
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         conn.close()
@@ -433,15 +446,17 @@ class RedisS3(Backend):
             calls: list[tuple[str, tuple[Any, ...]]] = [("sadd", (k("namespaces"), "default"))]
             calls += [("hincrbyfloat", (k("total", "default"), f"{model}\t{name}", v))
                       for model, sums in rollups.total.items() for name, v in sums.items() if v]
-            calls += [("hincrbyfloat", (k("rollup", "default", hour), f"{model}\t{name}", v))
-                      for (hour, model), sums in rollups.hourly.items()
-                      for name, v in sums.items() if v]
-            calls += [("hincrbyfloat", (k("hourly", "default", hour), name, v))
-                      for (hour, _), sums in rollups.hourly.items()
-                      for name, v in sums.items() if v]
-            calls += [("zincrby", (k("misses", "default", hour), n,
-                                   json.dumps([model, outcome, reason])))
-                      for (hour, model, outcome, reason), n in rollups.misses.items()]
+            calls.append(("set", (k("daily_from"), 0)))  # daily rollups from the start
+            for suffix, sums, misses in (("", rollups.hourly, rollups.misses),
+                                         ("_day", rollups.daily, rollups.misses_daily)):
+                calls += [("hincrbyfloat", (k("rollup" + suffix, "default", period),
+                                            f"{model}\t{name}", v))
+                          for (period, model), s in sums.items() for name, v in s.items() if v]
+                calls += [("hincrbyfloat", (k("hourly" + suffix, "default", period), name, v))
+                          for (period, _), s in sums.items() for name, v in s.items() if v]
+                calls += [("zincrby", (k("misses" + suffix, "default", period), n,
+                                       json.dumps([model, outcome, reason])))
+                          for (period, model, outcome, reason), n in misses.items()]
             calls += [("lpush", (k("events", "default"), *raw[i:i + 1000]))
                       for i in range(0, len(raw), 1000)]
             calls.append(("ltrim", (k("events", "default"), 0, 9_999)))

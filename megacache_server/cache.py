@@ -338,11 +338,12 @@ class TenantCache:
         now = time.time()
         since = now - hours * 3600
         models = await self.index.stats(namespace=self.scope, since=since)
-        timeline = await self.index.timeline(namespace=self.scope, since=since)
+        bucket = 3600 if hours <= 72 else 86400
+        timeline = await self.index.timeline(namespace=self.scope, since=since,
+                                             daily=bucket == 86400)
         misses = await self.index.top_misses(namespace=self.scope, since=since, limit=10)
         largest = await self.index.largest_entries(namespace=self.scope, limit=10)
         entries, _ = await self.index.usage(self.scope)
-        bucket = 3600 if hours <= 72 else 86400
         slots: dict[int, dict[str, float]] = {}
         for slot in timeline:
             start = slot.start // bucket * bucket

@@ -221,6 +221,39 @@ def test_event_log_rollups(make_index: Callable[[], Index]):
     run(make_index, body)
 
 
+def test_event_log_long_windows_sum_days_and_hours_alike(make_index: Callable[[], Index]):
+    """A window of days reads daily rollups for whole days and hourly ones for the ends:
+    every event counts once, in the same place as with hourly resolution throughout."""
+    async def body(ix: Index) -> None:
+        from megacache_server.index.redis import RedisIndex
+
+        if isinstance(ix, RedisIndex):  # a store that wrote daily rollups from its start
+            await ix.r.set(ix.k("daily_from"), 0)
+        now = datetime.now(timezone.utc)
+        ages_h = [0, 5, 30, 49, 50, 75, 140, 200]
+        for h in ages_h:
+            when = (now - timedelta(hours=h)).isoformat()
+            await ix.add_event("ns", _event("m", created_at=when))
+            await ix.add_event("ns", _event("m", "miss", reason="cold", created_at=when))
+        for days in (1, 3, 6, 10):
+            since = time.time() - days * 86400
+            expected = 2 * sum(1 for h in ages_h if h < days * 24 - 1)  # whole hours only
+            [m] = await ix.stats(namespace="ns", since=since)
+            assert expected <= m.runs <= expected + 2, (days, m.runs)
+            hourly = await ix.timeline(namespace="ns", since=since)
+            daily = await ix.timeline(namespace="ns", since=since, daily=True)
+            assert sum(s.runs for s in hourly) == sum(s.runs for s in daily) == m.runs
+            assert sum(s.warm for s in daily) == m.runs // 2
+            [miss] = await ix.top_misses(namespace="ns", since=since, limit=10)
+            assert miss.count == m.runs // 2
+        days_slots = [s.start for s in await ix.timeline(namespace="ns", daily=True,
+                                                          since=time.time() - 10 * 86400)]
+        assert len(days_slots) == len(set(days_slots))
+        assert all(start % 3600 == 0 for start in days_slots)
+
+    run(make_index, body)
+
+
 # -- LockStore --------------------------------------------------------------------------
 def test_lock_store_is_shared_and_expires(make_index: Callable[[], Index]):
     async def body(ix: Index) -> None:

@@ -296,7 +296,8 @@ class EventLog(ABC):
         """Per-(namespace, model) sums since `since` (hour resolution; None: all time)."""
 
     @abstractmethod
-    async def timeline(self, *, namespace: str | None, since: float) -> list[TimelineSlot]:
+    async def timeline(self, *, namespace: str | None, since: float,
+                       daily: bool = False) -> list[TimelineSlot]:
         """Hourly runs, warm starts, seconds saved and time to start since `since`."""
 
     @abstractmethod
@@ -359,10 +360,44 @@ def entry_etag(manifest_json: bytes) -> str:
 
 
 HOUR = 3600
+DAY = 24 * HOUR
 
 
 def hour_of(ts: float) -> int:
     return int(ts // HOUR * HOUR)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Which rollups add up to the time since some moment: whole UTC days from the daily
+    rollups, the ragged ends (the first partial day, today) from the hourly ones. A week of
+    200 models is ~10k rows to sum instead of ~34k, and a year is ~73k instead of 1.75M."""
+
+    first_hour: int
+    day_start: int
+    day_end: int
+    last_hour: int
+
+    @property
+    def hours(self) -> list[int]:
+        """Hour starts summed from hourly rollups."""
+        return [*range(self.first_hour, self.day_start, HOUR),
+                *range(self.day_end, self.last_hour + 1, HOUR)]
+
+    @property
+    def days(self) -> list[int]:
+        return list(range(self.day_start, self.day_end, DAY))
+
+
+def window(since: float, now: float, *, days: bool = True, days_from: float = 0.0) -> Window:
+    """The window from `since` to `now`; `days=False` keeps hourly resolution throughout,
+    and no day before `days_from` (when daily rollups began) is read from them."""
+    first, last = hour_of(since), hour_of(now)
+    day_start = -(-max(first, int(days_from)) // DAY) * DAY
+    day_end = last // DAY * DAY
+    if not days or day_end <= day_start:
+        return Window(first, first, first, last)
+    return Window(first, day_start, day_end, last)
 
 
 EVENT_BACKDATE_S = 30 * 24 * 3600

@@ -41,7 +41,6 @@ from megacache_client.events import Event
 from megacache_server.errors import ServiceUnavailable
 from megacache_server.index import base
 from megacache_server.index.base import (
-    HOUR,
     BlobRecord,
     EntryInfo,
     Index,
@@ -72,6 +71,15 @@ class RedisIndex(Index):
     async def open(self) -> None:
         self._r = aioredis.from_url(self.url, socket_timeout=5, socket_connect_timeout=3,
                                     health_check_interval=15)
+        self._days_from: float | None = None
+
+    async def _daily_since(self) -> float:
+        """When this store began writing daily rollups (set once, by the first server that
+        writes them): days before it are summed from the hourly rollups instead."""
+        if self._days_from is None:
+            await self.r.set(self.k("daily_from"), time.time(), nx=True)
+            self._days_from = float(await self.r.get(self.k("daily_from")))
+        return self._days_from
 
     async def close(self) -> None:
         if self._r is not None:
@@ -495,28 +503,34 @@ class RedisIndex(Index):
     # -- events -------------------------------------------------------------------------
     async def add_event(self, namespace: str, event: Event) -> None:
         hour = base.event_hour(event, time.time())
+        day = hour // base.DAY * base.DAY
         sums = {c: v for c, v in base.event_counters(event).items() if v}
         counters = {f"{event.model}\t{c}": v for c, v in sums.items()}
-        rollup = self.k("rollup", namespace, hour)
-        hourly = self.k("hourly", namespace, hour)
+        periods = [(f"{kind}{suffix}", namespace, period) for suffix, period in
+                   (("", hour), ("_day", day)) for kind in ("rollup", "hourly", "misses")]
 
         async def op() -> None:
+            await self._daily_since()  # before the first daily write
             async with self.r.pipeline(transaction=True) as pipe:
                 pipe.lpush(self.k("events", namespace), event.model_dump_json())
                 pipe.ltrim(self.k("events", namespace), 0, MAX_RAW_EVENTS - 1)
                 pipe.sadd(self.k("namespaces"), namespace)
                 for field, value in counters.items():
                     pipe.hincrbyfloat(self.k("total", namespace), field, value)
-                    pipe.hincrbyfloat(rollup, field, value)
-                pipe.expire(rollup, ROLLUP_TTL_S)
-                for field, value in sums.items():
-                    pipe.hincrbyfloat(hourly, field, value)
-                pipe.expire(hourly, ROLLUP_TTL_S)
-                if event.outcome not in ("hit", "fallback"):
-                    misses = self.k("misses", namespace, hour)
-                    pipe.zincrby(misses, 1, json.dumps(
-                        [event.model, event.outcome, event.reason[:200]]))
-                    pipe.expire(misses, ROLLUP_TTL_S)
+                for kind, ns, period in periods:  # per model, all models, misses; hour, day
+                    key = self.k(kind, ns, period)
+                    if kind.startswith("rollup"):
+                        for field, value in counters.items():
+                            pipe.hincrbyfloat(key, field, value)
+                    elif kind.startswith("hourly"):
+                        for field, value in sums.items():
+                            pipe.hincrbyfloat(key, field, value)
+                    elif event.outcome in ("hit", "fallback"):
+                        continue
+                    else:
+                        pipe.zincrby(key, 1, json.dumps(
+                            [event.model, event.outcome, event.reason[:200]]))
+                    pipe.expire(key, ROLLUP_TTL_S)
                 await pipe.execute()
 
         await self._do(op)
@@ -532,8 +546,15 @@ class RedisIndex(Index):
                 pipe.hgetall(key)
             return list(await pipe.execute())
 
-    def _hours(self, since: float) -> list[int]:
-        return list(range(base.hour_of(since), base.hour_of(time.time()) + 1, HOUR))
+    async def _periods(self, kind: str, namespace: str, since: float,
+                       daily: bool = True) -> list[tuple[int, str]]:
+        """(period start, key) of the `kind` rollups that add up to the time since `since`:
+        whole days from the daily keys, the rest from the hourly ones."""
+        now = time.time()
+        w = base.window(max(since, now - ROLLUP_TTL_S), now, days=daily,
+                        days_from=await self._daily_since())
+        return [(h, self.k(kind, namespace, h)) for h in w.hours] + \
+            [(d, self.k(f"{kind}_day", namespace, d)) for d in w.days]
 
     async def stats(self, *, namespace: str | None, since: float | None = None
                     ) -> list[ModelStats]:
@@ -541,7 +562,7 @@ class RedisIndex(Index):
             by_model: dict[tuple[str, str], dict[str, float]] = {}
             for ns in await self._namespaces(namespace):
                 keys = [self.k("total", ns)] if since is None else \
-                    [self.k("rollup", ns, h) for h in self._hours(since)]
+                    [key for _, key in await self._periods("rollup", ns, since)]
                 for data in await self._hashes(keys):
                     for field, value in data.items():
                         model, _, counter = (_str(field) or "").rpartition("\t")
@@ -556,13 +577,14 @@ class RedisIndex(Index):
 
         return await self._do(op)
 
-    async def timeline(self, *, namespace: str | None, since: float) -> list[TimelineSlot]:
+    async def timeline(self, *, namespace: str | None, since: float,
+                       daily: bool = False) -> list[TimelineSlot]:
         async def op() -> list[TimelineSlot]:
-            hours = self._hours(since)
             slots: dict[int, dict[str, float]] = {}
             for ns in await self._namespaces(namespace):
-                rows = await self._hashes([self.k("hourly", ns, h) for h in hours])
-                for hour, data in zip(hours, rows, strict=True):
+                periods = await self._periods("hourly", ns, since, daily)
+                rows = await self._hashes([key for _, key in periods])
+                for (hour, _), data in zip(periods, rows, strict=True):
                     for field, value in data.items():
                         counter = _str(field) or ""
                         slot = slots.setdefault(hour, {})
@@ -581,8 +603,8 @@ class RedisIndex(Index):
             counts: dict[str, float] = {}
             for ns in await self._namespaces(namespace):
                 async with self.r.pipeline(transaction=False) as pipe:
-                    for h in self._hours(since):
-                        pipe.zrange(self.k("misses", ns, h), 0, -1, withscores=True)
+                    for _, key in await self._periods("misses", ns, since):
+                        pipe.zrange(key, 0, -1, withscores=True)
                     for rows in await pipe.execute():
                         for member, n in rows:
                             name = _str(member) or ""

@@ -115,6 +115,26 @@ CREATE INDEX IF NOT EXISTS miss_reasons_by_hour ON miss_reasons (hour);
 CREATE TABLE IF NOT EXISTS heartbeat (id INTEGER PRIMARY KEY, at REAL NOT NULL);
 """
 
+DAILY_SCHEMA = f"""
+CREATE TABLE rollup_daily (
+    namespace TEXT NOT NULL, day INTEGER NOT NULL, model TEXT NOT NULL, {_SUMS},
+    PRIMARY KEY (namespace, day, model)
+) WITHOUT ROWID;
+CREATE INDEX rollup_daily_by_day ON rollup_daily (day);
+CREATE TABLE miss_reasons_daily (
+    namespace TEXT NOT NULL, day INTEGER NOT NULL, model TEXT NOT NULL,
+    outcome TEXT NOT NULL, reason TEXT NOT NULL, count INTEGER NOT NULL,
+    PRIMARY KEY (namespace, day, model, outcome, reason)
+) WITHOUT ROWID;
+CREATE INDEX miss_reasons_daily_by_day ON miss_reasons_daily (day);
+INSERT INTO rollup_daily SELECT namespace, hour / {base.DAY} * {base.DAY}, model,
+    {", ".join(f"TOTAL({c})" for c in base.COUNTERS)} FROM rollup_hourly GROUP BY 1, 2, 3;
+INSERT INTO miss_reasons_daily SELECT namespace, hour / {base.DAY} * {base.DAY}, model,
+    outcome, reason, SUM(count) FROM miss_reasons GROUP BY 1, 2, 3, 4, 5;
+"""
+"""Daily rollups beside the hourly ones (long windows sum days); added to older stores with
+what their hourly rollups hold."""
+
 USAGE_SCHEMA = """
 CREATE TABLE usage (
     namespace TEXT PRIMARY KEY, entries INTEGER NOT NULL, bytes INTEGER NOT NULL
@@ -193,9 +213,11 @@ class SqliteIndex(Index):
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
-            if not conn.execute("SELECT 1 FROM sqlite_master WHERE name='usage'").fetchone():
-                for statement in _statements(USAGE_SCHEMA):
-                    conn.execute(statement)
+            for table, script in (("usage", USAGE_SCHEMA), ("rollup_daily", DAILY_SCHEMA)):
+                if not conn.execute("SELECT 1 FROM sqlite_master WHERE name=?",
+                                    (table,)).fetchone():
+                    for statement in _statements(script):
+                        conn.execute(statement)
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         reader = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=0.05,
                                  isolation_level=None, check_same_thread=False)
@@ -504,69 +526,72 @@ class SqliteIndex(Index):
         columns = ", ".join(base.COUNTERS)
         marks = ", ".join("?" * len(base.COUNTERS))
         values = tuple(counters[c] for c in base.COUNTERS)
+        hour = base.event_hour(event, now)
+        day = hour // base.DAY * base.DAY
 
         def op(c: sqlite3.Connection) -> None:
             with _transaction(c, immediate=True):
                 c.execute("INSERT INTO events (received_at, namespace, event) VALUES (?, ?, ?)",
                           (now, namespace, event.model_dump_json().encode()))
-                c.execute(f"""INSERT INTO rollup_hourly (namespace, hour, model, {columns})
-                              VALUES (?, ?, ?, {marks})
-                              ON CONFLICT DO UPDATE SET {_UPSERT}""",
-                          (namespace, base.event_hour(event, now), event.model, *values))
+                for table, period in (("rollup_hourly", hour), ("rollup_daily", day)):
+                    c.execute(f"""INSERT INTO {table} VALUES (?, ?, ?, {marks})
+                                  ON CONFLICT DO UPDATE SET {_UPSERT}""",
+                              (namespace, period, event.model, *values))
                 c.execute(f"""INSERT INTO rollup_total (namespace, model, {columns})
                               VALUES (?, ?, {marks}) ON CONFLICT DO UPDATE SET {_UPSERT}""",
                           (namespace, event.model, *values))
                 if event.outcome not in ("hit", "fallback"):
-                    c.execute("""INSERT INTO miss_reasons VALUES (?, ?, ?, ?, ?, 1)
-                                 ON CONFLICT DO UPDATE SET count=count+1""",
-                              (namespace, base.event_hour(event, now), event.model, event.outcome,
-                               event.reason[:200]))
+                    for table, period in (("miss_reasons", hour), ("miss_reasons_daily", day)):
+                        c.execute(f"""INSERT INTO {table} VALUES (?, ?, ?, ?, ?, 1)
+                                      ON CONFLICT DO UPDATE SET count=count+1""",
+                                  (namespace, period, event.model, event.outcome,
+                                   event.reason[:200]))
 
         await self._run(op)
 
     async def stats(self, *, namespace: str | None, since: float | None = None
                     ) -> list[base.ModelStats]:
         sums = ", ".join(f"TOTAL({c})" for c in base.COUNTERS)
+        where, args = _filters(namespace=namespace)
         if since is None:
-            where, args = _filters(namespace=namespace)
             sql = f"SELECT namespace, model, {sums} FROM rollup_total{where} " \
                   "GROUP BY namespace, model"
         else:
-            where, args = _filters(namespace=namespace)
-            where += (" AND" if where else " WHERE") + " hour >= ?"
-            args = (*args, base.hour_of(since))
-            sql = f"SELECT namespace, model, {sums} FROM rollup_hourly{where} " \
-                  "GROUP BY namespace, model"
-        rows = await self._run(lambda c: c.execute(sql, args).fetchall())
-        return _model_stats(rows)
+            rows, args = _windowed("namespace, model, " + ", ".join(base.COUNTERS),
+                                   "rollup", namespace, base.window(since, time.time()))
+            sql = f"SELECT namespace, model, {sums} FROM ({rows}) GROUP BY namespace, model"
+        found = await self._rows(sql, args)
+        return _model_stats(found)
 
-    async def timeline(self, *, namespace: str | None, since: float) -> list[base.TimelineSlot]:
-        where, args = _filters(namespace=namespace)
-        where += (" AND" if where else " WHERE") + " hour >= ?"
-        sql = (f"SELECT hour, TOTAL(runs), TOTAL(hit) + TOTAL(fallback), TOTAL(saved_s), "
-               f"TOTAL(tts_s), TOTAL(tts_n) FROM rollup_hourly{where} GROUP BY hour "
-               "ORDER BY hour")
-        rows = await self._run(lambda c: c.execute(sql, (*args, base.hour_of(since))).fetchall())
+    async def timeline(self, *, namespace: str | None, since: float,
+                       daily: bool = False) -> list[base.TimelineSlot]:
+        rows, args = _windowed("runs, hit + fallback AS warm, saved_s, tts_s, tts_n", "rollup",
+                               namespace, base.window(since, time.time(), days=daily))
+        found = await self._rows(
+            "SELECT period, TOTAL(runs), TOTAL(warm), TOTAL(saved_s), TOTAL(tts_s), "
+            f"TOTAL(tts_n) FROM ({rows}) GROUP BY period ORDER BY period", args)
         return [base.TimelineSlot(int(h), int(r), int(w), s, t, int(n))
-                for h, r, w, s, t, n in rows]
+                for h, r, w, s, t, n in found]
 
     async def top_misses(self, *, namespace: str | None, since: float,
                          limit: int) -> list[base.MissReason]:
-        where, args = _filters(namespace=namespace)
-        where += (" AND" if where else " WHERE") + " hour >= ?"
-        sql = (f"SELECT model, outcome, reason, SUM(count) AS n FROM miss_reasons{where} "
-               "GROUP BY model, outcome, reason ORDER BY n DESC, model LIMIT ?")
-        rows = await self._run(lambda c: c.execute(
-            sql, (*args, base.hour_of(since), limit)).fetchall())
-        return [base.MissReason(m, o, r, int(n)) for m, o, r, n in rows]
+        rows, args = _windowed("model, outcome, reason, count", "miss_reasons", namespace,
+                               base.window(since, time.time()))
+        found = await self._rows(
+            f"SELECT model, outcome, reason, SUM(count) AS n FROM ({rows}) "
+            "GROUP BY model, outcome, reason ORDER BY n DESC, model LIMIT ?", (*args, limit))
+        return [base.MissReason(m, o, r, int(n)) for m, o, r, n in found]
 
     async def prune_events(self, *, raw_before: float, rollups_before: float) -> int:
         def op(c: sqlite3.Connection) -> int:
             with _transaction(c, immediate=True):
                 n = c.execute("DELETE FROM events WHERE received_at < ?",
                               (raw_before,)).rowcount
-                c.execute("DELETE FROM rollup_hourly WHERE hour < ?", (rollups_before,))
-                c.execute("DELETE FROM miss_reasons WHERE hour < ?", (rollups_before,))
+                for table, period in (("rollup_hourly", "hour"), ("miss_reasons", "hour"),
+                                      ("rollup_daily", "day"), ("miss_reasons_daily", "day")):
+                    c.execute(f"DELETE FROM {table} WHERE {period} < ?",
+                              (base.hour_of(rollups_before) // base.DAY * base.DAY
+                               if period == "day" else rollups_before,))
                 return int(n)
 
         return await self._run(op)
@@ -647,6 +672,22 @@ def _token(row: tuple[Any, ...]) -> base.TokenRecord:
     token_id, name, token_hash, scopes, namespace, created_at, revoked, expires_at = row
     return base.TokenRecord(token_id, name, token_hash, tuple(scopes.split(",")), namespace,
                             created_at, bool(revoked), expires_at)
+
+
+def _windowed(columns: str, table: str, namespace: str | None,
+              window: base.Window) -> tuple[str, tuple[Any, ...]]:
+    """The rows of `table`'s hourly and daily rollups that add up to `window` (one UNION ALL
+    with a `period` column), and its parameters. `table` is a prefix: rollup or
+    miss_reasons, whose hourly tables are rollup_hourly and miss_reasons."""
+    hourly = "rollup_hourly" if table == "rollup" else table
+    ns = "namespace=? AND " if namespace is not None else ""
+    ns_args: tuple[Any, ...] = (namespace,) if namespace is not None else ()
+    sql = (f"SELECT hour AS period, {columns} FROM {hourly} "
+           f"WHERE {ns}((hour >= ? AND hour < ?) OR hour >= ?) UNION ALL "
+           f"SELECT day AS period, {columns} FROM {table}_daily "
+           f"WHERE {ns}day >= ? AND day < ?")
+    return sql, (*ns_args, window.first_hour, window.day_start, window.day_end,
+                 *ns_args, window.day_start, window.day_end)
 
 
 def _batches(items: list[str]) -> list[list[str]]:
