@@ -109,12 +109,12 @@ class _Lru:
     async def evict_until(self, projected: int, target: int) -> list[tuple[str, int]]:
         taken: list[EntryInfo] = []
         freed: dict[str, int] = {}
-        offset = 0
+        last: EntryInfo | None = None
         while projected > target:
-            page = await self.index.lru_entries(PAGE, offset=offset)
+            page = await self.index.lru_entries(PAGE, after=last)
             if not page:
                 break
-            offset += len(page)
+            last = page[-1]
             await self._learn({d for e in page for d in e.digests})
             for entry in page:
                 if projected <= target:

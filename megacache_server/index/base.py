@@ -209,9 +209,9 @@ class EntryStore(ABC):
 
     @abstractmethod
     async def lru_entries(self, limit: int, *, namespace: str | None = None,
-                          offset: int = 0) -> list[EntryInfo]:
-        """Unpinned entries, least recently accessed first, skipping the first `offset`:
-        eviction candidates, read page by page."""
+                          after: EntryInfo | None = None) -> list[EntryInfo]:
+        """Unpinned entries, least recently accessed first, from the one after `after` (the
+        last of the previous page): eviction candidates, read page by page."""
 
 
 class BlobLedger(ABC):

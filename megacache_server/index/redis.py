@@ -251,21 +251,16 @@ class RedisIndex(Index):
         return await self._do(op)
 
     async def _zset_infos(self, zkey: str, *, reverse: bool, limit: int,
-                          skip_pinned: bool = False, offset: int = 0) -> list[EntryInfo]:
-        """Entries in the zset's order; `offset` skips that many of those kept."""
+                          skip_pinned: bool = False, start: int = 0) -> list[EntryInfo]:
+        """Entries in the zset's order from rank `start`."""
         found: list[EntryInfo] = []
-        start, skip = 0, offset
         while len(found) < limit:
             read = self.r.zrevrange if reverse else self.r.zrange
             keys = [_str(k) or "" for k in await read(zkey, start, start + SCAN - 1)]
             if not keys:
                 break
             for e in await self._entries(keys, full=False):
-                if skip_pinned and e.pinned:
-                    continue
-                if skip:
-                    skip -= 1
-                else:
+                if not (skip_pinned and e.pinned):
                     found.append(e)
             start += SCAN
         return found[:limit]
@@ -316,10 +311,19 @@ class RedisIndex(Index):
         return await self._do(op)
 
     async def lru_entries(self, limit: int, *, namespace: str | None = None,
-                          offset: int = 0) -> list[EntryInfo]:
+                          after: EntryInfo | None = None) -> list[EntryInfo]:
         zkey = self.k("lru", namespace) if namespace is not None else self.k("lru")
-        return await self._do(lambda: self._zset_infos(zkey, reverse=False, limit=limit,
-                                                        skip_pinned=True, offset=offset))
+
+        async def op() -> list[EntryInfo]:
+            start = 0
+            if after is not None:  # the rank after it; by its score if it has gone since
+                rank = await self.r.zrank(zkey, after.key)
+                start = rank + 1 if rank is not None else \
+                    await self.r.zcount(zkey, "-inf", f"({after.last_access}")
+            return await self._zset_infos(zkey, reverse=False, limit=limit,
+                                          skip_pinned=True, start=start)
+
+        return await self._do(op)
 
     # -- blobs --------------------------------------------------------------------------
     async def record_blob(self, digest: str, size: int, namespace: str) -> bool:

@@ -381,7 +381,9 @@ class SqliteIndex(Index):
     async def delete_many(self, keys: list[str], *, unless_pinned: bool) -> int:
         """Entries deleted in transactions of BATCH keys (eviction of many: few commits, and
         the writer is free between batches)."""
-        extra = " AND pinned=0" if unless_pinned else ""
+        # +pinned: the key is the index to use (SQLite would pick the pinned index and scan
+        # every unpinned entry per statement, 0.5 s per batch at a million entries)
+        extra = " AND +pinned=0" if unless_pinned else ""
         deleted = 0
         for part in _batches(keys):
             def op(c: sqlite3.Connection, part: list[str] = part) -> int:
@@ -397,16 +399,19 @@ class SqliteIndex(Index):
             "UPDATE entries SET pinned=? WHERE key=?", (int(pinned), key)).rowcount > 0)
 
     async def lru_entries(self, limit: int, *, namespace: str | None = None,
-                          offset: int = 0) -> list[base.EntryInfo]:
+                          after: base.EntryInfo | None = None) -> list[base.EntryInfo]:
         pending, self._touched = self._touched, {}
         where = " AND namespace=?" if namespace is not None else ""
         args: tuple[Any, ...] = (namespace,) if namespace is not None else ()
+        if after is not None:  # keyset paging: OFFSET would evaluate every row it skips
+            where += " AND (last_access, key) > (?, ?)"
+            args += (after.last_access, after.key)
 
         def op(c: sqlite3.Connection) -> list[base.EntryInfo]:
             _flush_access(c, pending)
             return [_info(r) for r in c.execute(
                 f"SELECT {INFO_COLUMNS} FROM entries WHERE pinned=0{where} "
-                "ORDER BY last_access, key LIMIT ? OFFSET ?", (*args, limit, offset)).fetchall()]
+                "ORDER BY last_access, key LIMIT ?", (*args, limit)).fetchall()]
 
         return await self._run(op)
 
