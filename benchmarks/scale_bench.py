@@ -89,6 +89,9 @@ HW: dict[str, Scalar] = {"arch": "x86_64", "isa": "avx2", "cxx": "g++ 12.2.0", "
 GOALS_MS = {"exact": 10, "fallback": 10, "publish": 10, "head_cas": 10, "stats": 100,
             "metrics": 100, "dashboard": 100}
 GOAL_WAIT_MS = 50
+GOALS_AT_1M = {"gc_plan": (10, 500), "fsck": (60, math.inf)}
+"""Wall seconds and peak MB of a GC plan and of fsck (no --verify; no memory goal) at a
+million entries."""
 ROUTE_BUDGET_S = 30.0
 """A route slower than this many seconds in all gets fewer samples (at least 10)."""
 OUTCOME_CYCLE = ("hit", "hit", "hit", "hit", "hit", "fallback", "fallback", "miss", "hit",
@@ -763,6 +766,12 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
         if r["concurrent"]["gc"]["lookups"]["max_ms"] > GOAL_WAIT_MS:
             missed.append(f"{where}: lookup max during GC "
                           f"{r['concurrent']['gc']['lookups']['max_ms']:.1f} ms > {GOAL_WAIT_MS}")
+        if r["entries"] >= 1_000_000:  # the maintenance goals are set at a million entries
+            for job, (wall, rss) in GOALS_AT_1M.items():
+                if r[job]["wall_s"] >= wall or r[job]["max_rss_mb"] >= rss:
+                    missed.append(f"{where}: {job} {r[job]['wall_s']:.1f} s / "
+                                  f"{r[job]['max_rss_mb']:.0f} MB (goal < {wall} s"
+                                  + (f", < {rss} MB)" if rss < math.inf else ")"))
     return missed
 
 
