@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
