@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from anyio import to_thread
+
 from megacache_server.index.base import BlobRecord, EntryInfo, Index
 from megacache_server.storage import Storage
 
@@ -82,16 +84,28 @@ async def plan(storage: Storage, *, budget: int | None, grace_s: float,
         else:
             result.kept_in_grace += 1
     projected = stored - sum(rec.size for rec in idle)
+    taken: list[EntryInfo] = []
+    freed: dict[str, int] = {}
     if budget is not None and target is not None and stored > budget and projected > target:
-        lru = _Lru(index, result)
-        for digest, size in await lru.evict_until(projected, target):
-            # The grace period shields fresh uploads no manifest names yet; these were named
-            # until this plan, so only a touch from now on (a new manifest) spares them.
-            result.delete.append(Deletion(digest, size, "named only by evicted entries",
-                                          touched_before=now))
+        taken, freed = await _Lru(index).evict_until(projected, target)
+    # Lists of a hundred thousand items are built off the event loop.
+    await to_thread.run_sync(_conclude, result, taken, freed, idle, now, grace_s)
+    return result
+
+
+def _conclude(result: GcPlan, taken: list[EntryInfo], freed: dict[str, int],
+              idle: list[BlobRecord], now: float, grace_s: float) -> None:
+    """The plan's lists: entries that free a blob (others taken are put back), then blobs."""
+    for entry in taken:
+        if not freed.keys().isdisjoint(entry.digests):
+            when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry.last_access))
+            result.evict.append((entry.key, f"least recently used (last access {when} UTC)"))
+    # The grace period shields fresh uploads no manifest names yet; these were named until
+    # this plan, so only a touch from now on (a new manifest) spares them.
+    result.delete += [Deletion(digest, size, "named only by evicted entries", touched_before=now)
+                      for digest, size in sorted(freed.items())]
     result.delete += [Deletion(rec.digest, rec.size, "no entry names it",
                                touched_before=now - grace_s) for rec in idle]
-    return result
 
 
 class _Lru:
@@ -100,13 +114,14 @@ class _Lru:
     naming it). Entries taken that free no blob (all their blobs still named by entries
     that stay) are put back: evicting one would lose a cache entry and free nothing."""
 
-    def __init__(self, index: Index, result: GcPlan) -> None:
+    def __init__(self, index: Index) -> None:
         self.index = index
-        self.result = result
         self.refcount: dict[str, int] = {}
         self.sizes: dict[str, int] = {}
 
-    async def evict_until(self, projected: int, target: int) -> list[tuple[str, int]]:
+    async def evict_until(self, projected: int, target: int
+                          ) -> tuple[list[EntryInfo], dict[str, int]]:
+        """(entries taken in LRU order, blobs their eviction frees -> size)."""
         taken: list[EntryInfo] = []
         freed: dict[str, int] = {}
         last: EntryInfo | None = None
@@ -125,12 +140,7 @@ class _Lru:
                     if self.refcount[digest] == 0 and digest in self.sizes:
                         freed[digest] = self.sizes[digest]
                         projected -= self.sizes[digest]
-        for entry in taken:
-            if not freed.keys().isdisjoint(entry.digests):
-                when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry.last_access))
-                self.result.evict.append(
-                    (entry.key, f"least recently used (last access {when} UTC)"))
-        return sorted(freed.items())
+        return taken, freed
 
     async def _learn(self, digests: set[str]) -> None:
         """Reference counts and sizes of blobs first met on this page."""
