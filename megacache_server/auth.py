@@ -49,9 +49,6 @@ class Principal:
     scopes: frozenset[str]
     namespace: str | None  # None: every namespace (auth off)
 
-    def sees(self, namespace: str) -> bool:
-        return self.namespace is None or self.namespace == namespace
-
 
 ANONYMOUS = Principal("anonymous", frozenset(SCOPES), None)
 

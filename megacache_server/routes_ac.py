@@ -7,9 +7,9 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Request, Response
 
 from megacache_client.manifest import HEX64_PATTERN
+from megacache_server.cache import Precondition, StoredEntry
 from megacache_server.deps import Admin, Reader, Writer
 from megacache_server.errors import PayloadTooLarge, error_responses
-from megacache_server.index.base import Precondition, StoredEntry
 from megacache_server.metrics import Metered
 from megacache_server.signing import signature_headers
 from megacache_server.validation import request_body, require_content_length
