@@ -62,6 +62,9 @@ class GcResult:
 
 PAGE = 2000
 """LRU entries read per page while eviction looks for enough bytes to free."""
+RECHECK = 64
+"""Blobs re-checked together right before they are deleted: small, so a manifest written
+between the check and the delete (it touches its blobs first) has little time to fall in."""
 DELETE_CONCURRENCY = 8
 """At most the S3 client's connection pool (botocore: 10)."""
 
@@ -157,8 +160,8 @@ async def apply(storage: Storage, gc_plan: GcPlan) -> GcResult:
     result = GcResult()
     index = storage.index
     result.evicted = await index.delete_unpinned([key for key, _ in gc_plan.evict])
-    for i in range(0, len(gc_plan.delete), PAGE):
-        part = gc_plan.delete[i:i + PAGE]
+    for i in range(0, len(gc_plan.delete), RECHECK):
+        part = gc_plan.delete[i:i + RECHECK]
         digests = [d.digest for d in part]
         named = await index.referenced(digests)
         records = await index.blob_records_of(digests)
