@@ -136,7 +136,7 @@ def main() -> int:
             "precompile": lr.precompile or session.precompile_off,
             "prefetch": None if session.prefetcher is None else {
                 k: v for k, v in vars(session.prefetcher.result).items()
-                if k in ("bytes_down", "error", "entry_key")},
+                if k in ("bytes_down", "toolchain_bytes", "error", "entry_key")},
             "tts": {k: v for k, v in (event.model_dump() if event else {}).items()
                     if k.startswith(("tts_", "precompile_"))},
         }

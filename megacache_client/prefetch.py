@@ -56,9 +56,16 @@ class PrefetchResult:
     placed: dict[str, int] = field(default_factory=dict)
     """digest -> files unpacked from that kernels/toolchain pack."""
     bytes_down: int = 0
+    """Downloaded before `wait` returns (the toolchain pack counts in `toolchain_bytes`)."""
+    toolchain_bytes: int = 0
     seconds: float = 0.0
     error: str = ""
     entry_key: str | None = None
+    toolchain: str | None = None
+    """Digest of the toolchain pack this prefetch downloads and places *after* the rest is
+    ready (`Prefetcher.wait`): an exact hit with its kernels never runs g++, so the first
+    compile does not wait for ~150 MB of headers to be unpacked."""
+    toolchain_error: str = ""
 
 
 class Prefetcher:
@@ -101,17 +108,15 @@ class Prefetcher:
         """The result once the downloads have finished, or None if they are still running."""
         return self.result if self._fetched.wait(timeout) else None
 
-    def wait_imports(self, timeout: float) -> bool:
-        """Wait for the import warm-up, so the caller never imports the same modules at once.
-
-        Returns at once when the downloads are still running (the warm-up comes after them).
-        """
-        return self._fetched.is_set() and self._done.wait(timeout)
+    def wait_toolchain(self, timeout: float) -> bool:
+        """Wait for the toolchain pack to be in place (after `wait`); False on timeout."""
+        return self._done.wait(timeout)
 
     def _run(self) -> None:
         started = time.monotonic()
+        toolchain: BlobRef | None = None
         try:
-            self._prefetch()
+            toolchain = self._prefetch()
         except Exception as exc:  # the session fetches on its own
             self.result.error = f"{type(exc).__name__}: {exc}"
             log.debug("megacache: prefetch failed: %s", self.result.error)
@@ -121,19 +126,29 @@ class Prefetcher:
         # No import warm-up here: importing torch._dynamo on this thread while the trainer's
         # thread imports it too broke a real job (a partially initialised module, seen with
         # transformers); the first compile imports what it needs itself.
-        self._done.set()
+        try:
+            if toolchain is not None:
+                self.result.toolchain_bytes = self._fetch_and_place([toolchain])
+        except Exception as exc:  # g++, if it ever runs, builds its own headers
+            self.result.toolchain_error = f"{type(exc).__name__}: {exc}"
+            log.debug("megacache: prefetch of the toolchain failed: %s",
+                      self.result.toolchain_error)
+        finally:
+            self._done.set()
 
     def _continue_previous(self) -> None:
-        """Take over what an earlier prefetch of this process fetched (waiting for it, bounded)."""
+        """Take over what an earlier prefetch of this process fetched, its toolchain pack
+        included (waiting for it, bounded)."""
         if self.previous is None:
             return
-        done = self.previous.wait(self.deadline.cap(self.config.load_deadline_s))
-        if done is not None:
+        if self.previous.wait_toolchain(self.deadline.cap(self.config.load_deadline_s)):
+            done = self.previous.result
             self.result.paths.update(done.paths)
             self.result.placed.update(done.placed)
-            self.result.bytes_down += done.bytes_down
+            self.result.bytes_down += done.bytes_down + done.toolchain_bytes
 
-    def _prefetch(self) -> None:
+    def _prefetch(self) -> BlobRef | None:
+        """Fetch and place all but the toolchain pack; returns that, for afterwards."""
         self._continue_previous()
         env, hw = self._components
         # the load step's deadline bounds the prefetch too: a hung server costs it no more
@@ -150,16 +165,31 @@ class Prefetcher:
                 if toolchain is not None:
                     blobs.append(toolchain)
             blobs = [b for b in blobs if b.digest not in self.result.paths]
-            for blob in blobs:
-                path, downloaded = self.node.fetch(
-                    blob.digest, blob.size,
-                    functools.partial(remote.download_blob, blob.digest, blob.size))
-                self.result.paths[blob.digest] = path
-                self.result.bytes_down += downloaded
-            for blob in blobs:
-                if blob.role in ("kernels", "toolchain"):
-                    self.result.placed[blob.digest] = place(
-                        blob.role, self.result.paths[blob.digest], self.config.max_raw_bytes)
+            toolchain = next((b for b in blobs if b.role == "toolchain"), None)
+            self.result.bytes_down += self._fetch_and_place(
+                [b for b in blobs if b is not toolchain], remote)
+            if toolchain is not None:
+                self.result.toolchain = toolchain.digest
+            return toolchain
+
+    def _fetch_and_place(self, blobs: list[BlobRef], remote: RemoteCache | None = None) -> int:
+        """Download `blobs` into the node cache, then unpack the packs where torch looks;
+        returns the bytes downloaded."""
+        if remote is None:
+            with RemoteCache(self.config, deadline=self.deadline) as own:
+                return self._fetch_and_place(blobs, own)
+        downloaded = 0
+        for blob in blobs:
+            path, n = self.node.fetch(
+                blob.digest, blob.size,
+                functools.partial(remote.download_blob, blob.digest, blob.size))
+            self.result.paths[blob.digest] = path
+            downloaded += n
+        for blob in blobs:
+            if blob.role in ("kernels", "toolchain"):
+                self.result.placed[blob.digest] = place(
+                    blob.role, self.result.paths[blob.digest], self.config.max_raw_bytes)
+        return downloaded
 
     def _newest_of_model(self, remote: RemoteCache, env: dict[str, Scalar],
                          hw: dict[str, Scalar]) -> Manifest | None:

@@ -215,9 +215,6 @@ class Session:
             try:
                 prefetched = self._await_prefetch(result)
                 step("prefetch")
-                if self.prefetcher is not None:  # its compiler imports: "rest" in the split
-                    self.prefetcher.wait_imports(self.config.prefetch_wait_s)
-                    step("imports")
                 deadline = Deadline(self.config.load_deadline_s)
                 with RemoteCache(self.config, deadline=deadline) as remote:
                     found = self._find_entry(remote, fp, result)
@@ -322,6 +319,8 @@ class Session:
             if skip:
                 result.skipped[blob.role] = skip
                 continue
+            if prefetched is not None and blob.digest == prefetched.toolchain:
+                continue  # the prefetch thread is fetching and placing it (step 4)
             if blob.digest in ready and _has_size(ready[blob.digest], blob.size):
                 paths[blob.role] = ready[blob.digest]  # verified by the prefetch thread
                 continue
@@ -346,6 +345,13 @@ class Session:
     def _place_artifacts(self, entry: Manifest, paths: dict[str, Path], result: LoadResult,
                          prefetched: PrefetchResult | None = None) -> None:
         done = prefetched.placed if prefetched is not None else {}
+        toolchain = entry.blob("toolchain")
+        if prefetched is not None and toolchain is not None and \
+                toolchain.digest == prefetched.toolchain and not (
+                    result.outcome == "hit" and "kernels" in paths):
+            # Only an exact hit with its kernels is sure never to run g++; any other load
+            # waits (bounded) for the prefetch thread to put the headers in place.
+            self._await_toolchain(result)
         for role in ("kernels", "toolchain"):
             blob = entry.blob(role)
             if role not in paths or blob is None:
@@ -353,6 +359,17 @@ class Session:
             count = done.get(blob.digest)
             result.placed[role] = count if count is not None else \
                 place(role, paths[role], self.config.max_raw_bytes)
+
+    def _await_toolchain(self, result: LoadResult) -> None:
+        """The toolchain pack the prefetch thread places after the rest: wait for it."""
+        if self.prefetcher is None or not self.prefetcher.wait_toolchain(
+                self.config.prefetch_wait_s):
+            return
+        done = self.prefetcher.result
+        if done.toolchain is not None and done.toolchain in done.placed and \
+                "toolchain" not in result.placed:
+            result.placed["toolchain"] = done.placed[done.toolchain]
+            result.bytes_down += done.toolchain_bytes
 
     # -- step 5: verify and hot-load the Mega-Cache bundle ------------------------------
     def _load_bundle(self, entry: Manifest, paths: dict[str, Path], result: LoadResult) -> None:
@@ -652,6 +669,8 @@ class Session:
             self._closed = True
         self.publish(wait=True)
         self._forget_precompiled()
+        if self.tracks and self._first.load.entry is not None:
+            self._await_toolchain(self._first.load)  # placed in the background: count it
         return self.report()
 
     def _forget_precompiled(self) -> None:
