@@ -18,11 +18,12 @@ compile waits only for a prefetch still running, at most `prefetch_wait_s`; what
 here is only logged at debug level and the session fetches on its own, as it would
 without prefetch.
 
-After the downloads the thread imports the compiler's own modules (Inductor's compile_fx,
-which pulls in Dynamo and AOTAutograd): seconds of imports that the first torch.compile
-would otherwise pay on the critical path, now overlapped with the trainer's set-up too.
-The first compile waits for those imports as well (bounded), so the two threads never
-import the same modules at once.
+The toolchain pack (~150 MB of headers once unpacked) comes last, after the first compile
+may go on: an exact hit with its kernels never runs g++, so it never waits for it; any other
+load waits for it (bounded) so a kernel it must build finds the headers.
+
+The thread imports nothing of torch's compiler: importing Dynamo there while the trainer's
+thread imports it too broke a real job; what it needs is imported on the enabling thread.
 """
 
 from __future__ import annotations
