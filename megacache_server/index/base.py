@@ -231,9 +231,9 @@ class BlobLedger(ABC):
     async def blob_records(self) -> list[BlobRecord]:
         """Every blob the index has recorded."""
 
-    @abstractmethod
     async def blob_record(self, digest: str) -> BlobRecord | None:
-        """One blob's record, or None."""
+        """One blob's record, or None (backends with a faster point read override it)."""
+        return (await self.blob_records_of([digest])).get(digest)
 
     @abstractmethod
     async def blob_records_of(self, digests: list[str]) -> dict[str, BlobRecord]:

@@ -375,16 +375,6 @@ class RedisIndex(Index):
 
         return await self._do(op)
 
-    async def blob_record(self, digest: str) -> BlobRecord | None:
-        async def op() -> BlobRecord | None:
-            size = await self.r.hget(self.k("blobs"), digest)
-            if size is None:
-                return None
-            touched = await self.r.zscore(self.k("blob_touched"), digest)
-            return BlobRecord(digest, int(size), float(touched or 0.0))
-
-        return await self._do(op)
-
     async def reference_counts(self, digests: list[str]) -> dict[str, int]:
         async def op() -> dict[str, int]:
             counts: dict[str, int] = {}
