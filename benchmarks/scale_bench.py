@@ -21,8 +21,8 @@ spread over the last 13 days (inside raw-event retention: GC has nothing to prun
   in bulk transactions (synchronous=OFF) with the server's own schema; the rollup rows are
   the sums `add_event` would have made, computed with the server's `event_counters`.
 - redis+s3: blobs put into SeaweedFS by 32 threads; entries and blob records through the
-  Redis index's own `put`/`record_blob` (many in flight at once); events as rollup hashes
-  written in pipelines (the same keys `add_event` writes).
+  Redis index's own `bulk_load` (the keys `put`/`record_blob` write, in large pipelines);
+  events as rollup hashes written in pipelines (the same keys `add_event` writes).
 
     python benchmarks/scale_bench.py --sizes 10000,100000,300000 --write-results
     python benchmarks/scale_bench.py --quick     # 2k entries: checks the script works
@@ -426,19 +426,12 @@ class RedisS3(Backend):
         index = RedisIndex(self.redis.url)
         await index.open()
         try:
-            sem = asyncio.Semaphore(8)  # more connections time out on a busy 2-core box
-
-            async def one(e: Entry) -> None:
-                async with sem:
-                    await index.record_blob(e.digest, BLOB_SIZE, "default")
-                    await index.put(base.NewEntry(
-                        key=e.key, manifest_json=e.manifest, namespace="default",
-                        model=e.model, env_digest=e.env_digest, hw_digest=HW_DIGEST,
-                        digests=(e.digest,), size=BLOB_SIZE, created_at=e.created_at),
-                        base.Precondition())
-
-            for i in range(0, len(entries), 5000):
-                await asyncio.gather(*(one(e) for e in entries[i:i + 5000]))
+            await index.bulk_load(
+                [(base.NewEntry(key=e.key, manifest_json=e.manifest, namespace="default",
+                                model=e.model, env_digest=e.env_digest, hw_digest=HW_DIGEST,
+                                digests=(e.digest,), size=BLOB_SIZE, created_at=e.created_at),
+                  e.created_at) for e in entries],
+                [(e.digest, BLOB_SIZE, "default") for e in entries])
             rollups = Rollups()
             raw: list[str] = []
             for e in entries:
@@ -816,7 +809,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
         machine_line(m) + f", Python {m['python']}, SQLite {m['sqlite']}, "
         f"{m['redis_server'] or 'no redis-server'}",
         "- fill: bulk, through the storage layer (SQLite rows in bulk transactions and blob "
-        "files written in place; Redis through the index's own put/record_blob, blobs put "
+        "files written in place; Redis through the index's own bulk_load, blobs put "
         "straight into SeaweedFS); each entry a valid manifest with its own 1 KiB blob, "
         "200 models x 5 env variants, 10 events per entry over 13 days",
         "- server: one worker; latencies from one client, requests in turn "
@@ -857,7 +850,7 @@ def parse(argv: list[str] | None = None) -> Args:
     p.add_argument("--sizes", default="10000,100000,300000",
                    help="entry counts, ascending (the store grows from one to the next)")
     p.add_argument("--backends", default="sqlite+fs,redis+s3")
-    p.add_argument("--redis-max", type=int, default=100_000,
+    p.add_argument("--redis-max", type=int, default=1_000_000,
                    help="largest size filled on redis+s3 (its fill is slower)")
     p.add_argument("--quick", action="store_true", help="2k entries, few samples")
     p.add_argument("--workdir", type=Path, help="keep the stores here (default: a temp dir)")

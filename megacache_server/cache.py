@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -57,12 +57,19 @@ def _problems(exc: ValidationError) -> list[dict[str, Any]]:
             for e in exc.errors(include_url=False, include_input=False)]
 
 
+class Collector(Protocol):
+    """Runs `Cache.collect` elsewhere (`collector.OffLoopCollector`: off the serving loop)."""
+
+    async def collect(self, budget: int | None) -> eviction.GcResult | None: ...
+
+
 class Cache:
     """The process-wide cache: storage plus the rules that are not about one caller."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, collector: Collector | None = None) -> None:
         self.storage = storage
         self.settings = storage.settings
+        self.collector = collector
         self.event_limiter = RateLimiter(rate=self.settings.event_rate,
                                          burst=self.settings.event_burst)
 
@@ -83,8 +90,14 @@ class Cache:
     async def collect(self, *, budget: int | None = None,
                       gc_plan: eviction.GcPlan | None = None) -> eviction.GcResult | None:
         """Evict over budget and collect unreferenced blobs, one collector at a time across
-        every process and replica. None when another collector holds the lock."""
+        every process and replica. None when another collector holds the lock.
+
+        With a collector (the server's), the work runs there: the access times this
+        process buffers are written first, so its LRU order is the one the plan reads."""
         index = self.storage.index
+        if self.collector is not None and gc_plan is None:
+            await index.flush_access()
+            return await self.collector.collect(budget)
         if not await index.acquire_lock(GC_LOCK, ttl_s=GC_LOCK_TTL_S):
             return None
         try:

@@ -307,6 +307,10 @@ async def run_gc(settings: Settings, *, dry_run: bool) -> int:
             return ExitCode.UNAVAILABLE
         print(f"evicted {done.evicted} entries, deleted {done.deleted} blobs "
               f"({done.freed_bytes} bytes), spared {done.spared}")
+        if done.failed:
+            print(f"megacache-server: the blob store could not delete {done.failed} blobs; "
+                  "they stay on record and the next gc tries again", file=sys.stderr)
+            return ExitCode.UNAVAILABLE
         return ExitCode.OK
 
 

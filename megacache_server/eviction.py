@@ -18,7 +18,6 @@ plan over a million entries neither holds them all in memory nor stalls the even
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -58,6 +57,7 @@ class GcResult:
     deleted: int = 0
     freed_bytes: int = 0
     spared: int = 0  # blobs re-referenced or touched between plan and delete
+    failed: int = 0  # blobs the store could not delete: kept on record, tried again next GC
 
 
 PAGE = 2000
@@ -65,8 +65,6 @@ PAGE = 2000
 RECHECK = 64
 """Blobs re-checked together right before they are deleted: small, so a manifest written
 between the check and the delete (it touches its blobs first) has little time to fall in."""
-DELETE_CONCURRENCY = 8
-"""At most the S3 client's connection pool (botocore: 10)."""
 
 
 async def plan(storage: Storage, *, budget: int | None, grace_s: float,
@@ -173,20 +171,10 @@ async def apply(storage: Storage, gc_plan: GcPlan) -> GcResult:
                 result.spared += 1
             else:
                 going.append(deletion)
-        await _delete_blobs(storage, [d.digest for d in going])
-        await index.forget_blobs([d.digest for d in going])
-        result.deleted += len(going)
-        result.freed_bytes += sum(d.size for d in going)
+        failed = await storage.blobs.delete_many([d.digest for d in going])
+        gone = [d for d in going if d.digest not in failed]
+        await index.forget_blobs([d.digest for d in gone])
+        result.failed += len(going) - len(gone)
+        result.deleted += len(gone)
+        result.freed_bytes += sum(d.size for d in gone)
     return result
-
-
-async def _delete_blobs(storage: Storage, digests: list[str]) -> None:
-    """Blob deletes, DELETE_CONCURRENCY at a time (one S3 round trip each: in turn, 10% of a
-    large store would take minutes)."""
-    limit = asyncio.Semaphore(DELETE_CONCURRENCY)
-
-    async def one(digest: str) -> None:
-        async with limit:
-            await storage.blobs.delete(digest)
-
-    await asyncio.gather(*(one(d) for d in digests))

@@ -149,6 +149,37 @@ def test_a_blob_named_after_planning_is_spared(settings: Settings):
     run(settings, scenario)
 
 
+def test_blobs_are_deleted_in_batches(settings: Settings):
+    """GC deletes many blobs per call (S3: one DeleteObjects per thousand); a blob that is
+    already gone counts as deleted, and the store reports none as failed."""
+    async def scenario(storage: Storage) -> None:
+        digests = [await add_blob(storage, os.urandom(64)) for _ in range(5)]
+        gone = "0" * 64
+        assert await storage.blobs.delete_many([*digests[:4], gone]) == set()
+        assert [await storage.blobs.stat(d) for d in digests] == [None] * 4 + [64]
+
+    run(settings, scenario)
+
+
+def test_a_blob_the_store_cannot_delete_keeps_its_record(tmp_path: Path):
+    """The index forgets a blob only once the store has really deleted it: one it could not
+    delete stays on record (the next GC tries again) and the GC reports it."""
+    async def scenario(storage: Storage) -> None:
+        stuck, fine = [await add_blob(storage, os.urandom(300)) for _ in range(2)]
+        path = storage.blobs.path_of(stuck)  # type: ignore[attr-defined]
+        path.unlink()
+        path.mkdir()  # unlink() now fails with an OSError that is not "not found"
+        plan = await eviction.plan(storage, budget=None, grace_s=0.0, now=time.time() + 1)
+        assert {d.digest for d in plan.delete} == {stuck, fine}
+        done = await eviction.apply(storage, plan)
+        assert (done.deleted, done.failed, done.freed_bytes) == (1, 1, 300)
+        assert await storage.index.blob_record(stuck) is not None
+        assert await storage.index.blob_record(fine) is None
+        assert await storage.index.stored_bytes() == 300
+
+    run(Settings(data_dir=tmp_path / "data"), scenario)
+
+
 def test_a_shared_blob_stays_while_any_entry_names_it(settings: Settings):
     async def scenario(storage: Storage) -> None:
         shared, a, b = os.urandom(2000), os.urandom(100), os.urandom(100)
@@ -277,3 +308,35 @@ def test_gc_command_dry_run_then_apply(tmp_path: Path):
     assert (data_dir / "cas" / sha256(orphan)[:2] / sha256(orphan)).exists()
     assert "deleted 1 blobs (1234 bytes)" in gc()
     assert not (data_dir / "cas" / sha256(orphan)[:2] / sha256(orphan)).exists()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_background_gc_evicts_over_budget_and_stops_with_the_server(
+        backend: str, tmp_path: Path, request: pytest.FixtureRequest):
+    """The server's periodic GC runs on a thread and event loop of its own, with storage it
+    opens itself: it evicts what a lowered budget no longer holds, in LRU order, /metrics
+    counts it, and the server stops cleanly."""
+    args, env = backend_args(backend, request)
+    data_dir = tmp_path / "data"
+    server = ServerProcess(data_dir, *args, env=env).start()
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        keys = publish_entries(c, 4, 100 * 1024, "bg")
+        assert c.get(f"/v1/ac/{keys[0]}").status_code == 200  # used again: now the newest
+    server.stop()
+    server = ServerProcess(data_dir, *args, "--store-budget", "250KiB", env={
+        **env, "MEGACACHE_GC_INTERVAL_S": "0.2", "MEGACACHE_GC_GRACE_S": "0"}).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            deadline = time.monotonic() + 30
+            evicted = 0.0
+            while evicted < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                evicted = next(float(line.split()[-1]) for line in
+                               c.get("/metrics").text.splitlines()
+                               if line.startswith('megacache_evictions_total{kind="entry"}'))
+            # 400 KiB over a 250 KiB budget: LRU entries go until 90% of it (225 KiB) holds
+            present = [c.get(f"/v1/ac/{k}").status_code for k in keys]
+            assert (evicted, present) == (2, [200, 404, 404, 200]), (evicted, present)
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log(), server.log()

@@ -128,7 +128,29 @@ def test_entry_store_lru_pages_and_batch_eviction(make_index: Callable[[], Index
         assert pages == [unpinned[0:2], unpinned[2:4], unpinned[4:6], []]
         assert await ix.delete_unpinned(["k00", "k03", "k05", "missing"]) == 2
         assert {e.key for e in await ix.entry_infos()} == set(keys) - {"k00", "k05"}
+        # every secondary index forgets them: listings, LRU, usage, blob references
+        left = sorted(set(keys) - {"k00", "k05"})
+        assert sorted(e.key for e in await ix.list_entries(model="m", limit=50)) == left
+        assert sorted(e.key for e in await ix.lru_entries(50)) == sorted(set(left) - {"k03"})
+        assert await ix.usage("ns") == (5, 50) and await ix.usage() == (5, 50)
+        assert await ix.reference_counts(["d1"]) == {"d1": 5}
         assert not await ix.delete("k03", unless_pinned=True) and await ix.delete("k03")
+
+    run(make_index, body)
+
+
+def test_entry_store_batch_eviction_spans_batches(make_index: Callable[[], Index]):
+    """A GC evicts thousands at once: more keys than one statement or script takes."""
+    async def body(ix: Index) -> None:
+        keys = [f"b{i:04d}" for i in range(1100)]
+        for key in keys:
+            await ix.put(entry(key, digests=(f"d-{key}",), size=1), Precondition())
+        await ix.set_pinned("b0700", True)
+        assert await ix.delete_unpinned(keys[:1050]) == 1049
+        assert sorted(e.key for e in await ix.entry_infos()) == ["b0700", *keys[1050:]]
+        assert await ix.usage() == (51, 51)
+        counts = await ix.reference_counts([f"d-{k}" for k in keys])
+        assert sum(counts.values()) == 51 and counts["d-b0700"] == 1
 
     run(make_index, body)
 

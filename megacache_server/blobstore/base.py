@@ -7,6 +7,7 @@ copy); the digest check itself is shared here so every backend enforces the same
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
@@ -15,6 +16,9 @@ from megacache_server.errors import BadRequest
 
 READ_CHUNK = 1024 * 1024
 """Large chunks both ways: fewer thread hops and syscalls per byte served."""
+DELETE_CONCURRENCY = 8
+"""Deletes in flight at once where a store has no batch delete (at most the S3 client's
+connection pool)."""
 
 
 class DigestVerifier:
@@ -79,6 +83,23 @@ class BlobStore(ABC):
     @abstractmethod
     async def delete(self, digest: str) -> bool:
         """Remove a blob; True if it was there."""
+
+    async def delete_many(self, digests: list[str]) -> set[str]:
+        """Remove many blobs (GC deletes thousands at a time); returns the digests it could
+        not remove, so the caller keeps their records. A blob already gone is removed.
+        Stores with a batch call override this; the default runs a few deletes at once."""
+        limit = asyncio.Semaphore(DELETE_CONCURRENCY)
+        failed: set[str] = set()
+
+        async def one(digest: str) -> None:
+            async with limit:
+                try:
+                    await self.delete(digest)
+                except Exception:  # the record stays; the next GC tries again
+                    failed.add(digest)
+
+        await asyncio.gather(*(one(d) for d in digests))
+        return failed
 
     @abstractmethod
     def digests(self) -> AsyncIterator[tuple[str, int]]:

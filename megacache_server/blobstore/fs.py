@@ -171,6 +171,21 @@ class FsBlobStore(BlobStore):
         except FileNotFoundError:
             return False
 
+    async def delete_many(self, digests: list[str]) -> set[str]:
+        """All the unlinks in one worker thread: one hop, not one per blob."""
+        def unlink_all() -> set[str]:
+            failed = set()
+            for digest in digests:
+                try:
+                    os.unlink(self.path_of(digest))
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    failed.add(digest)
+            return failed
+
+        return await to_thread.run_sync(unlink_all)
+
     async def digests(self) -> AsyncIterator[tuple[str, int]]:
         for entry in await to_thread.run_sync(self._scan):
             yield entry

@@ -21,6 +21,8 @@ from anyio import to_thread
 from megacache_server.blobstore.base import READ_CHUNK, BlobStore, DigestVerifier
 from megacache_server.errors import ServiceUnavailable
 
+DELETE_BATCH = 1000
+"""Keys per DeleteObjects request: S3's limit, one request instead of a thousand."""
 PART_SIZE = 16 * 1024 * 1024
 """Multipart part size: above S3's 5 MiB minimum, large enough for throughput."""
 
@@ -199,6 +201,17 @@ class S3BlobStore(BlobStore):
         await self._call(lambda: self._s3.delete_object(Bucket=self.bucket,
                                                         Key=self.key_of(digest)))
         return True
+
+    async def delete_many(self, digests: list[str]) -> set[str]:
+        """DeleteObjects, DELETE_BATCH keys a request (deleting a missing key succeeds)."""
+        failed: set[str] = set()
+        for i in range(0, len(digests), DELETE_BATCH):
+            part = digests[i:i + DELETE_BATCH]
+            answer = await self._call(lambda part=part: self._s3.delete_objects(
+                Bucket=self.bucket, Delete={"Quiet": True, "Objects": [
+                    {"Key": self.key_of(d)} for d in part]}))
+            failed |= {e["Key"].rsplit("/", 1)[-1] for e in answer.get("Errors", [])}
+        return failed
 
     async def digests(self) -> AsyncIterator[tuple[str, int]]:
         def scan() -> list[tuple[str, int]]:

@@ -207,6 +207,10 @@ class EntryStore(ABC):
     async def set_pinned(self, key: str, pinned: bool) -> bool:
         """Pin (never evict) or unpin an entry; False if there is no such entry."""
 
+    async def flush_access(self) -> None:  # noqa: B027 - optional hook
+        """Write the access times a backend buffers, for a reader on another connection
+        (the off-loop collector) to see the same LRU order."""
+
     @abstractmethod
     async def lru_entries(self, limit: int, *, namespace: str | None = None,
                           after: EntryInfo | None = None) -> list[EntryInfo]:

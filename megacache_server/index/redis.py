@@ -57,6 +57,65 @@ T = TypeVar("T")
 MAX_RAW_EVENTS = 10_000  # per namespace
 ROLLUP_TTL_S = 400 * 24 * 3600
 SCAN = 500
+SCRIPT_BATCH = 200
+"""Entries or blobs per server-side script: ~15 commands each, a few ms of Redis time, so
+a lookup arriving meanwhile waits little."""
+
+SCRIPTS = {
+    # ARGV: prefix, entry keys. Each entry that exists and is not pinned goes with every
+    # secondary key `put` wrote (the same keys `_unindex` removes); returns how many went.
+    # A hash without a model is what a lookup's touch leaves of an entry deleted under it.
+    "delete_unpinned": """
+local p, n = ARGV[1], 0
+for i = 2, #ARGV do
+  local key = ARGV[i]
+  local ekey = p .. 'entry:' .. key
+  local f = redis.call('HMGET', ekey, 'namespace', 'model', 'env', 'hw', 'size', 'digests',
+                       'pinned')
+  if not f[2] then
+    redis.call('DEL', ekey)
+    redis.call('ZREM', p .. 'lru', key)
+  elseif f[7] ~= '1' then
+    local ns, size = f[1] or 'default', tonumber(f[5] or '0')
+    redis.call('DEL', ekey)
+    redis.call('ZREM', p .. 'by_model:' .. f[2], key)
+    redis.call('ZREM', p .. 'by_envhw:' .. (f[3] or '') .. ':' .. (f[4] or ''), key)
+    for _, z in ipairs({'entries', 'ns:' .. ns, 'lru', 'lru:' .. ns, 'sizes', 'sizes:' .. ns}) do
+      redis.call('ZREM', p .. z, key)
+    end
+    redis.call('HINCRBY', p .. 'usage', ns .. ':entries', -1)
+    redis.call('HINCRBY', p .. 'usage', ns .. ':bytes', -size)
+    redis.call('HINCRBY', p .. 'usage', '*:entries', -1)
+    redis.call('HINCRBY', p .. 'usage', '*:bytes', -size)
+    for d in string.gmatch(f[6] or '', '[^,]+') do
+      redis.call('SREM', p .. 'refs:' .. d, key)
+    end
+    n = n + 1
+  end
+end
+return n
+""",
+    # ARGV: prefix, digests. Drops each blob's record, size total, touch time and owners.
+    "forget_blobs": """
+local p = ARGV[1]
+for i = 2, #ARGV do
+  local d = ARGV[i]
+  local size = redis.call('HGET', p .. 'blobs', d)
+  if size and redis.call('HDEL', p .. 'blobs', d) == 1 then
+    redis.call('DECRBY', p .. 'stored_bytes', tonumber(size))
+  end
+  for _, ns in ipairs(redis.call('SMEMBERS', p .. 'blob_owners:' .. d)) do
+    redis.call('SREM', p .. 'owned:' .. ns, d)
+  end
+  redis.call('DEL', p .. 'blob_owners:' .. d)
+  redis.call('ZREM', p .. 'blob_touched', d)
+end
+return #ARGV - 1
+""",
+}
+"""Batch writes as Redis scripts: each runs atomically on the server, one round trip for a
+batch. The Redis index therefore needs one Redis (a primary, with replicas if wanted), not a
+Redis Cluster: a script's keys are computed inside it."""
 
 
 class RedisIndex(Index):
@@ -67,6 +126,7 @@ class RedisIndex(Index):
         self.p = prefix
         self._r: aioredis.Redis | None = None
         self._owner = uuid.uuid4().hex
+        self._scripts: dict[str, Any] = {}
 
     async def open(self) -> None:
         self._r = aioredis.from_url(self.url, socket_timeout=5, socket_connect_timeout=3,
@@ -85,6 +145,7 @@ class RedisIndex(Index):
         if self._r is not None:
             await self._r.aclose()
             self._r = None
+            self._scripts = {}
 
     @property
     def r(self) -> Any:  # redis' own annotations are too loose to check calls against
@@ -143,37 +204,61 @@ class RedisIndex(Index):
                         pipe.multi()
                         if old:
                             self._unindex(pipe, key, old)
-                        pipe.hset(ekey, mapping={
-                            "manifest": entry.manifest_json, "etag": etag,
-                            "namespace": entry.namespace, "model": entry.model,
-                            "env": entry.env_digest, "hw": entry.hw_digest, "size": entry.size,
-                            "digests": ",".join(entry.digests),
-                            "created_at": entry.created_at, "updated_at": now,
-                            "last_access": now, "pinned": "1" if pinned else "0"})
-                        ns = entry.namespace
-                        pipe.zadd(self.k("by_model", entry.model), {key: entry.created_at})
-                        pipe.zadd(self.k("by_envhw", entry.env_digest, entry.hw_digest),
-                                  {key: entry.created_at})
-                        pipe.zadd(self.k("entries"), {key: entry.created_at})
-                        pipe.zadd(self.k("ns", ns), {key: entry.created_at})
-                        pipe.zadd(self.k("lru"), {key: now})
-                        pipe.zadd(self.k("lru", ns), {key: now})
-                        pipe.zadd(self.k("sizes"), {key: entry.size})
-                        pipe.zadd(self.k("sizes", ns), {key: entry.size})
-                        for field, n in ((f"{ns}:entries", 1), (f"{ns}:bytes", entry.size),
-                                         ("*:entries", 1), ("*:bytes", entry.size)):
-                            pipe.hincrby(self.k("usage"), field, n)
-                        for d in entry.digests:
-                            pipe.sadd(self.k("refs", d), key)
+                        self._write_entry(pipe, entry, etag, now, pinned)
                         await pipe.execute()
-                        stored = StoredEntry(key, ns, entry.model, entry.digests, entry.size,
-                                             entry.created_at, now, now, pinned,
-                                             entry.manifest_json, etag)
+                        stored = StoredEntry(key, entry.namespace, entry.model,
+                                             entry.digests, entry.size, entry.created_at,
+                                             now, now, pinned, entry.manifest_json, etag)
                         return stored, current is None
                     except WatchError:
                         continue
 
         return await self._do(op)
+
+    def _write_entry(self, pipe: Any, entry: NewEntry, etag: str, now: float,
+                     pinned: bool) -> None:
+        """Queue an entry's hash and every secondary key (the ones `_unindex` removes)."""
+        key, ns = entry.key, entry.namespace
+        pipe.hset(self.k("entry", key), mapping={
+            "manifest": entry.manifest_json, "etag": etag,
+            "namespace": ns, "model": entry.model,
+            "env": entry.env_digest, "hw": entry.hw_digest, "size": entry.size,
+            "digests": ",".join(entry.digests),
+            "created_at": entry.created_at, "updated_at": now,
+            "last_access": now, "pinned": "1" if pinned else "0"})
+        pipe.zadd(self.k("by_model", entry.model), {key: entry.created_at})
+        pipe.zadd(self.k("by_envhw", entry.env_digest, entry.hw_digest),
+                  {key: entry.created_at})
+        pipe.zadd(self.k("entries"), {key: entry.created_at})
+        pipe.zadd(self.k("ns", ns), {key: entry.created_at})
+        pipe.zadd(self.k("lru"), {key: now})
+        pipe.zadd(self.k("lru", ns), {key: now})
+        pipe.zadd(self.k("sizes"), {key: entry.size})
+        pipe.zadd(self.k("sizes", ns), {key: entry.size})
+        for field, n in ((f"{ns}:entries", 1), (f"{ns}:bytes", entry.size),
+                         ("*:entries", 1), ("*:bytes", entry.size)):
+            pipe.hincrby(self.k("usage"), field, n)
+        for d in entry.digests:
+            pipe.sadd(self.k("refs", d), key)
+
+    async def bulk_load(self, entries: list[tuple[NewEntry, float]],
+                        blobs: list[tuple[str, int, str]]) -> None:
+        """Write many new entries (each with its last-access time) and blob records in large
+        pipelines, with no preconditions: restoring a store, or filling one for a benchmark.
+        Every key is laid out as `put` and `record_blob` lay it out."""
+        for i in range(0, len(blobs), 5000):
+            async with self.r.pipeline(transaction=False) as pipe:
+                for digest, size, ns in blobs[i:i + 5000]:
+                    pipe.hset(self.k("blobs"), digest, size)
+                    pipe.incrby(self.k("stored_bytes"), size)
+                    self._own_blob(pipe, digest, ns, time.time())
+                await pipe.execute()
+        for i in range(0, len(entries), 2000):
+            async with self.r.pipeline(transaction=False) as pipe:
+                for entry, accessed in entries[i:i + 2000]:
+                    self._write_entry(pipe, entry, base.entry_etag(entry.manifest_json),
+                                      accessed, pinned=False)
+                await pipe.execute()
 
     def _unindex(self, pipe: Any, key: str, old: dict[bytes, bytes]) -> None:
         """Queue the removal of an entry from every secondary key (inside MULTI)."""
@@ -301,6 +386,23 @@ class RedisIndex(Index):
 
         return await self._do(op)
 
+    async def delete_unpinned(self, keys: list[str]) -> int:
+        """Eviction in batches: one script per SCRIPT_BATCH keys, atomic for each entry (no
+        WATCH to retry while lookups touch the entries being evicted)."""
+        deleted = 0
+        for i in range(0, len(keys), SCRIPT_BATCH):
+            part = keys[i:i + SCRIPT_BATCH]
+            deleted += int(await self._run_script("delete_unpinned", part))
+        return deleted
+
+    async def _run_script(self, name: str, args: list[str]) -> Any:
+        """One of SCRIPTS on `args` (after the key prefix); registered once per connection
+        pool, then run by its hash (EVALSHA, loaded again if the server lost it)."""
+        if name not in self._scripts:
+            self._scripts[name] = self.r.register_script(SCRIPTS[name])
+        script = self._scripts[name]
+        return await self._do(lambda: script(args=[self.p, *args]))
+
     async def set_pinned(self, key: str, pinned: bool) -> bool:
         async def op() -> bool:
             if not await self.r.exists(self.k("entry", key)):
@@ -331,13 +433,17 @@ class RedisIndex(Index):
             if await self.r.hsetnx(self.k("blobs"), digest, size):
                 await self.r.incrby(self.k("stored_bytes"), size)
             async with self.r.pipeline(transaction=False) as pipe:
-                pipe.zadd(self.k("blob_touched"), {digest: time.time()})
-                pipe.sadd(self.k("owned", namespace), digest)
-                pipe.sadd(self.k("blob_owners", digest), namespace)
+                self._own_blob(pipe, digest, namespace, time.time())
                 _, new, _ = await pipe.execute()
             return bool(new)
 
         return await self._do(op)
+
+    def _own_blob(self, pipe: Any, digest: str, namespace: str, now: float) -> None:
+        """Queue a blob's touch and its ownership by `namespace` (three replies)."""
+        pipe.zadd(self.k("blob_touched"), {digest: now})
+        pipe.sadd(self.k("owned", namespace), digest)
+        pipe.sadd(self.k("blob_owners", digest), namespace)
 
     async def stored_bytes(self) -> int:
         async def op() -> int:
@@ -432,23 +538,9 @@ class RedisIndex(Index):
                                                dict.fromkeys(digests, now)))
 
     async def forget_blobs(self, digests: list[str]) -> None:
-        for digest in digests:
-            await self._forget_blob(digest)
-
-    async def _forget_blob(self, digest: str) -> None:
-        async def op() -> None:
-            size = await self.r.hget(self.k("blobs"), digest)
-            if size is not None and await self.r.hdel(self.k("blobs"), digest):
-                await self.r.decrby(self.k("stored_bytes"), int(size))
-            owners = await self.r.smembers(self.k("blob_owners", digest))
-            async with self.r.pipeline(transaction=False) as pipe:
-                pipe.zrem(self.k("blob_touched"), digest)
-                for ns in owners:
-                    pipe.srem(self.k("owned", _str(ns)), digest)
-                pipe.delete(self.k("blob_owners", digest))
-                await pipe.execute()
-
-        await self._do(op)
+        for i in range(0, len(digests), SCRIPT_BATCH):
+            part = digests[i:i + SCRIPT_BATCH]
+            await self._run_script("forget_blobs", part)
 
     async def owns_blob(self, namespace: str, digest: str) -> bool:
         return bool(await self._do(lambda: self.r.sismember(self.k("owned", namespace),

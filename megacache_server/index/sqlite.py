@@ -286,6 +286,12 @@ class SqliteIndex(Index):
             entry = replace(entry, last_access=now)
         return entry
 
+    async def flush_access(self) -> None:
+        if self._flushing is not None:
+            await self._flushing
+        pending, self._touched = self._touched, {}
+        await self._run(lambda c: _flush_access(c, pending))
+
     async def _flush(self) -> None:
         """Write buffered last-access times: one transaction a second, not one per lookup.
 
