@@ -224,8 +224,7 @@ def remote_job(bench: Bench, model: str, name: str, remote: Remote, machine: Mac
     assert remote.env is not None
     mode = "explicit" if name.startswith("megacache") else "off"
     env = {**remote.env, "MEGACACHE_PRECOMPILE": "0"} if name in ("megacache", OTHER_PATH) \
-        else {**remote.env, "MEGACACHE_MODEL": model,  # named, as a deployment would
-              "MEGACACHE_PRECOMPILE": "1"}
+        else {**remote.env, "MEGACACHE_MODEL": model}  # named, as a deployment would
     return bench.run(machine, env, ["--model", model, "--megacache", mode, *init_args(name)],
                      other_path=other_path)
 

@@ -606,9 +606,15 @@ def gc_during_lookups(backend: Backend, sample: list[Entry], stored: int) -> dic
             while backend.gc_running():
                 time.sleep(0.05)
             end = time.perf_counter()
-        metrics = httpx.get(server.url + "/metrics", timeout=60).text
-    evicted = next((float(line.split()[-1]) for line in metrics.splitlines()
-                    if line.startswith('megacache_evictions_total{kind="entry"}')), 0.0)
+        # the server counts what its GC child did once the child has exited, a moment after
+        # it released the lock
+        evicted, deadline = 0.0, time.monotonic() + 30
+        while not evicted and time.monotonic() < deadline:
+            metrics = httpx.get(server.url + "/metrics", timeout=60).text
+            evicted = next((float(line.split()[-1]) for line in metrics.splitlines()
+                            if line.startswith('megacache_evictions_total{kind="entry"}')),
+                           0.0)
+            time.sleep(0.1)
     return {"wall_s": round(end - start, 2), "evicted": int(evicted),
             "lookups": lookups.during([(start, end)]), "lookup_errors": lookups.errors}
 

@@ -63,7 +63,7 @@ class ClientConfig:
     fallback: bool = True
     ship_kernels: bool = True
     ship_toolchain: bool = True
-    precompile: bool = False  # opt-in: Dynamo's output in the bundle (MEGACACHE_PRECOMPILE=1)
+    precompile: bool = True  # Dynamo's output in the bundle; MEGACACHE_PRECOMPILE=0 turns it off
     prefetch: bool = True
     prefetch_wait_s: float = 60.0
 

@@ -69,7 +69,7 @@ def turn_on(config: ClientConfig) -> str:
     Dynamo's output when `torch.compile` wraps the module.
     """
     if not config.precompile:
-        return "precompiled Dynamo off (MEGACACHE_PRECOMPILE=0, the default; 1 turns it on)"
+        return "precompiled Dynamo off (MEGACACHE_PRECOMPILE=0)"
     if not supported():
         return f"torch {torch_env.torch_version()} has no caching precompile"
     torch_env.torch_module()._dynamo.config.caching_precompile = True

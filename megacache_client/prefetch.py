@@ -7,8 +7,9 @@ does not depend on the compiled module:
 
 - the toolchain pack (precompiled headers), keyed by torch + compiler + ISA: any entry of
   this env and hw carries it;
-- with a model name given (MEGACACHE_MODEL, and MEGACACHE_CODE when known), every blob of
-  the newest entry of that model, env and hw: usually the one the first compile asks for.
+- with a model name given (MEGACACHE_MODEL, and MEGACACHE_CODE when known), the newest
+  entry of that model, env and hw, and every blob it names: usually the one the first
+  compile asks for, which then needs no request at all.
 
 Blobs land in the node cache (once per node, verified) and the kernel and toolchain packs
 are unpacked where torch looks for them (their files are content-keyed by torch, so placing
@@ -39,7 +40,7 @@ from megacache_client import relocate, torch_env
 from megacache_client.config import ClientConfig
 from megacache_client.manifest import BlobRef, Manifest, Scalar
 from megacache_client.nodecache import NodeCache
-from megacache_client.packs import read_index, unpack
+from megacache_client.packs import PackError, decompress_bytes, read_index, unpack
 from megacache_client.transport import Deadline, RemoteCache
 
 log = logging.getLogger("megacache")
@@ -56,12 +57,19 @@ class PrefetchResult:
     """digest -> verified local path, for every blob fetched or found on disk."""
     placed: dict[str, int] = field(default_factory=dict)
     """digest -> files unpacked from that kernels/toolchain pack."""
+    bundles: dict[str, bytes] = field(default_factory=dict)
+    """digest -> the Mega-Cache bundle, decompressed and checked (`read_bundle`): the load
+    hands it to torch without reading, decompressing or hashing it again."""
     bytes_down: int = 0
     """Downloaded before `wait` returns (the toolchain pack counts in `toolchain_bytes`)."""
     toolchain_bytes: int = 0
     seconds: float = 0.0
     error: str = ""
     entry_key: str | None = None
+    entry: tuple[Manifest, str] | None = None
+    """The configured model's newest entry and its etag, read by key as the load reads an
+    exact hit (signature checked, access recorded): a load whose fingerprint is this key
+    uses it instead of asking again."""
     toolchain: str | None = None
     """Digest of the toolchain pack this prefetch downloads and places *after* the rest is
     ready (`Prefetcher.wait`): an exact hit with its kernels never runs g++, so the first
@@ -157,10 +165,11 @@ class Prefetcher:
         with RemoteCache(self.config, deadline=self.deadline) as remote:
             blobs: list[BlobRef] = []
             if self.config.model:
-                entry = self._newest_of_model(remote, env, hw)
-                if entry is not None:
-                    self.result.entry_key = entry.key
-                    blobs += [b for b in entry.blobs if not skip_reason(self.config, b)]
+                newest = self._newest_of_model(remote, env, hw)
+                found = remote.get_entry(newest.key) if newest is not None else None
+                if found is not None:
+                    self.result.entry, self.result.entry_key = found, found[0].key
+                    blobs += [b for b in found[0].blobs if not skip_reason(self.config, b)]
             if not any(b.role == "toolchain" for b in blobs) and self.config.ship_toolchain:
                 toolchain = self._toolchain(remote, env, hw)
                 if toolchain is not None:
@@ -187,9 +196,13 @@ class Prefetcher:
             self.result.paths[blob.digest] = path
             downloaded += n
         for blob in blobs:
+            path = self.result.paths[blob.digest]
             if blob.role in ("kernels", "toolchain"):
-                self.result.placed[blob.digest] = place(
-                    blob.role, self.result.paths[blob.digest], self.config.max_raw_bytes)
+                self.result.placed[blob.digest] = place(blob.role, path,
+                                                        self.config.max_raw_bytes)
+            elif blob.role == "megacache":
+                self.result.bundles[blob.digest] = read_bundle(blob, path,
+                                                               self.config.max_raw_bytes)
         return downloaded
 
     def _newest_of_model(self, remote: RemoteCache, env: dict[str, Scalar],
@@ -223,6 +236,17 @@ def place(role: str, pack: Path, cap: int) -> int:
     placed = unpack(pack, root, suffixes=suffixes, cap=cap)
     relocate.recorder().learn(root, ids)  # torch finds them under its own local names
     return len(placed)
+
+
+def read_bundle(ref: BlobRef, path: Path, cap: int) -> bytes:
+    """A downloaded (verified) bundle blob as the bytes torch loads: decompressed with a size
+    cap and checked against the manifest's raw size and digest."""
+    data = path.read_bytes()
+    if ref.compression != "zstd":
+        return data
+    if ref.raw_size is None:
+        raise PackError("compressed bundle without raw_size")
+    return decompress_bytes(data, ref.raw_size, ref.raw_sha256, cap)
 
 
 def skip_reason(config: ClientConfig, blob: BlobRef) -> str:

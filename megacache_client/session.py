@@ -37,7 +37,6 @@ from megacache_client.nodecache import NodeCache
 from megacache_client.packs import (
     PackError,
     compress_bytes,
-    decompress_bytes,
     pack_names,
     read_index,
     write_pack,
@@ -48,6 +47,7 @@ from megacache_client.prefetch import (
     Prefetcher,
     PrefetchResult,
     place,
+    read_bundle,
     skip_reason,
 )
 from megacache_client.transport import (
@@ -217,7 +217,7 @@ class Session:
                 step("prefetch")
                 deadline = Deadline(self.config.load_deadline_s)
                 with RemoteCache(self.config, deadline=deadline) as remote:
-                    found = self._find_entry(remote, fp, result)
+                    found = self._find_entry(remote, fp, result, prefetched)
                     step("find")
                     if found is not None:
                         result.entry, result.etag = found
@@ -225,7 +225,7 @@ class Session:
                         step("fetch")
                         self._place_artifacts(result.entry, paths, result, prefetched)
                         step("place")
-                        self._load_bundle(result.entry, paths, result)
+                        self._load_bundle(result.entry, paths, result, prefetched)
                         step("load")
             except (CorruptBlobError, PackError) as exc:
                 self._fail(result, "invalid", str(exc))
@@ -256,9 +256,10 @@ class Session:
             model=self.model, code=self.code)
 
     # -- step 2: find the entry (exact, else the nearest of the same model) -------------
-    def _find_entry(self, remote: RemoteCache, fp: Fingerprint,
-                    result: LoadResult) -> tuple[Manifest, str] | None:
-        exact = remote.get_entry(fp.key())
+    def _find_entry(self, remote: RemoteCache, fp: Fingerprint, result: LoadResult,
+                    prefetched: PrefetchResult | None = None) -> tuple[Manifest, str] | None:
+        exact = prefetched.entry if prefetched is not None and prefetched.entry is not None \
+            and prefetched.entry[0].key == fp.key() else remote.get_entry(fp.key())
         if exact is not None:
             _require_match(exact[0], fp, COMPONENTS)
             result.outcome, result.reason = "hit", "exact fingerprint"
@@ -372,16 +373,13 @@ class Session:
             result.bytes_down += done.toolchain_bytes
 
     # -- step 5: verify and hot-load the Mega-Cache bundle ------------------------------
-    def _load_bundle(self, entry: Manifest, paths: dict[str, Path], result: LoadResult) -> None:
+    def _load_bundle(self, entry: Manifest, paths: dict[str, Path], result: LoadResult,
+                     prefetched: PrefetchResult | None = None) -> None:
         ref = entry.blob("megacache")
         assert ref is not None
-        data = paths["megacache"].read_bytes()
-        if ref.compression == "zstd":
-            if ref.raw_size is None:
-                raise PackError("compressed bundle without raw_size")
-            raw = decompress_bytes(data, ref.raw_size, ref.raw_sha256, self.config.max_raw_bytes)
-        else:
-            raw = data
+        ready = prefetched.bundles.pop(ref.digest, None) if prefetched is not None else None
+        raw = ready if ready is not None else \
+            read_bundle(ref, paths["megacache"], self.config.max_raw_bytes)
         refused = precompile.refusal(result.outcome, ref)
         loaded = torch_env.load_bundle(
             raw, skip=frozenset({precompile.ARTIFACT_TYPE}) if refused else frozenset())

@@ -21,7 +21,7 @@ from megacache_client.events import Event
 from megacache_client.manifest import Manifest
 from megacache_server import __version__, lifecycle
 from megacache_server.cache import Cache
-from megacache_server.collector import OffLoopCollector
+from megacache_server.collector import SubprocessCollector
 from megacache_server.docs import add_offline_docs
 from megacache_server.errors import ApiError, BadRequest
 from megacache_server.metrics import MeteredCache
@@ -40,10 +40,10 @@ log = logging.getLogger("megacache.server")
 
 GIL_SWITCH_S = 0.0005
 """How long a worker thread may hold the GIL while the event loop waits for it (CPython's
-default: 5 ms). Background work runs in threads (GC plans, batch deletes, S3 calls through
-boto3) and the loop gives the GIL up at every socket or SQLite call, so with the default a
-lookup served during a GC waited up to 5 ms per hand-over, several per request: 48 ms at
-200k entries, 79 ms at 1M. At 0.5 ms the same lookup waits 19 ms at worst."""
+default: 5 ms). Work runs in threads (SQLite queries, S3 calls through boto3, rendering
+/metrics) and the loop gives the GIL up at every socket or SQLite call, so with the default
+a lookup served beside such work waits up to 5 ms per hand-over, several per request: with
+GC in the server's threads, 48 ms at 200k entries; 16 ms at 0.5 ms."""
 
 
 def create_app(settings: Settings | None = None, storage: Storage | None = None) -> FastAPI:
@@ -53,9 +53,9 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     if problem:
         raise RuntimeError(problem)
     check_signing_key(settings)
-    # A storage handed in (tests) is collected in place; the server's own storage is
-    # collected off the serving loop, on storage the collector opens from the same settings.
-    collector = OffLoopCollector(settings) if storage is None else None
+    # A storage handed in is collected in place; the server's own storage is collected by a
+    # child process (collector.py) that opens it from the same settings.
+    collector = SubprocessCollector(settings) if storage is None else None
     storage = storage or build_storage(settings)
     cache = MeteredCache(storage, collector=collector)
 
@@ -79,8 +79,6 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
                 gc_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await gc_task
-            if collector is not None:
-                await collector.close()
             await storage.close()
 
     app = FastAPI(

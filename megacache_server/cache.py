@@ -58,7 +58,7 @@ def _problems(exc: ValidationError) -> list[dict[str, Any]]:
 
 
 class Collector(Protocol):
-    """Runs `Cache.collect` elsewhere (`collector.OffLoopCollector`: off the serving loop)."""
+    """Runs `Cache.collect` elsewhere (`collector.SubprocessCollector`: in a child process)."""
 
     async def collect(self, budget: int | None) -> eviction.GcResult | None: ...
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import difflib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -31,6 +33,7 @@ from megacache_client.signing import SigningError
 from megacache_server import __version__, lifecycle
 from megacache_server.auth import ANONYMOUS, new_token, parse_duration
 from megacache_server.cache import Cache
+from megacache_server.collector import GC_NICE
 from megacache_server.errors import ApiError
 from megacache_server.lifecycle import SUPERVISOR_ENV
 from megacache_server.observe import configure_logging
@@ -69,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                               epilog=EPILOG), SERVE_FLAGS)
     gc = sub.add_parser("gc", help="evict over-budget entries, collect unreferenced blobs")
     gc.add_argument("--dry-run", action="store_true", help="show what would go; change nothing")
+    gc.add_argument("--json", action="store_true",
+                    help="collect and print one JSON line of what went (the server runs its "
+                         "GC this way)")
+    gc.add_argument("--nice", type=int, default=0, metavar="N",
+                    help="lower this process's CPU priority by N first (the server's GC: "
+                         f"{GC_NICE}), so the service it runs beside gets the CPU first")
     _add_flags(gc, (*STORAGE_FLAGS, "store_budget"))
     fsck_p = sub.add_parser("fsck", help="check index and blob store agree (exit 1 on problems)")
     fsck_p.add_argument("--repair", action="store_true",
@@ -260,11 +269,7 @@ def _metrics_dir(settings: Settings) -> Path | None:
 
 def _export(settings: Settings) -> None:
     """Hand the merged settings to uvicorn worker processes."""
-    for name, value in settings.model_dump(exclude_none=True).items():
-        os.environ["MEGACACHE_" + name.upper()] = str(value)
-    data_dir = settings.data_dir.resolve()
-    os.environ["MEGACACHE_DATA_DIR"] = str(data_dir)
-    os.environ["MEGACACHE_INDEX"] = settings.index or f"sqlite:///{data_dir / 'index.sqlite3'}"
+    os.environ.update(settings.environment())
 
 
 @contextlib.asynccontextmanager
@@ -312,6 +317,15 @@ async def run_gc(settings: Settings, *, dry_run: bool) -> int:
                   "they stay on record and the next gc tries again", file=sys.stderr)
             return ExitCode.UNAVAILABLE
         return ExitCode.OK
+
+
+async def run_gc_json(settings: Settings) -> int:
+    """One collection, its result as a JSON line: {"evicted": .., "deleted": .., ...}, or
+    {"locked": true} (exit 4) when another collector holds the GC lock."""
+    async with opened_cache(settings) as cache:
+        done = await cache.collect()
+    print(json.dumps({"locked": True} if done is None else dataclasses.asdict(done)))
+    return ExitCode.UNAVAILABLE if done is None else ExitCode.OK
 
 
 async def run_fsck(settings: Settings, *, repair: bool, verify: bool) -> int:
@@ -417,6 +431,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.UNAVAILABLE
     try:
         if args.command == "gc":
+            if args.nice > 0:
+                os.nice(args.nice)
+            if args.json:
+                return asyncio.run(run_gc_json(settings))
             return asyncio.run(run_gc(settings, dry_run=args.dry_run))
         if args.command == "fsck":
             return asyncio.run(run_fsck(settings, repair=args.repair, verify=args.verify))

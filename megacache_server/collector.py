@@ -1,88 +1,83 @@
-"""Garbage collection off the serving loop: a thread with an event loop and storage of its own.
+"""Garbage collection out of the serving process: `megacache-server gc --json` in a child.
 
-A collection over a large store reads hundreds of thousands of index rows and makes
-thousands of store calls. On the loop that serves requests, every step of it that parses a
-page of rows is a wait for the lookups queued behind it (scale_bench, lookups during a GC
-evicting 10%: up to 79 ms at a million SQLite entries, 114 ms at 100k on Redis). Here the
-whole collection runs on its own loop in its own thread, with its own index and blob store
-connections, so the serving loop waits only for the GIL, which it gets back within
-`app.GIL_SWITCH_S`. The rules are the cache's own: this runs `Cache.collect` there.
+A collection over a large store reads hundreds of thousands of index rows into Python
+objects and makes thousands of store calls. In the serving process, on the event loop or in
+a thread beside it, that work holds the GIL for the lookups queued behind it: the pages of
+the plan parsed on the loop (up to 114 ms on Redis at 100k entries), CPython's full garbage
+collections over the plan's objects and single C calls over 100k items (sorting, freeing
+the plan: 46-171 ms each at a million SQLite entries, measured with a loop-lag probe). A
+child process shares no GIL and no heap with the server: the server only waits for its
+answer. The child is the `gc` command, so the rules are the cache's own (`Cache.collect`),
+with this process's settings handed over as MEGACACHE_* variables.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
 
+from megacache_server.errors import ServiceUnavailable
 from megacache_server.eviction import GcResult
 from megacache_server.settings import Settings
-from megacache_server.storage import Storage, build_storage
 
-T = TypeVar("T")
+log = logging.getLogger("megacache.gc")
 
-CLOSE_WAIT_S = 30.0
-"""How long shutdown waits for a collection to unwind (it releases the GC lock)."""
+GC_NICE = 10
+"""The child's lower CPU priority (`gc --nice`): on a small host it would otherwise take a
+core the lookups need (seen: the serving loop descheduled for 80 ms)."""
+STOP_WAIT_S = 30.0
+"""How long a collection interrupted by shutdown gets to release the GC lock and exit."""
 
 
-class OffLoopCollector:
-    """`collect(budget)` from the serving loop; the work happens on the collector's loop."""
+class SubprocessCollector:
+    """`collect(budget)` runs one collection in a child process and returns what it did."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._storage: Storage | None = None
-        self._start_lock = threading.Lock()
 
     async def collect(self, budget: int | None) -> GcResult | None:
-        return await self._submit(self._collect(budget))
-
-    async def close(self) -> None:
-        """Stop a collection in progress, close the collector's storage, end its thread."""
-        if self._loop is None or self._thread is None:
-            return
+        """What the child collected; None when another collector held the GC lock."""
+        env = {**os.environ, **self.settings.environment()}
+        if budget is not None:
+            env["MEGACACHE_STORE_BUDGET"] = str(budget)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "megacache_server", "gc", "--json", "--nice", str(GC_NICE),
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
         try:
-            await asyncio.wait_for(self._submit(self._shutdown()), CLOSE_WAIT_S)
-        finally:
-            loop, thread = self._loop, self._thread
-            loop.call_soon_threadsafe(loop.stop)
-            await asyncio.to_thread(thread.join, CLOSE_WAIT_S)
-            if not thread.is_alive():
-                loop.close()
-            self._loop, self._thread = None, None
+            out, err = await proc.communicate()
+        except asyncio.CancelledError:  # shutting down: let it release the lock first
+            await _interrupt(proc)
+            raise
+        lines = out.decode(errors="replace").strip().splitlines()
+        try:
+            answer = json.loads(lines[-1]) if lines else None
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            detail = (err.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+            raise ServiceUnavailable(f"gc exited with {proc.returncode}: {detail}",
+                                     code="gc_failed")
+        if answer.get("locked"):
+            return None
+        return GcResult(**{k: int(answer.get(k, 0)) for k in
+                           ("evicted", "deleted", "freed_bytes", "spared", "failed")})
 
-    async def _submit(self, coro: Coroutine[Any, Any, T]) -> T:
-        future = asyncio.run_coroutine_threadsafe(coro, self._running_loop())
-        return await asyncio.wrap_future(future)
 
-    def _running_loop(self) -> asyncio.AbstractEventLoop:
-        with self._start_lock:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=loop.run_forever,
-                                                name="megacache-gc", daemon=True)
-                self._thread.start()
-                self._loop = loop
-            return self._loop
-
-    # -- on the collector's loop ----------------------------------------------------------
-    async def _collect(self, budget: int | None) -> GcResult | None:
-        from megacache_server.cache import Cache  # cache.py names this module's class
-
-        if self._storage is None:
-            storage = build_storage(self.settings)
-            await storage.open()
-            self._storage = storage
-        return await Cache(self._storage).collect(budget=budget)
-
-    async def _shutdown(self) -> None:
-        me = asyncio.current_task()
-        others = [t for t in asyncio.all_tasks() if t is not me]
-        for task in others:
-            task.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
-        if self._storage is not None:
-            await self._storage.close()
-            self._storage = None
+async def _interrupt(proc: asyncio.subprocess.Process) -> None:
+    """SIGINT first: the child unwinds and releases the GC lock; killed if it does not."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGINT)
+    try:
+        await asyncio.wait_for(proc.wait(), STOP_WAIT_S)
+    except asyncio.TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        log.warning("gc child did not stop in %.0fs; killed (its lock expires on its own)",
+                    STOP_WAIT_S)

@@ -129,6 +129,16 @@ class Settings(BaseSettings):
     def index_url(self) -> str:
         return self.index or f"sqlite:///{self.data_dir / 'index.sqlite3'}"
 
+    def environment(self) -> dict[str, str]:
+        """These settings as MEGACACHE_* variables, paths made absolute: how a child process
+        (a uvicorn worker, the GC) gets exactly the settings this process merged."""
+        env = {"MEGACACHE_" + name.upper(): str(value)
+               for name, value in self.model_dump(exclude_none=True).items()}
+        data_dir = self.data_dir.resolve()
+        env["MEGACACHE_DATA_DIR"] = str(data_dir)
+        env["MEGACACHE_INDEX"] = self.index or f"sqlite:///{data_dir / 'index.sqlite3'}"
+        return env
+
 
 def _is_loopback(host: str) -> bool:
     if host == "localhost":

@@ -103,6 +103,37 @@ def test_hanging_server_is_bounded_by_the_read_timeout():
         listener.close()
 
 
+def test_clients_share_one_tls_context(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """A trainer makes several clients (prefetch, load, publish, report); the CA bundle is
+    loaded once per process, not once per client (35-130 ms each). SSL_CERT_FILE is read
+    as httpx reads it."""
+    import ssl
+
+    from megacache_client import transport
+
+    made: list[object] = []
+    real = ssl.create_default_context
+
+    def counting(*args: object, **kwargs: object) -> ssl.SSLContext:
+        made.append(kwargs.get("cafile"))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ssl, "create_default_context", counting)
+    monkeypatch.setattr(transport, "_tls", None)
+    import certifi
+
+    bundle = tmp_path / "ca.pem"
+    bundle.write_bytes(Path(certifi.where()).read_bytes())
+    monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+    cfg = ClientConfig(url=f"https://127.0.0.1:{free_port()}")
+    contexts = set()
+    for _ in range(3):
+        with RemoteCache(cfg, CircuitBreaker()) as remote:
+            remote._http  # noqa: B018 - built on first use
+            contexts.add(id(transport.tls_context()))
+    assert made == [str(bundle)] and len(contexts) == 1
+
+
 def test_download_verifies_and_resumes(server: ServerProcess, tmp_path: Path):
     data = os.urandom(3 * 1024 * 1024 + 17)
     digest = sha256(data)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -308,14 +309,17 @@ def test_gc_command_dry_run_then_apply(tmp_path: Path):
     assert (data_dir / "cas" / sha256(orphan)[:2] / sha256(orphan)).exists()
     assert "deleted 1 blobs (1234 bytes)" in gc()
     assert not (data_dir / "cas" / sha256(orphan)[:2] / sha256(orphan)).exists()
+    # what the server's GC child prints: one JSON line
+    assert json.loads(gc("--json")) == {"evicted": 0, "deleted": 0, "freed_bytes": 0,
+                                         "spared": 0, "failed": 0}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_background_gc_evicts_over_budget_and_stops_with_the_server(
         backend: str, tmp_path: Path, request: pytest.FixtureRequest):
-    """The server's periodic GC runs on a thread and event loop of its own, with storage it
-    opens itself: it evicts what a lowered budget no longer holds, in LRU order, /metrics
-    counts it, and the server stops cleanly."""
+    """The server's periodic GC runs in a child process that opens the storage from the
+    server's settings: it evicts what a lowered budget no longer holds, in LRU order,
+    /metrics counts it, and the server stops cleanly."""
     args, env = backend_args(backend, request)
     data_dir = tmp_path / "data"
     server = ServerProcess(data_dir, *args, env=env).start()
@@ -331,9 +335,10 @@ def test_background_gc_evicts_over_budget_and_stops_with_the_server(
             evicted = 0.0
             while evicted < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
-                evicted = next(float(line.split()[-1]) for line in
-                               c.get("/metrics").text.splitlines()
-                               if line.startswith('megacache_evictions_total{kind="entry"}'))
+                evicted = next((float(line.split()[-1]) for line in
+                                c.get("/metrics").text.splitlines()
+                                if line.startswith('megacache_evictions_total{kind="entry"}')),
+                               0.0)
             # 400 KiB over a 250 KiB budget: LRU entries go until 90% of it (225 KiB) holds
             present = [c.get(f"/v1/ac/{k}").status_code for k in keys]
             assert (evicted, present) == (2, [200, 404, 404, 200]), (evicted, present)

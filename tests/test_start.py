@@ -64,7 +64,7 @@ def run_on(machine: Machine, gxx: GxxCounter, url: str, *extra: str, code: str =
            env: dict[str, str] | None = None) -> JobRun:
     job = run_job(machine, "--model", "mlp", "--steps", "3", "--megacache", "explicit",
                   "--name", MODEL, "--code", code, *extra,
-                  env={"MEGACACHE_URL": url, "MEGACACHE_PRECOMPILE": "1", **(env or {})},
+                  env={"MEGACACHE_URL": url, **(env or {})},  # precompile on: the default
                   gxx=gxx, timeout=900)
     if job.returncode != 0:
         raise AssertionError(f"job failed ({job.returncode}):\n{job.stderr[-4000:]}")
@@ -85,11 +85,21 @@ def producer(cache: ServerProcess, gxx: GxxCounter,
     return machine, run
 
 
-def sent_bytes(url: str) -> float:
-    """Response body bytes the server has sent so far (its Prometheus counter)."""
+def counted(url: str, series: str) -> float:
+    """The sum of a Prometheus counter's series that start with `series`, on the server."""
     text = httpx.get(url + "/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("megacache_http_sent_bytes_total{"))
+               if line.startswith(series))
+
+
+def sent_bytes(url: str) -> float:
+    """Response body bytes the server has sent so far."""
+    return counted(url, "megacache_http_sent_bytes_total{")
+
+
+def lookups(url: str) -> float:
+    """Entry lookups by key the server has answered with an entry."""
+    return counted(url, 'megacache_lookups_total{result="hit"}')
 
 
 def stored_events(cache: ServerProcess) -> list[dict[str, object]]:
@@ -102,7 +112,7 @@ def test_precompiled_start_is_bit_identical_prefetched_once_and_timed(
     _, cold = producer
     entry = httpx.get(f"{cache.url}/v1/ac/{cold.mc['key']}").json()
     total = sum(b["size"] for b in entry["blobs"])
-    before = sent_bytes(cache.url)
+    before, looked_up = sent_bytes(cache.url), lookups(cache.url)
     run = run_on(Machine(tmp_path / "b"), gxx, cache.url)
     sent = sent_bytes(cache.url) - before
 
@@ -120,6 +130,8 @@ def test_precompiled_start_is_bit_identical_prefetched_once_and_timed(
     assert run.mc["bytes_down"] == total  # the event counts the background toolchain too
     assert run.mc["bytes_down"] == total
     assert total <= sent < total + 1_000_000  # each blob crossed the wire once
+    # The prefetch read the entry by key; the first compile's load asked nothing again.
+    assert lookups(cache.url) - looked_up == 1
 
     stored = [e for e in stored_events(cache)
               if e["key"] == cold.mc["key"] and e["outcome"] == "hit"]
@@ -209,9 +221,7 @@ def test_turning_precompile_off_is_reported(tmp_path: Path) -> None:
                                      "MEGACACHE_PRECOMPILE": "0"})
         assert "MEGACACHE_PRECOMPILE=0" in precompile.turn_on(off)
         assert torch._dynamo.config.caching_precompile is False
-        assert "the default" in precompile.turn_on(ClientConfig(url="http://127.0.0.1:1"))
-        assert torch._dynamo.config.caching_precompile is False  # opt-in
-        assert precompile.turn_on(ClientConfig(url="http://127.0.0.1:1", precompile=True)) == ""
+        assert precompile.turn_on(ClientConfig(url="http://127.0.0.1:1")) == ""  # the default
         assert torch._dynamo.config.caching_precompile is True
     finally:
         torch._dynamo.config.caching_precompile = before
