@@ -198,6 +198,18 @@ def test_blob_ledger_batches_for_gc(make_index: Callable[[], Index]):
         await ix.forget_blobs(digests[600:])
         assert await ix.stored_bytes() == 6000
         assert len(await ix.blob_records_of(digests)) == 600
+        assert not await ix.owns_blob("ns", digests[700])
+        # an entry's blobs are unreferenced again once it goes (and no other names them),
+        # and a blob recorded after the entry naming it (as fsck records one) is named
+        assert await ix.delete("a")
+        idle = {b.digest for b in await ix.unreferenced_blobs()}
+        assert "d0001" in idle and "d0002" not in idle
+        await ix.put(entry("c", digests=("late",)), Precondition())
+        await ix.record_blob("late", 10, "ns")
+        assert "late" not in {b.digest for b in await ix.unreferenced_blobs()}
+        assert await ix.delete_unpinned(["b", "c"]) == 2
+        idle = {b.digest for b in await ix.unreferenced_blobs()}
+        assert {"d0002", "late"} <= idle and len(idle) == 601
 
     run(make_index, body)
 

@@ -1,6 +1,6 @@
-"""The SQLite index's running totals (entries and bytes per namespace, stored blob bytes):
-kept by triggers, filled from existing rows when an older index is opened, and equal to
-what a full count of the rows says after every kind of write."""
+"""The SQLite index's running totals (entries and bytes per namespace, stored blob bytes,
+entries naming each blob): kept by triggers, filled from existing rows when an older index
+is opened, and equal to what a full count of the rows says after every kind of write."""
 
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ def test_totals_are_filled_when_an_older_index_is_opened(tmp_path: Path):
             c.execute(f"DROP TRIGGER {trigger}")
         c.execute("DROP TABLE usage")
         c.execute("DROP TABLE blob_total")
-        c.execute("INSERT INTO blobs VALUES ('d2', 2, 0, 0)")
+        c.execute("INSERT INTO blobs (digest, size, created_at, touched_at) "
+                  "VALUES ('d2', 2, 0, 0)")
 
     async def reopen() -> None:
         ix = SqliteIndex(path)
@@ -86,3 +87,39 @@ def test_totals_are_filled_when_an_older_index_is_opened(tmp_path: Path):
             await ix.close()
 
     asyncio.run(reopen())
+
+
+def test_blob_references_are_counted_when_an_older_index_is_opened(tmp_path: Path):
+    """An index from before the reference counts: GC finds its unreferenced blobs by them."""
+    path = tmp_path / "index.sqlite3"
+
+    async def fill() -> None:
+        ix = SqliteIndex(path)
+        await ix.open()
+        for digest in ("d-k1", "d-k2", "orphan"):
+            await ix.record_blob(digest, 10, "a")
+        await ix.put(entry("k1", "a", 10), Precondition())
+        await ix.put(entry("k2", "a", 10), Precondition())
+        await ix.close()
+
+    asyncio.run(fill())
+    with sqlite3.connect(path) as c:  # the index as a server without the counts left it
+        for trigger in ("blob_refs_insert", "blob_refs_delete", "blob_refs_recorded"):
+            c.execute(f"DROP TRIGGER {trigger}")
+        c.execute("DROP INDEX blobs_unreferenced")
+        c.execute("ALTER TABLE blobs DROP COLUMN refs")
+
+    async def reopen() -> None:
+        ix = SqliteIndex(path)
+        await ix.open()
+        try:
+            assert [b.digest for b in await ix.unreferenced_blobs()] == ["orphan"]
+            await ix.delete("k2")
+            assert [b.digest for b in await ix.unreferenced_blobs()] == ["d-k2", "orphan"]
+        finally:
+            await ix.close()
+
+    asyncio.run(reopen())
+    with sqlite3.connect(path) as c:
+        assert dict(c.execute("SELECT digest, refs FROM blobs")) == {
+            "d-k1": 1, "d-k2": 0, "orphan": 0}

@@ -167,6 +167,26 @@ END;
 rows change (whoever writes them), so a scrape or the dashboard reads a row instead of
 summing a million. Created, and filled from the rows already there, on first open."""
 
+REFS_SCHEMA = """
+ALTER TABLE blobs ADD COLUMN refs INTEGER NOT NULL DEFAULT 0;
+UPDATE blobs SET refs = (SELECT COUNT(*) FROM entry_blobs e WHERE e.digest = blobs.digest);
+CREATE INDEX blobs_unreferenced ON blobs (digest) WHERE refs = 0;
+CREATE TRIGGER blob_refs_insert AFTER INSERT ON entry_blobs BEGIN
+    UPDATE blobs SET refs = refs + 1 WHERE digest = NEW.digest;
+END;
+CREATE TRIGGER blob_refs_delete AFTER DELETE ON entry_blobs BEGIN
+    UPDATE blobs SET refs = refs - 1 WHERE digest = OLD.digest;
+END;
+CREATE TRIGGER blob_refs_recorded AFTER INSERT ON blobs BEGIN
+    UPDATE blobs SET refs = (SELECT COUNT(*) FROM entry_blobs e WHERE e.digest = NEW.digest)
+        WHERE digest = NEW.digest;
+END;
+"""
+"""How many entries name each blob, kept by triggers (entry writes and deletes, cascades
+included; a blob recorded after the entries naming it, as fsck does, counts them), with an
+index of just the blobs no entry names: GC finds those without visiting the million
+others (3.6 s of a 7.5 s plan at a million entries). Added to older stores on first open."""
+
 ACCESS_FLUSH_S = 1.0
 INFO_COLUMNS = ("key, namespace, model, size, created_at, updated_at, last_access, pinned, "
                 "(SELECT group_concat(digest) FROM entry_blobs b WHERE b.key = entries.key)")
@@ -213,7 +233,8 @@ class SqliteIndex(Index):
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
-            for table, script in (("usage", USAGE_SCHEMA), ("rollup_daily", DAILY_SCHEMA)):
+            for table, script in (("usage", USAGE_SCHEMA), ("rollup_daily", DAILY_SCHEMA),
+                                  ("blobs_unreferenced", REFS_SCHEMA)):
                 if not conn.execute("SELECT 1 FROM sqlite_master WHERE name=?",
                                     (table,)).fetchone():
                     for statement in _statements(script):
@@ -477,17 +498,15 @@ class SqliteIndex(Index):
         return await self._run(lambda c: c.execute(sql, args).fetchall())
 
     async def unreferenced_blobs(self) -> list[base.BlobRecord]:
-        """Pages of BATCH blobs in digest order, each one short read on the writer: a scan of
-        a million blobs never holds it for long."""
+        """From the index of blobs no entry names (REFS_SCHEMA), in pages of SCAN_PAGE, each
+        one short read on the writer: cost follows what GC may collect, not the store."""
         found: list[base.BlobRecord] = []
         after = ""
         while True:
             rows = await self._rows(
-                "SELECT digest, size, touched_at, EXISTS (SELECT 1 FROM entry_blobs e "
-                "WHERE e.digest = b.digest) FROM blobs b WHERE digest > ? ORDER BY digest "
-                "LIMIT ?", (after, SCAN_PAGE))
-            found += [base.BlobRecord(d, size, touched) for d, size, touched, named in rows
-                      if not named]
+                "SELECT digest, size, touched_at FROM blobs INDEXED BY blobs_unreferenced "
+                "WHERE refs = 0 AND digest > ? ORDER BY digest LIMIT ?", (after, SCAN_PAGE))
+            found += [base.BlobRecord(*row) for row in rows]
             if len(rows) < SCAN_PAGE:
                 return found
             after = rows[-1][0]
