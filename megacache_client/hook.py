@@ -64,7 +64,13 @@ def _wrap(original: Any) -> Any:
         if session is not None and target is not None and not kwargs.get("disable"):
             options = {k: v for k, v in kwargs.items() if k != "model"}
             session.before_compile(target, options)
-        compiled = original(*args, **kwargs)
+        try:
+            compiled = original(*args, **kwargs)
+        except Exception as exc:
+            # a precompiled package torch cannot install: compile as if it were not there
+            if session is None or target is None or not session.drop_precompiled(target, exc):
+                raise
+            compiled = original(*args, **kwargs)
         return session.after_compile(compiled) if session is not None else compiled
 
     return compile

@@ -72,8 +72,80 @@ def turn_on(config: ClientConfig) -> str:
         return "precompiled Dynamo off (MEGACACHE_PRECOMPILE=0)"
     if not supported():
         return f"torch {torch_env.torch_version()} has no caching precompile"
+    if not tolerate_unresolvable_frames():
+        return (f"torch {torch_env.torch_version()}: its precompile package cannot be made "
+                "to skip frames it cannot name, which would crash the trainer")
     torch_env.torch_module()._dynamo.config.caching_precompile = True
+    stabilize_autograd_keys()
     return ""
+
+
+def tolerate_unresolvable_frames() -> bool:
+    """Make a frame torch cannot name in a precompile package a bypassed entry, not a crash.
+
+    With caching precompile on, torch 2.13 records every frame Dynamo compiles under a name
+    it can import again; for some it finds none (a function reached through a property, as
+    Hugging Face's `loss_function`) and raises PackageError out of the training step. torch
+    already has the notion this needs: a bypassed entry is kept out of the package and
+    compiled as usual by every process. Returns whether the patch is in place.
+    """
+    try:
+        import inspect
+
+        from torch._dynamo.exc import PackageError
+        from torch._dynamo.package import CompilePackage
+    except Exception:
+        return False
+    add = CompilePackage._add_user_function
+    if getattr(add, "_megacache_tolerant", False):
+        return True
+    if not hasattr(CompilePackage, "_add_function"):
+        return False
+
+    def add_or_bypass(self: Any, code: Any) -> None:
+        try:
+            add(self, code)
+        except PackageError as exc:
+            module = inspect.getmodule(code)
+            self._add_function(code, module.__name__ if module else code.co_filename)
+            self._codes[code].bypassed = True
+            log.info("megacache: frame %s left out of precompiled Dynamo output: %s",
+                     code.co_qualname if hasattr(code, "co_qualname") else code.co_name, exc)
+
+    add_or_bypass._megacache_tolerant = True  # type: ignore[attr-defined]
+    CompilePackage._add_user_function = add_or_bypass  # type: ignore[method-assign]
+    return True
+
+
+def stabilize_autograd_keys() -> bool:
+    """Keep AOTAutograd's cache keys the same from one process to the next.
+
+    With caching precompile on, torch 2.13 puts the graph's precompile backend id into the
+    AOTAutograd cache key, and that id holds a fresh uuid in every process
+    (`unique_id("__compiled_fn", with_uuid=True)`): every AOTAutograd lookup of a frame not
+    served by a precompiled package then misses (a fallback entry, a failed guard), and each
+    run records artifacts under new keys, so it publishes again. torch itself stores the
+    entry without the id and re-binds a hit to the new run's id, so the key is computed here
+    as if the id were unset. Returns whether the patch is in place.
+    """
+    try:
+        import dataclasses
+
+        from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
+    except Exception:
+        return False
+    reduce = AOTAutogradCachePickler._reduce_aot_config
+    if getattr(reduce, "_megacache_stable", False):
+        return True
+
+    def reduce_without_backend_id(self: Any, aot_config: Any) -> Any:
+        if getattr(aot_config, "precompile_backend_id", None) is not None:
+            aot_config = dataclasses.replace(aot_config, precompile_backend_id=None)
+        return reduce(self, aot_config)
+
+    reduce_without_backend_id._megacache_stable = True  # type: ignore[attr-defined]
+    AOTAutogradCachePickler._reduce_aot_config = reduce_without_backend_id  # type: ignore[method-assign]
+    return True
 
 
 def enabled() -> bool:
@@ -82,6 +154,41 @@ def enabled() -> bool:
         return bool(torch_env.torch_module()._dynamo.config.caching_precompile)
     except Exception:
         return False
+
+
+def source_id(target: Any) -> tuple[str, str] | None:
+    """(torch's precompile key of what `torch.compile(target)` wraps, its readable name), or
+    None when precompile is off here. torch keys a precompiled package by the wrapped
+    function's qualified name and first line: every `nn.Module.compile()` wraps
+    `Module._call_impl`, and a module and its EMA copy wrap the same `forward`."""
+    if not enabled():
+        return None
+    try:
+        import torch
+        from torch._dynamo.eval_frame import innermost_fn
+        from torch._dynamo.package import CompilePackage
+
+        fn = target.forward if isinstance(target, torch.nn.Module) else target
+        inner = innermost_fn(fn)
+        return CompilePackage.source_id_from_fn(fn), str(inner.__qualname__)
+    except Exception:
+        return None
+
+
+def shared_key(compiled: dict[str, list[str]]) -> str:
+    """Why this process's precompiled Dynamo output must not be shipped ("" = it may).
+
+    `compiled` maps each precompile key to the names of the callables wrapped under it.
+    torch keeps one package per key, so when several callables share one, each wrapper's
+    entries overwrite the others': a consumer would load a package that fits one of them,
+    recompile the rest and publish again on every start (seen with two `.compile()`d
+    models and an EMA copy). Such a process ships everything but its Dynamo output.
+    """
+    for names in compiled.values():
+        if len(names) > 1:
+            return (f"{len(names)} compiled callables share torch's precompile key of "
+                    f"{names[0]}: precompiled Dynamo output not shipped")
+    return ""
 
 
 def producer_meta(counts: dict[str, int]) -> dict[str, str]:
@@ -131,6 +238,23 @@ def reserve_ids(bundle: BlobRef) -> None:
     floor = int(bundle.meta[META_IDS])
     current = next(bytecode_transformation._unique_id_counter)
     bytecode_transformation._unique_id_counter = itertools.count(max(current, floor))
+
+
+def forget_package_of(target: Any) -> bool:
+    """Remove the precompiled package `torch.compile(target)` would load from local disk;
+    True if there was one. For a package that fails to install: torch's own fallback
+    (compile afresh) is broken in 2.13 when installation fails after its sources checked
+    out ("CompilePackage is already initialized"), so the hook compiles again without it."""
+    found = source_id(target)
+    if found is None:
+        return False
+    from torch._dynamo.package import DynamoCache
+
+    path = Path(DynamoCache.path_prefix()) / found[0]
+    if not path.is_dir():
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
 
 
 def forget_local(loaded: Iterable[str]) -> int:

@@ -146,6 +146,10 @@ class Session:
         self.prefetcher: Prefetcher | None = None
         self.precompile_off = ""
         """Why caching precompile is off in this process ("" when on)."""
+        self.precompile_shared = ""
+        """Why this process's precompiled Dynamo output was not shipped ("" when it was)."""
+        self._precompile_keys: dict[str, list[str]] = {}
+        """torch's precompile key of each compiled callable -> the callables wrapped under it."""
 
     def start(self) -> Session:
         """Called when the client is enabled: precompile on, clock started, prefetch begun.
@@ -183,6 +187,27 @@ class Session:
     def before_compile(self, target: Any, options: dict[str, Any]) -> None:
         """Called by the torch.compile hook: load each fingerprint once, before it compiles."""
         self.load(target, options)
+        try:
+            found = precompile.source_id(target)
+        except Exception:
+            found = None
+        if found is not None:
+            self._precompile_keys.setdefault(found[0], []).append(found[1])
+
+    def drop_precompiled(self, target: Any, exc: Exception) -> bool:
+        """torch.compile(target) failed while a precompiled package for it is on local disk:
+        remove the package (the hook then compiles again, as without one). False if there
+        was none: the error is the trainer's own."""
+        try:
+            dropped = precompile.forget_package_of(target)
+        except Exception:
+            return False
+        if dropped:  # the rest of the bundle still serves: a note in the event, no warning
+            self.precompile_shared = self.precompile_shared or (
+                f"a precompiled package failed to install ({type(exc).__name__}: {exc}); "
+                "Dynamo traced as usual and its output is not shipped")[:500]
+            log.info("megacache: %s", self.precompile_shared)
+        return dropped
 
     def after_compile(self, compiled: Any) -> Any:
         """Called by the torch.compile hook with its result: time the first compiled step."""
@@ -433,6 +458,10 @@ class Session:
                     track.publish.reason = "torch recorded no cache artifacts"
                 return None
             raw, keys = saved
+            self.precompile_shared = precompile.shared_key(self._precompile_keys)
+            if self.precompile_shared and keys.get(precompile.ARTIFACT_TYPE):
+                raw = torch_env.without_artifacts(raw, precompile.ARTIFACT_TYPE)
+                keys = {k: v for k, v in keys.items() if k != precompile.ARTIFACT_TYPE}
             kernels = _files(torch_env.inductor_cache_dir(), KERNEL_SUFFIXES,
                              exclude=("triton", "locks"))
             ids = relocate.recorder().ids_for(kernels)
@@ -607,10 +636,11 @@ class Session:
         if res.key is None or res.outcome is None:
             return None
         outcome = res.outcome
-        if outcome in ("hit", "fallback") and counters["fxgraph_hit"] == 0 \
+        if outcome in ("hit", "fallback") and counters["fxgraph_hit"] + counters["aot_hit"] == 0 \
                 and counters["fxgraph_miss"] > 0:
             outcome = "inert"
-            res.reason = "bundle loaded but torch found none of its graphs (fxgraph hits = 0)"
+            res.reason = ("bundle loaded but torch found none of its graphs (FX graph and "
+                          "AOTAutograd cache hits = 0)")
             self._warn(res.reason)
         cold = res.entry.cold_compile_s if res.entry is not None else None
         saved = 0.0
@@ -635,7 +665,7 @@ class Session:
     def _precompile_fields(self) -> dict[str, Any]:
         """The event's precompile counters (torch's) and why it was not used, if it was not."""
         c = precompile.counters()
-        note = self.precompile_off or self.load_result.precompile
+        note = self.precompile_off or self.precompile_shared or self.load_result.precompile
         return {"precompile_hit": c["hit"], "precompile_miss": c["miss"] + c["error"],
                 "precompile_reason": note[:500]}
 

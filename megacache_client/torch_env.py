@@ -147,6 +147,20 @@ def load_bundle(raw: bytes, skip: frozenset[str] = frozenset()
     return {k: list(v) for k, v in info.artifacts.items()}, skipped
 
 
+def without_artifacts(raw: bytes, kind: str) -> bytes:
+    """Mega-Cache bytes with every artifact of type `kind` left out, in torch's own format."""
+    from torch.compiler._cache import CacheArtifactManager, _serialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    artifacts = CacheArtifactManager.deserialize(raw)
+    if artifacts is None:
+        raise ValueError("torch could not read its own Mega-Cache bytes")
+    writer: AppendingByteSerializer[Any] = AppendingByteSerializer(
+        serialize_fn=_serialize_single_cache)
+    writer.extend((k, v) for k, v in artifacts.items() if k != kind)
+    return bytes(writer.to_bytes())
+
+
 def save_bundle() -> tuple[bytes, dict[str, list[str]]] | None:
     result = torch_module().compiler.save_cache_artifacts()
     if result is None:

@@ -33,6 +33,7 @@ def main() -> None:
         "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],
         "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
         "aot_miss": counters["aot_autograd"]["autograd_cache_miss"],
+        "precompile_hit": counters["dynamo_cache"]["dynamo_cache_hit"],
     }), flush=True)
 
 

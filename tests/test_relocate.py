@@ -203,7 +203,8 @@ def test_consumer_with_torch_at_another_path_starts_warm_without_thrash(tmp_path
         elsewhere = Machine(tmp_path / "elsewhere")
         run = job(elsewhere, gxx, server.url, env=other_torch_path(tmp_path))
         assert run.mc["outcome"] == "hit" and not run.mc["skipped"], run.mc
-        assert run.result["counters"]["fxgraph_hit"] > 0
+        c = run.result["counters"]  # graphs from the cache: Inductor's, AOT's or Dynamo's
+        assert c["fxgraph_hit"] + c["aot_hit"] + run.result["precompile_hit"] > 0, run.result
         # torch really keyed its kernels differently here: the shipped ones were re-keyed
         assert kernel_names(elsewhere) - kernel_names(producer)
         assert run.gxx_builds == 0, "torch at another path must reuse the shipped kernels"
