@@ -35,7 +35,7 @@ import logging
 import platform
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -96,25 +96,23 @@ def tolerate_unresolvable_frames() -> bool:
         from torch._dynamo.package import CompilePackage
     except Exception:
         return False
-    add = CompilePackage._add_user_function
-    if getattr(add, "_megacache_tolerant", False):
-        return True
     if not hasattr(CompilePackage, "_add_function"):
         return False
 
-    def add_or_bypass(self: Any, code: Any) -> None:
-        try:
-            add(self, code)
-        except PackageError as exc:
-            module = inspect.getmodule(code)
-            self._add_function(code, module.__name__ if module else code.co_filename)
-            self._codes[code].bypassed = True
-            log.info("megacache: frame %s left out of precompiled Dynamo output: %s",
-                     code.co_qualname if hasattr(code, "co_qualname") else code.co_name, exc)
+    def tolerant(add: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+        def add_or_bypass(self: Any, code: Any) -> None:
+            try:
+                add(self, code)
+            except PackageError as exc:
+                module = inspect.getmodule(code)
+                self._add_function(code, module.__name__ if module else code.co_filename)
+                self._codes[code].bypassed = True
+                log.info("megacache: frame %s left out of precompiled Dynamo output: %s",
+                         getattr(code, "co_qualname", code.co_name), exc)
 
-    add_or_bypass._megacache_tolerant = True  # type: ignore[attr-defined]
-    CompilePackage._add_user_function = add_or_bypass  # type: ignore[method-assign]
-    return True
+        return add_or_bypass
+
+    return _patch_once(CompilePackage, "_add_user_function", tolerant)
 
 
 def stabilize_autograd_keys() -> bool:
@@ -134,17 +132,25 @@ def stabilize_autograd_keys() -> bool:
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
     except Exception:
         return False
-    reduce = AOTAutogradCachePickler._reduce_aot_config
-    if getattr(reduce, "_megacache_stable", False):
-        return True
 
-    def reduce_without_backend_id(self: Any, aot_config: Any) -> Any:
-        if getattr(aot_config, "precompile_backend_id", None) is not None:
-            aot_config = dataclasses.replace(aot_config, precompile_backend_id=None)
-        return reduce(self, aot_config)
+    def without_backend_id(reduce: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        def reduce_without_backend_id(self: Any, aot_config: Any) -> Any:
+            if getattr(aot_config, "precompile_backend_id", None) is not None:
+                aot_config = dataclasses.replace(aot_config, precompile_backend_id=None)
+            return reduce(self, aot_config)
 
-    reduce_without_backend_id._megacache_stable = True  # type: ignore[attr-defined]
-    AOTAutogradCachePickler._reduce_aot_config = reduce_without_backend_id  # type: ignore[method-assign]
+        return reduce_without_backend_id
+
+    return _patch_once(AOTAutogradCachePickler, "_reduce_aot_config", without_backend_id)
+
+
+def _patch_once(owner: Any, name: str, wrap: Callable[[Any], Any]) -> bool:
+    """Replace `owner.name` by `wrap(owner.name)`, once per process (the wrapper is marked)."""
+    current = getattr(owner, name)
+    if not getattr(current, "_megacache_patch", False):
+        patched = wrap(current)
+        patched._megacache_patch = True
+        setattr(owner, name, patched)
     return True
 
 
