@@ -35,6 +35,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from anyio import to_thread
 from redis.exceptions import RedisError, WatchError
 
 from megacache_client.events import Event
@@ -645,62 +646,37 @@ class RedisIndex(Index):
     async def stats(self, *, namespace: str | None, since: float | None = None
                     ) -> list[ModelStats]:
         async def op() -> list[ModelStats]:
-            by_model: dict[tuple[str, str], dict[str, float]] = {}
+            rows: list[tuple[str, list[dict[bytes, bytes]]]] = []
             for ns in await self._namespaces(namespace):
                 keys = [self.k("total", ns)] if since is None else \
                     [key for _, key in await self._periods("rollup", ns, since)]
-                for data in await self._hashes(keys):
-                    for field, value in data.items():
-                        model, _, counter = (_str(field) or "").rpartition("\t")
-                        sums = by_model.setdefault((ns, model), {})
-                        sums[counter] = sums.get(counter, 0.0) + float(value)
-            out = []
-            for (ns, model), sums in by_model.items():
-                s = ModelStats(ns, model)
-                s.add(sums)
-                out.append(s)
-            return sorted(out, key=lambda s: (-s.runs, s.namespace, s.model))
+                rows.append((ns, await self._hashes(keys)))
+            return await to_thread.run_sync(_model_stats, rows)
 
         return await self._do(op)
 
     async def timeline(self, *, namespace: str | None, since: float,
                        daily: bool = False) -> list[TimelineSlot]:
         async def op() -> list[TimelineSlot]:
-            slots: dict[int, dict[str, float]] = {}
+            rows: list[tuple[int, dict[bytes, bytes]]] = []
             for ns in await self._namespaces(namespace):
                 periods = await self._periods("hourly", ns, since, daily)
-                rows = await self._hashes([key for _, key in periods])
-                for (hour, _), data in zip(periods, rows, strict=True):
-                    for field, value in data.items():
-                        counter = _str(field) or ""
-                        slot = slots.setdefault(hour, {})
-                        slot[counter] = slot.get(counter, 0.0) + float(value)
-            return [TimelineSlot(h, int(s.get("runs", 0)),
-                                 int(s.get("hit", 0) + s.get("fallback", 0)),
-                                 s.get("saved_s", 0.0), s.get("tts_s", 0.0),
-                                 int(s.get("tts_n", 0)))
-                    for h, s in sorted(slots.items()) if s.get("runs")]
+                hashes = await self._hashes([key for _, key in periods])
+                rows += [(hour, data) for (hour, _), data in zip(periods, hashes, strict=True)]
+            return await to_thread.run_sync(_timeline, rows)
 
         return await self._do(op)
 
     async def top_misses(self, *, namespace: str | None, since: float,
                          limit: int) -> list[MissReason]:
         async def op() -> list[MissReason]:
-            counts: dict[str, float] = {}
+            rows: list[list[tuple[bytes, float]]] = []
             for ns in await self._namespaces(namespace):
                 async with self.r.pipeline(transaction=False) as pipe:
                     for _, key in await self._periods("misses", ns, since):
                         pipe.zrange(key, 0, -1, withscores=True)
-                    for rows in await pipe.execute():
-                        for member, n in rows:
-                            name = _str(member) or ""
-                            counts[name] = counts.get(name, 0.0) + n
-            top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
-            out = []
-            for member, n in top:
-                model, outcome, reason = json.loads(member)
-                out.append(MissReason(model, outcome, reason, int(n)))
-            return out
+                    rows += await pipe.execute()
+            return await to_thread.run_sync(_top_misses, rows, limit)
 
         return await self._do(op)
 
@@ -755,3 +731,51 @@ def _stored(key: str, data: dict[bytes, bytes]) -> StoredEntry:
         manifest_json=bytes(data.get(b"manifest") or b""),
         etag=_str(data.get(b"etag")) or "",
     )
+
+
+# The sums below run in a worker thread: at 200 models and a week of hourly rollups they
+# are tens of thousands of fields, milliseconds of Python the serving loop must not wait on.
+
+def _model_stats(rows: list[tuple[str, list[dict[bytes, bytes]]]]) -> list[ModelStats]:
+    """Per-(namespace, model) sums of `{model}\t{counter}` rollup hashes, most runs first."""
+    by_model: dict[tuple[str, str], dict[str, float]] = {}
+    for ns, hashes in rows:
+        for data in hashes:
+            for field, value in data.items():
+                model, _, counter = (_str(field) or "").rpartition("\t")
+                sums = by_model.setdefault((ns, model), {})
+                sums[counter] = sums.get(counter, 0.0) + float(value)
+    out = []
+    for (ns, model), sums in by_model.items():
+        s = ModelStats(ns, model)
+        s.add(sums)
+        out.append(s)
+    return sorted(out, key=lambda s: (-s.runs, s.namespace, s.model))
+
+
+def _timeline(rows: list[tuple[int, dict[bytes, bytes]]]) -> list[TimelineSlot]:
+    """Per-period sums of the `hourly` hashes of every namespace, periods with runs only."""
+    slots: dict[int, dict[str, float]] = {}
+    for hour, data in rows:
+        slot = slots.setdefault(hour, {})
+        for field, value in data.items():
+            counter = _str(field) or ""
+            slot[counter] = slot.get(counter, 0.0) + float(value)
+    return [TimelineSlot(h, int(s.get("runs", 0)), int(s.get("hit", 0) + s.get("fallback", 0)),
+                         s.get("saved_s", 0.0), s.get("tts_s", 0.0), int(s.get("tts_n", 0)))
+            for h, s in sorted(slots.items()) if s.get("runs")]
+
+
+def _top_misses(rows: list[list[tuple[bytes, float]]], limit: int) -> list[MissReason]:
+    """The `limit` most frequent [model, outcome, reason] members over the miss zsets."""
+    counts: dict[str, float] = {}
+    for zset in rows:
+        for member, n in zset:
+            name = _str(member) or ""
+            counts[name] = counts.get(name, 0.0) + n
+    top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
+    out = []
+    for name, n in top:
+        model, outcome, reason = json.loads(name)
+        out.append(MissReason(model, outcome, reason, int(n)))
+    return out
