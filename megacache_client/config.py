@@ -8,12 +8,11 @@ as the server's settings do (`16GiB`, `512MB`, or a plain byte count).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
-
-from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from megacache_client.signing import SigningError, public_key_bytes
 
@@ -118,7 +117,24 @@ class ClientConfig:
                        max_raw_bytes=max_raw)
 
 
-_BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+def _parse_bytes(text: str) -> int:
+    """`16GiB`, `512MB` or a plain count, with the server's parser (pydantic's ByteSize)."""
+    from pydantic import ValidationError
+
+    try:
+        return int(_byte_size().validate_python(text))
+    except ValidationError as exc:
+        raise ValueError(str(exc)) from None
+
+
+@functools.cache
+def _byte_size() -> Any:
+    """pydantic's ByteSize adapter, built on first use: importing and building it costs
+    50-100 ms, paid at every trainer's start (the client is imported right after torch)
+    although few set a size in the environment."""
+    from pydantic import ByteSize, TypeAdapter
+
+    return TypeAdapter(ByteSize)
 
 
 def _coerce(name: str, type_: Any, raw: str) -> Any:
@@ -137,10 +153,10 @@ def _coerce(name: str, type_: Any, raw: str) -> Any:
         if type_name == "int":
             return int(text)
         if type_name == "Bytes":
-            return int(_BYTE_SIZE.validate_python(text))
+            return _parse_bytes(text)
         if "Path" in type_name:
             return Path(text).expanduser()
-    except (ValueError, ValidationError):
+    except ValueError:
         expected = {"bool": f"a boolean ({'/'.join(TRUE)} or {'/'.join(FALSE)})",
                     "Bytes": "a size in bytes, with an optional unit (16GiB, 512MB, 1000000)",
                     "float": "a number", "int": "a whole number"}.get(type_name, type_name)
