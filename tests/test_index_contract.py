@@ -214,6 +214,48 @@ def test_blob_ledger_batches_for_gc(make_index: Callable[[], Index]):
     run(make_index, body)
 
 
+def test_redis_gc_reads_only_blobs_that_may_be_unreferenced(redis_service: LocalRedis):
+    """Redis keeps the blobs that may have lost their last reference (`unref`): a plan reads
+    those, not every blob, and what it finds named again leaves the set. A store written
+    before the set existed is seeded from every blob once."""
+    from megacache_server.index.redis import RedisIndex
+
+    ix = RedisIndex(f"redis://127.0.0.1:{redis_service.port}/0", prefix=f"unref{next(_n)}:")
+
+    async def body() -> None:
+        for d in ("a1", "a2", "orphan"):
+            await ix.record_blob(d, 10, "ns")
+        await ix.put(entry("a", digests=("a1", "a2")), Precondition())
+        candidates = ix.k("unref")
+        assert await ix.r.smembers(candidates) == {b"orphan"}  # the put named a1 and a2
+        await ix.put(entry("b", digests=("a2",)), Precondition())
+        assert await ix.delete("a")
+        assert await ix.r.smembers(candidates) == {b"orphan", b"a1", b"a2"}
+        assert [b.digest for b in await ix.unreferenced_blobs()] == ["a1", "orphan"]
+        assert await ix.r.smembers(candidates) == {b"orphan", b"a1"}  # a2: named by b
+        assert await ix.delete_unpinned(["b"]) == 1
+        assert [b.digest for b in await ix.unreferenced_blobs()] == ["a1", "a2", "orphan"]
+        await ix.forget_blobs(["a1", "a2"])
+        assert await ix.r.smembers(candidates) == {b"orphan"}
+        # a store from before the set: every blob is a candidate until a plan has looked
+        await ix.r.delete(candidates, ix.k("unref_ready"))
+        await ix.put(entry("c", digests=("c1",)), Precondition())
+        await ix.r.hset(ix.k("blobs"), "c1", 10)  # recorded the old way, named by c
+        await ix.r.srem(candidates, "c1", "orphan")
+        assert [b.digest for b in await ix.unreferenced_blobs()] == ["orphan"]
+        assert await ix.r.smembers(candidates) == {b"orphan"}
+        assert await ix.r.exists(ix.k("unref_ready"))
+
+    async def main() -> None:
+        await ix.open()
+        try:
+            await body()
+        finally:
+            await ix.close()
+
+    asyncio.run(main())
+
+
 # -- TokenStore -------------------------------------------------------------------------
 def test_token_store(make_index: Callable[[], Index]):
     async def body(ix: Index) -> None:
