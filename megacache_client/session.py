@@ -187,10 +187,7 @@ class Session:
     def before_compile(self, target: Any, options: dict[str, Any]) -> None:
         """Called by the torch.compile hook: load each fingerprint once, before it compiles."""
         self.load(target, options)
-        try:
-            found = precompile.source_id(target)
-        except Exception:
-            found = None
+        found = precompile.source_id(target)  # None when precompile is off or torch can't say
         if found is not None:
             self._precompile_keys.setdefault(found[0], []).append(found[1])
 

@@ -134,9 +134,9 @@ class Settings(BaseSettings):
         (a uvicorn worker, the GC) gets exactly the settings this process merged."""
         env = {"MEGACACHE_" + name.upper(): str(value)
                for name, value in self.model_dump(exclude_none=True).items()}
-        data_dir = self.data_dir.resolve()
-        env["MEGACACHE_DATA_DIR"] = str(data_dir)
-        env["MEGACACHE_INDEX"] = self.index or f"sqlite:///{data_dir / 'index.sqlite3'}"
+        absolute = self.model_copy(update={"data_dir": self.data_dir.resolve()})
+        env["MEGACACHE_DATA_DIR"] = str(absolute.data_dir)
+        env["MEGACACHE_INDEX"] = absolute.index_url()
         return env
 
 

@@ -62,12 +62,12 @@ MAX_RAW_EVENTS = 10_000  # per namespace
 ROLLUP_TTL_S = 400 * 24 * 3600
 SCAN = 500
 SCRIPT_BATCH = 200
+"""Entries or blobs per server-side script: ~15 commands each, a few ms of Redis time, so
+a lookup arriving meanwhile waits little."""
 UNREF_RESEED_S = 86400
 """How long `unref` is trusted before a GC seeds it from every blob again: a blob can miss
 it only through a crash between two round trips or an older replica deleting entries, and
 then waits at most this long to be collected."""
-"""Entries or blobs per server-side script: ~15 commands each, a few ms of Redis time, so
-a lookup arriving meanwhile waits little."""
 
 SCRIPTS = {
     # ARGV: prefix, entry keys. Each entry that exists and is not pinned goes with every
