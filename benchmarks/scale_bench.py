@@ -43,7 +43,6 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -540,39 +539,63 @@ def latencies(server: LocalServer, sample: list[Entry], n_fast: int, n_slow: int
 
 
 class Lookups:
-    """Exact lookups back to back in a thread, each with its start and end time."""
+    """Exact lookups back to back from a process of their own (`lookup_load.py`), each with
+    its start and end time on this process's clock."""
 
     def __init__(self, server: LocalServer, sample: list[Entry]) -> None:
         self.server, self.sample = server, sample
         self.done: list[tuple[float, float]] = []
         self.errors = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        rng = random.Random(2)
-        with httpx.Client(base_url=self.server.url, timeout=120) as client:
-            while not self._stop.is_set():
-                t = time.perf_counter()
-                r = client.get(f"/v1/ac/{rng.choice(self.sample).key}")
-                if r.status_code not in (200, 404):
-                    self.errors += 1
-                self.done.append((t, time.perf_counter()))
+        self._tmp = tempfile.TemporaryDirectory()
+        self._proc: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> Lookups:
-        self._thread.start()
+        keys, out = Path(self._tmp.name) / "keys", Path(self._tmp.name) / "out"
+        keys.write_text("".join(e.key + "\n" for e in self.sample))
+        self._proc = subprocess.Popen(
+            [sys.executable, str(HERE / "lookup_load.py"), self.server.url, str(keys), str(out)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        if self._proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"lookup_load.py did not start (exit {self._proc.wait()})")
         time.sleep(0.3)
         return self
 
     def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.close()
+        if self._proc.wait(timeout=120) != 0:
+            raise RuntimeError(f"lookup_load.py failed (exit {self._proc.returncode})")
+        for line in (Path(self._tmp.name) / "out").read_text().splitlines():
+            start, end, status = line.split()
+            self.done.append((float(start), float(end)))
+            self.errors += status not in ("200", "404")
+        self._tmp.cleanup()
 
     def during(self, windows: list[tuple[float, float]]) -> dict[str, float]:
         """Lookups that overlapped any window: their max and p99."""
         ms = [(e - s) * 1000 for s, e in self.done
               if any(s < we and e > ws for ws, we in windows)]
         return summary(ms)
+
+
+EXACT_ROUTE = 'method="GET",route="/v1/ac/{key}"'
+
+
+def server_exact_timing(server: LocalServer) -> dict[str, float]:
+    """The server's own count of exact lookups and of those it took over GOAL_WAIT_MS to
+    answer (its request-duration histogram: from the first middleware to the last byte)."""
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    le = f'le="{GOAL_WAIT_MS / 1000}"'
+    count = under = 0.0
+    for line in text.splitlines():
+        if EXACT_ROUTE not in line:
+            continue
+        if line.startswith("megacache_http_request_duration_seconds_count"):
+            count = float(line.split()[-1])
+        elif line.startswith("megacache_http_request_duration_seconds_bucket") and le in line:
+            under = float(line.split()[-1])
+    return {"count": count, "over": count - under}
 
 
 def concurrent(server: LocalServer, sample: list[Entry], repeats: int) -> dict[str, Any]:
@@ -596,6 +619,7 @@ def gc_during_lookups(backend: Backend, sample: list[Entry], stored: int) -> dic
     env = {**backend.env(), "MEGACACHE_STORE_BUDGET": str(int(stored * 0.9)),
            "MEGACACHE_GC_LOW_WATER": "1.0", "MEGACACHE_GC_INTERVAL_S": "2"}
     with LocalServer(backend.data_dir, "--workers", "1", env=env) as server:
+        before = server_exact_timing(server)
         with Lookups(server, sample) as lookups:
             deadline = time.monotonic() + 30
             while not backend.gc_running():
@@ -606,6 +630,7 @@ def gc_during_lookups(backend: Backend, sample: list[Entry], stored: int) -> dic
             while backend.gc_running():
                 time.sleep(0.05)
             end = time.perf_counter()
+        after = server_exact_timing(server)
         # the server counts what its GC child did once the child has exited, a moment after
         # it released the lock
         evicted, deadline = 0.0, time.monotonic() + 30
@@ -616,7 +641,10 @@ def gc_during_lookups(backend: Backend, sample: list[Entry], stored: int) -> dic
                            0.0)
             time.sleep(0.1)
     return {"wall_s": round(end - start, 2), "evicted": int(evicted),
-            "lookups": lookups.during([(start, end)]), "lookup_errors": lookups.errors}
+            "lookups": lookups.during([(start, end)]), "lookup_errors": lookups.errors,
+            # over the whole load (a little before and after the GC too), as the server saw it
+            "server_exact": {"count": int(after["count"] - before["count"]),
+                             f"over_{GOAL_WAIT_MS}ms": int(after["over"] - before["over"])}}
 
 
 def cli(backend: Backend, *args: str, budget: int | None = None) -> dict[str, Any]:
@@ -731,17 +759,20 @@ def table(rows: list[dict[str, Any]]) -> str:
         cells = [f"{lat[k]['p50_ms']:.2f} / {lat[k]['p99_ms']:.2f}" for k in GOALS_MS]
         out.append(f"| {r['backend']} | {r['entries']:,} | " + " | ".join(cells) + " |")
     out += ["", "| backend | entries | lookups during scrape max/p99 | during dashboard "
-            "max/p99 | during GC max/p99 | GC evict 10% s (entries) | GC plan s / MB | "
+            "max/p99 | during GC max/p99 | server: GC-load lookups over 50 ms | "
+            "GC evict 10% s (entries) | GC plan s / MB | "
             "fsck s / MB | CLI start s / MB | index B/entry | blob B/entry |",
-            "|" + "---|" * 11]
+            "|" + "---|" * 12]
     for r in rows:
         c = r["concurrent"]
 
         def mp(x: dict[str, Any]) -> str:
             return f"{x['max_ms']:.1f} / {x['p99_ms']:.1f} (n={x['n']})"
 
+        seen = c["gc"].get("server_exact")  # absent in runs before lookup_load.py
+        server = f"{seen[f'over_{GOAL_WAIT_MS}ms']} of {seen['count']:,}" if seen else "-"
         out.append(f"| {r['backend']} | {r['entries']:,} | {mp(c['scrape'])} | "
-                   f"{mp(c['dashboard'])} | {mp(c['gc']['lookups'])} | "
+                   f"{mp(c['dashboard'])} | {mp(c['gc']['lookups'])} | {server} | "
                    f"{c['gc']['wall_s']:.1f} ({c['gc']['evicted']:,}) | "
                    f"{r['gc_plan']['wall_s']:.1f} / {r['gc_plan']['max_rss_mb']:.0f} | "
                    f"{r['fsck']['wall_s']:.1f} / {r['fsck']['max_rss_mb']:.0f} | "

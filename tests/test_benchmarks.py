@@ -81,6 +81,9 @@ def test_scale_bench_quick_writes_valid_json(tmp_path: Path):
         assert 0 < row["latency"][route]["p50_ms"] <= row["latency"][route]["p99_ms"]
     gc = row["concurrent"]["gc"]
     assert gc["evicted"] == 200 and gc["lookups"]["n"] > 0  # 10% of 2000 entries went
+    # the server's own histogram saw the lookup process's lookups (and the ones before GC)
+    assert gc["server_exact"]["count"] >= gc["lookups"]["n"] > 0
+    assert 0 <= gc["server_exact"]["over_50ms"] <= gc["server_exact"]["count"]
     assert "would evict 200 entries" in row["gc_plan"]["last_line"]
     assert row["fsck"]["last_line"] == "clean" and row["fsck"]["max_rss_mb"] > 0
     assert row["blob_bytes_per_entry"] >= 1024 and row["index_bytes_per_entry"] > 0
