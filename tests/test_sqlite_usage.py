@@ -123,3 +123,33 @@ def test_blob_references_are_counted_when_an_older_index_is_opened(tmp_path: Pat
     with sqlite3.connect(path) as c:
         assert dict(c.execute("SELECT digest, refs FROM blobs")) == {
             "d-k1": 1, "d-k2": 0, "orphan": 0}
+
+
+def test_bulk_deletes_sync_once_and_leave_the_connection_durable(tmp_path: Path):
+    """Eviction's batches commit at synchronous=NORMAL but the last, at FULL (one fsync
+    covers them all before the blob files go); no other write ever sees NORMAL."""
+    path = tmp_path / "index.sqlite3"
+
+    async def main() -> None:
+        ix = SqliteIndex(path)
+        await ix.open()
+        keys = [f"k{i:05d}" for i in range(1200)]  # three batches of BATCH=500
+        for k in keys:
+            await ix.put(entry(k, "ns", 1), Precondition())
+        assert ix._conn is not None
+        seen: list[str] = []
+        ix._conn.set_trace_callback(seen.append)
+        assert await ix.delete_many(keys, unless_pinned=True) == 1200
+        ix._conn.set_trace_callback(None)
+        levels, level = [], "FULL"
+        for statement in seen:
+            if statement.startswith("PRAGMA synchronous="):
+                level = statement.split("=")[1]
+            elif statement == "COMMIT":
+                levels.append(level)
+        assert levels == ["NORMAL", "NORMAL", "FULL"]
+        assert ix._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+        assert await ix.usage("ns") == (0, 0)
+        await ix.close()
+
+    asyncio.run(main())
