@@ -137,7 +137,7 @@ def main() -> int:
             "prefetch": None if session.prefetcher is None else {
                 k: v for k, v in vars(session.prefetcher.result).items()
                 if k in ("bytes_down", "toolchain_bytes", "error", "entry_key")},
-            "tts": {k: v for k, v in (event.model_dump() if event else {}).items()
+            "tts": {k: v for k, v in (event.to_dict() if event else {}).items()
                     if k.startswith(("tts_", "precompile_"))},
         }
     line = json.dumps(result)

@@ -75,7 +75,7 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
     config = ClientConfig.from_env(model=args.model, code=args.code)  # no server needed
     fp = compute(namespace=config.namespace, options=options, model=config.model,
                  code=config.code)
-    print(json.dumps({"key": fp.key(), **fp.model_dump()}, indent=2))
+    print(json.dumps({"key": fp.key(), **fp.to_dict()}, indent=2))
     return 0
 
 

@@ -118,7 +118,11 @@ class ClientConfig:
 
 
 def _parse_bytes(text: str) -> int:
-    """`16GiB`, `512MB` or a plain count, with the server's parser (pydantic's ByteSize)."""
+    """`16GiB`, `512MB` or a plain count, with the server's parser (pydantic's ByteSize).
+
+    A plain count needs no parser: pydantic (~150 ms to import) is only loaded for units."""
+    if text.isascii() and text.isdigit():
+        return int(text)
     from pydantic import ValidationError
 
     try:

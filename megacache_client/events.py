@@ -2,35 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from megacache_client.manifest import Hex64
+from megacache_client.rules import Doc, Range, Schema, Size
 
 Outcome = Literal["hit", "fallback", "miss", "invalid", "error", "inert"]
 OUTCOMES: tuple[Outcome, ...] = ("hit", "fallback", "miss", "invalid", "error", "inert")
 
-Seconds = Annotated[float, Field(ge=0, le=7 * 24 * 3600, allow_inf_nan=False)]
+Seconds = Annotated[float, Range(0, 7 * 24 * 3600)]
 """No run compiles, loads or saves more than a week."""
-Bytes = Annotated[int, Field(ge=0, le=2**40)]
+Bytes = Annotated[int, Range(0, 2**40)]
 """No run moves more than a TiB; sums of bounded values stay exact far past any fleet's life."""
-Count = Annotated[int, Field(ge=0, le=10**6)]
+Count = Annotated[int, Range(0, 10**6)]
 
 
-class Event(BaseModel):
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Event(Schema):
     """One client run's view: did the cache help, and by how much."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
     key: Hex64
-    model: str = Field(min_length=1, max_length=256)
+    model: Annotated[str, Size(1, 256)]
     outcome: Outcome
-    reason: str = Field(default="", max_length=2000)
-    entry_key: Hex64 | None = Field(default=None, description="the entry loaded, if any")
-    differing: list[Annotated[str, Field(max_length=32)]] = Field(default_factory=list,
-                                                                  max_length=8)
+    reason: Annotated[str, Size(0, 2000)] = ""
+    entry_key: Annotated[Hex64 | None, Doc("the entry loaded, if any")] = None
+    differing: Annotated[list[Annotated[str, Size(0, 32)]], Size(0, 8)] = \
+        dataclasses.field(default_factory=list)
     compile_s: Seconds = 0.0
     cold_compile_s: Seconds | None = None
     saved_s: Seconds = 0.0
@@ -40,28 +43,25 @@ class Event(BaseModel):
     fxgraph_hit: Count = 0
     fxgraph_miss: Count = 0
     published: bool = False
-    precompile_hit: Count = Field(default=0, description="torch's Dynamo cache hits "
-                                  "(precompiled Dynamo output used)")
-    precompile_miss: Count = Field(default=0, description="Dynamo cache misses and errors")
-    precompile_reason: str = Field(default="", max_length=500,
-                                   description="why precompiled Dynamo output was off or "
-                                   "not loaded")
-    tts_s: Seconds | None = Field(default=None, description="time to start: process start "
-                                  "to the end of the first compiled step")
-    tts_import_s: Seconds | None = Field(default=None, description="process start to the "
-                                         "client enabled (imports)")
-    tts_fetch_s: Seconds | None = Field(default=None, description="first compile waiting "
-                                        "for lookups and downloads")
-    tts_load_s: Seconds | None = Field(default=None, description="fingerprint, placing files "
-                                       "and loading the bundle")
-    tts_compile_s: Seconds | None = Field(default=None, description="torch compile seconds "
-                                          "up to the first step's end")
-    tts_rest_s: Seconds | None = Field(default=None, description="the remainder: trainer "
-                                       "set-up, data, running the step")
-    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    precompile_hit: Annotated[Count, Doc("torch's Dynamo cache hits (precompiled Dynamo "
+                                         "output used)")] = 0
+    precompile_miss: Annotated[Count, Doc("Dynamo cache misses and errors")] = 0
+    precompile_reason: Annotated[str, Size(0, 500), Doc("why precompiled Dynamo output was "
+                                                        "off or not loaded")] = ""
+    tts_s: Annotated[Seconds | None, Doc("time to start: process start to the end of the "
+                                         "first compiled step")] = None
+    tts_import_s: Annotated[Seconds | None, Doc("process start to the client enabled "
+                                                "(imports)")] = None
+    tts_fetch_s: Annotated[Seconds | None, Doc("first compile waiting for lookups and "
+                                               "downloads")] = None
+    tts_load_s: Annotated[Seconds | None, Doc("fingerprint, placing files and loading the "
+                                              "bundle")] = None
+    tts_compile_s: Annotated[Seconds | None, Doc("torch compile seconds up to the first "
+                                                 "step's end")] = None
+    tts_rest_s: Annotated[Seconds | None, Doc("the remainder: trainer set-up, data, running "
+                                              "the step")] = None
+    created_at: datetime = dataclasses.field(default_factory=_now)
 
-    @model_validator(mode="after")
-    def _saves_no_more_than_it_would_have_compiled(self) -> Event:
+    def validate(self) -> None:
         if self.saved_s > (self.cold_compile_s or 0.0):
             raise ValueError("saved_s cannot exceed cold_compile_s (the cold compile it saved)")
-        return self

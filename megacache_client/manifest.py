@@ -1,11 +1,13 @@
 """The manifest: the small JSON document an index entry maps a fingerprint key to.
 
-It lives in the client package (base install, pydantic only) so the server and the
-trainer-side client validate exactly the same schema without the client importing FastAPI.
+It lives in the client package (base install, standard library only: see `rules.py`) so
+the server and the trainer-side client validate exactly the same schema without the
+client importing FastAPI or pydantic.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -13,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from megacache_client.rules import Doc, Finite, Match, Range, Schema, Size, parse_json
 
 MANIFEST_FORMAT: Literal[1] = 1
 """Bump when the manifest or the fingerprint recipe changes incompatibly; it is hashed into keys."""
@@ -28,15 +30,17 @@ def is_hex64(value: str) -> bool:
 
 
 HEX64_PATTERN = r"^[0-9a-f]{64}$"
-Hex64 = Annotated[str, StringConstraints(pattern=HEX64_PATTERN)]
+Hex64 = Annotated[str, Match(HEX64_PATTERN)]
 """A sha256 as 64 lowercase hex characters; the pattern shows in the OpenAPI schema too."""
 NAMESPACE_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 """A namespace: what fingerprints, tokens and listings are scoped by."""
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+FiniteFloat = Annotated[float, Finite()]
 Scalar = str | int | FiniteFloat | bool | None
 """A fingerprint value. NaN and infinities are refused: JSON cannot carry them, so a server
 that accepted one would store a `null` that fails validation on every later read."""
-ShortText = Annotated[str, Field(min_length=1, max_length=256)]
+ShortText = Annotated[str, Size(1, 256)]
+Size53 = Annotated[int, Range(0, 2**53)]
+"""A byte size or count: JSON numbers are exact to 2**53."""
 
 
 def canonical_json(value: Any) -> bytes:
@@ -57,44 +61,36 @@ def sha256_file(path: Path, chunk: int = 1024 * 1024) -> str:
     return sha.hexdigest()
 
 
-class _Strict(BaseModel):
-    """Unknown fields refused, no type coercion: what the JSON schema says is what passes."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class BlobRef(_Strict):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlobRef(Schema):
     """One content-addressed blob an entry needs (bundle, kernel pack, toolchain artifacts)."""
 
-    digest: Hex64 = Field(description="sha256 of the bytes as stored (the CAS address)")
-    size: int = Field(ge=0, le=2**53, description="stored size in bytes")
-    role: str = Field(
-        pattern=r"^[a-z][a-z0-9_-]{0,31}$",
-        description="what the blob is: megacache, kernels, toolchain, ...",
-    )
+    digest: Annotated[Hex64, Doc("sha256 of the bytes as stored (the CAS address)")]
+    size: Annotated[Size53, Doc("stored size in bytes")]
+    role: Annotated[str, Match(r"^[a-z][a-z0-9_-]{0,31}$"),
+                    Doc("what the blob is: megacache, kernels, toolchain, ...")]
     compression: Literal["zstd", "none"] = "zstd"
-    raw_size: int | None = Field(default=None, ge=0, le=2**53,
-                                 description="size after decompression")
-    raw_sha256: Hex64 | None = Field(default=None, description="sha256 after decompression")
-    meta: dict[ShortText, Annotated[str, Field(max_length=4096)]] = Field(
-        default_factory=dict,
-        description="role-specific facts the consumer checks before using the blob",
-    )
+    raw_size: Annotated[Size53 | None, Doc("size after decompression")] = None
+    raw_sha256: Annotated[Hex64 | None, Doc("sha256 after decompression")] = None
+    meta: Annotated[dict[ShortText, Annotated[str, Size(0, 4096)]],
+                    Doc("role-specific facts the consumer checks before using the blob")] = \
+        dataclasses.field(default_factory=dict)
 
 
-class Fingerprint(_Strict):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fingerprint(Schema):
     """The components the key is derived from. Never a hostname, path, PID, rank or time."""
 
-    namespace: str = Field(default="default", pattern=NAMESPACE_PATTERN)
+    namespace: Annotated[str, Match(NAMESPACE_PATTERN)] = "default"
     model: ShortText
     code: ShortText
-    env: dict[ShortText, Scalar] = Field(default_factory=dict)
-    hw: dict[ShortText, Scalar] = Field(default_factory=dict)
-    config: dict[ShortText, Scalar] = Field(default_factory=dict)
+    env: dict[ShortText, Scalar] = dataclasses.field(default_factory=dict)
+    hw: dict[ShortText, Scalar] = dataclasses.field(default_factory=dict)
+    config: dict[ShortText, Scalar] = dataclasses.field(default_factory=dict)
 
     def key(self) -> str:
         """The fingerprint key: sha256 of the canonical JSON of format + components."""
-        return sha256_hex(canonical_json({"format": MANIFEST_FORMAT, **self.model_dump()}))
+        return sha256_hex(canonical_json({"format": MANIFEST_FORMAT, **self.to_dict()}))
 
 
 def component_digest(component: dict[str, Scalar]) -> str:
@@ -102,23 +98,27 @@ def component_digest(component: dict[str, Scalar]) -> str:
     return sha256_hex(canonical_json(component))
 
 
-class Manifest(_Strict):
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Manifest(Schema):
     """An index entry's value. Small, validated strictly, unknown fields refused."""
 
     format: Literal[1] = MANIFEST_FORMAT
     key: Hex64
-    blobs: list[BlobRef] = Field(min_length=1, max_length=MAX_BLOBS_PER_ENTRY)
+    blobs: Annotated[list[BlobRef], Size(1, MAX_BLOBS_PER_ENTRY)]
     fingerprint: Fingerprint
     torch_version: ShortText
-    triton_version: str | None = Field(default=None, max_length=256)
-    artifact_counts: dict[ShortText, Annotated[int, Field(ge=0, le=2**53)]] = Field(
-        default_factory=dict)
-    cold_compile_s: float = Field(ge=0, le=7 * 24 * 3600, allow_inf_nan=False)
-    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
-    producer: dict[ShortText, Annotated[str, Field(max_length=256)]] = Field(default_factory=dict)
+    triton_version: Annotated[str, Size(0, 256)] | None = None
+    artifact_counts: dict[ShortText, Size53] = dataclasses.field(default_factory=dict)
+    cold_compile_s: Annotated[float, Range(0, 7 * 24 * 3600)]
+    created_at: datetime = dataclasses.field(default_factory=_now)
+    producer: dict[ShortText, Annotated[str, Size(0, 256)]] = \
+        dataclasses.field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _key_matches_fingerprint(self) -> Manifest:
+    def validate(self) -> None:
         expected = self.fingerprint.key()
         if self.key != expected:
             raise ValueError(
@@ -129,10 +129,15 @@ class Manifest(_Strict):
             raise ValueError("a blob is listed twice")
         if self.created_at.tzinfo is None:
             raise ValueError("created_at must carry a timezone")
-        return self
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Manifest:
+        """A manifest from untrusted JSON (a server's answer), strictly validated."""
+        return parse_json(cls, data)
 
     def blob(self, role: str) -> BlobRef | None:
         return next((b for b in self.blobs if b.role == role), None)
 
-    def to_json(self) -> bytes:
-        return self.model_dump_json().encode()
+    def replace(self, **changes: Any) -> Manifest:
+        """A copy with `changes`, validated again."""
+        return dataclasses.replace(self, **changes)

@@ -675,7 +675,7 @@ class Session:
             with RemoteCache(self.config, deadline=Deadline(self.config.load_deadline_s)) \
                     as remote:
                 for event in events:
-                    remote.post_event(event.model_dump(mode="json"))
+                    remote.post_event(event.to_dict())
             return events[0]
         except Exception as exc:
             log.debug("megacache: could not report the run's events: %s", exc)

@@ -31,6 +31,7 @@ from megacache_client.errors import (
 )
 from megacache_client.manifest import Manifest, component_digest, sha256_file
 from megacache_client.retry import Deadline, RetryableStatus, retry_after_s, retryable, retrying
+from megacache_client.rules import parse
 from megacache_client.signing import SIGNATURE_HEADER, SigningError, signature_valid
 
 __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineExceeded",
@@ -116,7 +117,7 @@ class RemoteCache:
             return None
         self._expect(r, (200,), "get entry")
         self._check_signature(entry_key, r)
-        manifest = Manifest.model_validate_json(r.content)
+        manifest = Manifest.from_json(r.content)
         if manifest.key != entry_key:
             raise UntrustedEntryError(f"asked for entry {entry_key[:12]}…, the server answered "
                                       f"with the manifest of {manifest.key[:12]}…: refusing it")
@@ -150,7 +151,7 @@ class RemoteCache:
         r = self._call(lambda t: self._http.get("/v1/ac", params=params, timeout=t),
                        "list entries")
         self._expect(r, (200,), "list entries")
-        return [Manifest.model_validate(e, strict=False) for e in r.json()["entries"]]
+        return [parse(Manifest, e) for e in r.json()["entries"]]
 
     def put_entry(self, manifest: Manifest, *, if_match: str | None = None,
                   if_none_match: str | None = None) -> str | None:

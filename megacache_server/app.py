@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megacache_client.events import Event
@@ -189,7 +190,8 @@ def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
 
 
 def _openapi_with_models(app: FastAPI) -> None:
-    """Put the shared pydantic models in components/schemas, where the routes refer to them.
+    """Put the shared schemas in components/schemas, where the routes refer to them (pydantic
+    reads the rules they are declared with; the routes validate with `rules.parse_json`).
 
     The routes read their bodies themselves (to give 413/422 their own way), so FastAPI
     does not know these models; without this the spec would carry dangling references.
@@ -201,8 +203,8 @@ def _openapi_with_models(app: FastAPI) -> None:
             return app.openapi_schema
         schema = base()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (Manifest, Event):
-            spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for model in (Manifest, Event):  # pydantic reads the rules of megacache_client.rules
+            spec = TypeAdapter(model).json_schema(ref_template="#/components/schemas/{model}")
             components.update(spec.pop("$defs", {}))
             components[model.__name__] = spec
         app.openapi_schema = schema

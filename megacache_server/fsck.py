@@ -20,9 +20,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from pydantic import ValidationError
-
 from megacache_client.manifest import Manifest
+from megacache_client.rules import SchemaError
 from megacache_server.index.base import entry_etag
 from megacache_server.storage import Storage
 
@@ -113,7 +112,7 @@ async def _unreadable(storage: Storage, keys: list[str]) -> list[tuple[str, str]
             found.append((key, "manifest bytes do not match their ETag"))
         else:
             try:
-                Manifest.model_validate_json(entry.manifest_json)
-            except ValidationError as exc:
-                found.append((key, f"manifest fails validation: {exc.errors()[0]['msg']}"))
+                Manifest.from_json(entry.manifest_json)
+            except SchemaError as exc:
+                found.append((key, f"manifest fails validation: {exc}"))
     return found

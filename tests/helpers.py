@@ -10,6 +10,7 @@ from typing import Any
 from services import LOOPBACK, LocalServer, free_port
 
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
+from megacache_client.rules import parse
 
 __all__ = ["LOOPBACK", "ServerProcess", "free_port", "make_fingerprint", "make_manifest",
            "raw_http", "sha256"]
@@ -114,7 +115,7 @@ def make_fingerprint(model: str = "mlp", code: str = "c0", **overrides: object) 
         "config": {"backend": "inductor", "mode": "default"},
     }
     base.update(overrides)
-    return Fingerprint.model_validate(base)
+    return parse(Fingerprint, base)
 
 
 def make_manifest(blobs: dict[str, bytes] | list[tuple[str, bytes]],

@@ -17,6 +17,7 @@ import pytest
 from services import LocalRedis
 
 from megacache_client.events import Event
+from megacache_client.rules import parse_json
 from megacache_server.errors import PreconditionFailed
 from megacache_server.index.base import Index, NewEntry, Precondition, TokenRecord
 from megacache_server.index.sqlite import SqliteIndex
@@ -273,7 +274,7 @@ def test_token_store(make_index: Callable[[], Index]):
 def _event(model: str, outcome: str = "hit", **fields: object) -> Event:
     body = {"key": "a" * 64, "model": model, "outcome": outcome, "compile_s": 1.0,
             "cold_compile_s": 10.0, "saved_s": 9.0 if outcome == "hit" else 0.0, **fields}
-    return Event.model_validate_json(json.dumps(body))
+    return parse_json(Event, json.dumps(body))
 
 
 def test_event_log_rollups(make_index: Callable[[], Index]):

@@ -39,7 +39,7 @@ def _assert_intact(server: ServerProcess, blobs: list[bytes], manifest) -> None:
             assert c.get(f"/v1/cas/{sha256(data)}").content == data
         got = c.get(f"/v1/ac/{manifest.key}")
         assert got.status_code == 200
-        assert got.json()["blobs"] == [b.model_dump() for b in manifest.blobs]
+        assert got.json()["blobs"] == [b.to_dict() for b in manifest.blobs]
         assert [e["key"] for e in c.get("/v1/ac", params={"model": "mlp"}).json()["entries"]] \
             == [manifest.key]
 

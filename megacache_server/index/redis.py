@@ -649,7 +649,7 @@ class RedisIndex(Index):
         async def op() -> None:
             await self._daily_since()  # before the first daily write
             async with self.r.pipeline(transaction=True) as pipe:
-                pipe.lpush(self.k("events", namespace), event.model_dump_json())
+                pipe.lpush(self.k("events", namespace), event.to_json())
                 pipe.ltrim(self.k("events", namespace), 0, MAX_RAW_EVENTS - 1)
                 pipe.sadd(self.k("namespaces"), namespace)
                 for field, value in counters.items():
