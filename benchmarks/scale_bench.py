@@ -852,7 +852,10 @@ def markdown(result: dict[str, Any], command: str) -> str:
         "- server: one worker; latencies from one client, requests in turn "
         f"({result['n_fast']} per lookup route, {result['n_slow']} per stats/metrics/"
         "dashboard); GC evicts 10% (budget 90% of stored, low water 1.0) in the server's "
-        "background GC while lookups run",
+        "background GC while lookups run; lookups under load come from a process of their "
+        "own (`lookup_load.py`), and the server column is the server's own count (its "
+        "request-duration histogram) of the exact lookups it took over 50 ms to answer, "
+        "while that load ran",
         "",
         table(result["rows"]),
         "",

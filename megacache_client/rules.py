@@ -349,10 +349,15 @@ def _dataclass_checker(cls: type) -> Check:
 
 
 def _scalar(kind: type, name: str, *, also: tuple[type, ...] = ()) -> Check:
+    """Values of `kind` (or of `also`), subclasses included but bool for numbers, returned as
+    plain `kind`: `torch.__version__` is a str subclass, numpy's float64 a float one."""
+    accepts = (kind, *also)
+    refuses = (bool,) if kind is not bool else ()
+
     def check(value: Any, loc: tuple[str | int, ...]) -> Any:
         if type(value) is kind:
             return value
-        if also and type(value) in also:
+        if isinstance(value, accepts) and not isinstance(value, refuses):
             return kind(value)
         _fail(loc, f"Input should be a valid {name}", f"{name}_type")
     return check

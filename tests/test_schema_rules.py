@@ -229,3 +229,27 @@ def test_the_client_start_path_imports_neither_pydantic_nor_httpx_cli() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["[]"]
+
+
+def test_subclasses_of_json_types_are_taken_as_plain_values() -> None:
+    """What a trainer's code hands the client: torch.__version__ is a str subclass, numpy's
+    float64 a float subclass; bool is an int subclass and stays refused as a number."""
+    import enum
+
+    class Version(str):
+        pass
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    fp = Fingerprint(model=Version("m"), code="c", env={"torch": Version("2.13.0"),
+                                                         "level": Level.HIGH})
+    assert type(fp.model) is str and type(fp.env["torch"]) is str
+    assert fp.env["level"] == 3 and type(fp.env["level"]) is int
+    assert fp.key() == make_fingerprint(model="m", code="c", hw={}, config={},
+                                        env={"torch": "2.13.0", "level": 3}).key()
+    blob = BlobRef(digest="a" * 64, size=Level.HIGH, role="megacache",
+                   meta={"torch": Version("2.13.0")})
+    assert type(blob.size) is int and type(blob.meta["torch"]) is str
+    with pytest.raises(SchemaError, match="size"):
+        BlobRef(digest="a" * 64, size=True, role="megacache")
