@@ -98,9 +98,7 @@ class Range(Rule):
         return None
 
     def core(self) -> dict[str, Any]:
-        keys: dict[str, Any] = {k: v for k, v in (("ge", self.ge), ("le", self.le))
-                                if v is not None}
-        return keys
+        return {k: v for k, v in (("ge", self.ge), ("le", self.le)) if v is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +230,8 @@ def _fail(loc: tuple[str | int, ...], msg: str, kind: str) -> typing.NoReturn:
 def _build(tp: Any) -> Check:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Annotated:
-        inner, rules = _checker(args[0]), [r for r in tp.__metadata__ if isinstance(r, Rule)]
+        inner, rules = _checker(args[0]), [r for r in tp.__metadata__
+                                           if isinstance(r, Rule) and not isinstance(r, Doc)]
 
         def annotated(value: Any, loc: tuple[str | int, ...]) -> Any:
             value = inner(value, loc)
