@@ -453,6 +453,11 @@ class RedisS3(Backend):
                 calls += [("zincrby", (k("misses" + suffix, "default", period), n,
                                        json.dumps([model, outcome, reason])))
                           for (period, model, outcome, reason), n in misses.items()]
+                generations: dict[int, float] = {}
+                for (period, _), s in sums.items():
+                    generations[period] = generations.get(period, 0.0) + s.get("runs", 0.0)
+                calls += [("set", (k("gen" + suffix, "default", period), int(n)))
+                          for period, n in generations.items()]
             calls += [("lpush", (k("events", "default"), *raw[i:i + 1000]))
                       for i in range(0, len(raw), 1000)]
             calls.append(("ltrim", (k("events", "default"), 0, 9_999)))

@@ -335,6 +335,68 @@ def test_event_log_long_windows_sum_days_and_hours_alike(make_index: Callable[[]
     run(make_index, body)
 
 
+def test_redis_rollup_sums_are_reused_until_a_period_changes(redis_service: LocalRedis):
+    """A week's stats and misses on Redis add up ~31 periods; a process keeps the decoded
+    ones and the sum of the settled ones, and reads again only what an event changed: the
+    current period on every new event, an old one when a late event lands in it. Every
+    answer equals that of a process with nothing cached."""
+    from megacache_server.index.redis import RedisIndex
+
+    url, prefix = f"redis://127.0.0.1:{redis_service.port}/0", f"sums{next(_n)}:"
+    ix = RedisIndex(url, prefix=prefix)
+    now = datetime.now(timezone.utc)
+
+    async def answers(index: RedisIndex) -> tuple[object, object]:
+        since = time.time() - 7 * 86400
+        return (await index.stats(namespace=None, since=since),
+                await index.top_misses(namespace="ns", since=since, limit=10))
+
+    async def uncached() -> tuple[object, object]:
+        fresh = RedisIndex(url, prefix=prefix)
+        await fresh.open()
+        try:
+            return await answers(fresh)
+        finally:
+            await fresh.close()
+
+    async def add(hours_ago: float, outcome: str = "miss") -> None:
+        when = (now - timedelta(hours=hours_ago)).isoformat()
+        await ix.add_event("ns", _event("m", outcome, reason=f"r{int(hours_ago)}", created_at=when))
+
+    async def body() -> None:
+        await ix.r.set(ix.k("daily_from"), 0)
+        for h in (1, 30, 50, 100):
+            await add(h)
+        first = await answers(ix)
+        assert first == await uncached()
+        read = len(ix._sums.fetched)
+        assert await answers(ix) == first
+        today = int(time.time() // 86400 * 86400)  # the event an hour ago may be in it
+        assert all(key.endswith(f":{today}") for key in ix._sums.fetched[read:])
+        await add(0.0, "hit")  # now: the live periods change
+        await add(100.0)  # late: a settled day changes
+        [m], misses = await answers(ix)
+        assert m.runs == 6 and m.outcomes["hit"] == 1
+        assert {(x.reason, x.count) for x in misses} == {  # type: ignore[attr-defined]
+            ("r1", 1), ("r30", 1), ("r50", 1), ("r100", 2)}
+        assert ([m], misses) == await uncached()
+        # a hash from before generations were kept is never served from the cache
+        await ix.r.delete(*[k for k in await ix.r.keys(f"{prefix}gen*")])
+        await ix.add_event("ns", _event("m", created_at=(now - timedelta(hours=50)).isoformat()))
+        await ix.r.delete(*[k for k in await ix.r.keys(f"{prefix}gen*")])
+        [m], _ = await answers(ix)
+        assert m.runs == 7
+
+    async def main() -> None:
+        await ix.open()
+        try:
+            await body()
+        finally:
+            await ix.close()
+
+    asyncio.run(main())
+
+
 # -- LockStore --------------------------------------------------------------------------
 def test_lock_store_is_shared_and_expires(make_index: Callable[[], Index]):
     async def body(ix: Index) -> None:

@@ -22,6 +22,9 @@ Keys (all under a prefix, default `megacache:`):
   hourly:{ns}:{hour}     hash   "{counter}" -> the hour's sum over every model (the timeline
                                 reads 11 fields an hour, not 11 per model)
   misses:{ns}:{hour}     zset   [model, outcome, reason] -> count
+  gen:{ns}:{hour}        int    events counted into that hour's rollups: a process keeps
+                                decoded periods until their generation moves (period_sums)
+  (rollup, hourly, misses and gen also exist as `{kind}_day:{ns}:{day}`, per UTC day)
   namespaces             set    namespaces that reported events
 
 Conditional writes use WATCH/MULTI on the entry hash, so check-then-write is atomic across
@@ -33,7 +36,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -56,6 +59,7 @@ from megacache_server.index.base import (
     TimelineSlot,
     TokenRecord,
 )
+from megacache_server.index.period_sums import Period, PeriodSums, Sums, add_up
 
 T = TypeVar("T")
 MAX_RAW_EVENTS = 10_000  # per namespace
@@ -155,6 +159,7 @@ class RedisIndex(Index):
         self._r: aioredis.Redis | None = None
         self._owner = uuid.uuid4().hex
         self._scripts: dict[str, Any] = {}
+        self._sums = PeriodSums()
 
     async def open(self) -> None:
         self._r = aioredis.from_url(self.url, socket_timeout=5, socket_connect_timeout=3,
@@ -374,17 +379,21 @@ class RedisIndex(Index):
 
     async def _zset_infos(self, zkey: str, *, reverse: bool, limit: int,
                           skip_pinned: bool = False, start: int = 0) -> list[EntryInfo]:
-        """Entries in the zset's order from rank `start`."""
+        """Entries in the zset's order from rank `start`, read in pages that start at the
+        size asked for (the dashboard's top 10 reads 10 entries, not a page of 500) and
+        double while pinned entries are skipped."""
         found: list[EntryInfo] = []
+        page = max(1, min(SCAN, limit))
         while len(found) < limit:
             read = self.r.zrevrange if reverse else self.r.zrange
-            keys = [_str(k) or "" for k in await read(zkey, start, start + SCAN - 1)]
+            keys = [_str(k) or "" for k in await read(zkey, start, start + page - 1)]
             if not keys:
                 break
             for e in await self._entries(keys, full=False):
                 if not (skip_pinned and e.pinned):
                     found.append(e)
-            start += SCAN
+            start += page
+            page = min(SCAN, page * 2)
         return found[:limit]
 
     async def entry_infos(self, *, namespace: str | None = None) -> list[EntryInfo]:
@@ -668,6 +677,9 @@ class RedisIndex(Index):
                         pipe.zincrby(key, 1, json.dumps(
                             [event.model, event.outcome, event.reason[:200]]))
                     pipe.expire(key, ROLLUP_TTL_S)
+                for suffix, period in (("", hour), ("_day", day)):
+                    pipe.incr(self.k(f"gen{suffix}", namespace, period))
+                    pipe.expire(self.k(f"gen{suffix}", namespace, period), ROLLUP_TTL_S)
                 await pipe.execute()
 
         await self._do(op)
@@ -683,24 +695,51 @@ class RedisIndex(Index):
                 pipe.hgetall(key)
             return list(await pipe.execute())
 
-    async def _periods(self, kind: str, namespace: str, since: float,
-                       daily: bool = True) -> list[tuple[int, str]]:
-        """(period start, key) of the `kind` rollups that add up to the time since `since`:
-        whole days from the daily keys, the rest from the hourly ones."""
+    async def _hash_sums(self, keys: list[str]) -> list[Sums]:
+        rows = await self._hashes(keys)
+        return await to_thread.run_sync(lambda: [_decoded(row.items()) for row in rows])
+
+    async def _zset_sums(self, keys: list[str]) -> list[Sums]:
+        async with self.r.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.zrange(key, 0, -1, withscores=True)
+            rows = await pipe.execute()
+        return await to_thread.run_sync(lambda: [_decoded(row) for row in rows])
+
+    def _periods(self, kind: str, namespace: str, since: float, *, days_from: float,
+                 daily: bool = True) -> list[tuple[int, str, str, bool]]:
+        """(period start, key, generation key, settled) of the `kind` rollups that add up
+        to the time since `since`: whole days from the daily keys, the rest from the hourly
+        ones. A period is settled once its time is over."""
         now = time.time()
-        w = base.window(max(since, now - ROLLUP_TTL_S), now, days=daily,
-                        days_from=await self._daily_since())
-        return [(h, self.k(kind, namespace, h)) for h in w.hours] + \
-            [(d, self.k(f"{kind}_day", namespace, d)) for d in w.days]
+        w = base.window(max(since, now - ROLLUP_TTL_S), now, days=daily, days_from=days_from)
+        return [(h, self.k(kind, namespace, h), self.k("gen", namespace, h),
+                 h + base.HOUR <= now) for h in w.hours] + \
+            [(d, self.k(f"{kind}_day", namespace, d), self.k("gen_day", namespace, d),
+              d + base.DAY <= now) for d in w.days]
+
+    async def _summed(self, kind: str, namespace: str, since: float,
+                      fetch: Callable[[list[str]], Awaitable[list[Sums]]]) -> Sums:
+        """The `kind` rollups since `since`, summed field by field, from what this process
+        already decoded wherever the period's generation says it is unchanged."""
+        periods = self._periods(kind, namespace, since, days_from=await self._daily_since())
+        if not periods:
+            return {}
+        generations = await self.r.mget([gen for _, _, gen, _ in periods])
+        return await self._sums.total(
+            [Period(key, None if g is None else int(g), settled)
+             for (_, key, _, settled), g in zip(periods, generations, strict=True)], fetch)
 
     async def stats(self, *, namespace: str | None, since: float | None = None
                     ) -> list[ModelStats]:
         async def op() -> list[ModelStats]:
-            rows: list[tuple[str, list[dict[bytes, bytes]]]] = []
+            rows: list[tuple[str, Sums]] = []
             for ns in await self._namespaces(namespace):
-                keys = [self.k("total", ns)] if since is None else \
-                    [key for _, key in await self._periods("rollup", ns, since)]
-                rows.append((ns, await self._hashes(keys)))
+                if since is None:
+                    [sums] = await self._hash_sums([self.k("total", ns)])
+                else:
+                    sums = await self._summed("rollup", ns, since, self._hash_sums)
+                rows.append((ns, sums))
             return await to_thread.run_sync(_model_stats, rows)
 
         return await self._do(op)
@@ -709,10 +748,11 @@ class RedisIndex(Index):
                        daily: bool = False) -> list[TimelineSlot]:
         async def op() -> list[TimelineSlot]:
             rows: list[tuple[int, dict[bytes, bytes]]] = []
+            days_from = await self._daily_since()
             for ns in await self._namespaces(namespace):
-                periods = await self._periods("hourly", ns, since, daily)
-                hashes = await self._hashes([key for _, key in periods])
-                rows += [(hour, data) for (hour, _), data in zip(periods, hashes, strict=True)]
+                periods = self._periods("hourly", ns, since, days_from=days_from, daily=daily)
+                hashes = await self._hashes([key for _, key, _, _ in periods])
+                rows += [(start, data) for (start, *_), data in zip(periods, hashes, strict=True)]
             return await to_thread.run_sync(_timeline, rows)
 
         return await self._do(op)
@@ -720,12 +760,8 @@ class RedisIndex(Index):
     async def top_misses(self, *, namespace: str | None, since: float,
                          limit: int) -> list[MissReason]:
         async def op() -> list[MissReason]:
-            rows: list[list[tuple[bytes, float]]] = []
-            for ns in await self._namespaces(namespace):
-                async with self.r.pipeline(transaction=False) as pipe:
-                    for _, key in await self._periods("misses", ns, since):
-                        pipe.zrange(key, 0, -1, withscores=True)
-                    rows += await pipe.execute()
+            rows = [await self._summed("misses", ns, since, self._zset_sums)
+                    for ns in await self._namespaces(namespace)]
             return await to_thread.run_sync(_top_misses, rows, limit)
 
         return await self._do(op)
@@ -786,15 +822,18 @@ def _stored(key: str, data: dict[bytes, bytes]) -> StoredEntry:
 # The sums below run in a worker thread: at 200 models and a week of hourly rollups they
 # are tens of thousands of fields, milliseconds of Python the serving loop must not wait on.
 
-def _model_stats(rows: list[tuple[str, list[dict[bytes, bytes]]]]) -> list[ModelStats]:
-    """Per-(namespace, model) sums of `{model}\t{counter}` rollup hashes, most runs first."""
+def _decoded(pairs: Iterable[tuple[bytes, Any]]) -> Sums:
+    return {_str(name) or "": float(value) for name, value in pairs}
+
+
+def _model_stats(rows: list[tuple[str, Sums]]) -> list[ModelStats]:
+    """Per-(namespace, model) sums of `{model}\t{counter}` rollup fields, most runs first."""
     by_model: dict[tuple[str, str], dict[str, float]] = {}
-    for ns, hashes in rows:
-        for data in hashes:
-            for field, value in data.items():
-                model, _, counter = (_str(field) or "").rpartition("\t")
-                sums = by_model.setdefault((ns, model), {})
-                sums[counter] = sums.get(counter, 0.0) + float(value)
+    for ns, fields in rows:
+        for name, value in fields.items():
+            model, _, counter = name.rpartition("\t")
+            sums = by_model.setdefault((ns, model), {})
+            sums[counter] = sums.get(counter, 0.0) + value
     out = []
     for (ns, model), sums in by_model.items():
         s = ModelStats(ns, model)
@@ -816,14 +855,9 @@ def _timeline(rows: list[tuple[int, dict[bytes, bytes]]]) -> list[TimelineSlot]:
             for h, s in sorted(slots.items()) if s.get("runs")]
 
 
-def _top_misses(rows: list[list[tuple[bytes, float]]], limit: int) -> list[MissReason]:
+def _top_misses(rows: list[Sums], limit: int) -> list[MissReason]:
     """The `limit` most frequent [model, outcome, reason] members over the miss zsets."""
-    counts: dict[str, float] = {}
-    for zset in rows:
-        for member, n in zset:
-            name = _str(member) or ""
-            counts[name] = counts.get(name, 0.0) + n
-    top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
+    top = sorted(add_up(rows).items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
     out = []
     for name, n in top:
         model, outcome, reason = json.loads(name)
