@@ -335,6 +335,37 @@ def test_event_log_long_windows_sum_days_and_hours_alike(make_index: Callable[[]
     run(make_index, body)
 
 
+def test_event_log_bounds_models_and_reasons_a_tenant_can_invent(
+        make_index: Callable[[], Index], monkeypatch: pytest.MonkeyPatch):
+    """Model names and miss reasons are whatever a client sends: past a bound per namespace
+    (per period for reasons) they count under one "other" row each. Nothing is lost from
+    the sums, another namespace keeps its own bound, and names already counted stay."""
+    from megacache_server.index import base
+
+    monkeypatch.setattr(base, "MAX_MODELS", 3)
+    monkeypatch.setattr(base, "MAX_REASONS", 2)
+
+    async def body(ix: Index) -> None:
+        for i in range(6):  # six invented models, each with an invented reason
+            await ix.add_event("ns", _event(f"m{i}", "miss", reason=f"r{i}"))
+        await ix.add_event("ns", _event("m0", "miss", reason="r0"))  # known: still its own
+        await ix.add_event("other", _event("x", "miss", reason="mine"))
+        models = {m.model: m.runs for m in await ix.stats(namespace="ns")}
+        assert models == {"m0": 2, "m1": 1, "m2": 1, base.OTHER_MODELS: 3}
+        windowed = await ix.stats(namespace="ns", since=time.time() - 3600)
+        assert {m.model: m.runs for m in windowed} == models
+        misses = {(m.model, m.reason): m.count
+                  for m in await ix.top_misses(namespace="ns", since=0, limit=10)}
+        assert misses == {("m0", "r0"): 2, ("m1", "r1"): 1,
+                          ("m2", base.OTHER_REASONS): 1,
+                          (base.OTHER_MODELS, base.OTHER_REASONS): 3}
+        assert sum(misses.values()) == 7
+        [mine] = await ix.top_misses(namespace="other", since=0, limit=10)
+        assert (mine.model, mine.reason) == ("x", "mine")
+
+    run(make_index, body)
+
+
 def test_redis_rollup_sums_are_reused_until_a_period_changes(redis_service: LocalRedis):
     """A week's stats and misses on Redis add up ~31 periods; a process keeps the decoded
     ones and the sum of the settled ones, and reads again only what an event changed: the

@@ -408,6 +408,18 @@ def window(since: float, now: float, *, days: bool = True, days_from: float = 0.
 
 EVENT_BACKDATE_S = 30 * 24 * 3600
 
+MAX_MODELS = 2000
+"""Distinct model names one namespace's rollups keep; events of further models count under
+OTHER_MODELS. A model name is whatever a client sends: without a bound, one tenant posting
+a new name with every event (20/s is 1.7M a day) would grow everyone's `/metrics` (11
+series per model), the admin's stats and dashboard without end."""
+OTHER_MODELS = "(other models)"
+MAX_REASONS = 1000
+"""Distinct (model, outcome, reason) miss rows one namespace keeps per hour and per day;
+further reasons count under OTHER_REASONS, so a flood of unique reasons costs the top-misses
+table a bounded number of rows."""
+OTHER_REASONS = "(other reasons)"
+
 
 def event_hour(event: Event, now: float) -> int:
     """The hour an event counts in: when the client says it ran (a run reported late still

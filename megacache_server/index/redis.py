@@ -26,6 +26,7 @@ Keys (all under a prefix, default `megacache:`):
                                 decoded periods until their generation moves (period_sums)
   (rollup, hourly, misses and gen also exist as `{kind}_day:{ns}:{day}`, per UTC day)
   namespaces             set    namespaces that reported events
+  models:{ns}            set    model names its rollups count (at most base.MAX_MODELS)
 
 Conditional writes use WATCH/MULTI on the entry hash, so check-then-write is atomic across
 replicas, the same contract the SQLite index keeps with BEGIN IMMEDIATE.
@@ -651,16 +652,19 @@ class RedisIndex(Index):
         hour = base.event_hour(event, time.time())
         day = hour // base.DAY * base.DAY
         sums = {c: v for c, v in base.event_counters(event).items() if v}
-        counters = {f"{event.model}\t{c}": v for c, v in sums.items()}
         periods = [(f"{kind}{suffix}", namespace, period) for suffix, period in
                    (("", hour), ("_day", day)) for kind in ("rollup", "hourly", "misses")]
+        miss = event.outcome not in ("hit", "fallback")
 
         async def op() -> None:
             await self._daily_since()  # before the first daily write
+            model, members = await self._admitted(namespace, event, hour, day, miss)
+            counters = {f"{model}\t{c}": v for c, v in sums.items()}
             async with self.r.pipeline(transaction=True) as pipe:
                 pipe.lpush(self.k("events", namespace), event.to_json())
                 pipe.ltrim(self.k("events", namespace), 0, MAX_RAW_EVENTS - 1)
                 pipe.sadd(self.k("namespaces"), namespace)
+                pipe.sadd(self.k("models", namespace), model)
                 for field, value in counters.items():
                     pipe.hincrbyfloat(self.k("total", namespace), field, value)
                 for kind, ns, period in periods:  # per model, all models, misses; hour, day
@@ -671,11 +675,10 @@ class RedisIndex(Index):
                     elif kind.startswith("hourly"):
                         for field, value in sums.items():
                             pipe.hincrbyfloat(key, field, value)
-                    elif event.outcome in ("hit", "fallback"):
+                    elif not miss:
                         continue
                     else:
-                        pipe.zincrby(key, 1, json.dumps(
-                            [event.model, event.outcome, event.reason[:200]]))
+                        pipe.zincrby(key, 1, members[1 if kind.endswith("_day") else 0])
                     pipe.expire(key, ROLLUP_TTL_S)
                 for suffix, period in (("", hour), ("_day", day)):
                     pipe.incr(self.k(f"gen{suffix}", namespace, period))
@@ -683,6 +686,29 @@ class RedisIndex(Index):
                 await pipe.execute()
 
         await self._do(op)
+
+    async def _admitted(self, namespace: str, event: Event, hour: int, day: int,
+                        miss: bool) -> tuple[str, tuple[str, str]]:
+        """The model name the event counts under (OTHER_MODELS once the namespace has
+        MAX_MODELS) and its miss members for the hour's and the day's zsets (OTHER_REASONS
+        once that zset holds MAX_REASONS), read in one round trip. Replicas racing past a
+        bound overshoot it by at most their number."""
+        zsets = (self.k("misses", namespace, hour), self.k("misses_day", namespace, day))
+        member = json.dumps([event.model, event.outcome, event.reason[:200]])
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.sismember(self.k("models", namespace), event.model)
+            pipe.scard(self.k("models", namespace))
+            for zset in zsets if miss else ():
+                pipe.zscore(zset, member)
+                pipe.zcard(zset)
+            known, n_models, *seen = await pipe.execute()
+        model = event.model if known or n_models < base.MAX_MODELS else base.OTHER_MODELS
+        members = []
+        for i in range(len(zsets)):
+            listed = miss and (seen[2 * i] is not None or seen[2 * i + 1] < base.MAX_REASONS)
+            members.append(json.dumps([model, event.outcome,
+                                       event.reason[:200] if listed else base.OTHER_REASONS]))
+        return model, (members[0], members[1])
 
     async def _namespaces(self, namespace: str | None) -> list[str]:
         if namespace is not None:

@@ -583,19 +583,21 @@ class SqliteIndex(Index):
             with _transaction(c, immediate=True):
                 c.execute("INSERT INTO events (received_at, namespace, event) VALUES (?, ?, ?)",
                           (now, namespace, event.to_json()))
+                model = _admitted_model(c, namespace, event.model)
                 for table, period in (("rollup_hourly", hour), ("rollup_daily", day)):
                     c.execute(f"""INSERT INTO {table} VALUES (?, ?, ?, {marks})
                                   ON CONFLICT DO UPDATE SET {_UPSERT}""",
-                              (namespace, period, event.model, *values))
+                              (namespace, period, model, *values))
                 c.execute(f"""INSERT INTO rollup_total (namespace, model, {columns})
                               VALUES (?, ?, {marks}) ON CONFLICT DO UPDATE SET {_UPSERT}""",
-                          (namespace, event.model, *values))
+                          (namespace, model, *values))
                 if event.outcome not in ("hit", "fallback"):
-                    for table, period in (("miss_reasons", hour), ("miss_reasons_daily", day)):
+                    for table, column, period in (("miss_reasons", "hour", hour),
+                                                  ("miss_reasons_daily", "day", day)):
+                        row = (namespace, period, model, event.outcome, event.reason[:200])
                         c.execute(f"""INSERT INTO {table} VALUES (?, ?, ?, ?, ?, 1)
                                       ON CONFLICT DO UPDATE SET count=count+1""",
-                                  (namespace, period, event.model, event.outcome,
-                                   event.reason[:200]))
+                                  _admitted_reason(c, table, column, row))
 
         await self._run(op)
 
@@ -722,6 +724,30 @@ def _token(row: tuple[Any, ...]) -> base.TokenRecord:
     token_id, name, token_hash, scopes, namespace, created_at, revoked, expires_at = row
     return base.TokenRecord(token_id, name, token_hash, tuple(scopes.split(",")), namespace,
                             created_at, bool(revoked), expires_at)
+
+
+def _admitted_model(c: sqlite3.Connection, namespace: str, model: str) -> str:
+    """`model`, or OTHER_MODELS once the namespace's rollups hold MAX_MODELS names."""
+    if c.execute("SELECT 1 FROM rollup_total WHERE namespace=? AND model=?",
+                 (namespace, model)).fetchone():
+        return model
+    known = c.execute("SELECT COUNT(*) FROM rollup_total WHERE namespace=?",
+                      (namespace,)).fetchone()[0]
+    return model if known < base.MAX_MODELS else base.OTHER_MODELS
+
+
+def _admitted_reason(c: sqlite3.Connection, table: str, column: str,
+                     row: tuple[str, int, str, str, str]) -> tuple[str, int, str, str, str]:
+    """The miss row to count: `row`, or its OTHER_REASONS row once the namespace's period
+    holds MAX_REASONS rows (both counts read the primary key's prefix)."""
+    namespace, period, model, outcome, _ = row
+    if c.execute(f"SELECT 1 FROM {table} WHERE namespace=? AND {column}=? AND model=? "
+                 "AND outcome=? AND reason=?", row).fetchone():
+        return row
+    known = c.execute(f"SELECT COUNT(*) FROM {table} WHERE namespace=? AND {column}=?",
+                      (namespace, period)).fetchone()[0]
+    return row if known < base.MAX_REASONS else (namespace, period, model, outcome,
+                                                 base.OTHER_REASONS)
 
 
 def _windowed(columns: str, table: str, namespace: str | None,
