@@ -48,6 +48,7 @@ def main() -> int:
     import models
     import torch
 
+    marks = {"torch_imported_s": time.time() - PROCESS_START}
     session = None
     if args.megacache == "explicit":
         import megacache_client
@@ -60,12 +61,15 @@ def main() -> int:
     if args.init_s:
         time.sleep(args.init_s)  # the trainer's own set-up; prefetch overlaps it
 
+    marks["initialised_s"] = time.time() - PROCESS_START
     model, make_batch, loss_fn = models.build(args.model)
+    marks["built_s"] = time.time() - PROCESS_START
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     eager = copy.deepcopy(model) if args.eager_check else None
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.01) if eager is not None else None
     eager_gap = 0.0
     compiled = torch.compile(model)
+    marks["compile_called_s"] = time.time() - PROCESS_START
     sizes = [0] * args.steps if args.shapes == "fixed" else \
         [8 + 4 * (i % 3) for i in range(args.steps)]
     step_times = []
@@ -106,6 +110,7 @@ def main() -> int:
         "loss": float(loss.detach()),
         "losses": losses,
         "eager_gap": eager_gap if eager is not None else None,
+        "marks": {k: round(v, 3) for k, v in marks.items()},  # seconds from process start
     }
     if args.save_bundle:
         saved = torch.compiler.save_cache_artifacts()
