@@ -247,14 +247,7 @@ def test_redis_gc_reads_only_blobs_that_may_be_unreferenced(redis_service: Local
         assert await ix.r.smembers(candidates) == {b"orphan"}
         assert await ix.r.exists(ix.k("unref_ready"))
 
-    async def main() -> None:
-        await ix.open()
-        try:
-            await body()
-        finally:
-            await ix.close()
-
-    asyncio.run(main())
+    run(lambda: ix, lambda _: body())
 
 
 # -- TokenStore -------------------------------------------------------------------------
@@ -418,14 +411,7 @@ def test_redis_rollup_sums_are_reused_until_a_period_changes(redis_service: Loca
         [m], _ = await answers(ix)
         assert m.runs == 7
 
-    async def main() -> None:
-        await ix.open()
-        try:
-            await body()
-        finally:
-            await ix.close()
-
-    asyncio.run(main())
+    run(lambda: ix, lambda _: body())
 
 
 # -- LockStore --------------------------------------------------------------------------

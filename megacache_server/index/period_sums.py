@@ -63,7 +63,7 @@ class PeriodSums:
         wanted = [p for p in periods if span is None or p.key not in in_span]
         parts = await self._parts(wanted, fetch)
         if span is None:
-            span = await to_thread.run_sync(add_up, [parts[k] for k in in_span])
+            span = await to_thread.run_sync(add_up, [parts[k] for k, _ in stable])
             self._spans[stable] = span
             while len(self._spans) > self.max_spans:
                 self._spans.popitem(last=False)
