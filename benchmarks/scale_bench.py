@@ -530,6 +530,14 @@ def post_event(client: httpx.Client, entry: Entry, n: int) -> None:
         raise RuntimeError(f"POST /v1/events: {r.status_code} {r.text[:300]}")
 
 
+def route_call(client: httpx.Client, method: str, url: Callable[[Entry], str],
+               rng: random.Random, sample: list[Entry], i: int, reporting: bool) -> float:
+    """One timed call of a route on a random entry, after an untimed event if `reporting`."""
+    if reporting:
+        post_event(client, rng.choice(sample), i)
+    return timed(client, method, url(rng.choice(sample)))
+
+
 def latencies(server: LocalServer, sample: list[Entry], n_fast: int, n_slow: int
               ) -> dict[str, dict[str, float]]:
     """One client, requests in turn: every route alone, its p50/p99."""
@@ -549,16 +557,13 @@ def latencies(server: LocalServer, sample: list[Entry], n_fast: int, n_slow: int
         for name, url in routes.items():
             n = n_fast if name in ("exact", "fallback", "publish", "head_cas") else n_slow
             method = "HEAD" if name == "head_cas" else "GET"
+            reporting = name in ROLLUP_ROUTES
+            for i in range(min(20, n)):  # warm-up
+                route_call(client, method, url, rng, sample, i, reporting)
             ms: list[float] = []
             deadline = time.monotonic() + ROUTE_BUDGET_S
-            for i in range(min(20, n) + n):  # 20 warm-up calls first
-                if len(ms) >= n or (len(ms) >= 10 and time.monotonic() > deadline):
-                    break
-                if name in ROLLUP_ROUTES:
-                    post_event(client, rng.choice(sample), i)
-                took = timed(client, method, url(rng.choice(sample)))
-                if i >= min(20, n):
-                    ms.append(took)
+            while len(ms) < n and (len(ms) < 10 or time.monotonic() < deadline):
+                ms.append(route_call(client, method, url, rng, sample, len(ms), reporting))
             out[name] = summary(ms)
     return out
 

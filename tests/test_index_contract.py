@@ -393,10 +393,10 @@ def test_redis_rollup_sums_are_reused_until_a_period_changes(redis_service: Loca
             await add(h)
         first = await answers(ix)
         assert first == await uncached()
-        read = len(ix._sums.fetched)
+        ix._sums.fetched.clear()
         assert await answers(ix) == first
         today = int(time.time() // 86400 * 86400)  # the event an hour ago may be in it
-        assert all(key.endswith(f":{today}") for key in ix._sums.fetched[read:])
+        assert all(key.endswith(f":{today}") for key in ix._sums.fetched)
         await add(0.0, "hit")  # now: the live periods change
         await add(100.0)  # late: a settled day changes
         [m], misses = await answers(ix)

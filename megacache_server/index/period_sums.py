@@ -12,7 +12,7 @@ stale.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -49,7 +49,7 @@ class PeriodSums:
         self._spans: OrderedDict[tuple[tuple[str, int], ...], Sums] = OrderedDict()
         self.max_periods = max_periods
         self.max_spans = max_spans
-        self.fetched: list[str] = []  # keys read that held something (tests: what it saves)
+        self.fetched: deque[str] = deque(maxlen=64)  # the last keys read that held something
 
     async def total(self, periods: Sequence[Period],
                     fetch: Callable[[list[str]], Awaitable[list[Sums]]]) -> Sums:

@@ -703,12 +703,13 @@ class RedisIndex(Index):
                 pipe.zcard(zset)
             known, n_models, *seen = await pipe.execute()
         model = event.model if known or n_models < base.MAX_MODELS else base.OTHER_MODELS
-        members = []
-        for i in range(len(zsets)):
-            listed = miss and (seen[2 * i] is not None or seen[2 * i + 1] < base.MAX_REASONS)
-            members.append(json.dumps([model, event.outcome,
-                                       event.reason[:200] if listed else base.OTHER_REASONS]))
-        return model, (members[0], members[1])
+        if not miss:
+            return model, ("", "")
+        hour_member, day_member = (
+            json.dumps([model, event.outcome, event.reason[:200] if score is not None
+                        or size < base.MAX_REASONS else base.OTHER_REASONS])
+            for score, size in (seen[0:2], seen[2:4]))
+        return model, (hour_member, day_member)
 
     async def _namespaces(self, namespace: str | None) -> list[str]:
         if namespace is not None:
