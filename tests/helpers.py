@@ -69,6 +69,23 @@ class ServerProcess(LocalServer):
             return bytes(obj["Body"].read())
         return (self.data_dir / "cas" / digest[:2] / digest).read_bytes()
 
+    def write_stored(self, digest: str, data: bytes) -> None:
+        """Put bytes under a blob's name behind the server's back (rot, or an orphan)."""
+        if self.s3_endpoint:
+            self._s3().put_object(Bucket=self.s3_bucket, Key=f"cas/{digest[:2]}/{digest}",
+                                  Body=data)
+            return
+        path = self.data_dir / "cas" / digest[:2] / digest
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(data)
+
+    def drop_stored(self, digest: str) -> None:
+        """Lose a blob behind the server's back."""
+        if self.s3_endpoint:
+            self._s3().delete_object(Bucket=self.s3_bucket, Key=f"cas/{digest[:2]}/{digest}")
+            return
+        (self.data_dir / "cas" / digest[:2] / digest).unlink()
+
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()

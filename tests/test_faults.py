@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import service_missing, started
+from conftest import BACKENDS, _configured, backend_args, service_missing, started
 from helpers import ServerProcess, free_port, make_fingerprint, make_manifest, sha256
 from services import LocalRedis, LocalSeaweedS3
 
@@ -97,27 +97,37 @@ def test_kill_during_gc_then_fsck_repairs(tmp_path: Path):
         server.stop()
 
 
-def test_fsck_finds_and_repairs_damage(tmp_path: Path):
-    server = ServerProcess(tmp_path / "data").start()
-    written = populate(server.url, n=2)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fsck_finds_and_repairs_damage(backend: str, tmp_path: Path,
+                                       request: pytest.FixtureRequest):
+    args, env = backend_args(backend, request)
+    server = _configured(ServerProcess(tmp_path / "data", *args, env=env), backend,
+                         args).start()
+    written = populate(server.url, n=3)
     server.stop()
     lost = sha256(written[0][0])
-    (server.data_dir / "cas" / lost[:2] / lost).unlink()  # the store lost a blob
+    server.drop_stored(lost)  # the store lost a blob
     rotten = sha256(written[1][0])
-    path = server.data_dir / "cas" / rotten[:2] / rotten
-    path.write_bytes(b"x" + path.read_bytes()[1:])  # and another rotted
+    server.write_stored(rotten, b"x" + server.read_stored(rotten)[1:])  # another rotted
     orphan = os.urandom(100)  # a blob committed by a process killed before recording it
-    (server.data_dir / "cas" / sha256(orphan)[:2]).mkdir(exist_ok=True)
-    (server.data_dir / "cas" / sha256(orphan)[:2] / sha256(orphan)).write_bytes(orphan)
+    server.write_stored(sha256(orphan), orphan)
+    fast = subprocess.run([sys.executable, "-m", "megacache_server", "fsck", *server.extra_args,
+                           "--data-dir", str(server.data_dir)], capture_output=True, text=True,
+                          env={**os.environ, **server.env})
+    assert fast.returncode == 1, fast.stderr
+    assert f"dangling entry {written[0][1]}" in fast.stdout
+    assert f"stale blob record {lost}" in fast.stdout
+    assert f"unrecorded blob {sha256(orphan)}" in fast.stdout
+    assert "corrupt blob" not in fast.stdout  # only --verify reads the blobs
+    assert "3 entries, 3 blobs" in fast.stdout
     check = subprocess.run([sys.executable, "-m", "megacache_server", "fsck", "--verify",
-                            "--data-dir", str(server.data_dir)], capture_output=True, text=True)
+                            *server.extra_args, "--data-dir", str(server.data_dir)],
+                           capture_output=True, text=True, env={**os.environ, **server.env})
     assert check.returncode == 1
-    assert f"dangling entry {written[0][1]}" in check.stdout
-    assert f"stale blob record {lost}" in check.stdout
-    assert f"unrecorded blob {sha256(orphan)}" in check.stdout
     assert f"corrupt blob {rotten}" in check.stdout
     server.cli("fsck", "--repair", "--verify")
     assert server.cli("fsck", "--verify").endswith("clean")
+    assert server.cli("fsck").startswith("1 entries, 2 blobs")  # the intact one and the orphan
 
 
 @pytest.fixture

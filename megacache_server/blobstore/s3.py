@@ -18,6 +18,7 @@ from typing import Any
 
 from anyio import to_thread
 
+from megacache_server.blobstore import s3_listing
 from megacache_server.blobstore.base import READ_CHUNK, BlobStore, DigestVerifier
 from megacache_server.errors import ServiceUnavailable
 
@@ -61,6 +62,7 @@ class S3BlobStore(BlobStore):
             aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
             config=Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 3},
                           max_pool_connections=64, s3={"addressing_style": "path"}))
+        s3_listing.register(self._s3)
         if self.create_bucket:
             try:
                 self._s3.head_bucket(Bucket=self.bucket)

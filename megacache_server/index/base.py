@@ -183,8 +183,9 @@ class EntryStore(ABC):
         """Entries matching every given filter, newest (by manifest created_at) first."""
 
     @abstractmethod
-    async def entry_infos(self, *, namespace: str | None = None) -> list[EntryInfo]:
-        """Every entry (of a namespace) without manifests: for GC plans and fsck."""
+    async def entry_digests(self) -> dict[str, tuple[str, ...]]:
+        """Every entry's key and the blobs it names: fsck's side of its check, and no more
+        (at a million entries the rest of each entry is seconds of reading fsck discards)."""
 
     @abstractmethod
     async def largest_entries(self, *, namespace: str | None, limit: int) -> list[EntryInfo]:
@@ -232,8 +233,9 @@ class BlobLedger(ABC):
         """Bytes of blobs `namespace` uploaded that no entry names (yet)."""
 
     @abstractmethod
-    async def blob_records(self) -> list[BlobRecord]:
-        """Every blob the index has recorded."""
+    async def recorded_digests(self) -> set[str]:
+        """The digest of every blob the index has recorded (fsck compares them with the
+        blob store), read in pages where the backend serves others meanwhile."""
 
     async def blob_record(self, digest: str) -> BlobRecord | None:
         """One blob's record, or None (backends with a faster point read override it)."""

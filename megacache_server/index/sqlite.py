@@ -370,20 +370,13 @@ class SqliteIndex(Index):
         return await self._run(lambda c: [_stored(r) for r in c.execute(
             sql, (*args, limit)).fetchall()])
 
-    async def entry_infos(self, *, namespace: str | None = None) -> list[base.EntryInfo]:
-        where, args = _filters(namespace=namespace)
-        pending, self._touched = self._touched, {}
-
-        def op(c: sqlite3.Connection) -> list[base.EntryInfo]:
-            _flush_access(c, pending)
-            digests: dict[str, list[str]] = {}
+    async def entry_digests(self) -> dict[str, tuple[str, ...]]:
+        def op(c: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
+            named: dict[str, list[str]] = {}
             for key, digest in c.execute("SELECT key, digest FROM entry_blobs"):
-                digests.setdefault(key, []).append(digest)
-            return [base.EntryInfo(key, ns, model, tuple(digests.get(key, ())), size, created,
-                              updated, access, bool(pinned))
-                    for key, ns, model, size, created, updated, access, pinned in c.execute(
-                        "SELECT key, namespace, model, size, created_at, updated_at, "
-                        f"last_access, pinned FROM entries{where}", args)]
+                named.setdefault(key, []).append(digest)
+            return {key: tuple(named.get(key, ())) for (key,) in c.execute(
+                "SELECT key FROM entries")}
 
         return await self._run(op)
 
@@ -488,9 +481,8 @@ class SqliteIndex(Index):
                  (SELECT 1 FROM entry_blobs e WHERE e.digest=o.digest)""",
             (namespace,)).fetchone()[0]))
 
-    async def blob_records(self) -> list[base.BlobRecord]:
-        return await self._run(lambda c: [base.BlobRecord(*r) for r in c.execute(
-            "SELECT digest, size, touched_at FROM blobs ORDER BY digest").fetchall()])
+    async def recorded_digests(self) -> set[str]:
+        return await self._run(lambda c: {d for (d,) in c.execute("SELECT digest FROM blobs")})
 
     async def blob_record(self, digest: str) -> base.BlobRecord | None:
         row = await self._read("SELECT digest, size, touched_at FROM blobs WHERE digest=?",
