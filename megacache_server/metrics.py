@@ -46,6 +46,9 @@ class Metered:
     async def blob_size(self, digest: str) -> int | None:
         return await self.inner.blob_size(digest)
 
+    async def recorded_blob_size(self, digest: str) -> int | None:
+        return await self.inner.recorded_blob_size(digest)
+
     def read_blob(self, digest: str, start: int, end: int) -> AsyncIterator[bytes]:
         return self.inner.read_blob(digest, start, end)
 

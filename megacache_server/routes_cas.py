@@ -50,7 +50,7 @@ async def put_blob(digest: Digest, request: Request, cache: Writer) -> JSONRespo
 @router.head("/{digest}", responses={404: {"description": "not stored"}})
 async def head_blob(digest: Digest, cache: Reader) -> Response:
     """Whether a blob is stored (HEAD before PUT lets clients skip uploads)."""
-    size = await cache.blob_size(digest)
+    size = await cache.recorded_blob_size(digest)
     if size is None:
         return Response(status_code=404)
     return Response(status_code=200, headers=_blob_headers(digest, size))

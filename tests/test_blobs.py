@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from helpers import ServerProcess, raw_http, sha256
+from helpers import ServerProcess, make_fingerprint, make_manifest, raw_http, sha256
 
 MiB = 1024 * 1024
 
@@ -204,3 +204,24 @@ def test_unknown_blob_is_404(client: httpx.Client):
     r = client.get(f"/v1/cas/{missing}")
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "blob_not_found"
+
+
+def test_head_answers_from_the_index_and_a_lost_blob_heals(server: ServerProcess,
+                                                           client: httpx.Client):
+    """HEAD trusts the index's record (no store round trip); a blob lost behind the
+    server's back is found out by the manifest naming it (424), which drops the record, so
+    the next publish's HEAD says 404 and the upload brings it back."""
+    data = os.urandom(3000)
+    digest = sha256(data)
+    assert client.put(f"/v1/cas/{digest}", content=data).status_code == 201
+    server.drop_stored(digest)
+    head = client.head(f"/v1/cas/{digest}")
+    assert head.status_code == 200 and int(head.headers["content-length"]) == len(data)
+    assert client.get(f"/v1/cas/{digest}").status_code == 404  # a read asks the store
+    m = make_manifest({"megacache": data}, make_fingerprint(code="lost-blob"))
+    refused = client.put(f"/v1/ac/{m.key}", content=m.to_json())
+    assert refused.status_code == 424 and refused.json()["error"]["missing"] == [digest]
+    assert client.head(f"/v1/cas/{digest}").status_code == 404
+    assert client.put(f"/v1/cas/{digest}", content=data).status_code == 201
+    assert client.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+    assert client.get(f"/v1/cas/{digest}").content == data

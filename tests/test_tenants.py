@@ -63,14 +63,19 @@ class Team:
                 "cold_compile_s": 30.0, "saved_s": 29.0, **fields}
         return self.http.post("/v1/events", json=body)
 
+    def _blob_state(self, digest: str) -> tuple[int, int, bool]:
+        """HEAD (the index's record) and GET (the store's bytes, hashed)."""
+        got = self.http.get(f"/v1/cas/{digest}")
+        return (self.http.head(f"/v1/cas/{digest}").status_code, got.status_code,
+                sha256(got.content) == digest)
+
     def snapshot(self) -> dict[str, object]:
         """Everything of this team another team must never change."""
         entries = self.http.get("/v1/ac", params={"limit": 1000}).json()["entries"]
         stats = self.http.get("/v1/stats")
         dashboard = self.http.get("/v1/dashboard")
         assert stats.status_code == 200 and dashboard.status_code == 200
-        blobs = {b["digest"]: self.http.head(f"/v1/cas/{b['digest']}").status_code
-                 for e in entries for b in e["blobs"]}
+        blobs = {b["digest"]: self._blob_state(b["digest"]) for e in entries for b in e["blobs"]}
         return {"entries": sorted(e["key"] for e in entries), "blobs": blobs,
                 "stats": stats.json(), "models": dashboard.json()["models"],
                 "store": dashboard.json()["store"]}
