@@ -608,6 +608,12 @@ class Lookups:
             self.errors += status not in ("200", "404")
         self._tmp.cleanup()
 
+    def slowest(self, start: float, end: float, n: int = 5) -> list[list[float]]:
+        """The n slowest lookups overlapping [start, end]: [ms, seconds after start], so a
+        stall can be placed in the GC (its start, plan, deletes, or the child's exit)."""
+        inside = [((e - s) * 1000, s - start) for s, e in self.done if s < end and e > start]
+        return [[round(ms, 1), round(at, 2)] for ms, at in sorted(inside, reverse=True)[:n]]
+
     def during(self, windows: list[tuple[float, float]]) -> dict[str, float]:
         """Lookups that overlapped any window: their max and p99."""
         ms = [(e - s) * 1000 for s, e in self.done
@@ -679,6 +685,7 @@ def gc_during_lookups(backend: Backend, sample: list[Entry], stored: int) -> dic
             time.sleep(0.1)
     return {"wall_s": round(end - start, 2), "evicted": int(evicted),
             "lookups": lookups.during([(start, end)]), "lookup_errors": lookups.errors,
+            "slowest": lookups.slowest(start, end),
             # over the whole load (a little before and after the GC too), as the server saw it
             "server_exact": {"count": int(after["count"] - before["count"]),
                              f"over_{GOAL_WAIT_MS}ms": int(after["over"] - before["over"])}}
