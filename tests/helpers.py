@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import socket
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from services import LOOPBACK, LocalServer, free_port
@@ -65,26 +66,31 @@ class ServerProcess(LocalServer):
 
     def read_stored(self, digest: str) -> bytes:
         if self.s3_endpoint:
-            obj = self._s3().get_object(Bucket=self.s3_bucket, Key=f"cas/{digest[:2]}/{digest}")
+            obj = self._s3().get_object(Bucket=self.s3_bucket, Key=self._key(digest))
             return bytes(obj["Body"].read())
-        return (self.data_dir / "cas" / digest[:2] / digest).read_bytes()
+        return self._path(digest).read_bytes()
 
     def write_stored(self, digest: str, data: bytes) -> None:
         """Put bytes under a blob's name behind the server's back (rot, or an orphan)."""
         if self.s3_endpoint:
-            self._s3().put_object(Bucket=self.s3_bucket, Key=f"cas/{digest[:2]}/{digest}",
-                                  Body=data)
+            self._s3().put_object(Bucket=self.s3_bucket, Key=self._key(digest), Body=data)
             return
-        path = self.data_dir / "cas" / digest[:2] / digest
-        path.parent.mkdir(exist_ok=True)
-        path.write_bytes(data)
+        self._path(digest).parent.mkdir(exist_ok=True)
+        self._path(digest).write_bytes(data)
 
     def drop_stored(self, digest: str) -> None:
         """Lose a blob behind the server's back."""
         if self.s3_endpoint:
-            self._s3().delete_object(Bucket=self.s3_bucket, Key=f"cas/{digest[:2]}/{digest}")
+            self._s3().delete_object(Bucket=self.s3_bucket, Key=self._key(digest))
             return
-        (self.data_dir / "cas" / digest[:2] / digest).unlink()
+        self._path(digest).unlink()
+
+    @staticmethod
+    def _key(digest: str) -> str:
+        return f"cas/{digest[:2]}/{digest}"
+
+    def _path(self, digest: str) -> Path:
+        return self.data_dir / self._key(digest)
 
 
 def sha256(data: bytes) -> str:

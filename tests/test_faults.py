@@ -70,6 +70,13 @@ def test_kill_during_upload_then_fsck_is_clean(tmp_path: Path):
         server.stop()
 
 
+def _fsck(server: ServerProcess, *flags: str) -> subprocess.CompletedProcess[str]:
+    """fsck on the server's storage, its findings' exit code (1) kept, not raised."""
+    return subprocess.run([sys.executable, "-m", "megacache_server", "fsck", *flags,
+                           *server.extra_args, "--data-dir", str(server.data_dir)],
+                          capture_output=True, text=True, env={**os.environ, **server.env})
+
+
 def test_kill_during_gc_then_fsck_repairs(tmp_path: Path):
     server = ServerProcess(tmp_path / "data").start()
     written = populate(server.url)
@@ -84,8 +91,7 @@ def test_kill_during_gc_then_fsck_repairs(tmp_path: Path):
     time.sleep(1.5)  # in the middle of deleting (imports take ~1 s)
     gc.kill()
     gc.wait()
-    report = subprocess.run([sys.executable, "-m", "megacache_server", "fsck", "--data-dir",
-                             str(server.data_dir)], capture_output=True, text=True)
+    report = _fsck(server)
     assert report.returncode in (0, 1), report.stderr
     assert "dangling" not in report.stdout  # entries never point at deleted blobs
     assert server.cli("fsck", "--repair", "--verify").splitlines()[-1] in ("clean", "repaired")
@@ -111,18 +117,14 @@ def test_fsck_finds_and_repairs_damage(backend: str, tmp_path: Path,
     server.write_stored(rotten, b"x" + server.read_stored(rotten)[1:])  # another rotted
     orphan = os.urandom(100)  # a blob committed by a process killed before recording it
     server.write_stored(sha256(orphan), orphan)
-    fast = subprocess.run([sys.executable, "-m", "megacache_server", "fsck", *server.extra_args,
-                           "--data-dir", str(server.data_dir)], capture_output=True, text=True,
-                          env={**os.environ, **server.env})
+    fast = _fsck(server)
     assert fast.returncode == 1, fast.stderr
     assert f"dangling entry {written[0][1]}" in fast.stdout
     assert f"stale blob record {lost}" in fast.stdout
     assert f"unrecorded blob {sha256(orphan)}" in fast.stdout
     assert "corrupt blob" not in fast.stdout  # only --verify reads the blobs
     assert "3 entries, 3 blobs" in fast.stdout
-    check = subprocess.run([sys.executable, "-m", "megacache_server", "fsck", "--verify",
-                            *server.extra_args, "--data-dir", str(server.data_dir)],
-                           capture_output=True, text=True, env={**os.environ, **server.env})
+    check = _fsck(server, "--verify")
     assert check.returncode == 1
     assert f"corrupt blob {rotten}" in check.stdout
     server.cli("fsck", "--repair", "--verify")

@@ -16,8 +16,6 @@ from services import LocalSeaweedS3
 from megacache_server.blobstore import s3_listing
 from megacache_server.blobstore.s3 import S3BlobStore
 
-pytest.importorskip("boto3")
-
 
 def _client(s3: LocalSeaweedS3, *, lean: bool) -> Any:
     import boto3
