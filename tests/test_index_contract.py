@@ -83,6 +83,29 @@ def test_entry_store_put_get_list_delete(make_index: Callable[[], Index]):
     run(make_index, body)
 
 
+def test_entry_store_listings_filter_across_pages(make_index: Callable[[], Index]):
+    """Listings read the newest entries page by page: a filter that drops most of a page
+    (another tenant's entries, another env) still fills the limit from later pages, newest
+    first, with whole entries; an entry deleted under a lookup's touch is never listed."""
+    async def body(ix: Index) -> None:
+        for i in range(450):
+            await ix.put(entry(f"k{i:03d}", namespace="ns" if i % 3 == 0 else "other",
+                               env="e" if i % 5 else "e2", created=float(i)), Precondition())
+        await ix.delete("k447")
+        await ix.get("k447")  # a touch of a deleted entry leaves nothing listable
+        ours = [f"k{i:03d}" for i in range(449, -1, -1) if i % 3 == 0 and i != 447]
+        got = await ix.list_entries(namespace="ns", env_digest="e", hw_digest="h", limit=120)
+        assert [e.key for e in got] == [k for k in ours if int(k[1:]) % 5][:120]
+        assert got[0].manifest_json == f'{{"k":"{got[0].key}"}}'.encode() and got[0].etag
+        assert got[0].digests == ("d1",) and got[0].size == 10
+        by_model = await ix.list_entries(namespace="ns", model="m", limit=1000)
+        assert [e.key for e in by_model] == ours
+        assert await ix.list_entries(namespace="ns", env_digest="e9", hw_digest="h",
+                                     limit=5) == []
+
+    run(make_index, body)
+
+
 def test_entry_store_preconditions_and_pins(make_index: Callable[[], Index]):
     async def body(ix: Index) -> None:
         stored, _ = await ix.put(entry("k"), Precondition(if_none_match="*"))

@@ -109,6 +109,25 @@ for i = 2, #ARGV do
 end
 return n
 """,
+    # ARGV: prefix, zset key, first rank, last rank (newest first), namespace, env, hw ('' =
+    # any). Returns the number of zset members read, then [key, field values...] of each entry
+    # there that exists and matches every filter (fields in LISTED_FIELDS' order).
+    "listed": """
+local p, ns, env, hw, out = ARGV[1], ARGV[5], ARGV[6], ARGV[7], {}
+local keys = redis.call('ZREVRANGE', ARGV[2], ARGV[3], ARGV[4])
+out[1] = #keys
+for _, key in ipairs(keys) do
+  local f = redis.call('HMGET', p .. 'entry:' .. key, 'model', 'namespace', 'env', 'hw',
+                       'digests', 'size', 'created_at', 'updated_at', 'last_access', 'pinned',
+                       'manifest', 'etag')
+  if f[1] and (ns == '' or (f[2] or 'default') == ns) and (env == '' or f[3] == env)
+      and (hw == '' or f[4] == hw) then
+    out[#out + 1] = key
+    for i = 1, #f do out[#out + 1] = f[i] or '' end
+  end
+end
+return out
+""",
     # ARGV: prefix, entry keys. Each entry's `digests` field ('' when it names none), or
     # false (nil in the reply) where the hash is gone or is only a touch's remnant.
     "entry_digests": """
@@ -328,27 +347,23 @@ class RedisIndex(Index):
             pipe.srem(self.k("refs", d), key)
             pipe.sadd(self.k("unref"), d)
 
-    async def _entries(self, keys: list[str], *, full: bool) -> list[StoredEntry]:
+    async def _infos(self, keys: list[str]) -> list[EntryInfo]:
+        """The entries' columns without their manifests, skipping keys with no entry."""
         if not keys:
             return []
-        fields = None if full else [f.encode() for f in _INFO_FIELDS]
         async with self.r.pipeline(transaction=False) as pipe:
             for key in keys:
-                if fields is None:
-                    pipe.hgetall(self.k("entry", key))
-                else:
-                    pipe.hmget(self.k("entry", key), fields)
+                pipe.hmget(self.k("entry", key), _INFO_FIELDS)
             rows = await pipe.execute()
-        out = []
-        for key, row in zip(keys, rows, strict=True):
-            data = row if fields is None else dict(zip(fields, row, strict=True))
-            if data and data.get(b"model") is not None:
-                out.append(_stored(key, data))
-        return out
+        return [_stored(key, data) for key, row in zip(keys, rows, strict=True)
+                if (data := dict(zip(_INFO_FIELDS, row, strict=True))).get(b"model") is not None]
 
     async def list_entries(self, *, namespace: str | None = None, model: str | None = None,
                            env_digest: str | None = None, hw_digest: str | None = None,
                            limit: int) -> list[StoredEntry]:
+        """Newest first from the narrowest zset the filters allow, each page read and
+        filtered by one script: one round trip for a publish-side lookup (`env&hw&limit=20`),
+        where a ZREVRANGE, a pipelined HMGET of env/hw and one of whole entries took three."""
         if model is not None:
             zkey = self.k("by_model", model)
         elif env_digest is not None and hw_digest is not None:
@@ -357,31 +372,20 @@ class RedisIndex(Index):
             zkey = self.k("ns", namespace)
         else:
             zkey = self.k("entries")
-
-        def wanted(e: StoredEntry, data_env: str | None, data_hw: str | None) -> bool:
-            return ((namespace is None or e.namespace == namespace)
-                    and (env_digest is None or data_env == env_digest)
-                    and (hw_digest is None or data_hw == hw_digest))
+        filters = [namespace or "", env_digest or "", hw_digest or ""]
 
         async def op() -> list[StoredEntry]:
             found: list[StoredEntry] = []
             start, page = 0, min(max(limit, 10), 200)
             while len(found) < limit:
-                keys = [_str(k) or "" for k in
-                        await self.r.zrevrange(zkey, start, start + page - 1)]
-                if not keys:
+                flat = await self._run_script("listed", [zkey, str(start),
+                                                         str(start + page - 1), *filters])
+                width = 1 + len(LISTED_FIELDS)
+                found += [_stored(_str(flat[i]) or "",
+                                  dict(zip(LISTED_FIELDS, flat[i + 1:i + width], strict=True)))
+                          for i in range(1, len(flat), width)]
+                if int(flat[0]) < page:
                     break
-                async with self.r.pipeline(transaction=False) as pipe:
-                    for key in keys:
-                        pipe.hmget(self.k("entry", key), ["env", "hw"])
-                    heads = await pipe.execute()
-                match = [key for key, (env, hw) in zip(keys, heads, strict=True)
-                         if env is not None
-                         and (env_digest is None or _str(env) == env_digest)
-                         and (hw_digest is None or _str(hw) == hw_digest)]
-                for e in await self._entries(match, full=True):
-                    if wanted(e, env_digest, hw_digest) and len(found) < limit:
-                        found.append(e)
                 start += page
             found.sort(key=lambda e: (-e.created_at, e.key))
             return found[:limit]
@@ -400,7 +404,7 @@ class RedisIndex(Index):
             keys = [_str(k) or "" for k in await read(zkey, start, start + page - 1)]
             if not keys:
                 break
-            for e in await self._entries(keys, full=False):
+            for e in await self._infos(keys):
                 if not (skip_pinned and e.pinned):
                     found.append(e)
             start += page
@@ -844,8 +848,13 @@ class RedisIndex(Index):
             await self._do(self.r.ping)
 
 
-_INFO_FIELDS = ("namespace", "model", "digests", "size", "created_at", "updated_at",
-                "last_access", "pinned")
+LISTED_FIELDS = tuple(f.encode() for f in (
+    "model", "namespace", "env", "hw", "digests", "size", "created_at", "updated_at",
+    "last_access", "pinned", "manifest", "etag"))
+"""The fields the `listed` script returns, in its order."""
+_INFO_FIELDS = tuple(f.encode() for f in (
+    "namespace", "model", "digests", "size", "created_at", "updated_at", "last_access",
+    "pinned"))
 
 
 def _str(value: Any) -> str | None:
