@@ -99,7 +99,7 @@ million entries."""
 ROUTE_BUDGET_S = 30.0
 """A route slower than this many seconds in all gets fewer samples (at least 10)."""
 STORE_NICE = 10
-"""SeaweedFS's nice value, the server's GC child's (collector.GC_NICE). It stands for S3,
+"""SeaweedFS's nice value. It stands for S3,
 which in a fleet runs on machines of its own. Where the kernel groups processes by session
 (sched_autogroup, on at this workplace) and SeaweedFS has a session of its own, a nice value
 only ranks it against its own session: it changes nothing against the server's. The one
