@@ -20,8 +20,9 @@ here is only logged at debug level and the session fetches on its own, as it wou
 without prefetch.
 
 The toolchain pack (~150 MB of headers once unpacked) comes last, after the first compile
-may go on: an exact hit with its kernels never runs g++, so it never waits for it; any other
-load waits for it (bounded) so a kernel it must build finds the headers.
+may go on: the load hands torch the bundle while the headers are unpacked, then waits for
+them (bounded) before torch loads a kernel. Every load needs them, an exact hit too:
+Inductor precompiles its header before loading each C++ kernel, a cached one included.
 
 The thread imports nothing of torch's compiler: importing Dynamo there while the trainer's
 thread imports it too broke a real job; what it needs is imported on the enabling thread.
@@ -72,8 +73,8 @@ class PrefetchResult:
     uses it instead of asking again."""
     toolchain: str | None = None
     """Digest of the toolchain pack this prefetch downloads and places *after* the rest is
-    ready (`Prefetcher.wait`): an exact hit with its kernels never runs g++, so the first
-    compile does not wait for ~150 MB of headers to be unpacked."""
+    ready (`Prefetcher.wait`): the first compile loads the bundle while ~150 MB of headers
+    are unpacked, and waits for them only then."""
     toolchain_error: str = ""
 
 
@@ -137,7 +138,7 @@ class Prefetcher:
         # transformers); the first compile imports what it needs itself.
         try:
             if toolchain is not None:
-                self.result.toolchain_bytes = self._fetch_and_place([toolchain])
+                self.result.toolchain_bytes = self._take_toolchain(toolchain)
         except Exception as exc:  # g++, if it ever runs, builds its own headers
             self.result.toolchain_error = f"{type(exc).__name__}: {exc}"
             log.debug("megacache: prefetch of the toolchain failed: %s",
@@ -146,15 +147,31 @@ class Prefetcher:
             self._done.set()
 
     def _continue_previous(self) -> None:
-        """Take over what an earlier prefetch of this process fetched, its toolchain pack
-        included (waiting for it, bounded)."""
+        """Take over what an earlier prefetch of this process fetched (waiting for it,
+        bounded). Not its toolchain pack: that one may still be on its way, and the model's
+        entry must not queue behind ~20 MB of headers (`_take_toolchain` waits for it)."""
         if self.previous is None:
             return
-        if self.previous.wait_toolchain(self.deadline.cap(self.config.load_deadline_s)):
-            done = self.previous.result
-            self.result.paths.update(done.paths)
-            self.result.placed.update(done.placed)
-            self.result.bytes_down += done.bytes_down + done.toolchain_bytes
+        done = self.previous.wait(self.deadline.cap(self.config.load_deadline_s))
+        if done is not None:
+            self.result.paths.update((d, p) for d, p in dict(done.paths).items()
+                                     if d != done.toolchain)
+            self.result.placed.update((d, n) for d, n in dict(done.placed).items()
+                                      if d != done.toolchain)
+            self.result.bytes_down += done.bytes_down
+
+    def _take_toolchain(self, toolchain: BlobRef) -> int:
+        """Fetch and place the toolchain pack, or take it from the earlier prefetch that is
+        already fetching it; returns the bytes downloaded."""
+        previous = self.previous
+        if previous is not None and previous.result.toolchain == toolchain.digest and \
+                previous.wait_toolchain(self.deadline.cap(self.config.load_deadline_s)):
+            done = previous.result
+            if toolchain.digest in done.placed:
+                self.result.paths[toolchain.digest] = done.paths[toolchain.digest]
+                self.result.placed[toolchain.digest] = done.placed[toolchain.digest]
+                return done.toolchain_bytes
+        return self._fetch_and_place([toolchain])  # none on the way, or it failed
 
     def _prefetch(self) -> BlobRef | None:
         """Fetch and place all but the toolchain pack; returns that, for afterwards."""

@@ -249,6 +249,8 @@ class Session:
                         step("place")
                         self._load_bundle(result.entry, paths, result, prefetched)
                         step("load")
+                        self._await_toolchain(result.entry, result, prefetched)
+                        step("toolchain")
             except (CorruptBlobError, PackError) as exc:
                 self._fail(result, "invalid", str(exc))
             except Exception as exc:  # never let the cache break the trainer
@@ -257,7 +259,8 @@ class Session:
             finally:
                 result.seconds = time.monotonic() - started
                 steps = result.steps
-                self.clock.fetch_s = sum(steps.get(k, 0.0) for k in ("prefetch", "find", "fetch"))
+                self.clock.fetch_s = sum(steps.get(k, 0.0)
+                                         for k in ("prefetch", "find", "fetch", "toolchain"))
                 self.clock.load_s = sum(steps.get(k, 0.0)
                                         for k in ("fingerprint", "place", "load"))
             if result.outcome in ("hit", "fallback"):
@@ -368,13 +371,6 @@ class Session:
     def _place_artifacts(self, entry: Manifest, paths: dict[str, Path], result: LoadResult,
                          prefetched: PrefetchResult | None = None) -> None:
         done = prefetched.placed if prefetched is not None else {}
-        toolchain = entry.blob("toolchain")
-        if prefetched is not None and toolchain is not None and \
-                toolchain.digest == prefetched.toolchain and not (
-                    result.outcome == "hit" and "kernels" in paths):
-            # Only an exact hit with its kernels is sure never to run g++; any other load
-            # waits (bounded) for the prefetch thread to put the headers in place.
-            self._await_toolchain(result)
         for role in ("kernels", "toolchain"):
             blob = entry.blob(role)
             if role not in paths or blob is None:
@@ -383,10 +379,23 @@ class Session:
             result.placed[role] = count if count is not None else \
                 place(role, paths[role], self.config.max_raw_bytes)
 
-    def _await_toolchain(self, result: LoadResult) -> None:
-        """The toolchain pack the prefetch thread places after the rest: wait for it."""
-        if self.prefetcher is None or not self.prefetcher.wait_toolchain(
-                self.config.prefetch_wait_s):
+    # -- step 6: the headers the prefetch thread places last ----------------------------
+    def _await_toolchain(self, entry: Manifest | None, result: LoadResult,
+                         prefetched: PrefetchResult | None = None) -> None:
+        """Wait (bounded) for the toolchain pack the prefetch thread places after the rest,
+        when this entry names it. Even an exact hit needs it before torch runs: Inductor
+        precompiles its header before loading each C++ kernel, a cached one too, and
+        without the pack's `.gch` in place that is a g++ build of seconds (seen: 6 s on
+        the MLP's first step). Waited for after the bundle is loaded, so the unpacking
+        overlaps the load."""
+        toolchain = entry.blob("toolchain") if entry is not None else None
+        if toolchain is None or prefetched is None or toolchain.digest != prefetched.toolchain:
+            return
+        self._count_toolchain(result, self.config.prefetch_wait_s)
+
+    def _count_toolchain(self, result: LoadResult, timeout: float) -> None:
+        """The prefetch's toolchain pack, once in place, counted in `result`."""
+        if self.prefetcher is None or not self.prefetcher.wait_toolchain(timeout):
             return
         done = self.prefetcher.result
         if done.toolchain is not None and done.toolchain in done.placed and \
@@ -695,7 +704,7 @@ class Session:
         self.publish(wait=True)
         self._forget_precompiled()
         if self.tracks and self._first.load.entry is not None:
-            self._await_toolchain(self._first.load)  # placed in the background: count it
+            self._count_toolchain(self._first.load, self.config.prefetch_wait_s)
         return self.report()
 
     def _forget_precompiled(self) -> None:
