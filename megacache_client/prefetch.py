@@ -20,9 +20,10 @@ here is only logged at debug level and the session fetches on its own, as it wou
 without prefetch.
 
 The toolchain pack (~150 MB of headers once unpacked) comes last, after the first compile
-may go on: the load hands torch the bundle while the headers are unpacked, then waits for
-them (bounded) before torch loads a kernel. Every load needs them, an exact hit too:
-Inductor precompiles its header before loading each C++ kernel, a cached one included.
+may go on: torch loads the bundle and the graphs while the headers are unpacked, and waits
+for them (bounded) where it names its precompiled header (`KeyRecorder.hold_headers`).
+Every load needs them, an exact hit too: Inductor precompiles its header before loading
+any C++ kernel, a cached one included.
 
 The thread imports nothing of torch's compiler: importing Dynamo there while the trainer's
 thread imports it too broke a real job; what it needs is imported on the enabling thread.
@@ -73,8 +74,8 @@ class PrefetchResult:
     uses it instead of asking again."""
     toolchain: str | None = None
     """Digest of the toolchain pack this prefetch downloads and places *after* the rest is
-    ready (`Prefetcher.wait`): the first compile loads the bundle while ~150 MB of headers
-    are unpacked, and waits for them only then."""
+    ready (`Prefetcher.wait`): the first compile loads the bundle and graphs while ~150 MB
+    of headers are unpacked, and waits for them only at torch's header."""
     toolchain_error: str = ""
 
 

@@ -32,7 +32,7 @@ import shutil
 import sysconfig
 import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +207,8 @@ class KeyRecorder:
         self.placed = 0
         self._lock = threading.Lock()
         self._original: Any = None
+        self._before_header: Callable[[], None] | None = None
+        self._pid = os.getpid()
 
     def install(self) -> None:
         """Wrap torch's `codecache.write` (idempotent). A failure here only costs relocation."""
@@ -221,12 +223,35 @@ class KeyRecorder:
             @functools.wraps(original)
             def write(content: Any, extension: str, extra: str = "", *args: Any,
                       **kwargs: Any) -> Any:
+                if extension == "h":
+                    self._hold_header()
                 result = original(content, extension, extra, *args, **kwargs)
                 with contextlib.suppress(Exception):  # never let bookkeeping break torch
                     self.seen(content, extension, extra, result[1])
                 return result
 
             codecache.write = write
+
+    def hold_headers(self, wait: Callable[[], None]) -> bool:
+        """Run `wait` each time torch is about to name a precompiled header, the step before
+        it checks whether it must build one; False when the recorder is not in torch.
+
+        Inductor precompiles its header before it loads any C++ kernel, a cached one too,
+        after a preprocessor pass of ~1 s: a toolchain pack still being unpacked can finish
+        during all the loading before it, where a wait at the load would only add to it.
+        """
+        with self._lock:
+            if self._original is None:
+                return False
+            self._before_header = wait
+            return True
+
+    def _hold_header(self) -> None:
+        wait = self._before_header
+        if wait is None or os.getpid() != self._pid:  # a forked compile worker: no pack here
+            return
+        with contextlib.suppress(Exception):  # never let the wait break torch
+            wait()
 
     def uninstall(self) -> None:
         from torch._inductor import codecache

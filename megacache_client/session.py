@@ -250,7 +250,6 @@ class Session:
                         self._load_bundle(result.entry, paths, result, prefetched)
                         step("load")
                         self._await_toolchain(result.entry, result, prefetched)
-                        step("toolchain")
             except (CorruptBlobError, PackError) as exc:
                 self._fail(result, "invalid", str(exc))
             except Exception as exc:  # never let the cache break the trainer
@@ -259,8 +258,7 @@ class Session:
             finally:
                 result.seconds = time.monotonic() - started
                 steps = result.steps
-                self.clock.fetch_s = sum(steps.get(k, 0.0)
-                                         for k in ("prefetch", "find", "fetch", "toolchain"))
+                self.clock.fetch_s = sum(steps.get(k, 0.0) for k in ("prefetch", "find", "fetch"))
                 self.clock.load_s = sum(steps.get(k, 0.0)
                                         for k in ("fingerprint", "place", "load"))
             if result.outcome in ("hit", "fallback"):
@@ -382,16 +380,25 @@ class Session:
     # -- step 6: the headers the prefetch thread places last ----------------------------
     def _await_toolchain(self, entry: Manifest | None, result: LoadResult,
                          prefetched: PrefetchResult | None = None) -> None:
-        """Wait (bounded) for the toolchain pack the prefetch thread places after the rest,
-        when this entry names it. Even an exact hit needs it before torch runs: Inductor
-        precompiles its header before loading each C++ kernel, a cached one too, and
-        without the pack's `.gch` in place that is a g++ build of seconds (seen: 6 s on
-        the MLP's first step). Waited for after the bundle is loaded, so the unpacking
-        overlaps the load."""
+        """Make torch wait (bounded) for the toolchain pack the prefetch thread places after
+        the rest, when this entry names it. Even an exact hit needs it: Inductor precompiles
+        its header before it loads any C++ kernel, a cached one too, and without the pack's
+        `.gch` that is a g++ build of seconds (seen: 6 s on the MLP's first step). torch
+        waits at the header itself (`KeyRecorder.hold_headers`), after loading the graphs
+        and its preprocessor pass, so the unpacking overlaps those; where the recorder is
+        not in torch, the load waits here."""
         toolchain = entry.blob("toolchain") if entry is not None else None
         if toolchain is None or prefetched is None or toolchain.digest != prefetched.toolchain:
             return
-        self._count_toolchain(result, self.config.prefetch_wait_s)
+        deadline = time.monotonic() + self.config.prefetch_wait_s
+
+        def wait_for_headers() -> None:
+            started = time.monotonic()
+            self._count_toolchain(result, max(0.0, deadline - started))
+            result.steps.setdefault("toolchain", round(time.monotonic() - started, 4))
+
+        if not relocate.recorder().hold_headers(wait_for_headers):
+            wait_for_headers()
 
     def _count_toolchain(self, result: LoadResult, timeout: float) -> None:
         """The prefetch's toolchain pack, once in place, counted in `result`."""

@@ -167,6 +167,36 @@ def test_recorder_places_a_shipped_kernel_under_torchs_local_name(tmp_path):
     assert (tmp_path / "dd" / "cmine.main.so").read_bytes() == b"built here"
 
 
+def test_header_hold_lets_a_late_toolchain_pack_stand_in_for_torchs_header_build(tmp_path):
+    """torch names its precompiled header only after the hold has run: a pack unpacked
+    during the wait (the prefetch thread finishing) is placed under torch's local name,
+    so torch finds the `.gch` and runs no g++ for it."""
+    from torch._inductor import codecache
+
+    rec = relocate.KeyRecorder()
+    content, extra = "#include <torch/csrc/inductor/cpp_prefix.h>\n", flags("/t", "/p")
+    shipped = tmp_path / "pack" / "cshipped.h.gch"
+    shipped.parent.mkdir()
+    shipped.write_bytes(b"precompiled header")
+    waits: list[int] = []
+
+    def toolchain_arrives() -> None:
+        waits.append(1)
+        rec.learn(tmp_path / "pack", {"cshipped.h.gch": relocate.identity(content, "h", extra)})
+
+    rec.install()
+    try:
+        assert rec.hold_headers(toolchain_arrives)
+        codecache.write("// a kernel\n", "main.cpp", extra, specified_dir=str(tmp_path / "k"))
+        assert waits == []  # kernels' sources do not wait, only the header
+        _, local = codecache.write(content, "h", extra, specified_dir=str(tmp_path / "hdr"))
+    finally:
+        rec.uninstall()
+    assert waits == [1]
+    assert Path(local + ".gch").read_bytes() == b"precompiled header"
+    assert not relocate.KeyRecorder().hold_headers(toolchain_arrives)  # not in torch: no hold
+
+
 # -- end to end -----------------------------------------------------------------------------
 
 def other_torch_path(root: Path) -> dict[str, str]:
