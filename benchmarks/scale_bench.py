@@ -99,13 +99,11 @@ million entries."""
 ROUTE_BUDGET_S = 30.0
 """A route slower than this many seconds in all gets fewer samples (at least 10)."""
 STORE_NICE = 10
-"""SeaweedFS's nice value. It stands for S3,
-which in a fleet runs on machines of its own. Where the kernel groups processes by session
-(sched_autogroup, on at this workplace) and SeaweedFS has a session of its own, a nice value
-only ranks it against its own session: it changes nothing against the server's. The one
-GC-time lookup over 50 ms at 300k was 52.5 ms at nice 10 as at nice 0, and in a run at 100k
-the five slowest lookups came 1.0-1.6 s after the GC took its lock (its plan), not during
-its deletes."""
+"""SeaweedFS's nice value. It stands for S3, which in a fleet runs on machines of its own.
+Where the kernel groups processes by session (sched_autogroup, on at this workplace) and
+SeaweedFS has a session of its own, a nice value only ranks it against its own session: it
+changes nothing against the server's (the one GC-time lookup over 50 ms at 300k on
+2026-12-01 was 52.5 ms at nice 10 as at nice 0)."""
 OUTCOME_CYCLE = ("hit", "hit", "hit", "hit", "hit", "fallback", "fallback", "miss", "hit",
                  "error")
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import http.server
 import socket
+import threading
+import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import httpx
 from services import LOOPBACK, LocalServer, free_port
 
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
@@ -158,3 +163,53 @@ def make_manifest(blobs: dict[str, bytes] | list[tuple[str, bytes]],
         created_at=created_at or datetime.now(timezone.utc),
         producer={"client": "tests"},
     )
+
+
+class ForwardingProxy:
+    """A loopback HTTP proxy to a real server, for tests where the server lies or lags:
+    each request goes to `upstream` at `rewrite(path)` (the attacker's choice), after
+    `hold(method, path)` seconds (a slow link for that request). Bodies and headers pass
+    through; hop-by-hop headers do not."""
+
+    HOP_BY_HOP = ("host", "content-length", "connection", "transfer-encoding",
+                  "content-encoding")
+
+    def __init__(self, upstream: str, rewrite: Callable[[str], str] = lambda path: path,
+                 hold: Callable[[str, str], float] = lambda method, path: 0.0) -> None:
+        drop = self.HOP_BY_HOP
+
+        class Forward(http.server.BaseHTTPRequestHandler):
+            def _forward(self) -> None:
+                time.sleep(hold(self.command, self.path))
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                r = httpx.request(self.command, upstream + rewrite(self.path),
+                                  headers={k: v for k, v in self.headers.items()
+                                           if k.lower() not in drop},
+                                  content=body or None, timeout=60)
+                self.send_response(r.status_code)
+                for k, v in r.headers.items():
+                    if k.lower() not in drop:
+                        self.send_header(k, v)
+                self.send_header("content-length", str(len(r.content)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(r.content)
+
+            do_GET = do_HEAD = do_POST = do_PUT = _forward
+
+            def log_message(self, *_: object) -> None:
+                return
+
+        self.server = http.server.ThreadingHTTPServer((LOOPBACK, 0), Forward)
+        self.url = f"http://{LOOPBACK}:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> ForwardingProxy:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()

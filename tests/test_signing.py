@@ -7,52 +7,26 @@ middle that answers a lookup of one key with the (validly signed) response of an
 
 from __future__ import annotations
 
-import http.server
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import LOOPBACK, ServerProcess, make_fingerprint, make_manifest, sha256
+from helpers import (
+    ForwardingProxy,
+    ServerProcess,
+    make_fingerprint,
+    make_manifest,
+    sha256,
+)
 
 from megacache_client.config import ClientConfig, ConfigError
 from megacache_client.session import Session
 from megacache_client.signing import SIGNATURE_HEADER, Signer, signature_valid
 from megacache_client.transport import RemoteCache, UntrustedEntryError
-
-
-class Proxy:
-    """Forwards every request to `upstream`, after `rewrite(path)` (the attacker's choice)."""
-
-    def __init__(self, upstream: str, rewrite: Callable[[str], str]) -> None:
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                r = httpx.get(upstream + rewrite(self.path), timeout=10)
-                self.send_response(r.status_code)
-                for name in ("content-type", "etag", SIGNATURE_HEADER):
-                    if name in r.headers:
-                        self.send_header(name, r.headers[name])
-                self.send_header("content-length", str(len(r.content)))
-                self.end_headers()
-                self.wfile.write(r.content)
-
-            def log_message(self, *_: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer((LOOPBACK, 0), Handler)
-        self.url = f"http://{LOOPBACK}:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=outer.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -135,7 +109,7 @@ def test_signature_covers_key_and_namespace(signing: ServerProcess, keys: tuple[
 def test_replayed_manifest_of_another_key_is_refused(signing: ServerProcess,
                                                      keys: tuple[Path, str]):
     asked, other = publish(signing, "asked"), publish(signing, "other")
-    proxy = Proxy(signing.url, lambda path: path.replace(asked, other))
+    proxy = ForwardingProxy(signing.url, lambda path: path.replace(asked, other))
     try:
         for verify_key in (keys[1], None):  # the key check holds without signatures too
             with RemoteCache(ClientConfig(url=proxy.url, verify_key=verify_key)) as remote, \
@@ -151,7 +125,7 @@ def test_fallback_pick_is_fetched_verified_and_checked(signing: ServerProcess,
     answers the nominee's lookup with another entry's signed manifest: invalid, cold."""
     nominee = publish(signing, "v1", model="fallback-model")
     decoy = publish(signing, "decoy", model="decoy-model")
-    proxy = Proxy(signing.url, lambda path: path.replace(nominee, decoy))
+    proxy = ForwardingProxy(signing.url, lambda path: path.replace(nominee, decoy))
     try:
         fp = make_fingerprint(model="fallback-model", code="v2")  # exact key: absent
         session = Session(ClientConfig(url=proxy.url, verify_key=keys[1]), fingerprint=fp)

@@ -8,19 +8,15 @@ Consumers that could change the entry run read-only so the tests do not depend o
 
 from __future__ import annotations
 
-import contextlib
-import http.server
 import json
 import math
 import sqlite3
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import ServerProcess
+from helpers import ForwardingProxy, ServerProcess
 from jobs import GxxCounter, JobRun, Machine, run_job
 
 from megacache_client.events import Event
@@ -152,44 +148,6 @@ def test_precompiled_start_is_bit_identical_prefetched_once_and_timed(
     assert tts >= run.result["time_to_first_step_s"] - run.result["first_step_s"]
 
 
-@contextlib.contextmanager
-def slow_blob_proxy(upstream: str, digest: str, delay_s: float) -> Iterator[str]:
-    """A loopback proxy to `upstream` that holds back the GET of one blob by `delay_s`: a
-    toolchain pack that arrives late, as from a remote server on a slow link."""
-    class Forward(http.server.BaseHTTPRequestHandler):
-        def _forward(self) -> None:
-            if self.command == "GET" and self.path.endswith(digest):
-                time.sleep(delay_s)
-            body = self.rfile.read(int(self.headers.get("content-length") or 0))
-            headers = {k: v for k, v in self.headers.items()
-                       if k.lower() not in ("host", "content-length", "connection")}
-            r = httpx.request(self.command, upstream + self.path, headers=headers,
-                              content=body or None, timeout=60)
-            self.send_response(r.status_code)
-            for k, v in r.headers.items():
-                if k.lower() not in ("content-length", "transfer-encoding", "connection",
-                                     "content-encoding"):
-                    self.send_header(k, v)
-            self.send_header("content-length", str(len(r.content)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(r.content)
-
-        do_GET = do_HEAD = do_POST = do_PUT = _forward
-
-        def log_message(self, *_: object) -> None:
-            return
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forward)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def test_an_exact_hit_waits_for_a_late_toolchain_instead_of_building_it(
         cache, producer, gxx, tmp_path):
     """Inductor precompiles its header before it loads each C++ kernel, a cached one too:
@@ -198,8 +156,11 @@ def test_an_exact_hit_waits_for_a_late_toolchain_instead_of_building_it(
     _, cold = producer
     entry = httpx.get(f"{cache.url}/v1/ac/{cold.mc['key']}").json()
     toolchain = next(b for b in entry["blobs"] if b["role"] == "toolchain")
-    with slow_blob_proxy(cache.url, toolchain["digest"], 5.0) as url:
-        run = run_on(Machine(tmp_path / "late"), gxx, url, env=READ_ONLY)
+    # the pack held back 5 s, as from a remote server on a slow link
+    late = ForwardingProxy(cache.url, hold=lambda method, path: 5.0 if (
+        method == "GET" and path.endswith(toolchain["digest"])) else 0.0)
+    with late:
+        run = run_on(Machine(tmp_path / "late"), gxx, late.url, env=READ_ONLY)
     assert run.mc["outcome"] == "hit", run.mc
     # The entry's own blobs did not queue behind the headers (the zero-code hook's
     # prefetch found the pack first; the explicit enable's prefetch took it over) ...
