@@ -95,7 +95,7 @@ def main() -> int:
 
     from torch._dynamo.utils import counters
 
-    from megacache_client import torch_env
+    from megacache_client import torch_env, vec_isa
 
     result = {
         "model": args.model,
@@ -139,6 +139,7 @@ def main() -> int:
             "publish_reason": pr.reason,
             "bytes_up": pr.bytes_up,
             "precompile": lr.precompile or session.precompile_off,
+            "isa_probe": vec_isa.probed_on(),  # the thread that ran torch's ISA probe
             "prefetch": None if session.prefetcher is None else {
                 k: v for k, v in vars(session.prefetcher.result).items()
                 if k in ("bytes_down", "toolchain_bytes", "error", "entry_key")},

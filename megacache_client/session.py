@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from megacache_client import precompile, relocate, torch_env, tts
+from megacache_client import precompile, relocate, torch_env, tts, vec_isa
 from megacache_client._version import __version__
 from megacache_client.config import ClientConfig
 from megacache_client.events import Event, Outcome
@@ -376,6 +376,8 @@ class Session:
             count = done.get(blob.digest)
             result.placed[role] = count if count is not None else \
                 place(role, paths[role], self.config.max_raw_bytes)
+        if result.placed.get("kernels"):  # the ISA probe's libraries are on disk now
+            vec_isa.probe_in_background()
 
     # -- step 6: the headers the prefetch thread places last ----------------------------
     def _await_toolchain(self, entry: Manifest | None, result: LoadResult,

@@ -82,6 +82,7 @@ def producer(cache: ServerProcess, gxx: GxxCounter,
     assert entry["artifact_counts"].get("precompile", 0) >= 1, entry["artifact_counts"]
     bundle = next(b for b in entry["blobs"] if b["role"] == "megacache")
     assert bundle["meta"]["precompile_torch"], bundle["meta"]
+    assert run.mc["isa_probe"] is None  # no kernels pack placed: torch probed on its own
     return machine, run
 
 
@@ -121,6 +122,8 @@ def test_precompiled_start_is_bit_identical_prefetched_once_and_timed(
     assert run.mc["precompile"] == ""
     assert run.result["losses"] == cold.result["losses"]  # bit-identical, every step
     assert run.gxx_builds == 0
+    # torch's ISA probe ran off the trainer's thread, on the libraries the kernels pack placed
+    assert run.mc["isa_probe"] == "megacache-isa-probe", run.mc
     # Nothing left in torch's local Dynamo cache for an ungated process to pick up.
     assert list((tmp_path / "b" / "inductor" / "dynamo").glob("*/entry")) == []
     # The prefetch (started at enable) fetched every blob; the first compile fetched none.

@@ -1,0 +1,81 @@
+"""Torch's CPU vector-ISA probe run in the background (megacache_client.vec_isa).
+
+The probe itself is torch's; what is ours is that it runs once, off the trainer's thread, and
+that the trainer's first call waits for it instead of probing again. The probe is replaced
+here by a slow counting stand-in with the same caching, in torch's own module, so a race
+shows as a second probe. The real probe on a real start is covered in test_start.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from megacache_client import vec_isa
+
+cpu_vec_isa = pytest.importorskip("torch._inductor.cpu_vec_isa",
+                                  reason="torch is needed for the ISA probe")
+
+
+def stand_in(monkeypatch: pytest.MonkeyPatch, probe: Callable[[], Any]) -> list[str]:
+    """Put a cached `probe` in torch's place, as this process's first; returns its callers."""
+    calls: list[str] = []
+
+    @functools.cache
+    def valid_vec_isa_list() -> Any:
+        calls.append(threading.current_thread().name)
+        return probe()
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", valid_vec_isa_list)
+    monkeypatch.setattr(vec_isa, "_started", False)
+    monkeypatch.setattr(vec_isa, "_probed_on", None)
+    return calls
+
+
+def test_the_trainer_waits_for_the_background_probe_instead_of_probing_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = stand_in(monkeypatch, lambda: (time.sleep(0.5), ["avx2"])[1])
+    thread = vec_isa.probe_in_background()
+    assert thread is not None and thread.name == vec_isa.THREAD_NAME
+    time.sleep(0.05)  # the probe is under way ...
+    assert cpu_vec_isa.valid_vec_isa_list() == ["avx2"]  # ... the trainer's call waits for it
+    assert calls == [vec_isa.THREAD_NAME]  # one probe, not two
+    assert vec_isa.probed_on() == vec_isa.THREAD_NAME
+    assert vec_isa.probe_in_background() is None  # once per process
+    thread.join(5)
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()  # torch's cache controls still work
+    assert cpu_vec_isa.valid_vec_isa_list() == ["avx2"] and len(calls) == 2
+
+
+def test_a_failed_background_probe_leaves_the_trainer_to_probe(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    outcomes = iter([RuntimeError("dlopen probe failed"), ["avx512"]])
+
+    def probe() -> list[str]:
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    calls = stand_in(monkeypatch, probe)
+    thread = vec_isa.probe_in_background()
+    assert thread is not None
+    thread.join(5)
+    assert cpu_vec_isa.valid_vec_isa_list() == ["avx512"]  # probed again, on this thread
+    assert calls == [vec_isa.THREAD_NAME, threading.current_thread().name]
+    assert vec_isa.probed_on() == threading.current_thread().name
+
+
+def test_an_unknown_probe_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    def uncached() -> list[str]:  # not the cached function this client knows
+        return ["vsx"]
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", uncached)
+    monkeypatch.setattr(vec_isa, "_started", False)
+    assert vec_isa.probe_in_background() is None
+    assert cpu_vec_isa.valid_vec_isa_list is uncached
