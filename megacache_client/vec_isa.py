@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from typing import Any
 
@@ -30,6 +31,17 @@ _lock = threading.Lock()
 _started = False
 _probed_on: str | None = None
 """The thread on which torch's probe ran, once `install` watches it (None before)."""
+_first_call = threading.Lock()
+"""Held while torch's probe runs: a second caller waits for the first one's result."""
+
+
+def _after_fork_in_child() -> None:
+    """A child forked mid-probe (a DataLoader worker, say) must not inherit a held lock."""
+    global _first_call
+    _first_call = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def probed_on() -> str | None:
@@ -51,12 +63,11 @@ def install() -> bool:
         return True
     if original is None or not callable(getattr(original, "cache_info", None)):
         return False  # not the cached function this module knows: leave torch alone
-    first_call = threading.Lock()
 
     @functools.wraps(original)
     def valid_vec_isa_list() -> Any:
         global _probed_on
-        with first_call:  # a probe in flight finishes; its result is then cached
+        with _first_call:  # a probe in flight finishes; its result is then cached
             probing = original.cache_info().currsize == 0
             found = original()
             if probing:

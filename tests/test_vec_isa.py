@@ -9,6 +9,8 @@ shows as a second probe. The real probe on a real start is covered in test_start
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -79,3 +81,23 @@ def test_an_unknown_probe_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(vec_isa, "_started", False)
     assert vec_isa.probe_in_background() is None
     assert cpu_vec_isa.valid_vec_isa_list is uncached
+
+
+def test_a_process_forked_mid_probe_can_still_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DataLoader worker forked while the probe runs must not inherit its held lock."""
+    stand_in(monkeypatch, lambda: (time.sleep(1.0), ["avx2"])[1])
+    thread = vec_isa.probe_in_background()
+    assert thread is not None
+    time.sleep(0.1)  # the background probe holds the lock now
+    pid = os.fork()
+    if pid == 0:  # the child: its copy of the lock must be free, or this call never returns
+        os._exit(0 if cpu_vec_isa.valid_vec_isa_list() == ["avx2"] else 1)
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done == (0, 0):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child deadlocked on the probe's lock")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    thread.join(5)
