@@ -13,7 +13,9 @@ imports Inductor. The first caller of torch's function then waits for that resul
 of probing again: `install` makes the function's first call one at a time (later calls hit
 torch's own cache). Nothing is started without a kernels pack: the probe would then build
 its libraries, which is torch's business on its own schedule (and a GPU job without C++
-kernels never needs them).
+kernels never needs them). One case is left as it is: a CUDA job whose pack holds only
+C++ wrapper libraries (`cpp_wrapper`), which Inductor loads without probing; its consumers
+then build the probe libraries once per node with g++, on this thread, not the trainer's.
 """
 
 from __future__ import annotations
