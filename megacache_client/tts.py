@@ -30,17 +30,23 @@ MAX_SECONDS = 7 * 24 * 3600.0
 
 
 def process_start_time() -> float:
-    """Epoch seconds at which this process started (Linux /proc), else this module's import."""
+    """Epoch seconds at which this process started (Linux /proc), else this module's import.
+
+    The kernel records the start in clock ticks since boot; its age is measured on the same
+    clock (CLOCK_BOOTTIME) and taken from the wall clock now. Adding the ticks to the boot
+    time in /proc/stat instead is off by up to a second or more: btime has 1 s resolution
+    and the wall clock drifts from the boot clock (seen on a VM: starts 0.3 s too late,
+    a time to start shorter than the trainer's own clock).
+    """
     try:
         with open("/proc/self/stat", "rb") as f:
             stat = f.read().decode()
         ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22: starttime, clock ticks
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        started = btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        started = time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
         return MODULE_LOADED
-    # btime has 1 s resolution: never report a start after this module was imported.
+    # never report a start after this module was imported
     return min(started, MODULE_LOADED)
 
 
