@@ -29,7 +29,7 @@ from typing import Any
 log = logging.getLogger("megacache")
 
 THREAD_NAME = "megacache-isa-probe"
-_lock = threading.Lock()
+_start_lock = threading.Lock()
 _started = False
 _probed_on: str | None = None
 """The thread on which torch's probe ran, once `install` watches it (None before)."""
@@ -90,7 +90,7 @@ def probe_in_background() -> threading.Thread | None:
     only logged: the trainer's own first call then probes as it would have.
     """
     global _started
-    with _lock:
+    with _start_lock:
         if _started:
             return None
         try:
@@ -103,7 +103,6 @@ def probe_in_background() -> threading.Thread | None:
     thread = threading.Thread(target=_probe, name=THREAD_NAME, daemon=True)
     thread.start()
     return thread
-
 
 
 def _probe() -> None:
