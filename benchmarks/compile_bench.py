@@ -69,8 +69,8 @@ SCENARIOS = {
                              "on a copy of the repeat's cold node after one more untimed job "
                              "with precompile on (its save_cache_artifacts call writes "
                              "Dynamo's cache): torch's best local restart",
-    "megacache+precompile": "as megacache with the client's defaults: precompiled Dynamo "
-                            "output in the bundle, prefetch at enable (its own producer)",
+    "megacache+precompile": "as megacache with MEGACACHE_PRECOMPILE=1 (opt-in): precompiled "
+                            "Dynamo output in the bundle, prefetch at enable (its own producer)",
     "warm-local+init5": "warm-local with a 5 s simulated trainer initialisation (sleep) "
                         "between `import torch` and torch.compile",
     "megacache+precompile+init5": "megacache+precompile (same producer and entry) with the "
@@ -224,7 +224,8 @@ def remote_job(bench: Bench, model: str, name: str, remote: Remote, machine: Mac
     assert remote.env is not None
     mode = "explicit" if name.startswith("megacache") else "off"
     env = {**remote.env, "MEGACACHE_PRECOMPILE": "0"} if name in ("megacache", OTHER_PATH) \
-        else {**remote.env, "MEGACACHE_MODEL": model}  # named, as a deployment would
+        else {**remote.env, "MEGACACHE_MODEL": model,  # named, as a deployment would
+              "MEGACACHE_PRECOMPILE": "1"}
     return bench.run(machine, env, ["--model", model, "--megacache", mode, *init_args(name)],
                      other_path=other_path)
 

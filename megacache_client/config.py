@@ -62,7 +62,7 @@ class ClientConfig:
     fallback: bool = True
     ship_kernels: bool = True
     ship_toolchain: bool = True
-    precompile: bool = True  # Dynamo's output in the bundle; MEGACACHE_PRECOMPILE=0 turns it off
+    precompile: bool = False  # torch's experimental precompiled Dynamo: MEGACACHE_PRECOMPILE=1
     prefetch: bool = True
     prefetch_wait_s: float = 60.0
 

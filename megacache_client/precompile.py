@@ -69,7 +69,7 @@ def turn_on(config: ClientConfig) -> str:
     Dynamo's output when `torch.compile` wraps the module.
     """
     if not config.precompile:
-        return "precompiled Dynamo off (MEGACACHE_PRECOMPILE=0)"
+        return "precompiled Dynamo off (MEGACACHE_PRECOMPILE=0, the default; 1 turns it on)"
     if not supported():
         return f"torch {torch_env.torch_version()} has no caching precompile"
     if not tolerate_unresolvable_frames():

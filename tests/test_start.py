@@ -1,7 +1,7 @@
 """Issue 13: precompiled Dynamo in the bundle, prefetch at enable, time to start in events.
 
 Real training processes (benchmarks/train_job.py), real torch.compile of a small MLP, a
-real server. One cold producer publishes with caching precompile on (the client default);
+real server. One cold producer publishes with caching precompile on (MEGACACHE_PRECOMPILE=1);
 each consumer is a fresh machine unless it only has to show the trainer survives.
 Consumers that could change the entry run read-only so the tests do not depend on order.
 """
@@ -68,7 +68,7 @@ def run_on(machine: Machine, gxx: GxxCounter, url: str, *extra: str, code: str =
            env: dict[str, str] | None = None) -> JobRun:
     job = run_job(machine, "--model", "mlp", "--steps", "3", "--megacache", "explicit",
                   "--name", MODEL, "--code", code, *extra,
-                  env={"MEGACACHE_URL": url, **(env or {})},  # precompile on: the default
+                  env={"MEGACACHE_URL": url, "MEGACACHE_PRECOMPILE": "1", **(env or {})},
                   gxx=gxx, timeout=900)
     if job.returncode != 0:
         raise AssertionError(f"job failed ({job.returncode}):\n{job.stderr[-4000:]}")
@@ -243,7 +243,7 @@ def test_stuck_prefetch_never_blocks_the_first_compile(producer, gxx, hanging_se
     assert "prefetch still running" in run.warnings()[0]
 
 
-def test_turning_precompile_off_is_reported(tmp_path: Path) -> None:
+def test_precompile_is_off_by_default_and_says_so(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     from megacache_client import precompile
     from megacache_client.config import ClientConfig
@@ -255,7 +255,11 @@ def test_turning_precompile_off_is_reported(tmp_path: Path) -> None:
                                      "MEGACACHE_PRECOMPILE": "0"})
         assert "MEGACACHE_PRECOMPILE=0" in precompile.turn_on(off)
         assert torch._dynamo.config.caching_precompile is False
-        assert precompile.turn_on(ClientConfig(url="http://127.0.0.1:1")) == ""  # the default
+        assert "the default" in precompile.turn_on(ClientConfig(url="http://127.0.0.1:1"))
+        assert torch._dynamo.config.caching_precompile is False
+        on = ClientConfig.from_env({"MEGACACHE_URL": "http://127.0.0.1:1",
+                                    "MEGACACHE_PRECOMPILE": "1"})
+        assert precompile.turn_on(on) == ""
         assert torch._dynamo.config.caching_precompile is True
     finally:
         torch._dynamo.config.caching_precompile = before
