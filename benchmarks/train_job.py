@@ -41,6 +41,8 @@ def main() -> int:
                              "sleep between `import torch` and torch.compile")
     parser.add_argument("--eager-check", action="store_true",
                         help="train an eager copy side by side; report the largest loss gap")
+    parser.add_argument("--eager", action="store_true",
+                        help="no torch.compile at all: the floor a compile cache works toward")
     parser.add_argument("--precompile", action="store_true",
                         help="torch alone: turn torch._dynamo.config.caching_precompile on")
     args = parser.parse_args()
@@ -68,7 +70,7 @@ def main() -> int:
     eager = copy.deepcopy(model) if args.eager_check else None
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.01) if eager is not None else None
     eager_gap = 0.0
-    compiled = torch.compile(model)
+    compiled = model if args.eager else torch.compile(model)
     marks["compile_called_s"] = time.time() - PROCESS_START
     sizes = [0] * args.steps if args.shapes == "fixed" else \
         [8 + 4 * (i % 3) for i in range(args.steps)]

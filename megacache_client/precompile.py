@@ -75,9 +75,243 @@ def turn_on(config: ClientConfig) -> str:
     if not tolerate_unresolvable_frames():
         return (f"torch {torch_env.torch_version()}: its precompile package cannot be made "
                 "to skip frames it cannot name, which would crash the trainer")
+    if not (record_module_aliases() and record_installed_globals() and count_served_graphs()):
+        return (f"torch {torch_env.torch_version()}: its precompile package cannot be made "
+                "to record the globals its bytecode loads, which would crash a new machine")
     torch_env.torch_module()._dynamo.config.caching_precompile = True
     stabilize_autograd_keys()
     return ""
+
+
+def record_module_aliases() -> bool:
+    """Make the precompile package record every module alias Dynamo's bytecode loads.
+
+    Dynamo loads a module its output needs (`collections`, to rebuild a Hugging Face
+    `ModelOutput`) through a global it installs under the module's last name and the
+    producer's object id (`PyCodegen.create_load_python_module`: `___module_collections_
+    <id>_c0`). torch 2.13's package records only the aliases of `import` statements
+    (`CompilePackage.add_import_source`), so a consumer installs the bytecode without that
+    global and the first step raises NameError. Recording the alias with the module's name
+    lets `CompilePackage.install` import and install it like any other. Returns whether the
+    patch is in place.
+    """
+    try:
+        from torch._dynamo.codegen import PyCodegen
+    except Exception:
+        return False
+    if not hasattr(PyCodegen, "create_load_python_module"):
+        return False
+
+    def recording(create: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        def create_and_record(self: Any, mod: Any) -> Any:
+            instruction = create(self, mod)
+            package = getattr(self.tx.output, "package", None)
+            alias = getattr(instruction, "argval", None)
+            if package is not None and isinstance(alias, str) \
+                    and alias.startswith("___module_") and importable(mod):
+                package.add_import_source(alias, mod.__name__)
+            return instruction
+
+        return create_and_record
+
+    return _patch_once(PyCodegen, "create_load_python_module", recording)
+
+
+_INSTALLED: set[str] = set()
+"""Every global Dynamo installed in this process's module scopes (names of its own making)."""
+
+
+def record_installed_globals() -> bool:
+    """Note the name of every global Dynamo installs, so a check of its precompiled output
+    can tell a global of its own making (which a new machine has only if the package
+    installs it) from one the user's module defines. Returns whether the patch is in place."""
+    try:
+        from torch._dynamo.output_graph import OutputGraph
+    except Exception:
+        return False
+    if not hasattr(OutputGraph, "install_global_unsafe"):
+        return False
+
+    def recording(install: Callable[[Any, str, Any], None]) -> Callable[[Any, str, Any], None]:
+        def install_and_record(self: Any, name: str, value: Any) -> None:
+            install(self, name, value)
+            _INSTALLED.add(name)
+
+        return install_and_record
+
+    return _patch_once(OutputGraph, "install_global_unsafe", recording)
+
+
+_SERVED = [0]
+"""Calls of compiled graphs that precompiled Dynamo entries installed, in this process."""
+
+
+def count_served_graphs() -> bool:
+    """Count the calls of every graph a precompiled entry installs.
+
+    torch's own `dynamo_cache_hit` counts packages installed, not used: when the entry's
+    guards fail (other shapes), Dynamo traces anew and the package served nothing. A call
+    of an installed graph is the proof that precompiled output ran, which the inert-bundle
+    check needs. Returns whether the patch is in place.
+    """
+    try:
+        import torch
+        from torch._dynamo.package import CompilePackage
+    except Exception:
+        return False
+    if not hasattr(CompilePackage, "_install_global"):
+        return False
+
+    def counting(install: Callable[[Any, Any, str, Any], None]
+                 ) -> Callable[[Any, Any, str, Any], None]:
+        def install_counted(self: Any, module: Any, name: str, value: Any) -> None:
+            if name.startswith("__compiled_fn") and callable(value):
+                graph = value
+
+                def served(*args: Any, **kwargs: Any) -> Any:
+                    _SERVED[0] += 1
+                    return graph(*args, **kwargs)
+
+                value = torch._dynamo.disable(served)
+            install(self, module, name, value)
+
+        return install_counted
+
+    return _patch_once(CompilePackage, "_install_global", counting)
+
+
+def unrestorable(artifacts: torch_env.Artifacts) -> dict[str, list[str]]:
+    """The precompile artifacts a fresh process could not run: key -> the globals their
+    bytecode loads that nothing would put in place there.
+
+    A precompiled entry is Dynamo's bytecode plus what `CompilePackage.install` puts in the
+    frame's module scope before it runs: the recorded module aliases, resume functions and
+    compiled graphs. Anything else the bytecode loads must be a builtin or a global the
+    user's module defines itself. Any other name is one Dynamo made in the producer and
+    torch did not record (a module alias before `record_module_aliases`, a weakref, a
+    wrapper): installed as is, the entry raises NameError in the trainer's step. Used by the
+    producer before it ships Dynamo output and by the consumer before it loads any.
+    """
+    import builtins
+    import pickle
+    import sys
+
+    bad: dict[str, list[str]] = {}
+    for artifact in artifacts.get(ARTIFACT_TYPE, []):
+        try:
+            codes = pickle.loads(artifact.content).dynamo.codes
+            missing = _missing_globals(codes, sys.modules, vars(builtins))
+        except Exception as exc:  # an entry that cannot be read cannot be checked
+            missing = [f"(unreadable: {type(exc).__name__}: {exc})"]
+        if missing:
+            bad[artifact.key] = missing
+    return bad
+
+
+def for_loading(artifacts: torch_env.Artifacts, outcome: str | None, bundle: BlobRef
+                ) -> tuple[torch_env.Artifacts, str]:
+    """The artifacts this run may hand to torch, and why any precompiled ones were left out.
+
+    All of them are left out where `refusal` says so; otherwise each entry a fresh process
+    could not run (`unrestorable`) is: a producer that did not check, or a torch that
+    records less than this client expects, costs a Dynamo trace, never a crashed step.
+    """
+    if not artifacts.get(ARTIFACT_TYPE):
+        return artifacts, ""
+    refused = refusal(outcome, bundle)
+    if refused:
+        return torch_env.without(artifacts, ARTIFACT_TYPE), \
+            f"precompiled Dynamo output not loaded: {refused}"
+    bad = unrestorable(artifacts)
+    if not bad:
+        return artifacts, ""
+    return torch_env.without(artifacts, ARTIFACT_TYPE, set(bad)), (
+        f"{len(bad)} precompiled Dynamo entr{'y' if len(bad) == 1 else 'ies'} not loaded: "
+        f"{_names(bad)} would not be defined here")
+
+
+def for_shipping(artifacts: torch_env.Artifacts, compiled: dict[str, list[str]]
+                 ) -> tuple[torch_env.Artifacts, str]:
+    """The artifacts this process may publish, and why any precompiled ones were left out:
+    all of them when compiled callables share a precompile key (`shared_key`), and each
+    entry a new machine could not run (`unrestorable`)."""
+    if not artifacts.get(ARTIFACT_TYPE):
+        return artifacts, ""
+    shared = shared_key(compiled)
+    if shared:
+        return torch_env.without(artifacts, ARTIFACT_TYPE), shared
+    bad = unrestorable(artifacts)
+    if not bad:
+        return artifacts, ""
+    return torch_env.without(artifacts, ARTIFACT_TYPE, set(bad)), (
+        f"{len(bad)} precompiled Dynamo entr{'y' if len(bad) == 1 else 'ies'} not shipped: "
+        f"{_names(bad)} would not be defined on a new machine")
+
+
+def _names(bad: dict[str, list[str]]) -> str:
+    names = sorted({n for missing in bad.values() for n in missing})
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _missing_globals(codes: list[Any], modules: dict[str, Any], builtin: dict[str, Any]
+                     ) -> list[str]:
+    """The names the entry's bytecode loads that nothing would define where it runs.
+
+    torch installs an entry's aliases, resume functions and graphs in the scope of its
+    recorded module, but bytecode runs in the globals of the module that *defines* the
+    code: a `functools.wraps` decorator (Hugging Face's `can_return_tuple`) copies the
+    wrapped function's `__module__`, so the two differ. Each code's loads are checked
+    against its defining module (found by file), the recorded one when that is unknown.
+    """
+    from torch._dynamo.package import SerializedCode
+
+    by_file = {getattr(m, "__file__", None): name for name, m in list(modules.items())}
+    restored: dict[str, set[str]] = {}
+    for code in codes:
+        names = restored.setdefault(code.python_module, set())
+        names |= set(code.import_sources) | {str(b) for b in code.backend_ids}
+        if code.install_to_global:
+            names |= {str(f) for f in code.function_names}
+    missing: list[str] = []
+    for code in codes:
+        if code.bypassed:
+            continue
+        home = by_file.get(code.python_code.co_filename) or code.python_module
+        module = modules.get(home)
+        if module is None:
+            missing.append(f"(module {home} not imported)")
+            continue
+        scope = vars(module)
+        for guarded in code.guarded_codes:
+            for name in _global_loads(SerializedCode.to_code_object(guarded.dynamo_code)):
+                if name in restored.get(home, ()) or name in builtin \
+                        or name.startswith("__builtins_dict__"):
+                    continue
+                if name in scope and name not in _INSTALLED:
+                    continue
+                missing.append(name)
+    return sorted(set(missing))
+
+
+def _global_loads(code: Any) -> set[str]:
+    """The names `code` (and the code objects nested in it) loads as globals."""
+    import dis
+    import types
+
+    names = {str(i.argval) for i in dis.get_instructions(code)
+             if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_loads(const)
+    return names
+
+
+def importable(module: Any) -> bool:
+    """Whether `import module.__name__` in a fresh process gives this very module."""
+    import sys
+
+    name = getattr(module, "__name__", None)
+    return isinstance(name, str) and sys.modules.get(name) is module
 
 
 def tolerate_unresolvable_frames() -> bool:
@@ -287,7 +521,7 @@ def counters() -> dict[str, int]:
     try:
         from torch._dynamo.utils import counters as torch_counters
     except Exception:
-        return {"hit": 0, "miss": 0, "error": 0}
+        return {"hit": 0, "miss": 0, "error": 0, "served": _SERVED[0]}
     c: Any = torch_counters["dynamo_cache"]
     return {"hit": int(c["dynamo_cache_hit"]), "miss": int(c["dynamo_cache_miss"]),
-            "error": int(c["dynamo_cache_error"])}
+            "error": int(c["dynamo_cache_error"]), "served": _SERVED[0]}

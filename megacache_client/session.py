@@ -420,16 +420,14 @@ class Session:
         ready = prefetched.bundles.pop(ref.digest, None) if prefetched is not None else None
         raw = ready if ready is not None else \
             read_bundle(ref, paths["megacache"], self.config.max_raw_bytes)
-        refused = precompile.refusal(result.outcome, ref)
-        loaded = torch_env.load_bundle(
-            raw, skip=frozenset({precompile.ARTIFACT_TYPE}) if refused else frozenset())
-        if loaded is None:
+        artifacts = torch_env.read_artifacts(raw)
+        if artifacts is None:
             raise PackError("torch refused the bundle (load_cache_artifacts returned None)")
-        keys, skipped = loaded
+        artifacts, result.precompile = precompile.for_loading(artifacts, result.outcome, ref)
+        keys = torch_env.populate(artifacts)
         if keys.get(precompile.ARTIFACT_TYPE):
             precompile.reserve_ids(ref)
-        if skipped:
-            result.precompile = f"precompiled Dynamo output not loaded: {refused}"
+        if result.precompile:
             log.info("megacache: %s", result.precompile)
         result.loaded_keys = {(kind, k) for kind, ks in keys.items() for k in ks}
 
@@ -472,11 +470,12 @@ class Session:
                 for track in self.tracks.values():
                     track.publish.reason = "torch recorded no cache artifacts"
                 return None
-            raw, keys = saved
-            self.precompile_shared = precompile.shared_key(self._precompile_keys)
-            if self.precompile_shared and keys.get(precompile.ARTIFACT_TYPE):
-                raw = torch_env.without_artifacts(raw, precompile.ARTIFACT_TYPE)
-                keys = {k: v for k, v in keys.items() if k != precompile.ARTIFACT_TYPE}
+            artifacts = torch_env.read_artifacts(saved[0])
+            if artifacts is None:
+                raise ValueError("torch could not read its own Mega-Cache bytes")
+            artifacts, self.precompile_shared = precompile.for_shipping(
+                artifacts, self._precompile_keys)
+            keys = torch_env.keys_of(artifacts)
             kernels = _files(torch_env.inductor_cache_dir(), KERNEL_SUFFIXES,
                              exclude=("triton", "locks"))
             ids = relocate.recorder().ids_for(kernels)
@@ -486,13 +485,42 @@ class Session:
                       if self._lacks(t, new_keys, relocate.content_ids(kernels, ids))]
             if not tracks:
                 return None
-            counts = {kind: len(ks) for kind, ks in keys.items()}
-            return Snapshot(raw, counts, kernels, torch_env.compile_seconds(), tracks)
+            artifacts = torch_env.merged(self._loaded_artifacts(), artifacts)
+            counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()}
+            return Snapshot(torch_env.to_bytes(artifacts), counts, kernels,
+                            torch_env.compile_seconds(), tracks)
         except Exception as exc:
             self._warn(f"could not snapshot cache artifacts: {type(exc).__name__}: {exc}")
             for track in self.tracks.values():
                 track.publish.reason = "snapshot failed"
             return None
+
+    def _loaded_artifacts(self) -> torch_env.Artifacts:
+        """What this process loaded from exact hits, read again from the node cache.
+
+        torch's save holds only what this process recorded, and a graph served by a
+        precompiled Dynamo entry is never looked up in the FX-graph or AOTAutograd caches, so
+        a republish built from the save alone would drop every graph the run loaded but did
+        not compile. Fallback entries are left out: they are another code version's.
+        """
+        out: torch_env.Artifacts = {}
+        seen: set[str] = set()
+        for track in self.tracks.values():
+            load = track.load
+            ref = load.entry.blob("megacache") if load.entry is not None else None
+            if load.outcome != "hit" or ref is None or ref.digest in seen:
+                continue
+            seen.add(ref.digest)
+            path = self.node.path(ref.digest)
+            if not NodeCache.verified(path, ref.digest, ref.size):
+                continue
+            artifacts = torch_env.read_artifacts(
+                read_bundle(ref, path, self.config.max_raw_bytes)) or {}
+            loaded = self._loaded_with(ref)
+            out = torch_env.merged(out, {
+                kind: [a for a in items if (kind, a.key) in loaded]
+                for kind, items in artifacts.items()})
+        return out
 
     def _lacks(self, track: Track, new_keys: set[tuple[str, str]], kernel_ids: set[str]
                ) -> bool:
@@ -502,16 +530,15 @@ class Session:
             res.reason = f"not publishing after a failed load ({load.outcome})"
             return False
         if load.outcome == "hit" and load.entry is not None \
-                and new_keys <= self._loaded_with(load.entry) \
+                and new_keys <= self._loaded_with(load.entry.blob("megacache")) \
                 and kernel_ids <= self._entry_pack_ids(load.entry, "kernels"):
             res.reason = "the loaded entry already has everything this run compiled"
             return False
         return True
 
-    def _loaded_with(self, entry: Manifest) -> set[tuple[str, str]]:
-        """What every track that loaded this entry's bundle got from it: torch keeps one
+    def _loaded_with(self, bundle: BlobRef | None) -> set[tuple[str, str]]:
+        """What every track that loaded this bundle got from it: torch keeps one
         Mega-Cache per process, so the tracks of one process share what they loaded."""
-        bundle = entry.blob("megacache")
         keys: set[tuple[str, str]] = set()
         for t in self.tracks.values():
             other = t.load.entry.blob("megacache") if t.load.entry is not None else None
@@ -651,11 +678,12 @@ class Session:
         if res.key is None or res.outcome is None:
             return None
         outcome = res.outcome
-        if outcome in ("hit", "fallback") and counters["fxgraph_hit"] + counters["aot_hit"] == 0 \
-                and counters["fxgraph_miss"] > 0:
+        if outcome in ("hit", "fallback") and counters["fxgraph_miss"] > 0 \
+                and counters["fxgraph_hit"] + counters["aot_hit"] == 0 \
+                and precompile.counters()["served"] == 0:
             outcome = "inert"
-            res.reason = ("bundle loaded but torch found none of its graphs (FX graph and "
-                          "AOTAutograd cache hits = 0)")
+            res.reason = ("bundle loaded but torch found none of its graphs (FX graph, "
+                          "AOTAutograd and precompiled Dynamo cache hits = 0)")
             self._warn(res.reason)
         cold = res.entry.cold_compile_s if res.entry is not None else None
         saved = 0.0

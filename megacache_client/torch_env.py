@@ -127,37 +127,54 @@ def cache_counters() -> dict[str, int]:
     }
 
 
-def load_bundle(raw: bytes, skip: frozenset[str] = frozenset()
-                ) -> tuple[dict[str, list[str]], dict[str, int]] | None:
-    """Hot-load Mega-Cache bytes, leaving out the artifact types in `skip`.
+Artifacts = dict[str, list[Any]]
+"""A Mega-Cache bundle read by torch: artifact type -> its artifacts (each has `.key`)."""
 
-    Returns the loaded artifact keys per type and the number skipped per type, or None if
-    torch could not read the bytes. Same steps as `torch.compiler.load_cache_artifacts`
-    (deserialize, then populate each artifact's cache), with the filter in between.
-    """
+
+def read_artifacts(raw: bytes) -> Artifacts | None:
+    """Mega-Cache bytes as torch's artifacts, or None if torch could not read them."""
     from torch.compiler._cache import CacheArtifactManager
 
     artifacts = CacheArtifactManager.deserialize(raw)
-    if artifacts is None:
-        return None
-    skipped = {kind: len(items) for kind, items in artifacts.items()
-               if kind in skip and items}
-    kept = {kind: items for kind, items in artifacts.items() if kind not in skip}
-    info = CacheArtifactManager.populate_caches(kept)
-    return {k: list(v) for k, v in info.artifacts.items()}, skipped
+    return dict(artifacts) if artifacts is not None else None
 
 
-def without_artifacts(raw: bytes, kind: str) -> bytes:
-    """Mega-Cache bytes with every artifact of type `kind` left out, in torch's own format."""
-    from torch.compiler._cache import CacheArtifactManager, _serialize_single_cache
+def populate(artifacts: Artifacts) -> dict[str, list[str]]:
+    """Hot-load artifacts into torch's caches, as `torch.compiler.load_cache_artifacts`
+    does after reading the bytes; returns the loaded keys per type."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    info = CacheArtifactManager.populate_caches(artifacts)
+    return {k: list(v) for k, v in info.artifacts.items()}
+
+
+def without(artifacts: Artifacts, kind: str, keys: set[str] | None = None) -> Artifacts:
+    """`artifacts` less those of type `kind` (only those of `keys` when given)."""
+    return {k: [a for a in items if k != kind or (keys is not None and a.key not in keys)]
+            for k, items in artifacts.items()}
+
+
+def merged(base: Artifacts, new: Artifacts) -> Artifacts:
+    """Both sets of artifacts, one per (type, key); `new`'s wins where both have one."""
+    out = {kind: {a.key: a for a in items} for kind, items in base.items()}
+    for kind, items in new.items():
+        out.setdefault(kind, {}).update((a.key, a) for a in items)
+    return {kind: list(by_key.values()) for kind, by_key in out.items() if by_key}
+
+
+def keys_of(artifacts: Artifacts) -> dict[str, list[str]]:
+    return {kind: [a.key for a in items] for kind, items in artifacts.items() if items}
+
+
+def to_bytes(artifacts: Artifacts) -> bytes:
+    """Artifacts as Mega-Cache bytes, in torch's own format (what `save_cache_artifacts`
+    writes and `load_cache_artifacts` reads)."""
+    from torch.compiler._cache import _serialize_single_cache
     from torch.utils._appending_byte_serializer import AppendingByteSerializer
 
-    artifacts = CacheArtifactManager.deserialize(raw)
-    if artifacts is None:
-        raise ValueError("torch could not read its own Mega-Cache bytes")
     writer: AppendingByteSerializer[Any] = AppendingByteSerializer(
         serialize_fn=_serialize_single_cache)
-    writer.extend((k, v) for k, v in artifacts.items() if k != kind)
+    writer.extend((k, v) for k, v in artifacts.items() if v)
     return bytes(writer.to_bytes())
 
 

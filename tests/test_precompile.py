@@ -1,0 +1,144 @@
+"""Precompiled Dynamo made safe to ship: what a new machine cannot restore is never shipped
+nor loaded, and a republish keeps everything the run loaded.
+
+Real torch.compile in fresh processes (precompile's patches are process-wide), a real
+server for the republish sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import ServerProcess
+from jobs import GxxCounter, JobRun, Machine, run_job
+
+pytest.importorskip("torch", reason="torch is needed for precompile tests")
+
+HERE = Path(__file__).resolve().parent
+
+# A function whose Dynamo output loads `collections` through a global Dynamo names by the
+# module's object id (rebuilding an OrderedDict): its module imports only the class, as
+# Hugging Face's modeling files do.
+PRODUCER = textwrap.dedent("""
+    import json, os, sys
+    from collections import OrderedDict
+    import torch
+    from megacache_client import precompile, torch_env
+
+    torch._dynamo.config.caching_precompile = True
+    precompile.record_installed_globals()
+    if sys.argv[1] == "record-aliases":
+        precompile.record_module_aliases()
+
+    def f(x):
+        d = OrderedDict()
+        d["a"] = x.sin()
+        return d
+
+    torch.compile(f)(torch.ones(3))
+    raw, _ = torch_env.save_bundle()
+    artifacts = torch_env.read_artifacts(raw)
+    kept, note = precompile.for_shipping(artifacts, {})
+    open(sys.argv[2], "wb").write(raw)
+    print(json.dumps({"unrestorable": precompile.unrestorable(artifacts), "note": note,
+                      "shipped": len(kept.get("precompile", []))}))
+""")
+
+CONSUMER = textwrap.dedent("""
+    import json, sys
+    from collections import OrderedDict
+    import torch
+    from megacache_client import precompile, torch_env
+    from megacache_client.manifest import BlobRef
+
+    torch._dynamo.config.caching_precompile = True
+    artifacts = torch_env.read_artifacts(open(sys.argv[1], "rb").read())
+    # the producer's own meta checks pass: this test is about what the bytecode needs
+    ref = BlobRef(digest="0" * 64, size=1, role="megacache", meta={
+        precompile.META_TORCH: torch.__version__, precompile.META_PYTHON:
+        __import__("platform").python_version(), precompile.META_IDS: "0"})
+    kept, note = precompile.for_loading(artifacts, "hit", ref)
+    print(json.dumps({"kept": len(kept.get("precompile", [])), "note": note}))
+""")
+
+
+def python(tmp_path: Path, script: str, *args: str) -> dict:
+    path = tmp_path / f"script-{len(list(tmp_path.iterdir()))}.py"
+    path.write_text(script)
+    proc = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True,
+                          timeout=600, env={**__import__("os").environ,
+                                            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_an_entry_whose_bytecode_needs_an_unrecorded_global_is_neither_shipped_nor_loaded(
+        tmp_path):
+    bundle = tmp_path / "bundle.bin"
+    unpatched = python(tmp_path, PRODUCER, "as-torch-records", str(bundle))
+    (missing,) = unpatched["unrestorable"].values()
+    assert missing[0].startswith("___module_collections_"), missing
+    assert unpatched["shipped"] == 0 and "would not be defined" in unpatched["note"]
+    # a consumer given such an entry anyway (an older producer) leaves it out
+    consumer = python(tmp_path, CONSUMER, str(bundle))
+    assert consumer["kept"] == 0 and missing[0] in consumer["note"], consumer
+
+
+def test_recording_module_aliases_makes_the_entry_restorable(tmp_path):
+    bundle = tmp_path / "bundle.bin"
+    patched = python(tmp_path, PRODUCER, "record-aliases", str(bundle))
+    assert patched["unrestorable"] == {} and patched["shipped"] == 1, patched
+    consumer = python(tmp_path, CONSUMER, str(bundle))
+    assert consumer == {"kept": 1, "note": ""}
+
+
+# -- republish keeps what it loaded ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gxx(tmp_path_factory: pytest.TempPathFactory) -> GxxCounter:
+    return GxxCounter(tmp_path_factory.mktemp("bin"))
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tmp_path / "data").start()
+    yield proc
+    proc.stop()
+
+
+def republish_run(machine: Machine, gxx: GxxCounter, url: str, functions: str,
+                  precompile: str) -> JobRun:
+    run = run_job(machine, functions, runner=[sys.executable, str(HERE / "republish_job.py")],
+                  env={"MEGACACHE_URL": url, "MEGACACHE_PRECOMPILE": precompile}, gxx=gxx,
+                  timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run
+
+
+@pytest.mark.parametrize("precompile", ["1", "0"])
+def test_a_republish_keeps_what_it_loaded(cache, gxx, tmp_path, precompile):
+    """Machine 1 compiles f; machine 2 loads f, compiles g and republishes; machine 3 only
+    runs f: everything comes from the entry, nothing is compiled, nothing is inert."""
+    first = republish_run(Machine(tmp_path / "m1"), gxx, cache.url, "f", precompile)
+    assert first.result["published"], first.result
+    second = republish_run(Machine(tmp_path / "m2"), gxx, cache.url, "f,g", precompile)
+    assert second.result["outcome"] == "hit", second.result  # f came from the entry
+    assert second.result["published"], second.result  # g was new
+    assert second.warnings() == [], second.stderr
+    third = republish_run(Machine(tmp_path / "m3"), gxx, cache.url, "f", precompile)
+    assert third.result["results"]["f"] == first.result["results"]["f"]
+    assert third.result["outcome"] == "hit", third.result
+    assert third.gxx_builds == 0 and third.warnings() == [], third.stderr
+    assert third.result["counters"]["fxgraph_miss"] == 0, third.result
+    if precompile == "1":  # f ran from its precompiled entry, shipped again by machine 2
+        assert third.result["precompile"]["served"] > 0, third.result
+        assert third.result["artifact_counts"]["precompile"] == 2, third.result
+    else:
+        assert third.result["counters"]["fxgraph_hit"] > 0, third.result
+    assert not third.result["published"], third.result  # it had everything
