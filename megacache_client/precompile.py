@@ -75,7 +75,8 @@ def turn_on(config: ClientConfig) -> str:
     if not tolerate_unresolvable_frames():
         return (f"torch {torch_env.torch_version()}: its precompile package cannot be made "
                 "to skip frames it cannot name, which would crash the trainer")
-    if not (record_module_aliases() and record_installed_globals() and count_served_graphs()):
+    if not (record_module_aliases() and record_installed_globals() and count_served_graphs()
+            and tolerate_unsaveable_guards()):
         return (f"torch {torch_env.torch_version()}: its precompile package cannot be made "
                 "to record the globals its bytecode loads, which would crash a new machine")
     torch_env.torch_module()._dynamo.config.caching_precompile = True
@@ -347,6 +348,33 @@ def tolerate_unresolvable_frames() -> bool:
         return add_or_bypass
 
     return _patch_once(CompilePackage, "_add_user_function", tolerant)
+
+
+def tolerate_unsaveable_guards() -> bool:
+    """Make a frame whose guards torch cannot save a bypassed entry, not a crash.
+
+    When saving a frame's guards fails, torch 2.13 bypasses the frame's package entry (as it
+    means to) but then asserts that the guards were saved (`convert_frame._compile_inner`:
+    "check_fn.guards_state must not be None"), raising out of the cold trainer's step (seen
+    with Hugging Face's T5). An empty state lets it go on: `add_guarded_code` returns before
+    reading it for a bypassed entry. Returns whether the patch is in place.
+    """
+    try:
+        from torch._dynamo.guards import CheckFunctionManager
+    except Exception:
+        return False
+
+    def tolerant(init: Callable[..., None]) -> Callable[..., None]:
+        def init_or_bypass(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            graph = kwargs.get("output_graph", args[1] if len(args) > 1 else None)
+            if kwargs.get("save_guards") and getattr(self, "guards_state", 0) is None \
+                    and getattr(graph, "package", 0) is None:
+                self.guards_state = b""
+
+        return init_or_bypass
+
+    return _patch_once(CheckFunctionManager, "__init__", tolerant)
 
 
 def stabilize_autograd_keys() -> bool:
