@@ -19,10 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import need
 from helpers import ServerProcess, free_port
 from jobs import TRAIN_JOB, GxxCounter, JobRun, Machine, clean_env, run_job
 
-pytest.importorskip("torch", reason="torch is needed for the client end-to-end tests")
+need("torch", "the client end-to-end tests run real torch.compile")
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL, CODE = "tiny-mlp", "v1"

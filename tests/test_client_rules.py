@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import need
 
 from megacache_client.breaker import CircuitBreaker, breaker_for
 from megacache_client.config import ClientConfig, ConfigError
@@ -69,7 +70,7 @@ def test_autoload_with_a_bad_setting_warns_and_the_process_runs(tmp_path: Path):
 # -- model identity ---------------------------------------------------------------------
 
 def test_identity_sees_through_bound_methods_partials_and_decorators():
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     from megacache_client.fingerprint import identity
 
     class Encoder(torch.nn.Module):
@@ -113,7 +114,7 @@ def test_identity_sees_through_bound_methods_partials_and_decorators():
 
 
 def test_fingerprint_config_takes_compile_options_and_ignores_defaults():
-    pytest.importorskip("torch")
+    need("torch")
     from megacache_client.fingerprint import compute, describe, differing
 
     plain = compute(model="m", code="c")

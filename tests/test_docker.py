@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import environment_missing
 from helpers import free_port, sha256
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,9 +30,7 @@ COMPOSE = ROOT / "docker" / "compose.yaml"
 def tool(name: str) -> str:
     path = shutil.which(name) or str(Path(sys.executable).parent / name)
     if not Path(path).exists():
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"{name} is required in CI (pip install -e '.[dev]')")
-        pytest.skip(f"{name} not installed")
+        environment_missing(name, "not installed (pip install -e '.[dev]')")
     return path
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import BACKENDS, _configured, backend_args, service_missing, started
+from conftest import BACKENDS, _configured, backend_args, environment_missing, started
 from helpers import ServerProcess, free_port, make_fingerprint, make_manifest, sha256
 from services import LocalRedis, LocalSeaweedS3
 
@@ -139,7 +139,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        service_missing("a tmpfs mount (needs root)", r.stderr.strip())
+        environment_missing("a tmpfs mount (needs root)", r.stderr.strip())
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
 

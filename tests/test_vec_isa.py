@@ -17,11 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from conftest import need
 
 from megacache_client import vec_isa
 
-cpu_vec_isa = pytest.importorskip("torch._inductor.cpu_vec_isa",
-                                  reason="torch is needed for the ISA probe")
+cpu_vec_isa = need("torch._inductor.cpu_vec_isa", "the ISA probe is torch's")
 
 
 def stand_in(monkeypatch: pytest.MonkeyPatch, probe: Callable[[], Any]) -> list[str]:
