@@ -27,6 +27,7 @@ def environment_missing(what: str, why: object) -> NoReturn:
     the run, so a broken CI image cannot pass by skipping; elsewhere the test skips and says
     why. Works in a test, a fixture or at module level. tests/test_environment.py keeps
     every other skip out of tests/."""
+    __tracebackhide__ = True  # a skip is reported at the test that asked, not here
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"{what} is required in CI but unavailable: {why}")
     pytest.skip(f"{what} unavailable: {why}", allow_module_level=True)
@@ -34,6 +35,7 @@ def environment_missing(what: str, why: object) -> NoReturn:
 
 def need(module: str, why: str = "") -> ModuleType:
     """`module` imported, or the test failed (CI) / skipped (elsewhere) saying why not."""
+    __tracebackhide__ = True
     try:
         return importlib.import_module(module)
     except ImportError as exc:
@@ -43,6 +45,7 @@ def need(module: str, why: str = "") -> ModuleType:
 def ensure_tools(packages: dict[str, str]) -> None:
     """Debian packages for missing tools ({tool: package}), installed when we are root (as
     CI is); a tool still missing fails the test in CI and skips it on a laptop."""
+    __tracebackhide__ = True
     import shutil
     import subprocess
 
@@ -66,6 +69,7 @@ S = TypeVar("S", LocalRedis, LocalSeaweedS3)
 
 def started(service: S, what: str) -> S:
     """`service` started, or the test failed (CI) / skipped (laptop) saying why not."""
+    __tracebackhide__ = True
     try:
         return service.start()
     except (FileNotFoundError, RuntimeError) as exc:
