@@ -125,7 +125,7 @@ def test_hung_server_costs_each_process_the_deadline_once(hung_server, gxx, tmp_
     """Ranks of one node, default read timeout (30 s) and retries: the two that start
     together each give up within the 3 s load deadline, the first to find out opens the
     node's breaker, and a rank starting after that does not wait at all. Each compiles cold
-    with exactly one warning. It used to take ~97 s per process."""
+    with exactly one warning, in seconds, not the read timeout times the retries."""
     deadline = 3.0
     machine = Machine(tmp_path / "node")
 
