@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
+from types import ModuleType
+from typing import NoReturn, TypeVar
 
 import httpx
 import pytest
@@ -20,16 +22,30 @@ from services import LocalRedis, LocalSeaweedS3, leftover_groups  # noqa: E402
 _names = itertools.count()
 
 
-def service_missing(what: str, why: object) -> None:
-    """In CI a missing service fails the run; on a laptop the test skips and says why."""
+def environment_missing(what: str, why: object) -> NoReturn:
+    """The one way a test gives up on its environment: in CI (`CI=true`) a missing part fails
+    the run, so a broken CI image cannot pass by skipping; elsewhere the test skips and says
+    why. Works in a test, a fixture or at module level. tests/test_environment.py keeps
+    every other skip out of tests/."""
+    __tracebackhide__ = True  # a skip is reported at the test that asked, not here
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"{what} is required in CI but unavailable: {why}")
-    pytest.skip(f"{what} unavailable: {why}")
+    pytest.skip(f"{what} unavailable: {why}", allow_module_level=True)
+
+
+def need(module: str, why: str = "") -> ModuleType:
+    """`module` imported, or the test failed (CI) / skipped (elsewhere) saying why not."""
+    __tracebackhide__ = True
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        environment_missing(f"the Python module {module}" + (f" ({why})" if why else ""), exc)
 
 
 def ensure_tools(packages: dict[str, str]) -> None:
     """Debian packages for missing tools ({tool: package}), installed when we are root (as
     CI is); a tool still missing fails the test in CI and skips it on a laptop."""
+    __tracebackhide__ = True
     import shutil
     import subprocess
 
@@ -44,8 +60,8 @@ def ensure_tools(packages: dict[str, str]) -> None:
                         *sorted({packages[t] for t in missing()})],
                        env=env, capture_output=True, timeout=900)
     if missing():
-        service_missing(", ".join(missing()),
-                        f"not installed (apt-get install {' '.join(packages.values())})")
+        environment_missing(", ".join(missing()),
+                            f"not installed (apt-get install {' '.join(packages.values())})")
 
 
 S = TypeVar("S", LocalRedis, LocalSeaweedS3)
@@ -53,11 +69,11 @@ S = TypeVar("S", LocalRedis, LocalSeaweedS3)
 
 def started(service: S, what: str) -> S:
     """`service` started, or the test failed (CI) / skipped (laptop) saying why not."""
+    __tracebackhide__ = True
     try:
         return service.start()
     except (FileNotFoundError, RuntimeError) as exc:
-        service_missing(what, exc)
-        raise  # unreachable: service_missing always raises
+        environment_missing(what, exc)
 
 
 @pytest.fixture

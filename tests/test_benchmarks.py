@@ -8,14 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from conftest import ensure_tools
+from conftest import ensure_tools, need
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_compile_bench_quick_writes_valid_json(tmp_path: Path):
-    pytest.importorskip("torch")
+    need("torch")
     out = tmp_path / "compile.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_bench.py"),
                           "--quick", "--out", str(out)], capture_output=True, text=True,

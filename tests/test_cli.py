@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from conftest import need
 from helpers import ServerProcess, free_port
 
 from megacache_client.exitcodes import ExitCode
@@ -26,7 +26,7 @@ def megacache(*args: str, env: dict[str, str] | None = None,
 
 
 def test_fingerprint_is_the_same_on_any_host_and_names_no_host(tmp_path: Path):
-    pytest.importorskip("torch")
+    need("torch")
     outputs = []
     for i in range(2):
         host_env = {"HOSTNAME": f"node-{i}", "TMPDIR": str(tmp_path / f"tmp{i}"),
@@ -53,7 +53,7 @@ def test_fingerprint_is_the_same_on_any_host_and_names_no_host(tmp_path: Path):
 
 
 def test_push_ls_show_pull_stats(server: ServerProcess, tmp_path: Path):
-    pytest.importorskip("torch")
+    need("torch")
     env = {"MEGACACHE_URL": server.url, "MEGACACHE_NODE_CACHE_DIR": str(tmp_path / "node")}
     bundle = tmp_path / "bundle.bin"
     bundle.write_bytes(os.urandom(300_000))

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import need
 
 from megacache_client.breaker import CircuitBreaker, breaker_for
 from megacache_client.config import ClientConfig, ConfigError
@@ -69,7 +70,7 @@ def test_autoload_with_a_bad_setting_warns_and_the_process_runs(tmp_path: Path):
 # -- model identity ---------------------------------------------------------------------
 
 def test_identity_sees_through_bound_methods_partials_and_decorators():
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     from megacache_client.fingerprint import identity
 
     class Encoder(torch.nn.Module):
@@ -113,7 +114,7 @@ def test_identity_sees_through_bound_methods_partials_and_decorators():
 
 
 def test_fingerprint_config_takes_compile_options_and_ignores_defaults():
-    pytest.importorskip("torch")
+    need("torch")
     from megacache_client.fingerprint import compute, describe, differing
 
     plain = compute(model="m", code="c")
@@ -207,10 +208,29 @@ def test_the_breaker_is_shared_by_the_processes_of_a_node(tmp_path: Path):
         other_rank.check()
     other_rank.success()  # a rank that got through closes it for everyone
     first.check()
-    assert breaker_for(url, tmp_path).state_file == breaker_for(url, tmp_path).state_file
-    assert breaker_for(url, tmp_path).state_file.parent == tmp_path / "breaker"
     (tmp_path / "b.json").write_text("garbage")  # unreadable state never raises
     first.check()
+
+    # Another process of the node finds the same breaker by the server's URL and node dir.
+    import subprocess
+    import sys
+
+    def other_process(then: str) -> str:
+        code = ("import sys; from pathlib import Path; "
+                "from megacache_client.breaker import breaker_for; "
+                "b = breaker_for(sys.argv[1], Path(sys.argv[2])); " + then)
+        return subprocess.run([sys.executable, "-c", code, url, str(tmp_path)], check=True,
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+
+    here = breaker_for(url, tmp_path)
+    assert here.state_file is not None and here.state_file.parent == tmp_path / "breaker"
+    here.check()
+    assert other_process("[b.failure() for _ in range(b.threshold)]; print(b.state_file)") \
+        == str(here.state_file)
+    with pytest.raises(CircuitOpenError):  # opened there, open here
+        here.check()
+    here.success()
+    assert other_process("print(b.is_open)") == "False"  # closed here, closed there
 
 
 def test_hung_server_is_bounded_by_the_deadline_not_the_read_timeout():

@@ -225,16 +225,37 @@ def _write(path: Path, data: bytes) -> Path:
     return path
 
 
-def test_node_cache_downloads_once_for_many_ranks(tmp_path: Path):
+def test_node_cache_downloads_once_for_many_ranks(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch):
+    from megacache_client import nodecache
+
     data = os.urandom(100_000)
     digest = sha256(data)
     calls = []
+    at_lock: list[str] = []  # ranks that reached the blob's lock
+    arrived = threading.Condition()
+    file_lock = nodecache.FileLock
+
+    class WatchedLock:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self.lock = file_lock(*args, **kwargs)
+
+        def __enter__(self) -> object:
+            with arrived:
+                at_lock.append(threading.current_thread().name)
+                arrived.notify_all()
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.__exit__(*exc)
 
     def download(tmp: Path) -> None:
         calls.append(1)
-        time.sleep(0.3)  # the other "ranks" arrive while this one downloads
+        with arrived:  # every other rank is at the lock before this download ends
+            assert arrived.wait_for(lambda: len(at_lock) >= 4, timeout=20), at_lock
         tmp.write_bytes(data)
 
+    monkeypatch.setattr(nodecache, "FileLock", WatchedLock)
     cache = NodeCache(tmp_path)
     results = []
     threads = [threading.Thread(target=lambda: results.append(

@@ -6,13 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from conftest import need
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_shows_a_warm_start(tmp_path: Path):
-    pytest.importorskip("torch")
+    need("torch")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "demo.py"), "--steps", "2",
                            "--keep", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

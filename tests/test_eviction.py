@@ -199,7 +199,9 @@ def test_a_shared_blob_stays_while_any_entry_names_it(settings: Settings):
 
 
 def test_budget_crossed_with_every_blob_in_grace_evicts_only_what_it_needs(settings: Settings):
-    """Regression: a store filled within the grace period once lost every entry, freeing 0."""
+    """Over budget with every blob in its grace period: the blobs of the entries eviction
+    takes still count as freed, so it takes only as many as bring the store under the
+    low-water mark, not every entry for nothing freed."""
     async def scenario(storage: Storage) -> None:
         e = await entries_with_own_blobs(storage, 20)
         stored = await storage.index.stored_bytes()

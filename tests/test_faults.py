@@ -9,6 +9,7 @@ answer within its timeouts, and the circuit breaker stops it hammering a broken 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import BACKENDS, _configured, backend_args, service_missing, started
+from conftest import BACKENDS, _configured, backend_args, environment_missing, started
 from helpers import ServerProcess, free_port, make_fingerprint, make_manifest, sha256
 from services import LocalRedis, LocalSeaweedS3
 
@@ -32,13 +33,15 @@ from megacache_client.transport import (
 )
 
 
-def populate(url: str, n: int = 3, size: int = 200_000) -> list[tuple[bytes, str]]:
+def populate(url: str, n: int = 3, size: int = 200_000,
+             name: str = "keep") -> list[tuple[bytes, str]]:
+    """`n` entries of one fresh blob each (code `{name}{i}`): [(blob, entry key)]."""
     written = []
     with httpx.Client(base_url=url, timeout=30) as c:
         for i in range(n):
             data = os.urandom(size)
             assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
-            m = make_manifest({"megacache": data}, make_fingerprint(code=f"keep{i}"))
+            m = make_manifest({"megacache": data}, make_fingerprint(code=f"{name}{i}"))
             assert c.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
             written.append((data, m.key))
     return written
@@ -59,10 +62,15 @@ def test_kill_during_upload_then_fsck_is_clean(tmp_path: Path):
         sock = socket.create_connection(("127.0.0.1", server.port))
         sock.sendall(f"PUT /v1/cas/{sha256(data)} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: "
                      f"{len(data)}\r\n\r\n".encode() + data[:3_000_000])
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while not server.temp_files() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.temp_files(), "the upload never started"  # killed mid-upload, not before
         server.kill()
         sock.close()
-        assert server.cli("fsck") .endswith("clean")
+        assert server.temp_files()  # the partial upload, on disk but never a blob
+        assert sha256(data) not in server.blob_names()
+        assert server.cli("fsck").endswith("clean")
         server.start()
         intact(server.url, written)
         assert httpx.head(f"{server.url}/v1/cas/{sha256(data)}").status_code == 404
@@ -77,28 +85,79 @@ def _fsck(server: ServerProcess, *flags: str) -> subprocess.CompletedProcess[str
                           capture_output=True, text=True, env={**os.environ, **server.env})
 
 
+PAUSED_GC = """
+import os, runpy, sys, time
+marker, after = sys.argv.pop(1), int(sys.argv.pop(1))
+unlink, deleted = os.unlink, []
+
+def unlink_then_pause(path, *args, **kwargs):
+    unlink(path, *args, **kwargs)
+    if f"{os.sep}cas{os.sep}" in os.fspath(path):
+        deleted.append(path)
+        if len(deleted) == after:
+            open(marker, "w").close()
+            time.sleep(600)  # mid-delete until the test kills this process
+
+os.unlink = os.remove = unlink_then_pause
+sys.argv[0] = "megacache-server"
+runpy.run_module("megacache_server", run_name="__main__", alter_sys=True)
+"""
+"""`megacache-server <args>` that pauses after deleting `after` blob files and touches
+`marker`: the test then knows GC is in the middle of deleting, not before or after it."""
+
+
 def test_kill_during_gc_then_fsck_repairs(tmp_path: Path):
+    """GC killed between evicting entries and deleting their blobs: no entry may point at a
+    deleted blob, and fsck repairs what the kill left (records of blobs already gone)."""
     server = ServerProcess(tmp_path / "data").start()
-    written = populate(server.url)
-    with httpx.Client(base_url=server.url) as c:
-        for _ in range(300):  # unreferenced blobs for GC to delete
-            data = os.urandom(2000)
-            c.put(f"/v1/cas/{sha256(data)}", content=data)
-    server.stop()
-    gc = subprocess.Popen([sys.executable, "-m", "megacache_server", "gc", "--data-dir",
-                           str(server.data_dir)], env={**os.environ, "MEGACACHE_GC_GRACE_S": "0"},
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(1.5)  # in the middle of deleting (imports take ~1 s)
-    gc.kill()
-    gc.wait()
+    try:
+        kept = populate(server.url)  # pinned below: never evicted
+        evictable = populate(server.url, n=40, size=20_000, name="old")
+        with httpx.Client(base_url=server.url) as c:
+            for _ in range(300):  # unreferenced blobs for GC to delete
+                data = os.urandom(2000)
+                assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+    finally:
+        server.stop()
+    for _, key in kept:
+        server.cli("pin", key)
+    blobs_before = len(server.blob_names())
+    assert blobs_before == 3 + 40 + 300
+    marker, out = tmp_path / "gc-paused", tmp_path / "gc.out"
+    with open(out, "wb") as stdout:  # 2 MB stored, 1 MB budget: about half the old go
+        gc = subprocess.Popen(
+            [sys.executable, "-c", PAUSED_GC, str(marker), "10", "gc", "--store-budget", "1MB",
+             "--data-dir", str(server.data_dir)], stdout=stdout, stderr=subprocess.STDOUT,
+            env={**os.environ, "MEGACACHE_GC_GRACE_S": "0", "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and gc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists() and gc.poll() is None, \
+            f"GC was not caught deleting (exit {gc.returncode}): {out.read_text()[-500:]}"
+        assert len(server.blob_names()) == blobs_before - 10  # mid-delete: 10 gone so far
+    finally:
+        gc.kill()
+        gc.wait()
+    assert gc.returncode == -signal.SIGKILL
+    plan = out.read_text().splitlines()
+    evicted = {line.split()[2] for line in plan if line.startswith("evict entry ")}
+    planned = [line for line in plan if line.startswith("delete blob ")]
+    assert 0 < len(evicted) < 40 and len(planned) > 300 + 10, plan[:3]
+    assert not any(line.startswith("evicted ") for line in plan)  # it never finished
+    assert evicted <= {key for _, key in evictable}
     report = _fsck(server)
-    assert report.returncode in (0, 1), report.stderr
-    assert "dangling" not in report.stdout  # entries never point at deleted blobs
-    assert server.cli("fsck", "--repair", "--verify").splitlines()[-1] in ("clean", "repaired")
+    assert "dangling" not in report.stdout, report.stdout  # entries go before their blobs
+    assert report.returncode == 1, report.stdout + report.stderr  # the kill left work undone
+    assert report.stdout.startswith(f"{43 - len(evicted)} entries, "), report.stdout
+    assert server.cli("fsck", "--repair", "--verify").splitlines()[-1] == "repaired"
     assert server.cli("fsck").endswith("clean")
     server.start()
     try:
-        intact(server.url, written)
+        intact(server.url, kept + [(d, k) for d, k in evictable if k not in evicted])
+        for _, key in evictable:
+            if key in evicted:
+                assert httpx.get(f"{server.url}/v1/ac/{key}").status_code == 404
     finally:
         server.stop()
 
@@ -139,7 +198,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        service_missing("a tmpfs mount (needs root)", r.stderr.strip())
+        environment_missing("a tmpfs mount (needs root)", r.stderr.strip())
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
 

@@ -1,4 +1,4 @@
-"""The smaller holes of issue 11 item 9: tokens in access logs, suffix ranges of an empty
+"""Smaller holes, each closed: tokens in access logs, suffix ranges of an empty
 blob, index durability, token expiry and namespaces, and a server without auth reached
 through a browser (DNS rebinding, cross-site form posts).
 """

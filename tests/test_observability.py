@@ -12,6 +12,7 @@ import pytest
 from conftest import ensure_tools
 from dashboard_shot import dump_dom, screenshot, seed
 from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -29,29 +30,48 @@ def metric(text: str, name: str, **labels: str) -> float:
     raise AssertionError(f"{name}{labels} not in metrics")
 
 
+def served_per_worker(metrics_dir: Path) -> dict[str, float]:
+    """Lookups answered 200, per worker pid, read from each worker's own counter file."""
+    served = {}
+    for path in metrics_dir.glob("counter_*.db"):
+        for family in MultiProcessCollector.merge([str(path)], accumulate=True):
+            for sample in family.samples:
+                if sample.name == "megacache_http_requests_total" and \
+                        sample.labels.get("route") == "/v1/ac/{key}" and \
+                        sample.labels.get("method") == "GET" and \
+                        sample.labels.get("status") == "200" and sample.value:
+                    served[path.stem.rsplit("_", 1)[1]] = sample.value
+    return served
+
+
 def test_metrics_add_up_across_workers(tmp_path: Path):
     server = ServerProcess(tmp_path / "data", "--workers", "2").start()
+    metrics_dir = server.data_dir.resolve() / ".metrics" / str(server.port)  # the workers' own
     try:
+        assert metrics_dir.is_dir()
         data = os.urandom(50_000)
         with httpx.Client(base_url=server.url) as c:
             c.put(f"/v1/cas/{sha256(data)}", content=data)
             m = make_manifest({"megacache": data}, make_fingerprint(model="met", code="1"))
             c.put(f"/v1/ac/{m.key}", content=m.to_json())
-            for _ in range(40):  # spread over both workers by new connections
-                httpx.get(f"{server.url}/v1/ac/{m.key}")
+            lookups = 0  # new connections, until both workers have answered some
+            while lookups < 40 or len(served_per_worker(metrics_dir)) < 2:
+                assert lookups < 1000, f"not both workers: {served_per_worker(metrics_dir)}"
+                assert httpx.get(f"{server.url}/v1/ac/{m.key}").status_code == 200
+                lookups += 1
             c.post("/v1/events", json={"key": m.key, "model": "met", "outcome": "hit",
                                        "saved_s": 12.5, "compile_s": 2.0,
                                        "cold_compile_s": 14.5})
         text = httpx.get(f"{server.url}/metrics").text
         assert metric(text, "megacache_http_requests_total", method="GET",
-                      route="/v1/ac/{key}", status="200") == 40
+                      route="/v1/ac/{key}", status="200") == lookups
         assert metric(text, "megacache_http_received_bytes_total",
                       route="/v1/cas/{digest}") == 50_000
         assert metric(text, "megacache_runs_total", namespace="default", model="met",
                       outcome="hit") == 1
         assert metric(text, "megacache_compile_saved_seconds_total", namespace="default",
                       model="met") == 12.5
-        assert metric(text, "megacache_lookups_total", result="hit") == 40
+        assert metric(text, "megacache_lookups_total", result="hit") == lookups
         assert metric(text, "megacache_store_bytes") == 50_000
         assert metric(text, "megacache_entries") == 1
         assert "megacache_http_request_duration_seconds_bucket" in text

@@ -19,6 +19,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from conftest import environment_missing
 
 from megacache_client import __version__
 from megacache_client.exitcodes import ExitCode
@@ -116,10 +117,10 @@ def test_editable_install_has_the_hook():
     purelib = sysconfig.get_paths()["purelib"]  # not a stale megacache.egg-info in the cwd
     dist = next(iter(metadata.distributions(name="megacache", path=[purelib])), None)
     if dist is None:
-        pytest.skip("megacache is not installed in this environment")
+        environment_missing("an installed megacache", f"not in {purelib}")
     direct = json.loads(dist.read_text("direct_url.json") or "{}")
     if not direct.get("dir_info", {}).get("editable"):
-        pytest.skip("megacache is not an editable install here")
+        environment_missing("an editable install of megacache", "installed without -e")
     pth = Path(str(dist.locate_file("megacache_autoload.pth")))
     assert pth.read_text() == (ROOT / "megacache_autoload.pth").read_text()
     env = {**os.environ, "MEGACACHE_URL": "http://127.0.0.1:9"}

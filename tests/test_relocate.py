@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import need
 from helpers import ServerProcess
 from jobs import GxxCounter, JobRun, Machine, run_job
 
@@ -24,7 +25,7 @@ from megacache_client.manifest import BlobRef
 from megacache_client.packs import INDEX_NAME, PackError, pack_names, read_index, unpack, write_pack
 from megacache_client.prefetch import skip_reason
 
-torch = pytest.importorskip("torch", reason="torch is needed for kernel relocation")
+torch = need("torch", "kernel relocation compiles with torch")
 
 CODE = '#include <torch/csrc/inductor/cpp_prefix.h>\nextern "C" void kernel(float* p) {}\n'
 PATHS_A = (("@TORCH@", "/venv-a/site-packages/torch"), ("@PY_INCLUDE@", "/usr/include/py"))

@@ -1,4 +1,4 @@
-"""Ed25519 manifest signatures (issue 11 item 8): a signed manifest cannot be replayed for
+"""Ed25519 manifest signatures: a signed manifest cannot be replayed for
 another key or namespace, a verifier cannot sign, and fallback picks are checked too.
 
 A real server signs; a real HTTP proxy between client and server plays the man in the

@@ -1,8 +1,8 @@
 """A hostile tenant against a shared server, on every backend pair.
 
-Team A holds a write token of its own namespace and tries everything the tenant issue lists;
-team B is well behaved. After each attack B's entries, blobs, stats, dashboard, GC and fsck
-are checked to be as they were.
+Team A holds a write token of its own namespace and tries every way into another tenant's
+data, time or room; team B is well behaved. After each attack B's entries, blobs, stats,
+dashboard, GC and fsck are checked to be as they were.
 """
 
 from __future__ import annotations

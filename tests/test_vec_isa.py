@@ -17,11 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from conftest import need
 
 from megacache_client import vec_isa
 
-cpu_vec_isa = pytest.importorskip("torch._inductor.cpu_vec_isa",
-                                  reason="torch is needed for the ISA probe")
+cpu_vec_isa = need("torch._inductor.cpu_vec_isa", "the ISA probe is torch's")
 
 
 def stand_in(monkeypatch: pytest.MonkeyPatch, probe: Callable[[], Any]) -> list[str]:
@@ -41,10 +41,11 @@ def stand_in(monkeypatch: pytest.MonkeyPatch, probe: Callable[[], Any]) -> list[
 
 def test_the_trainer_waits_for_the_background_probe_instead_of_probing_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = stand_in(monkeypatch, lambda: (time.sleep(0.5), ["avx2"])[1])
+    probing = threading.Event()
+    calls = stand_in(monkeypatch, lambda: (probing.set(), time.sleep(0.5), ["avx2"])[2])
     thread = vec_isa.probe_in_background()
     assert thread is not None and thread.name == vec_isa.THREAD_NAME
-    time.sleep(0.05)  # the probe is under way ...
+    assert probing.wait(10)  # the probe is under way ...
     assert cpu_vec_isa.valid_vec_isa_list() == ["avx2"]  # ... the trainer's call waits for it
     assert calls == [vec_isa.THREAD_NAME]  # one probe, not two
     assert vec_isa.probed_on() == vec_isa.THREAD_NAME
@@ -85,13 +86,23 @@ def test_an_unknown_probe_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_a_process_forked_mid_probe_can_still_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """A DataLoader worker forked while the probe runs must not inherit its held lock."""
-    stand_in(monkeypatch, lambda: (time.sleep(1.0), ["avx2"])[1])
+    parent = os.getpid()
+    probing, forked = threading.Event(), threading.Event()
+
+    def probe() -> list[str]:
+        if os.getpid() == parent:  # the background probe: it holds the lock until the fork
+            probing.set()
+            forked.wait(20)
+        return ["avx2"]
+
+    stand_in(monkeypatch, probe)
     thread = vec_isa.probe_in_background()
     assert thread is not None
-    time.sleep(0.1)  # the background probe holds the lock now
+    assert probing.wait(10)  # the background probe holds the lock now, until `forked`
     pid = os.fork()
     if pid == 0:  # the child: its copy of the lock must be free, or this call never returns
         os._exit(0 if cpu_vec_isa.valid_vec_isa_list() == ["avx2"] else 1)
+    forked.set()
     deadline = time.monotonic() + 20
     while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -1,0 +1,96 @@
+"""A test gives up on its environment in one way only: `conftest.environment_missing` (and
+`need`, for a Python module). Under `CI=true` a missing part fails the run, so a CI image that
+lost torch, a tool or a service cannot turn green by skipping; elsewhere the test skips and
+says what is missing. The rule holds for tests written later: no other skip in tests/.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import environment_missing, need
+
+TESTS = Path(__file__).resolve().parent
+
+SKIPS = {"skip", "skipif", "importorskip", "SkipTest", "skipTest"}
+"""Names that skip a test: pytest's, unittest's, pytest.mark's."""
+
+ALLOWED = {("conftest.py", "environment_missing"), ("test_environment.py", "outcome")}
+"""(file, function) where a skip may be named: the helper, and the test's view of it."""
+
+
+def outcome(give_up: Callable[[], object]) -> str:
+    """What `give_up()` did to the test: "failed: why", "skipped: why" or "returned"."""
+    try:
+        give_up()
+    except pytest.fail.Exception as exc:
+        return f"failed: {exc}"
+    except pytest.skip.Exception as exc:  # caught: a skip here would skip this test
+        return f"skipped: {exc}"
+    return "returned"
+
+
+def test_a_missing_part_fails_in_ci_and_skips_elsewhere(monkeypatch: pytest.MonkeyPatch):
+    for ci in ("true", "TRUE"):
+        monkeypatch.setenv("CI", ci)
+        assert outcome(lambda: environment_missing("redis-server", "not installed")) == \
+            "failed: redis-server is required in CI but unavailable: not installed"
+        assert outcome(lambda: need("megacache_no_such_module")).startswith(
+            "failed: the Python module megacache_no_such_module is required in CI")
+    for ci in (None, "false", ""):
+        if ci is None:
+            monkeypatch.delenv("CI", raising=False)
+        else:
+            monkeypatch.setenv("CI", ci)
+        assert outcome(lambda: environment_missing("redis-server", "gone")) == \
+            "skipped: redis-server unavailable: gone"
+        assert outcome(lambda: need("megacache_no_such_module", "for a reason")).startswith(
+            "skipped: the Python module megacache_no_such_module (for a reason) unavailable")
+    monkeypatch.setenv("CI", "true")
+    assert need("json").dumps([]) == "[]"  # present: the module itself, whatever CI says
+
+
+def skips_outside_the_helper(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of each skip named in `path` outside ALLOWED."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            function = node.name
+        names: list[str] = []
+        if isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.ImportFrom):
+            names = [alias.name for alias in node.names]
+        found.extend((getattr(node, "lineno", 0), name) for name in names
+                     if name in SKIPS and (path.name, function) not in ALLOWED)
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(ast.parse(path.read_text(), str(path)), "")
+    return sorted(found)
+
+
+def test_no_test_skips_but_through_the_helper():
+    found = [f"{path.relative_to(TESTS)}:{line} {name}"
+             for path in sorted(TESTS.rglob("*.py")) if "__pycache__" not in path.parts
+             for line, name in skips_outside_the_helper(path)]
+    assert not found, ("skip through conftest.environment_missing(what, why) or "
+                       "conftest.need(module), which fail under CI=true: " + ", ".join(found))
+
+
+def test_the_skip_rule_sees_the_usual_spellings(tmp_path: Path):
+    sample = tmp_path / "test_sample.py"
+    sample.write_text("import pytest\n"
+                      "from unittest import SkipTest\n"
+                      "torch = pytest.importorskip('torch')\n"
+                      "@pytest.mark.skipif(True, reason='x')\n"
+                      "def test_a():\n"
+                      "    pytest.skip('no GPU')\n")
+    assert skips_outside_the_helper(sample) == [(2, "SkipTest"), (3, "importorskip"),
+                                                (4, "skipif"), (6, "skip")]
