@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import need
 from helpers import ServerProcess
 from jobs import GxxCounter, JobRun, Machine, run_job
 
@@ -28,8 +29,8 @@ JOB = HERE / "corpus_job.py"
 sys.path.insert(0, str(HERE))
 from corpus_job import CORPUS  # noqa: E402
 
-pytest.importorskip("torch", reason="torch is needed for the corpus")
-pytest.importorskip("transformers", reason="the corpus is transformers models")
+need("torch", "the corpus runs real torch.compile")
+need("transformers", "the corpus is transformers models")
 
 STEPS = "3"
 

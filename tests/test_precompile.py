@@ -15,10 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import need
 from helpers import ServerProcess
 from jobs import GxxCounter, JobRun, Machine, run_job
 
-pytest.importorskip("torch", reason="torch is needed for precompile tests")
+need("torch", "precompile tests run real torch.compile")
 
 HERE = Path(__file__).resolve().parent
 
