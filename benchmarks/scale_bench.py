@@ -83,7 +83,7 @@ from megacache_client.manifest import (
     component_digest,
     sha256_hex,
 )
-from megacache_server.index import base
+from megacache_server.store.index import base
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -317,7 +317,7 @@ class SqliteFs(Backend):
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         self.db = self.data_dir / "index.sqlite3"
-        from megacache_server.index.sqlite import SqliteIndex
+        from megacache_server.store.index.sqlite import SqliteIndex
 
         index = SqliteIndex(self.db)  # the server's own schema
         asyncio.run(index.open())
@@ -439,7 +439,7 @@ class RedisS3(Backend):
         asyncio.run(self._fill_index(entries, now))
 
     async def _fill_index(self, entries: list[Entry], now: float) -> None:
-        from megacache_server.index.redis import RedisIndex
+        from megacache_server.store.index.redis import RedisIndex
 
         index = RedisIndex(self.redis.url)
         await index.open()

@@ -30,16 +30,17 @@ from megacache_client import exitcodes
 from megacache_client.exitcodes import ExitCode
 from megacache_client.manifest import is_hex64
 from megacache_client.signing import SigningError
-from megacache_server import __version__, lifecycle
-from megacache_server.auth import ANONYMOUS, new_token, parse_duration
-from megacache_server.cache import Cache
-from megacache_server.collector import GC_NICE
+from megacache_server import __version__
+from megacache_server.api import supervisor
+from megacache_server.api.request_metrics import configure_logging
+from megacache_server.api.supervisor import SUPERVISOR_ENV
 from megacache_server.errors import ApiError
-from megacache_server.lifecycle import SUPERVISOR_ENV
-from megacache_server.observe import configure_logging
+from megacache_server.service.auth import ANONYMOUS, new_token, parse_duration
+from megacache_server.service.cache import Cache
+from megacache_server.service.collector import GC_NICE
+from megacache_server.service.signing import signer_for, write_new_key
 from megacache_server.settings import Settings
-from megacache_server.signing import signer_for, write_new_key
-from megacache_server.storage import Storage, build_storage
+from megacache_server.store.storage import Storage, build_storage
 
 log = logging.getLogger("megacache.server")
 
@@ -208,8 +209,8 @@ def serve(settings: Settings) -> ExitCode:
                  "index": settings.index_url(), "workers": settings.workers}})
     json_logs = settings.log_format == "json"
     try:
-        return lifecycle.run(
-            settings.workers, app="megacache_server.app:app_from_env", factory=True,
+        return supervisor.run(
+            settings.workers, app="megacache_server.api.app:app_from_env", factory=True,
             host=settings.host, port=settings.port, log_level=settings.log_level,
             # JSON mode: our handlers (configure_logging) instead of uvicorn's text config
             log_config=None if json_logs else LOGGING_CONFIG,
@@ -224,13 +225,13 @@ def serve(settings: Settings) -> ExitCode:
 
 
 def _http_protocol() -> str:
-    """Our header-bounding protocol (megacache_server.protocol) when httptools is installed;
+    """Our header-bounding protocol (`api.connection_guard`) when httptools is installed;
     else h11, whose incomplete-event limit bounds header bytes while reading."""
     try:
         import httptools  # noqa: F401
     except ImportError:
         return "h11"
-    return "megacache_server.protocol:BoundedHttpToolsProtocol"
+    return "megacache_server.api.connection_guard:BoundedHttpToolsProtocol"
 
 
 async def storage_problem(settings: Settings) -> str | None:

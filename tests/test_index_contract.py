@@ -19,8 +19,8 @@ from services import LocalRedis
 from megacache_client.events import Event
 from megacache_client.rules import parse_json
 from megacache_server.errors import PreconditionFailed
-from megacache_server.index.base import Index, NewEntry, Precondition, TokenRecord
-from megacache_server.index.sqlite import SqliteIndex
+from megacache_server.store.index.base import Index, NewEntry, Precondition, TokenRecord
+from megacache_server.store.index.sqlite import SqliteIndex
 
 INDEXES = ["sqlite", "redis"]
 _n = iter(range(10**6))
@@ -31,7 +31,7 @@ def make_index(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Calla
     if request.param == "sqlite":
         yield lambda: SqliteIndex(tmp_path / "index.sqlite3")
         return
-    from megacache_server.index.redis import RedisIndex
+    from megacache_server.store.index.redis import RedisIndex
 
     redis: LocalRedis = request.getfixturevalue("redis_service")
     prefix = f"contract{next(_n)}:"
@@ -262,7 +262,7 @@ def test_redis_gc_reads_only_blobs_that_may_be_unreferenced(redis_service: Local
     """Redis keeps the blobs that may have lost their last reference (`unref`): a plan reads
     those, not every blob, and what it finds named again leaves the set. A store written
     before the set existed is seeded from every blob once."""
-    from megacache_server.index.redis import RedisIndex
+    from megacache_server.store.index.redis import RedisIndex
 
     ix = RedisIndex(f"redis://127.0.0.1:{redis_service.port}/0", prefix=f"unref{next(_n)}:")
 
@@ -342,7 +342,7 @@ def test_event_log_long_windows_sum_days_and_hours_alike(make_index: Callable[[]
     """A window of days reads daily rollups for whole days and hourly ones for the ends:
     every event counts once, in the same place as with hourly resolution throughout."""
     async def body(ix: Index) -> None:
-        from megacache_server.index.redis import RedisIndex
+        from megacache_server.store.index.redis import RedisIndex
 
         if isinstance(ix, RedisIndex):  # a store that wrote daily rollups from its start
             await ix.r.set(ix.k("daily_from"), 0)
@@ -376,7 +376,7 @@ def test_event_log_bounds_models_and_reasons_a_tenant_can_invent(
     """Model names and miss reasons are whatever a client sends: past a bound per namespace
     (per period for reasons) they count under one "other" row each. Nothing is lost from
     the sums, another namespace keeps its own bound, and names already counted stay."""
-    from megacache_server.index import base
+    from megacache_server.store.index import base
 
     monkeypatch.setattr(base, "MAX_MODELS", 3)
     monkeypatch.setattr(base, "MAX_REASONS", 2)
@@ -407,7 +407,7 @@ def test_redis_rollup_sums_are_reused_until_a_period_changes(redis_service: Loca
     ones and the sum of the settled ones, and reads again only what an event changed: the
     current period on every new event, an old one when a late event lands in it. Every
     answer equals that of a process with nothing cached."""
-    from megacache_server.index.redis import RedisIndex
+    from megacache_server.store.index.redis import RedisIndex
 
     url, prefix = f"redis://127.0.0.1:{redis_service.port}/0", f"sums{next(_n)}:"
     ix = RedisIndex(url, prefix=prefix)

@@ -47,8 +47,8 @@ from redis.exceptions import RedisError, WatchError
 
 from megacache_client.events import Event
 from megacache_server.errors import ServiceUnavailable
-from megacache_server.index import base
-from megacache_server.index.base import (
+from megacache_server.store.index import base
+from megacache_server.store.index.base import (
     BlobRecord,
     EntryInfo,
     Index,
@@ -60,7 +60,7 @@ from megacache_server.index.base import (
     TimelineSlot,
     TokenRecord,
 )
-from megacache_server.index.period_sums import Period, PeriodSums, Sums, add_up
+from megacache_server.store.index.period_sums import Period, PeriodSums, Sums, add_up
 
 T = TypeVar("T")
 MAX_RAW_EVENTS = 10_000  # per namespace

@@ -17,10 +17,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from megacache_server import __version__
-from megacache_server.cache import Cache, EntryWrite, TenantCache
 from megacache_server.errors import NotFound
-from megacache_server.eviction import GcResult
-from megacache_server.index.base import ModelStats, Precondition, StoredEntry
+from megacache_server.service.cache import Cache, EntryWrite, TenantCache
+from megacache_server.service.eviction import GcResult
+from megacache_server.store.index.base import ModelStats, Precondition, StoredEntry
 
 LOOKUPS = Counter("megacache_lookups_total", "Entry lookups by result", ["result"])
 UPLOADED = Counter("megacache_blob_upload_bytes_total", "Blob bytes uploaded")

@@ -22,8 +22,6 @@ from anyio import to_thread
 from megacache_client.events import Event
 from megacache_client.manifest import Manifest, component_digest
 from megacache_client.rules import SchemaError, parse_json
-from megacache_server import eviction, fsck
-from megacache_server.auth import Forbidden, Principal
 from megacache_server.errors import (
     ApiError,
     FailedDependency,
@@ -31,7 +29,10 @@ from megacache_server.errors import (
     NotFound,
     Unprocessable,
 )
-from megacache_server.index.base import (
+from megacache_server.service import eviction, fsck
+from megacache_server.service.auth import Forbidden, Principal
+from megacache_server.service.ratelimit import RateLimiter
+from megacache_server.store.index.base import (
     EntryInfo,
     ModelStats,
     NewEntry,
@@ -39,8 +40,7 @@ from megacache_server.index.base import (
     StoredEntry,
     TokenRecord,
 )
-from megacache_server.ratelimit import RateLimiter
-from megacache_server.storage import Storage
+from megacache_server.store.storage import Storage
 
 log = logging.getLogger("megacache.cache")
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from megacache_client.manifest import Manifest
 from megacache_client.rules import SchemaError
-from megacache_server.index.base import entry_etag
-from megacache_server.storage import Storage
+from megacache_server.store.index.base import entry_etag
+from megacache_server.store.storage import Storage
 
 UNKNOWN_OWNER = "-"
 """Owner of blobs found on disk with no record: no token's namespace can be this."""

@@ -3,7 +3,7 @@
 Per-request numbers (requests, latency, bytes) are counted in each worker process; with
 several uvicorn workers they go through prometheus_client's multiprocess mode (the CLI
 sets PROMETHEUS_MULTIPROC_DIR before workers start). Cache-level numbers come from
-`megacache_server.metrics`, read from the index's running totals at scrape time, so they are
+`megacache_server.service.metrics`, read from the index's running totals at scrape time, so they are
 the same whichever worker or replica answers.
 """
 

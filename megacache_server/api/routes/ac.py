@@ -7,12 +7,12 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Request, Response
 
 from megacache_client.manifest import HEX64_PATTERN
-from megacache_server.cache import Precondition, StoredEntry
-from megacache_server.deps import Admin, Reader, Writer
+from megacache_server.api.deps import Admin, Reader, Writer
+from megacache_server.api.validation import request_body, require_content_length
 from megacache_server.errors import PayloadTooLarge, error_responses
-from megacache_server.metrics import Metered
-from megacache_server.signing import signature_headers
-from megacache_server.validation import request_body, require_content_length
+from megacache_server.service.cache import Precondition, StoredEntry
+from megacache_server.service.metrics import Metered
+from megacache_server.service.signing import signature_headers
 
 router = APIRouter(prefix="/v1/ac", tags=["ac"],
                    responses=error_responses(400, 401, 403, 422, 431, 503))

@@ -8,10 +8,10 @@ from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
 from megacache_client.manifest import HEX64_PATTERN
-from megacache_server.deps import Reader, Writer
+from megacache_server.api.deps import Reader, Writer
+from megacache_server.api.ranges import parse_range
+from megacache_server.api.validation import request_body, require_content_length
 from megacache_server.errors import NotFound, error_responses
-from megacache_server.ranges import parse_range
-from megacache_server.validation import request_body, require_content_length
 
 router = APIRouter(prefix="/v1/cas", tags=["cas"],
                    responses=error_responses(400, 401, 403, 431, 503))

@@ -22,7 +22,7 @@ import signal
 import sys
 
 from megacache_server.errors import ServiceUnavailable
-from megacache_server.eviction import GcResult
+from megacache_server.service.eviction import GcResult
 from megacache_server.settings import Settings
 
 log = logging.getLogger("megacache.gc")

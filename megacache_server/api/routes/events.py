@@ -8,9 +8,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
-from megacache_server.deps import Reader, Writer
+from megacache_server.api.deps import Reader, Writer
+from megacache_server.api.validation import request_body, require_content_length
 from megacache_server.errors import error_responses
-from megacache_server.validation import request_body, require_content_length
 
 router = APIRouter(prefix="/v1", tags=["events"],
                    responses=error_responses(401, 403, 422, 431, 503))

@@ -13,7 +13,7 @@ Rules, in order:
 `plan()` only reads, from the index's columns (never a manifest), page by page, so a
 plan over a million entries neither holds them all in memory nor stalls the event loop;
 `apply()` acts on a plan, in batches. Callers take the GC lock: `Cache.collect` in
-`megacache_server.cache`.
+`megacache_server.service.cache`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 from anyio import to_thread
 
-from megacache_server.index.base import BlobRecord, EntryInfo, Index
-from megacache_server.storage import Storage
+from megacache_server.store.index.base import BlobRecord, EntryInfo, Index
+from megacache_server.store.storage import Storage
 
 
 class Deletion(NamedTuple):

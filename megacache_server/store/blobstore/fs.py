@@ -22,8 +22,8 @@ from typing import BinaryIO
 
 from anyio import to_thread
 
-from megacache_server.blobstore.base import READ_CHUNK, BlobStore, DigestVerifier
 from megacache_server.errors import InsufficientStorage, ServiceUnavailable
+from megacache_server.store.blobstore.base import READ_CHUNK, BlobStore, DigestVerifier
 
 STALE_TEMP_AGE_S = 3600
 """Temp files older than this at start-up belong to a crashed upload and are removed."""

@@ -20,22 +20,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megacache_client.events import Event
 from megacache_client.manifest import Manifest
-from megacache_server import __version__, lifecycle
-from megacache_server.cache import Cache
-from megacache_server.collector import SubprocessCollector
-from megacache_server.docs import add_offline_docs
+from megacache_server import __version__
+from megacache_server.api import supervisor
+from megacache_server.api.docs import add_offline_docs
+from megacache_server.api.middleware import HeaderLimit, LocalOnly
+from megacache_server.api.redact import redact_access_log
+from megacache_server.api.request_metrics import Observe, configure_logging
+from megacache_server.api.routes.ac import router as ac_router
+from megacache_server.api.routes.cas import router as cas_router
+from megacache_server.api.routes.events import router as events_router
+from megacache_server.api.routes.observability import router as observe_router
 from megacache_server.errors import ApiError, BadRequest
-from megacache_server.metrics import MeteredCache
-from megacache_server.middleware import HeaderLimit, LocalOnly
-from megacache_server.observe import Observe, configure_logging
-from megacache_server.redact import redact_access_log
-from megacache_server.routes_ac import router as ac_router
-from megacache_server.routes_cas import router as cas_router
-from megacache_server.routes_events import router as events_router
-from megacache_server.routes_observe import router as observe_router
+from megacache_server.service.cache import Cache
+from megacache_server.service.collector import SubprocessCollector
+from megacache_server.service.metrics import MeteredCache
+from megacache_server.service.signing import check_signing_key
 from megacache_server.settings import Settings
-from megacache_server.signing import check_signing_key
-from megacache_server.storage import Storage, build_storage
+from megacache_server.store.storage import Storage, build_storage
 
 log = logging.getLogger("megacache.server")
 
@@ -130,7 +131,7 @@ async def _gc_forever(cache: Cache) -> None:
 
 def app_from_env() -> FastAPI:
     """Factory for `uvicorn --factory` worker processes: settings come from MEGACACHE_*."""
-    lifecycle.exit_with_supervisor()
+    supervisor.exit_with_supervisor()
     return create_app(Settings())
 
 

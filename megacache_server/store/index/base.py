@@ -10,7 +10,7 @@
 - `LockStore`: named locks shared by every replica.
 
 `Index` is all five; each backend (SQLite, Redis) implements it in one class. Only the cache
-service (`megacache_server.cache`) calls these: routes never do.
+service (`megacache_server.service.cache`) calls these: routes never do.
 """
 
 from __future__ import annotations

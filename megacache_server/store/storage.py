@@ -8,11 +8,11 @@ from urllib.parse import urlparse
 
 from fastapi import Request
 
-from megacache_server.blobstore.base import BlobStore
-from megacache_server.blobstore.fs import FsBlobStore
-from megacache_server.index.base import Index
-from megacache_server.index.sqlite import SqliteIndex
 from megacache_server.settings import Settings
+from megacache_server.store.blobstore.base import BlobStore
+from megacache_server.store.blobstore.fs import FsBlobStore
+from megacache_server.store.index.base import Index
+from megacache_server.store.index.sqlite import SqliteIndex
 
 
 @dataclass
@@ -37,7 +37,7 @@ def build_storage(settings: Settings) -> Storage:
 
 def build_blob_store(settings: Settings) -> BlobStore:
     if settings.blob_store == "s3":
-        from megacache_server.blobstore.s3 import S3BlobStore
+        from megacache_server.store.blobstore.s3 import S3BlobStore
 
         return S3BlobStore(
             settings.s3_bucket, settings.s3_prefix, endpoint_url=settings.s3_endpoint,
@@ -51,7 +51,7 @@ def build_index(url: str, redis_prefix: str = "megacache:") -> Index:
     if parsed.scheme == "sqlite":
         return SqliteIndex(Path(_sqlite_path(url)))
     if parsed.scheme in ("redis", "rediss", "unix"):
-        from megacache_server.index.redis import RedisIndex
+        from megacache_server.store.index.redis import RedisIndex
 
         return RedisIndex(url, prefix=redis_prefix)
     raise ValueError(f"unsupported index URL {url!r}: expected sqlite:///path or redis://host")

@@ -7,9 +7,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from megacache_server.auth import Scope, require
-from megacache_server.cache import Cache
-from megacache_server.metrics import Metered
+from megacache_server.service.auth import Scope, require
+from megacache_server.service.cache import Cache
+from megacache_server.service.metrics import Metered
 
 
 def cache_of(request: Request) -> Cache:

@@ -28,8 +28,8 @@ from fastapi import Request
 
 from megacache_client.manifest import NAMESPACE_PATTERN
 from megacache_server.errors import ApiError
-from megacache_server.index.base import TokenRecord
-from megacache_server.storage import Storage, storage_of
+from megacache_server.store.index.base import TokenRecord
+from megacache_server.store.storage import Storage, storage_of
 
 Scope = Literal["read", "write", "admin", "metrics"]
 SCOPES: tuple[Scope, ...] = ("read", "write", "admin", "metrics")

@@ -27,8 +27,8 @@ from anyio import to_thread
 
 from megacache_client.events import Event
 from megacache_server.errors import ServiceUnavailable
-from megacache_server.index import base
-from megacache_server.index.base import Index
+from megacache_server.store.index import base
+from megacache_server.store.index.base import Index
 
 T = TypeVar("T")
 SCHEMA_VERSION = 2

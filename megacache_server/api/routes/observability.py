@@ -8,10 +8,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import HTMLResponse, Response
 
-from megacache_server.deps import Reader, tenant
+from megacache_server.api.deps import Reader, tenant
+from megacache_server.api.request_metrics import CONTENT_TYPE_LATEST, render_process_metrics
 from megacache_server.errors import error_responses
-from megacache_server.metrics import Metered, cache_metrics
-from megacache_server.observe import CONTENT_TYPE_LATEST, render_process_metrics
+from megacache_server.service.metrics import Metered, cache_metrics
 
 router = APIRouter(tags=["observability"])
 
@@ -39,5 +39,5 @@ async def dashboard_data(
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
 async def dashboard_page() -> HTMLResponse:
     """The dashboard: one static page, no build step, nothing fetched from the internet."""
-    page = resources.files("megacache_server").joinpath("static/dashboard.html").read_text()
+    page = resources.files("megacache_server.api").joinpath("static/dashboard.html").read_text()
     return HTMLResponse(page)

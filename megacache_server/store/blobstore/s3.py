@@ -18,9 +18,9 @@ from typing import Any
 
 from anyio import to_thread
 
-from megacache_server.blobstore import s3_listing
-from megacache_server.blobstore.base import READ_CHUNK, BlobStore, DigestVerifier
 from megacache_server.errors import ServiceUnavailable
+from megacache_server.store.blobstore import s3_listing
+from megacache_server.store.blobstore.base import READ_CHUNK, BlobStore, DigestVerifier
 
 DELETE_BATCH = 1000
 """Keys per DeleteObjects request: S3's limit, one request instead of a thousand."""
