@@ -288,7 +288,7 @@ async def opened_storage(settings: Settings) -> AsyncIterator[Storage]:
 async def opened_cache(settings: Settings) -> AsyncIterator[Cache]:
     """The cache service over the configured storage: what every maintenance command uses."""
     async with opened_storage(settings) as storage:
-        yield Cache(storage)
+        yield Cache(settings, storage)
 
 
 async def run_gc(settings: Settings, *, dry_run: bool) -> int:

@@ -30,7 +30,7 @@ from megacache_server.api.routes.ac import router as ac_router
 from megacache_server.api.routes.cas import router as cas_router
 from megacache_server.api.routes.events import router as events_router
 from megacache_server.api.routes.observability import router as observe_router
-from megacache_server.errors import ApiError, BadRequest
+from megacache_server.errors import ApiError, BadRequest, error_body
 from megacache_server.service.cache import Cache
 from megacache_server.service.collector import SubprocessCollector
 from megacache_server.service.metrics import MeteredCache
@@ -59,7 +59,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     # child process (collector.py) that opens it from the same settings.
     collector = SubprocessCollector(settings) if storage is None else None
     storage = storage or build_storage(settings)
-    cache = MeteredCache(storage, collector=collector)
+    cache = MeteredCache(settings, storage, collector=collector)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -93,7 +93,6 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         redoc_url=None,
     )
     app.state.settings = settings
-    app.state.storage = storage
     app.state.cache = cache
     app.include_router(cas_router)
     app.include_router(ac_router)
@@ -164,8 +163,8 @@ def _add_error_handlers(app: FastAPI) -> None:
             return await api_error(_, BadRequest(
                 f"{name} must be 64 lowercase hex characters (a sha256)",
                 code=f"malformed_{name}"))
-        body = {"error": {"status": 422, "code": "invalid_request",
-                          "message": "request parameters are invalid", "errors": errors}}
+        body = error_body(422, "invalid_request", "request parameters are invalid",
+                          errors=errors)
         return JSONResponse(body, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
@@ -174,8 +173,7 @@ def _add_error_handlers(app: FastAPI) -> None:
                    if not (exc.status_code == 405 and k.lower() == "allow")}
         if exc.status_code == 405:  # list every method the path supports, not one route's
             headers["allow"] = ", ".join(_allowed_methods(app, request))
-        body = {"error": {"status": exc.status_code, "code": "http_error",
-                          "message": str(exc.detail)}}
+        body = error_body(exc.status_code, "http_error", str(exc.detail))
         return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from megacache_server.errors import error_body
 from megacache_server.settings import Settings
 
 log = logging.getLogger("megacache.server")
@@ -73,7 +74,7 @@ def raise_fd_limit(ceiling: int = 65536) -> int:
 
 
 def _raw_response(status: int, reason: str, code: str, message: str) -> bytes:
-    body = json.dumps({"error": {"status": status, "code": code, "message": message}}).encode()
+    body = json.dumps(error_body(status, code, message)).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
 

@@ -6,6 +6,8 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from megacache_server.errors import error_body
+
 
 class HeaderLimit:
     """Refuse requests whose headers add up to more than `limit` bytes with a JSON 431.
@@ -89,7 +91,7 @@ def _cross_site(headers: dict[bytes, bytes], host: str) -> bool:
 async def _refuse(send: Send, status: int, code: str, message: str,
                   close: bool = False) -> None:
     """A JSON error answered before any route runs."""
-    body = json.dumps({"error": {"status": status, "code": code, "message": message}}).encode()
+    body = json.dumps(error_body(status, code, message)).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
     if close:

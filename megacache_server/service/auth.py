@@ -10,7 +10,8 @@ namespaces do not exist for it, and neither do blobs it never uploaded (the CAS 
 bytes underneath, but a reader cannot probe for content another team stored).
 
 With auth off (the embedded default, loopback only) every request acts as an anonymous
-admin that sees all namespaces.
+admin that sees all namespaces. Reading the header off a request is the API's part
+(`api.deps`); who the token names and what it may do are decided here.
 """
 
 from __future__ import annotations
@@ -20,27 +21,16 @@ import hmac
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from fastapi import Request
-
 from megacache_client.manifest import NAMESPACE_PATTERN
-from megacache_server.errors import ApiError
-from megacache_server.store.index.base import TokenRecord
-from megacache_server.store.storage import Storage, storage_of
+from megacache_server.errors import Forbidden, Unauthorized
+from megacache_server.settings import Settings
+from megacache_server.store.index.base import TokenRecord, TokenStore
 
 Scope = Literal["read", "write", "admin", "metrics"]
 SCOPES: tuple[Scope, ...] = ("read", "write", "admin", "metrics")
-
-
-class Unauthorized(ApiError):
-    status, code = 401, "unauthorized"
-
-
-class Forbidden(ApiError):
-    status, code = 403, "forbidden"
 
 
 @dataclass(frozen=True)
@@ -94,29 +84,31 @@ def hash_token(token: str) -> str:
 _cache: dict[str, tuple[float, TokenRecord | None]] = {}
 
 
-async def _lookup(storage: Storage, token_id: str) -> TokenRecord | None:
-    """Token records are cached `token_cache_s` per process: revocation lags by that much."""
+async def _lookup(tokens: TokenStore, token_id: str, cache_s: float) -> TokenRecord | None:
+    """Token records are cached `cache_s` per process: revocation lags by that much."""
     now = time.monotonic()
     hit = _cache.get(token_id)
-    if hit is not None and now - hit[0] < storage.settings.token_cache_s:
+    if hit is not None and now - hit[0] < cache_s:
         return hit[1]
-    record = await storage.index.get_token(token_id)
+    record = await tokens.get_token(token_id)
     if len(_cache) > 10_000:
         _cache.clear()
     _cache[token_id] = (now, record)
     return record
 
 
-async def authenticate(request: Request, storage: Storage) -> Principal:
-    if not storage.settings.auth:
+async def authenticate(settings: Settings, tokens: TokenStore, authorization: str
+                       ) -> Principal:
+    """Who an `Authorization` header value names (401 when nobody valid)."""
+    if not settings.auth:
         return ANONYMOUS
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
+    scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token:
         raise Unauthorized("missing bearer token: send `Authorization: Bearer mc_...`",
                            headers={"www-authenticate": "Bearer"})
     parts = token.strip().split("_")
-    record = await _lookup(storage, parts[1]) if len(parts) >= 3 and parts[0] == "mc" else None
+    record = await _lookup(tokens, parts[1], settings.token_cache_s) \
+        if len(parts) >= 3 and parts[0] == "mc" else None
     if record is None or record.revoked or \
             not hmac.compare_digest(record.token_hash, hash_token(token.strip())):
         raise Unauthorized("invalid or revoked token", code="invalid_token",
@@ -128,21 +120,17 @@ async def authenticate(request: Request, storage: Storage) -> Principal:
     return Principal(record.name, frozenset(record.scopes), record.namespace)
 
 
-def require(scope: Scope) -> Callable[[Request], Awaitable[Principal]]:
-    """FastAPI dependency: the caller, who must hold `scope` (or admin)."""
-
-    async def dependency(request: Request) -> Principal:
-        principal = await authenticate(request, storage_of(request))
-        if scope == "metrics":
-            if "metrics" in principal.scopes:  # the operator's scrape: every namespace
-                return Principal(principal.name, principal.scopes, None)
-            scope_held = "read"  # any reader scrapes its own namespace's series
-        else:
-            scope_held = scope
-        if scope_held not in principal.scopes and "admin" not in principal.scopes:
-            raise Forbidden(f"token {principal.name!r} lacks the {scope_held!r} scope",
-                            code="missing_scope", required=scope_held,
-                            granted=sorted(principal.scopes))
-        return principal
-
-    return dependency
+def authorize(principal: Principal, scope: Scope) -> Principal:
+    """The principal a request needing `scope` acts as; 403 unless it holds the scope (or
+    admin). A `metrics` token scrapes every namespace; any reader scrapes its own."""
+    if scope == "metrics":
+        if "metrics" in principal.scopes:  # the operator's scrape: every namespace
+            return Principal(principal.name, principal.scopes, None)
+        scope_held = "read"  # any reader scrapes its own namespace's series
+    else:
+        scope_held = scope
+    if scope_held not in principal.scopes and "admin" not in principal.scopes:
+        raise Forbidden(f"token {principal.name!r} lacks the {scope_held!r} scope",
+                        code="missing_scope", required=scope_held,
+                        granted=sorted(principal.scopes))
+    return principal

@@ -3,10 +3,13 @@
 Routes translate HTTP to calls on a `TenantCache` and back; the CLI, the background GC,
 fsck and the dashboard call the same objects. Nothing else touches storage.
 
-- `Cache` is the process-wide part: storage, settings, the GC lock, event rate limits.
+- `Cache` is the process-wide part: settings, storage, the GC lock, event rate limits, and
+  who a request's token names (`Cache.authorized`).
 - `TenantCache` is the cache as one principal sees it. Namespace visibility is decided by
   `TenantCache.scope` and nowhere else: a token of namespace B reads, lists, counts and
   reports only within B; auth off (loopback) sees every namespace.
+
+Metrics subclass both (`service.metrics`) and override only what they count.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from anyio import to_thread
@@ -25,21 +28,18 @@ from megacache_client.rules import SchemaError, parse_json
 from megacache_server.errors import (
     ApiError,
     FailedDependency,
+    Forbidden,
     InsufficientStorage,
     NotFound,
+    ServiceUnavailable,
+    TooManyRequests,
     Unprocessable,
 )
-from megacache_server.service import eviction, fsck
-from megacache_server.service.auth import Forbidden, Principal
+from megacache_server.service import auth, eviction, fsck, reports
+from megacache_server.service.auth import Principal, Scope
 from megacache_server.service.ratelimit import RateLimiter
-from megacache_server.store.index.base import (
-    EntryInfo,
-    ModelStats,
-    NewEntry,
-    Precondition,
-    StoredEntry,
-    TokenRecord,
-)
+from megacache_server.settings import Settings
+from megacache_server.store.index.base import NewEntry, Precondition, StoredEntry, TokenRecord
 from megacache_server.store.storage import Storage
 
 log = logging.getLogger("megacache.cache")
@@ -47,10 +47,6 @@ log = logging.getLogger("megacache.cache")
 GC_LOCK = "gc"
 GC_LOCK_TTL_S = 600.0
 """Longer than any collect takes; a replica that dies holding it blocks GC this long."""
-
-
-class TooManyRequests(ApiError):
-    status, code = 429, "rate_limited"
 
 
 class Collector(Protocol):
@@ -62,15 +58,22 @@ class Collector(Protocol):
 class Cache:
     """The process-wide cache: storage plus the rules that are not about one caller."""
 
-    def __init__(self, storage: Storage, collector: Collector | None = None) -> None:
+    def __init__(self, settings: Settings, storage: Storage,
+                 collector: Collector | None = None) -> None:
+        self.settings = settings
         self.storage = storage
-        self.settings = storage.settings
         self.collector = collector
         self.event_limiter = RateLimiter(rate=self.settings.event_rate,
                                          burst=self.settings.event_burst)
 
     def bound(self, principal: Principal) -> TenantCache:
         return TenantCache(self, principal)
+
+    async def authorized(self, authorization: str, scope: Scope) -> TenantCache:
+        """The cache bound to the caller an `Authorization` header value names, who must
+        hold `scope` (401 or 403 if not)."""
+        principal = await auth.authenticate(self.settings, self.storage.index, authorization)
+        return self.bound(auth.authorize(principal, scope))
 
     # -- maintenance: GC, eviction, fsck, readiness -----------------------------------
     @property
@@ -134,8 +137,6 @@ class Cache:
             except ApiError as exc:
                 raise type(exc)(f"{name}: {exc.message}", code=exc.code) from exc
             except Exception as exc:  # any backend failure means not ready
-                from megacache_server.errors import ServiceUnavailable
-
                 raise ServiceUnavailable(f"{name} unavailable: {exc}") from exc
         return {"status": "ready", "blobs": self.storage.blobs.name,
                 "index": self.storage.index.name}
@@ -216,10 +217,11 @@ class TenantCache:
         return self.storage.blobs.read(digest, start, end)
 
     def presigned_url(self, digest: str) -> str | None:
-        presign = getattr(self.storage.blobs, "presigned_url", None)
-        if self.settings.s3_redirect and presign is not None:
-            return str(presign(digest))
-        return None
+        """Where the client may read the blob itself, when redirects are on and the blob
+        store can sign a URL; else None (the bytes go through this server)."""
+        if not self.settings.s3_redirect:
+            return None
+        return self.storage.blobs.presigned_url(digest)
 
     async def _make_room(self, size: int) -> None:
         """Refuse an upload that would crowd others out; evict LRU entries for one that fits.
@@ -268,6 +270,11 @@ class TenantCache:
 
     async def get_entry(self, key: str, *, touch: bool = True) -> StoredEntry:
         """The entry if it exists in the caller's namespace; 404 otherwise (no hint)."""
+        return await self._visible_entry(key, touch=touch)
+
+    async def _visible_entry(self, key: str, *, touch: bool) -> StoredEntry:
+        """`get_entry` for this class's own checks: a subclass that counts lookups by
+        overriding `get_entry` does not count them."""
         entry = await self.index.get(key, touch=touch)
         if entry is None or not self.sees(entry.namespace):
             raise NotFound(f"no entry for key {key}", code="entry_not_found")
@@ -280,12 +287,12 @@ class TenantCache:
             env_digest=env, hw_digest=hw, limit=limit)
 
     async def delete_entry(self, key: str) -> None:
-        await self.get_entry(key, touch=False)
+        await self._visible_entry(key, touch=False)
         if not await self.index.delete(key):
             raise NotFound(f"no entry for key {key}", code="entry_not_found")
 
     async def set_pinned(self, key: str, pinned: bool) -> None:
-        await self.get_entry(key, touch=False)
+        await self._visible_entry(key, touch=False)
         if not await self.index.set_pinned(key, pinned):
             raise NotFound(f"no entry for key {key}", code="entry_not_found")
 
@@ -362,48 +369,12 @@ class TenantCache:
         await self.index.add_event(self.home, event)
 
     async def stats(self, *, since: float | None) -> dict[str, Any]:
-        models = await self.index.stats(namespace=self.scope, since=since)
-        return {"total": _total(models), "models": [_model_row(m) for m in models]}
+        return await reports.stats(self.index, scope=self.scope, since=since)
 
     async def dashboard(self, *, hours: float) -> dict[str, Any]:
         """Everything the dashboard shows, from rollups: cost independent of history."""
-        now = time.time()
-        since = now - hours * 3600
-        models = await self.index.stats(namespace=self.scope, since=since)
-        bucket = 3600 if hours <= 72 else 86400
-        timeline = await self.index.timeline(namespace=self.scope, since=since,
-                                             daily=bucket == 86400)
-        misses = await self.index.top_misses(namespace=self.scope, since=since, limit=10)
-        largest = await self.index.largest_entries(namespace=self.scope, limit=10)
-        entries, _ = await self.index.usage(self.scope)
-        slots: dict[int, dict[str, float]] = {}
-        for slot in timeline:
-            start = slot.start // bucket * bucket
-            s = slots.setdefault(start, {"runs": 0, "warm": 0, "saved_s": 0.0, "tts_s": 0.0,
-                                         "tts_n": 0})
-            for name in ("runs", "warm", "saved_s", "tts_s", "tts_n"):
-                s[name] += getattr(slot, name)
-        return {
-            "generated_at": now,
-            "hours": hours,
-            "bucket_s": bucket,
-            "namespace": self.scope,
-            "total": _total(models),
-            "models": [_model_row(m) for m in models],
-            "timeline": [{"start": k, "runs": v["runs"], "warm": v["warm"],
-                          "saved_s": round(v["saved_s"], 3),
-                          "tts_s": round(v["tts_s"] / v["tts_n"], 3) if v["tts_n"] else None}
-                         for k, v in sorted(slots.items())],
-            "top_misses": [asdict(m) for m in misses],
-            "largest_entries": [_entry_row(e) for e in largest],
-            "store": {"bytes": await self._visible_bytes(), "entries": entries,
-                      "budget": self.cache.budget if self.scope is None else None},
-        }
-
-    async def _visible_bytes(self) -> int:
-        if self.scope is None:
-            return await self.index.stored_bytes()
-        return (await self.index.usage(self.scope))[1]
+        return await reports.dashboard(self.index, scope=self.scope, budget=self.cache.budget,
+                                       hours=hours)
 
 
 INLINE_PARSE_BYTES = 16 * 1024
@@ -427,32 +398,3 @@ def parse_manifest(body: bytes, key: str) -> Manifest:
         raise Unprocessable(f"manifest key {manifest.key} differs from the URL key {key}",
                             code="key_mismatch")
     return manifest
-
-
-def _model_row(m: ModelStats) -> dict[str, Any]:
-    row = asdict(m)
-    row.update(hit_rate=round(m.hit_rate, 4), compile_s=round(m.compile_s, 3),
-               saved_s=round(m.saved_s, 3), mean_tts_s=_round(m.mean_tts_s))
-    return row
-
-
-def _round(value: float | None) -> float | None:
-    return round(value, 3) if value is not None else None
-
-
-def _total(models: list[ModelStats]) -> dict[str, Any]:
-    runs = sum(m.runs for m in models)
-    warm = sum(m.outcomes["hit"] + m.outcomes["fallback"] for m in models)
-    saved = sum(m.saved_s for m in models)
-    tts_n = sum(m.tts_n for m in models)
-    return {"runs": runs, "warm": warm, "hit_rate": round(warm / runs, 4) if runs else 0.0,
-            "compile_s": round(sum(m.compile_s for m in models), 3),
-            "saved_s": round(saved, 3), "saved_hours": round(saved / 3600, 4),
-            "bytes_down": sum(m.bytes_down for m in models),
-            "bytes_up": sum(m.bytes_up for m in models),
-            "mean_tts_s": round(sum(m.tts_s for m in models) / tts_n, 3) if tts_n else None}
-
-
-def _entry_row(e: EntryInfo) -> dict[str, Any]:
-    return {"key": e.key, "model": e.model, "namespace": e.namespace, "bytes": e.size,
-            "pinned": e.pinned, "last_access": e.last_access}

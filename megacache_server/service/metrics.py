@@ -1,9 +1,10 @@
-"""Cache metrics: a decorator around the cache service, and a collector for the index's sums.
+"""Cache metrics: subclasses of the cache service that count, and the index's sums as metrics.
 
-As in bazel-remote (`disk/metrics.go`), the service knows nothing of Prometheus: `Metered`
-wraps a `TenantCache` and counts what passes through it; `cache_metrics()` turns the index's
-running totals (which never go down) into metric families at scrape time. Per-request HTTP
-numbers live in `observe.Observe`.
+As in bazel-remote (`disk/metrics.go`), the service knows nothing of Prometheus:
+`MeteredTenantCache` is a `TenantCache` that overrides only the calls it counts, and
+`MeteredCache` binds callers to it; `cache_metrics()` turns the index's running totals
+(which never go down) into metric families at scrape time. Per-request HTTP numbers live in
+`api.request_metrics`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from megacache_server import __version__
 from megacache_server.errors import NotFound
+from megacache_server.service.auth import Principal
 from megacache_server.service.cache import Cache, EntryWrite, TenantCache
 from megacache_server.service.eviction import GcResult
 from megacache_server.store.index.base import ModelStats, Precondition, StoredEntry
@@ -30,80 +32,43 @@ EVICTIONS = Counter("megacache_evictions_total", "Entries evicted and blobs coll
                     ["kind"])
 
 
-class Metered:
-    """A `TenantCache` that counts: same calls, same results."""
-
-    def __init__(self, inner: TenantCache) -> None:
-        self.inner = inner
-        self.principal = inner.principal
-        self.settings = inner.settings
+class MeteredTenantCache(TenantCache):
+    """A `TenantCache` that counts what it serves: same calls, same results."""
 
     async def put_blob(self, digest: str, size: int, body: AsyncIterator[bytes]) -> bool:
-        created = await self.inner.put_blob(digest, size, body)
+        created = await super().put_blob(digest, size, body)
         UPLOADED.inc(size)
         return created
 
-    async def blob_size(self, digest: str) -> int | None:
-        return await self.inner.blob_size(digest)
-
-    async def recorded_blob_size(self, digest: str) -> int | None:
-        return await self.inner.recorded_blob_size(digest)
-
-    def read_blob(self, digest: str, start: int, end: int) -> AsyncIterator[bytes]:
-        return self.inner.read_blob(digest, start, end)
-
-    def presigned_url(self, digest: str) -> str | None:
-        return self.inner.presigned_url(digest)
-
     async def put_entry(self, key: str, body: bytes, condition: Precondition) -> EntryWrite:
-        done = await self.inner.put_entry(key, body, condition)
+        done = await super().put_entry(key, body, condition)
         ENTRY_WRITES.labels("created" if done.created else "replaced").inc()
         return done
 
     async def get_entry(self, key: str, *, touch: bool = True) -> StoredEntry:
         try:
-            entry = await self.inner.get_entry(key, touch=touch)
+            entry = await super().get_entry(key, touch=touch)
         except NotFound:
             LOOKUPS.labels("miss").inc()
             raise
         LOOKUPS.labels("hit").inc()
         return entry
 
-    async def list_entries(self, *, namespace: str | None, model: str | None,
-                           env: str | None, hw: str | None, limit: int) -> list[StoredEntry]:
-        return await self.inner.list_entries(namespace=namespace, model=model, env=env, hw=hw,
-                                             limit=limit)
-
-    async def delete_entry(self, key: str) -> None:
-        await self.inner.delete_entry(key)
-
-    async def set_pinned(self, key: str, pinned: bool) -> None:
-        await self.inner.set_pinned(key, pinned)
-
     async def add_event(self, body: bytes) -> None:
         try:
-            await self.inner.add_event(body)
+            await super().add_event(body)
         except Exception:
             EVENTS.labels("rejected").inc()
             raise
         EVENTS.labels("recorded").inc()
 
-    async def stats(self, *, since: float | None) -> dict[str, Any]:
-        return await self.inner.stats(since=since)
-
-    async def dashboard(self, *, hours: float) -> dict[str, Any]:
-        return await self.inner.dashboard(hours=hours)
-
-    async def models(self) -> list[ModelStats]:
-        return await self.inner.index.stats(namespace=self.inner.scope)
-
-    @property
-    def scope(self) -> str | None:
-        return self.inner.scope
-
 
 class MeteredCache(Cache):
-    """The process-wide cache, counting what collection removes."""
+    """The process-wide cache, counting what collection removes; the caches it binds to
+    callers count what they serve."""
+
+    def bound(self, principal: Principal) -> MeteredTenantCache:
+        return MeteredTenantCache(self, principal)
 
     async def collect(self, **kwargs: Any) -> GcResult | None:
         done = await super().collect(**kwargs)
@@ -121,15 +86,14 @@ class _Families(Collector):
         return iter(self.families)
 
 
-async def cache_metrics(cache: Metered) -> bytes:
+async def cache_metrics(cache: TenantCache) -> bytes:
     """The cache's own numbers for this caller's namespaces, in Prometheus text format."""
-    inner = cache.inner
-    models = await cache.models()
-    entries, entry_bytes = await inner.index.usage(inner.scope)
+    models = await cache.index.stats(namespace=cache.scope)
+    entries, entry_bytes = await cache.index.usage(cache.scope)
     families: list[Any] = []
     info = InfoMetricFamily("megacache_build", "Server build")
-    info.add_metric([], {"version": __version__, "index": inner.index.name,
-                         "blobs": inner.storage.blobs.name})
+    info.add_metric([], {"version": __version__, "index": cache.index.name,
+                         "blobs": cache.storage.blobs.name})
     families.append(info)
     entries_g = GaugeMetricFamily("megacache_entries", "Entries in the index")
     entries_g.add_metric([], entries)
@@ -137,13 +101,13 @@ async def cache_metrics(cache: Metered) -> bytes:
                                 "Bytes named by entries (shared blobs counted per entry)")
     bytes_g.add_metric([], entry_bytes)
     families += [entries_g, bytes_g]
-    if inner.scope is None:
+    if cache.scope is None:
         store = GaugeMetricFamily("megacache_store_bytes", "Bytes of blobs stored")
-        store.add_metric([], await inner.index.stored_bytes())
+        store.add_metric([], await cache.index.stored_bytes())
         families.append(store)
-        if inner.cache.budget is not None:
+        if cache.cache.budget is not None:
             budget = GaugeMetricFamily("megacache_store_budget_bytes", "Store budget")
-            budget.add_metric([], inner.cache.budget)
+            budget.add_metric([], cache.cache.budget)
             families.append(budget)
     # Per-model series (11 per model) are built and rendered in a worker thread: with
     # hundreds of models that is ~100 ms of Python, which on the event loop every lookup

@@ -6,8 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from fastapi import Request
-
 from megacache_server.settings import Settings
 from megacache_server.store.blobstore.base import BlobStore
 from megacache_server.store.blobstore.fs import FsBlobStore
@@ -17,7 +15,6 @@ from megacache_server.store.index.sqlite import SqliteIndex
 
 @dataclass
 class Storage:
-    settings: Settings
     blobs: BlobStore
     index: Index
 
@@ -31,7 +28,7 @@ class Storage:
 
 
 def build_storage(settings: Settings) -> Storage:
-    return Storage(settings, build_blob_store(settings),
+    return Storage(build_blob_store(settings),
                    build_index(settings.index_url(), redis_prefix=settings.redis_prefix))
 
 
@@ -61,7 +58,3 @@ def _sqlite_path(url: str) -> str:
     # sqlite:///relative/or/abs  → everything after the third slash is the path as written
     path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else url[len("sqlite://"):]
     return path or "index.sqlite3"
-
-
-def storage_of(request: Request) -> Storage:
-    return request.app.state.storage  # type: ignore[no-any-return]

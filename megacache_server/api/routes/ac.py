@@ -10,8 +10,7 @@ from megacache_client.manifest import HEX64_PATTERN
 from megacache_server.api.deps import Admin, Reader, Writer
 from megacache_server.api.validation import request_body, require_content_length
 from megacache_server.errors import PayloadTooLarge, error_responses
-from megacache_server.service.cache import Precondition, StoredEntry
-from megacache_server.service.metrics import Metered
+from megacache_server.service.cache import Precondition, StoredEntry, TenantCache
 from megacache_server.service.signing import signature_headers
 
 router = APIRouter(prefix="/v1/ac", tags=["ac"],
@@ -103,7 +102,7 @@ async def unpin_entry(key: Key, cache: Admin) -> Response:
     return Response(status_code=204)
 
 
-def _entry_headers(cache: Metered, entry: StoredEntry) -> dict[str, str]:
+def _entry_headers(cache: TenantCache, entry: StoredEntry) -> dict[str, str]:
     """ETag, and the signature binding these bytes to this key and namespace."""
     return {"etag": entry.etag, **signature_headers(cache.settings, entry.key, entry.namespace,
                                                     entry.manifest_json)}

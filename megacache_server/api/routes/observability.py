@@ -11,14 +11,15 @@ from fastapi.responses import HTMLResponse, Response
 from megacache_server.api.deps import Reader, tenant
 from megacache_server.api.request_metrics import CONTENT_TYPE_LATEST, render_process_metrics
 from megacache_server.errors import error_responses
-from megacache_server.service.metrics import Metered, cache_metrics
+from megacache_server.service.cache import TenantCache
+from megacache_server.service.metrics import cache_metrics
 
 router = APIRouter(tags=["observability"])
 
 
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {"text/plain": {}}}, **error_responses(401, 403, 503)})
-async def metrics(cache: Annotated[Metered, Depends(tenant("metrics"))]) -> Response:
+async def metrics(cache: Annotated[TenantCache, Depends(tenant("metrics"))]) -> Response:
     """Prometheus metrics: HTTP traffic of every worker, plus the cache's running totals.
 
     With auth on, scrape with a token: one with the `metrics` scope sees every namespace,

@@ -108,3 +108,9 @@ class BlobStore(ABC):
     @abstractmethod
     async def ping(self) -> None:
         """Raise if the store cannot serve requests (readiness)."""
+
+    # -- optional abilities: a default that means "not supported" -------------------------
+    def presigned_url(self, digest: str) -> str | None:
+        """A time-limited URL a client can read the blob from without this server, or None
+        where the store cannot sign one (then the server streams the bytes itself)."""
+        return None

@@ -231,7 +231,7 @@ class S3BlobStore(BlobStore):
     async def ping(self) -> None:
         await self._call(lambda: self._s3.head_bucket(Bucket=self.bucket))
 
-    def presigned_url(self, digest: str) -> str:
+    def presigned_url(self, digest: str) -> str | None:
         """A time-limited URL for the blob, so large reads can bypass the server."""
         return str(self._s3.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": self.key_of(digest)},
