@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 from megacache_server.settings import Settings
 from megacache_server.store.blobstore.base import BlobStore
-from megacache_server.store.blobstore.fs import FsBlobStore
 from megacache_server.store.index.base import Index
 from megacache_server.store.index.sqlite import SqliteIndex
 
@@ -27,20 +27,23 @@ class Storage:
         await self.blobs.close()
 
 
+BLOB_STORES = {"fs": "fs:FsBlobStore", "s3": "s3:S3BlobStore"}
+"""Every blob store `MEGACACHE_BLOB_STORE` names: its module under `store/blobstore/` and its
+class, which builds itself from settings (`BlobStore.from_settings`). A module is imported
+only when chosen: a local-disk server never loads the S3 one. A new backend is its module,
+a line here, and its name among the choices of `Settings.blob_store`."""
+
+
 def build_storage(settings: Settings) -> Storage:
     return Storage(build_blob_store(settings),
                    build_index(settings.index_url(), redis_prefix=settings.redis_prefix))
 
 
 def build_blob_store(settings: Settings) -> BlobStore:
-    if settings.blob_store == "s3":
-        from megacache_server.store.blobstore.s3 import S3BlobStore
-
-        return S3BlobStore(
-            settings.s3_bucket, settings.s3_prefix, endpoint_url=settings.s3_endpoint,
-            region=settings.s3_region, access_key=settings.s3_access_key,
-            secret_key=settings.s3_secret_key, create_bucket=settings.s3_create_bucket)
-    return FsBlobStore(settings.data_dir, min_free_bytes=int(settings.min_free_disk))
+    module, _, name = BLOB_STORES[settings.blob_store].partition(":")
+    store: type[BlobStore] = getattr(
+        importlib.import_module(f"megacache_server.store.blobstore.{module}"), name)
+    return store.from_settings(settings)
 
 
 def build_index(url: str, redis_prefix: str = "megacache:") -> Index:

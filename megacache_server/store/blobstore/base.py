@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
 from megacache_server.errors import BadRequest
+from megacache_server.settings import Settings
 
 READ_CHUNK = 1024 * 1024
 """Large chunks both ways: fewer thread hops and syscalls per byte served."""
@@ -57,6 +58,12 @@ class BlobStore(ABC):
     """Content-addressed bytes. Digests passed in are already validated as 64 lowercase hex."""
 
     name: str = "abstract"
+
+    @classmethod
+    @abstractmethod
+    def from_settings(cls, settings: Settings) -> BlobStore:
+        """The store as the server's settings configure it (`store.storage.BLOB_STORES`
+        names the class for each `MEGACACHE_BLOB_STORE`)."""
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Connect or create what the store needs; called once at app start."""

@@ -23,6 +23,7 @@ from typing import BinaryIO
 from anyio import to_thread
 
 from megacache_server.errors import InsufficientStorage, ServiceUnavailable
+from megacache_server.settings import Settings
 from megacache_server.store.blobstore.base import READ_CHUNK, BlobStore, DigestVerifier
 
 STALE_TEMP_AGE_S = 3600
@@ -37,6 +38,10 @@ class FsBlobStore(BlobStore):
         self.cas_dir = self.root / "cas"
         self.tmp_dir = self.root / "tmp"
         self.min_free_bytes = min_free_bytes
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> FsBlobStore:
+        return cls(settings.data_dir, min_free_bytes=int(settings.min_free_disk))
 
     async def open(self) -> None:
         await to_thread.run_sync(self._open_sync)

@@ -19,6 +19,7 @@ from typing import Any
 from anyio import to_thread
 
 from megacache_server.errors import ServiceUnavailable
+from megacache_server.settings import Settings
 from megacache_server.store.blobstore import s3_listing
 from megacache_server.store.blobstore.base import READ_CHUNK, BlobStore, DigestVerifier
 
@@ -46,6 +47,12 @@ class S3BlobStore(BlobStore):
         self.create_bucket = create_bucket
         self.presign_ttl_s = presign_ttl_s
         self._s3: Any = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> S3BlobStore:
+        return cls(settings.s3_bucket, settings.s3_prefix, endpoint_url=settings.s3_endpoint,
+                   region=settings.s3_region, access_key=settings.s3_access_key,
+                   secret_key=settings.s3_secret_key, create_bucket=settings.s3_create_bucket)
 
     def key_of(self, digest: str) -> str:
         return f"{self.prefix}cas/{digest[:2]}/{digest}"
