@@ -2,9 +2,9 @@
 
 uvicorn hands a request to the app only once its whole header block is parsed, and its
 parser accepts header blocks of any size: one connection sending a 150 MiB header line
-held ~100 MiB and kept the event loop busy for half a minute. The HeaderLimit middleware
-(431 with a JSON body) only sees what survived that. Here, as nginx does, bytes are counted
-as they arrive:
+would hold about as much memory and keep the event loop busy for tens of seconds. The
+HeaderLimit middleware (431 with a JSON body) only sees what survived that. Here, as nginx
+does, bytes are counted as they arrive:
 
 - a header block over `max_header_size` + HEADER_SLACK bytes gets 431 and the connection
   is closed before the rest is read (the middleware gives the precise 431 below that);

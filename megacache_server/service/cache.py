@@ -196,8 +196,8 @@ class TenantCache:
     async def recorded_blob_size(self, digest: str) -> int | None:
         """HEAD's answer: the index's record of a blob the caller may see, else the store's.
 
-        On S3 a stat is a request to another service (5 ms p50 beside a local SeaweedFS,
-        more in a cloud) for every blob a publish asks about before uploading it. The record
+        On S3 a stat is a request to another service (milliseconds, more in a cloud) for
+        every blob a publish asks about before uploading it. The record
         is written only once the blob is committed and dropped when GC deletes it, so it
         says the same. A blob lost behind the server's back reads as stored until a
         manifest naming it is refused with 424, which drops that record (`_require_blobs`):

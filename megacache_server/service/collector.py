@@ -3,12 +3,12 @@
 A collection over a large store reads hundreds of thousands of index rows into Python
 objects and makes thousands of store calls. In the serving process, on the event loop or in
 a thread beside it, that work holds the GIL for the lookups queued behind it: the pages of
-the plan parsed on the loop (up to 114 ms on Redis at 100k entries), CPython's full garbage
-collections over the plan's objects and single C calls over 100k items (sorting, freeing
-the plan: 46-171 ms each at a million SQLite entries, measured with a loop-lag probe). A
-child process shares no GIL and no heap with the server: the server only waits for its
-answer. The child is the `gc` command, so the rules are the cache's own (`Cache.collect`),
-with this process's settings handed over as MEGACACHE_* variables.
+the plan parsed on the loop, CPython's full garbage collections over the plan's objects and
+single C calls over 100k items (sorting, freeing the plan), each tens to hundreds of
+milliseconds on a large store. A child process shares no GIL and no heap with the server:
+the server only waits for its answer. The child is the `gc` command, so the rules are the
+cache's own (`Cache.collect`), with this process's settings handed over as MEGACACHE_*
+variables.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ log = logging.getLogger("megacache.gc")
 
 GC_NICE = 19
 """The child's lower CPU priority (`gc --nice`), the lowest: a collection has no deadline
-and on a small host it would otherwise take a core the lookups need (seen: the serving loop
-descheduled for 80 ms). Nice 19 still runs whenever a core is idle. SCHED_IDLE, which never
-runs while anything else wants the core, gave a slowest GC-time lookup of 20 ms in one probe
-round at 100k Redis entries against 24-37 ms at nice 10: inside the noise between rounds,
-and on a busy server it could starve a collection that holds the GC lock."""
+and on a small host it would otherwise take a core the lookups need, descheduling the
+serving loop for tens of milliseconds. Nice 19 still runs whenever a core is idle.
+SCHED_IDLE, which never runs while anything else wants the core, makes lookups no faster
+than the noise between runs, and on a busy server it could starve a collection that holds
+the GC lock."""
 STOP_WAIT_S = 30.0
 """How long a collection interrupted by shutdown gets to release the GC lock and exit."""
 

@@ -111,7 +111,7 @@ async def cache_metrics(cache: TenantCache) -> bytes:
             families.append(budget)
     # Per-model series (11 per model) are built and rendered in a worker thread: with
     # hundreds of models that is ~100 ms of Python, which on the event loop every lookup
-    # would wait for (scale_bench: lookups during a scrape).
+    # would wait for.
     return await to_thread.run_sync(lambda: _render([*families, *_model_families(models)]))
 
 

@@ -111,7 +111,7 @@ class RedisBlobs(RedisConnection, BlobLedger):
 
     async def unreferenced_blobs(self) -> list[BlobRecord]:
         """From the `unref` candidates, not every blob: the cost follows what was uploaded
-        or dereferenced since the last GC (a scan of every blob took 4 s at 300k entries)."""
+        or dereferenced since the last GC, not the size of the store."""
         async def op() -> list[BlobRecord]:
             if not await self.r.exists(self.keys.unref_ready()):
                 await self._seed_unreferenced()

@@ -119,9 +119,9 @@ class SqliteConnection:
         """`op` on each part in a transaction of its own, synced to disk once for them all.
 
         A commit at synchronous=FULL is an fsync of the WAL. A GC evicting 100,000 entries
-        made hundreds while it wrote 150 MB/s, and lookups on the same disk waited up to half
-        a second for a page (scale_bench at 1M entries). So every commit but the last is at
-        NORMAL (a power loss could undo one, never corrupt it), and the last at FULL: its
+        would make hundreds while it writes, and lookups on the same disk would wait behind
+        them for a page, up to half a second on a large store. So every commit but the last
+        is at NORMAL (a power loss could undo one, never corrupt it), and the last at FULL: its
         fsync covers every frame before it (a checkpoint between them syncs what it moves),
         so when this returns all of it is durable, as eviction needs before it deletes the
         blob files of the entries it removed. The setting is restored within the same hold

@@ -154,7 +154,7 @@ class SqliteEntries(SqliteConnection, EntryStore):
         """Entries deleted in transactions of BATCH keys (eviction of many: few commits, and
         the writer is free between batches)."""
         # +pinned: the key is the index to use (SQLite would pick the pinned index and scan
-        # every unpinned entry per statement, 0.5 s per batch at a million entries)
+        # every unpinned entry per statement)
         extra = " AND +pinned=0" if unless_pinned else ""
         return await self._write_batches(batches(keys), lambda c, part: c.execute(
             f"DELETE FROM entries WHERE key IN ({marks(part)}){extra}", part).rowcount)

@@ -167,7 +167,7 @@ END;
 """How many entries name each blob, kept by triggers (entry writes and deletes, cascades
 included; a blob recorded after the entries naming it, as fsck does, counts them), with an
 index of just the blobs no entry names: GC finds those without visiting the million
-others (3.6 s of a 7.5 s plan at a million entries). Added to older stores on first open."""
+others. Added to older stores on first open."""
 
 
 def create(conn: sqlite3.Connection, path: Path) -> None:
