@@ -37,7 +37,7 @@ from megacache_client.manifest import is_hex64
 from megacache_client.signing import SigningError
 from megacache_server import __version__
 from megacache_server.api import supervisor
-from megacache_server.api.request_metrics import configure_logging
+from megacache_server.api.logs import configure_logging
 from megacache_server.api.supervisor import SUPERVISOR_ENV
 from megacache_server.errors import ApiError
 from megacache_server.service.auth import ANONYMOUS, new_token, parse_duration

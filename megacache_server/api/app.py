@@ -23,9 +23,10 @@ from megacache_client.manifest import Manifest
 from megacache_server import __version__
 from megacache_server.api import supervisor
 from megacache_server.api.docs import add_offline_docs
+from megacache_server.api.logs import configure_logging
 from megacache_server.api.middleware import HeaderLimit, LocalOnly
 from megacache_server.api.redact import redact_access_log
-from megacache_server.api.request_metrics import Observe, configure_logging
+from megacache_server.api.request_metrics import RequestMetrics
 from megacache_server.api.routes.ac import router as ac_router
 from megacache_server.api.routes.cas import router as cas_router
 from megacache_server.api.routes.events import router as events_router
@@ -105,7 +106,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     if not settings.auth:
         app.add_middleware(LocalOnly, allowed_hosts=frozenset(
             h.strip() for h in settings.allowed_hosts.split(",") if h.strip()))
-    app.add_middleware(Observe, log_requests=settings.log_format == "json")
+    app.add_middleware(RequestMetrics, log_requests=settings.log_format == "json")
     configure_logging(settings.log_format, settings.log_level)
     redact_access_log()
     _openapi_with_models(app)

@@ -1,20 +1,19 @@
-"""Metrics and access logs, as one ASGI middleware plus the `/metrics` rendering.
+"""Per-request metrics and the access log, as one ASGI middleware, plus the `/metrics`
+rendering of them.
 
 Per-request numbers (requests, latency, bytes) are counted in each worker process; with
 several uvicorn workers they go through prometheus_client's multiprocess mode (the CLI
 sets PROMETHEUS_MULTIPROC_DIR before workers start). Cache-level numbers come from
-`megacache_server.service.metrics`, read from the index's running totals at scrape time, so they are
-the same whichever worker or replica answers.
+`service.metrics`, read from the index's running totals at scrape time, so they are the
+same whichever worker or replica answers.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 import uuid
-from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -39,40 +38,7 @@ BYTES_OUT = Counter("megacache_http_sent_bytes_total", "Response body bytes", ["
 access_log = logging.getLogger("megacache.access")
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: what log pipelines (Loki, ELK, Cloud Logging) ingest."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        data: dict[str, Any] = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        data.update(getattr(record, "fields", {}))
-        if record.exc_info:
-            data["exc"] = self.formatException(record.exc_info)
-        return json.dumps(data, separators=(",", ":"))
-
-
-def configure_logging(log_format: str, level: str) -> None:
-    """megacache's own loggers get a handler at `level` in either format (text lines shaped
-    like uvicorn's); in JSON mode uvicorn's own loggers write JSON too."""
-    handler = logging.StreamHandler()
-    if log_format == "json":
-        handler.setFormatter(JsonFormatter())
-        names: tuple[str, ...] = ("megacache", "uvicorn", "uvicorn.error")
-    else:
-        handler.setFormatter(logging.Formatter("%(levelname)-9s %(name)s: %(message)s"))
-        names = ("megacache",)
-    for name in names:
-        logger = logging.getLogger(name)
-        logger.handlers = [handler]
-        logger.propagate = False
-        logger.setLevel(level.upper())
-
-
-class Observe:
+class RequestMetrics:
     """Counts, times and (in JSON mode) logs every HTTP request; tags it with a request id."""
 
     def __init__(self, app: ASGIApp, log_requests: bool) -> None:
@@ -132,4 +98,4 @@ def render_process_metrics() -> bytes:
     return generate_latest(REGISTRY)
 
 
-__all__ = ["CONTENT_TYPE_LATEST", "Observe", "configure_logging", "render_process_metrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "RequestMetrics", "render_process_metrics"]
