@@ -38,7 +38,6 @@ from megacache_client.signing import SigningError
 from megacache_server import __version__
 from megacache_server.api import supervisor
 from megacache_server.api.logs import configure_logging
-from megacache_server.api.supervisor import SUPERVISOR_ENV
 from megacache_server.errors import ApiError
 from megacache_server.service.auth import ANONYMOUS, new_token, parse_duration
 from megacache_server.service.cache import Cache
@@ -195,7 +194,7 @@ def unknown_environment(environ: Mapping[str, str]) -> list[str]:
 
     known = {"MEGACACHE_" + n.upper() for n in Settings.model_fields}
     known |= {"MEGACACHE_" + f.name.upper() for f in dataclass_fields(ClientConfig)}
-    known |= {SUPERVISOR_ENV}
+    known |= {supervisor.SUPERVISOR_ENV}
     warnings = []
     for name in sorted(environ):
         if name.startswith("MEGACACHE_") and name not in known:
