@@ -83,7 +83,8 @@ from megacache_client.manifest import (
     component_digest,
     sha256_hex,
 )
-from megacache_server.index import base
+from megacache_server.store.index import base
+from megacache_server.store.index import rollups as rollup_rules
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -190,7 +191,7 @@ TEMPLATES = [Event(key="0" * 64, model="m", outcome=outcome,  # type: ignore[arg
                    bytes_up=0 if outcome in ("hit", "fallback") else BLOB_SIZE)
              for outcome in OUTCOME_CYCLE]
 """The 10 runs every entry gets, validated once; copies differ in key, model and time."""
-COUNTERS = [base.event_counters(t) for t in TEMPLATES]
+COUNTERS = [rollup_rules.event_counters(t) for t in TEMPLATES]
 
 
 def _event_format(t: Event) -> str:
@@ -230,7 +231,7 @@ class Rollups:
         self.counts: dict[tuple[int, str, int], int] = {}
 
     def add(self, event: RawEvent) -> None:
-        k = (base.hour_of(event.at), event.model, event.template)
+        k = (rollup_rules.hour_of(event.at), event.model, event.template)
         self.counts[k] = self.counts.get(k, 0) + 1
 
     @property
@@ -243,7 +244,7 @@ class Rollups:
 
     @property
     def daily(self) -> dict[tuple[int, str], dict[str, float]]:
-        return self._sums(lambda hour, model: (hour // base.DAY * base.DAY, model))
+        return self._sums(lambda hour, model: (hour // rollup_rules.DAY * rollup_rules.DAY, model))
 
     def _sums(self, key: Callable[[int, str], Any]) -> dict[Any, dict[str, float]]:
         out: dict[Any, dict[str, float]] = {}
@@ -259,7 +260,7 @@ class Rollups:
 
     @property
     def misses_daily(self) -> dict[tuple[int, str, str, str], int]:
-        return self._misses(base.DAY)
+        return self._misses(rollup_rules.DAY)
 
     def _misses(self, period: int) -> dict[tuple[int, str, str, str], int]:
         out: dict[tuple[int, str, str, str], int] = {}
@@ -317,7 +318,7 @@ class SqliteFs(Backend):
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         self.db = self.data_dir / "index.sqlite3"
-        from megacache_server.index.sqlite import SqliteIndex
+        from megacache_server.store.index.sqlite import SqliteIndex
 
         index = SqliteIndex(self.db)  # the server's own schema
         asyncio.run(index.open())
@@ -353,18 +354,19 @@ class SqliteFs(Backend):
                          [(e.digest,) for e in entries])
         conn.executemany("INSERT INTO events (received_at, namespace, event) VALUES (?,?,?)",
                          events)
-        cols = ", ".join(base.COUNTERS)
-        marks = ", ".join("?" * len(base.COUNTERS))
-        upsert = ", ".join(f"{c}={c}+excluded.{c}" for c in base.COUNTERS)
+        counters = rollup_rules.COUNTERS
+        cols = ", ".join(counters)
+        marks = ", ".join("?" * len(counters))
+        upsert = ", ".join(f"{c}={c}+excluded.{c}" for c in counters)
         conn.executemany(
             f"INSERT INTO rollup_total (namespace, model, {cols}) VALUES ('default', ?, {marks})"
             f" ON CONFLICT DO UPDATE SET {upsert}",
-            [(m, *(s.get(c, 0.0) for c in base.COUNTERS)) for m, s in rollups.total.items()])
+            [(m, *(s.get(c, 0.0) for c in counters)) for m, s in rollups.total.items()])
         for table, sums in (("rollup_hourly", rollups.hourly), ("rollup_daily", rollups.daily)):
             conn.executemany(
                 f"INSERT INTO {table} VALUES ('default', ?, ?, {marks}) "
                 f"ON CONFLICT DO UPDATE SET {upsert}",
-                [(h, m, *(s.get(c, 0.0) for c in base.COUNTERS)) for (h, m), s in sums.items()])
+                [(h, m, *(s.get(c, 0.0) for c in counters)) for (h, m), s in sums.items()])
         for table, misses in (("miss_reasons", rollups.misses),
                               ("miss_reasons_daily", rollups.misses_daily)):
             conn.executemany(
@@ -439,7 +441,7 @@ class RedisS3(Backend):
         asyncio.run(self._fill_index(entries, now))
 
     async def _fill_index(self, entries: list[Entry], now: float) -> None:
-        from megacache_server.index.redis import RedisIndex
+        from megacache_server.store.index.redis import RedisIndex
 
         index = RedisIndex(self.redis.url)
         await index.open()
@@ -457,29 +459,30 @@ class RedisS3(Backend):
                     rollups.add(ev)
                     if len(raw) < 10_000:
                         raw.append(ev.json(e.key))
-            r, k = index.r, index.k
-            calls: list[tuple[str, tuple[Any, ...]]] = [("sadd", (k("namespaces"), "default"))]
-            calls += [("hincrbyfloat", (k("total", "default"), f"{model}\t{name}", v))
+            r, keys = index.r, index.keys
+            calls: list[tuple[str, tuple[Any, ...]]] = [("sadd", (keys.namespaces(), "default"))]
+            calls += [("hincrbyfloat", (keys.total("default"), f"{model}\t{name}", v))
                       for model, sums in rollups.total.items() for name, v in sums.items() if v]
-            calls.append(("set", (k("daily_from"), 0)))  # daily rollups from the start
-            for suffix, sums, misses in (("", rollups.hourly, rollups.misses),
-                                         ("_day", rollups.daily, rollups.misses_daily)):
-                calls += [("hincrbyfloat", (k("rollup" + suffix, "default", period),
+            calls.append(("set", (keys.daily_from(), 0)))  # daily rollups from the start
+            for daily, sums, misses in ((False, rollups.hourly, rollups.misses),
+                                        (True, rollups.daily, rollups.misses_daily)):
+                calls += [("hincrbyfloat", (keys.period("rollup", "default", period, daily=daily),
                                             f"{model}\t{name}", v))
                           for (period, model), s in sums.items() for name, v in s.items() if v]
-                calls += [("hincrbyfloat", (k("hourly" + suffix, "default", period), name, v))
+                calls += [("hincrbyfloat", (keys.period("hourly", "default", period, daily=daily),
+                                            name, v))
                           for (period, _), s in sums.items() for name, v in s.items() if v]
-                calls += [("zincrby", (k("misses" + suffix, "default", period), n,
+                calls += [("zincrby", (keys.period("misses", "default", period, daily=daily), n,
                                        json.dumps([model, outcome, reason])))
                           for (period, model, outcome, reason), n in misses.items()]
                 generations: dict[int, float] = {}
                 for (period, _), s in sums.items():
                     generations[period] = generations.get(period, 0.0) + s.get("runs", 0.0)
-                calls += [("set", (k("gen" + suffix, "default", period), int(n)))
+                calls += [("set", (keys.period("gen", "default", period, daily=daily), int(n)))
                           for period, n in generations.items()]
-            calls += [("lpush", (k("events", "default"), *raw[i:i + 1000]))
+            calls += [("lpush", (keys.events("default"), *raw[i:i + 1000]))
                       for i in range(0, len(raw), 1000)]
-            calls.append(("ltrim", (k("events", "default"), 0, 9_999)))
+            calls.append(("ltrim", (keys.events("default"), 0, 9_999)))
             for i in range(0, len(calls), 2000):  # pipelines small enough for the timeout
                 async with r.pipeline(transaction=False) as pipe:
                     for method, call_args in calls[i:i + 2000]:

@@ -1,8 +1,12 @@
-"""`megacache-server`: run the service.
+"""`megacache-server`: run the service, and the maintenance commands beside it.
 
 Flags override `MEGACACHE_*` environment variables, which override `--env-file`. Worker
 processes receive the merged settings through the environment, so one code path serves
 one worker or many.
+
+Each command is one `cmd_*` function named by its parser entry (`set_defaults(fn=...)`).
+One that works on the store is wrapped by `on_storage`, which checks the settings and the
+storage first and hands it the cache service; its failures end it with `CommandFailed`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import json
 import logging
@@ -20,7 +25,7 @@ import shutil
 import sys
 import time
 import typing
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,16 +35,16 @@ from megacache_client import exitcodes
 from megacache_client.exitcodes import ExitCode
 from megacache_client.manifest import is_hex64
 from megacache_client.signing import SigningError
-from megacache_server import __version__, lifecycle
-from megacache_server.auth import ANONYMOUS, new_token, parse_duration
-from megacache_server.cache import Cache
-from megacache_server.collector import GC_NICE
+from megacache_server import __version__
+from megacache_server.api import supervisor
+from megacache_server.api.logs import configure_logging
 from megacache_server.errors import ApiError
-from megacache_server.lifecycle import SUPERVISOR_ENV
-from megacache_server.observe import configure_logging
+from megacache_server.service.auth import ANONYMOUS, new_token, parse_duration
+from megacache_server.service.cache import Cache
+from megacache_server.service.collector import GC_NICE
+from megacache_server.service.signing import signer_for, write_new_key
 from megacache_server.settings import Settings
-from megacache_server.signing import signer_for, write_new_key
-from megacache_server.storage import Storage, build_storage
+from megacache_server.store.storage import Storage, build_storage
 
 log = logging.getLogger("megacache.server")
 
@@ -67,9 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "Without a command: serve.")
     parser.add_argument("--version", action="version", version=f"megacache-server {__version__}")
     _add_flags(parser, SERVE_FLAGS)
+    parser.set_defaults(fn=cmd_serve)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_flags(sub.add_parser("serve", help="run the HTTP service (the default)",
-                              epilog=EPILOG), SERVE_FLAGS)
+    serve_p = sub.add_parser("serve", help="run the HTTP service (the default)", epilog=EPILOG)
+    _add_flags(serve_p, SERVE_FLAGS)
+    serve_p.set_defaults(fn=cmd_serve)
     gc = sub.add_parser("gc", help="evict over-budget entries, collect unreferenced blobs")
     gc.add_argument("--dry-run", action="store_true", help="show what would go; change nothing")
     gc.add_argument("--json", action="store_true",
@@ -79,11 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="lower this process's CPU priority by N first (the server's GC: "
                          f"{GC_NICE}), so the service it runs beside gets the CPU first")
     _add_flags(gc, (*STORAGE_FLAGS, "store_budget"))
+    gc.set_defaults(fn=cmd_gc)
     fsck_p = sub.add_parser("fsck", help="check index and blob store agree (exit 1 on problems)")
     fsck_p.add_argument("--repair", action="store_true",
                         help="drop dangling entries and stale records, record orphan blobs")
     fsck_p.add_argument("--verify", action="store_true", help="also re-hash every blob")
     _add_flags(fsck_p, STORAGE_FLAGS)
+    fsck_p.set_defaults(fn=cmd_fsck)
     token = sub.add_parser("token", help="create, list or revoke bearer tokens")
     tsub = token.add_subparsers(dest="token_command", required=True, metavar="ACTION")
     create = tsub.add_parser("create", help="create a token; printed once")
@@ -95,21 +104,28 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--expires", default=None, metavar="DURATION",
                         help="lifetime (30d, 12h, 90m, seconds); expired tokens get 401")
     _add_flags(create, INDEX_FLAGS)
-    _add_flags(tsub.add_parser("list", help="list tokens (never their secrets)"), INDEX_FLAGS)
+    create.set_defaults(fn=cmd_token_create)
+    listing = tsub.add_parser("list", help="list tokens (never their secrets)")
+    _add_flags(listing, INDEX_FLAGS)
+    listing.set_defaults(fn=cmd_token_list)
     revoke = tsub.add_parser("revoke", help="revoke a token by id")
     revoke.add_argument("token_id")
     _add_flags(revoke, INDEX_FLAGS)
+    revoke.set_defaults(fn=cmd_token_revoke)
     keys = sub.add_parser("signing-key", help="the Ed25519 key pair that signs manifests")
     ksub = keys.add_subparsers(dest="key_command", required=True, metavar="ACTION")
     gen = ksub.add_parser("generate", help="write a new private key; print the public key")
     gen.add_argument("--out", required=True, type=Path,
                      help="private key file to create (mode 0600; never overwritten)")
+    gen.set_defaults(fn=cmd_key_generate)
     pub = ksub.add_parser("public", help="print the public key of a private key file")
     pub.add_argument("key_file", type=Path)
+    pub.set_defaults(fn=cmd_key_public)
     for name, what in (("pin", "never evict"), ("unpin", "let eviction age out")):
         p = sub.add_parser(name, help=f"{what} an entry")
         p.add_argument("key", help="the entry's key (64 hex characters)")
         _add_flags(p, INDEX_FLAGS)
+        p.set_defaults(fn=cmd_pin, pinned=name == "pin")
     return parser
 
 
@@ -178,7 +194,7 @@ def unknown_environment(environ: Mapping[str, str]) -> list[str]:
 
     known = {"MEGACACHE_" + n.upper() for n in Settings.model_fields}
     known |= {"MEGACACHE_" + f.name.upper() for f in dataclass_fields(ClientConfig)}
-    known |= {SUPERVISOR_ENV}
+    known |= {supervisor.SUPERVISOR_ENV}
     warnings = []
     for name in sorted(environ):
         if name.startswith("MEGACACHE_") and name not in known:
@@ -187,6 +203,39 @@ def unknown_environment(environ: Mapping[str, str]) -> list[str]:
             warnings.append(f"megacache-server: warning: {name} is not a megacache setting; "
                             f"ignored{hint}")
     return warnings
+
+
+class CommandFailed(Exception):
+    """Ends a command: `main` prints the message (after `megacache-server: `) on stderr and
+    exits with the code."""
+
+    def __init__(self, code: ExitCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def configured(args: argparse.Namespace) -> Settings:
+    """The merged settings of a command that needs them, after a warning for each unknown
+    MEGACACHE_* variable; CONFIG when they cannot work."""
+    for warning in unknown_environment(os.environ):
+        print(warning, file=sys.stderr)
+    try:
+        settings = load_settings(args)
+    except ValidationError as exc:
+        raise CommandFailed(ExitCode.CONFIG,
+                            f"invalid settings: {settings_errors(exc)}") from None
+    if settings.blob_store == "s3" and importlib.util.find_spec("boto3") is None:
+        raise CommandFailed(ExitCode.CONFIG, "--blob-store s3 needs boto3: "
+                            "pip install 'megacache[server,s3]'")
+    return settings
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = configured(args)
+    problem = settings.exposure_problem()
+    if problem:
+        raise CommandFailed(ExitCode.CONFIG, problem)
+    return serve(settings)
 
 
 def serve(settings: Settings) -> ExitCode:
@@ -208,8 +257,8 @@ def serve(settings: Settings) -> ExitCode:
                  "index": settings.index_url(), "workers": settings.workers}})
     json_logs = settings.log_format == "json"
     try:
-        return lifecycle.run(
-            settings.workers, app="megacache_server.app:app_from_env", factory=True,
+        return supervisor.run(
+            settings.workers, app="megacache_server.api.app:app_from_env", factory=True,
             host=settings.host, port=settings.port, log_level=settings.log_level,
             # JSON mode: our handlers (configure_logging) instead of uvicorn's text config
             log_config=None if json_logs else LOGGING_CONFIG,
@@ -224,13 +273,13 @@ def serve(settings: Settings) -> ExitCode:
 
 
 def _http_protocol() -> str:
-    """Our header-bounding protocol (megacache_server.protocol) when httptools is installed;
+    """Our header-bounding protocol (`api.connection_guard`) when httptools is installed;
     else h11, whose incomplete-event limit bounds header bytes while reading."""
     try:
         import httptools  # noqa: F401
     except ImportError:
         return "h11"
-    return "megacache_server.protocol:BoundedHttpToolsProtocol"
+    return "megacache_server.api.connection_guard:BoundedHttpToolsProtocol"
 
 
 async def storage_problem(settings: Settings) -> str | None:
@@ -287,85 +336,123 @@ async def opened_storage(settings: Settings) -> AsyncIterator[Storage]:
 async def opened_cache(settings: Settings) -> AsyncIterator[Cache]:
     """The cache service over the configured storage: what every maintenance command uses."""
     async with opened_storage(settings) as storage:
-        yield Cache(storage)
+        yield Cache(settings, storage)
 
 
-async def run_gc(settings: Settings, *, dry_run: bool) -> int:
-    async with opened_cache(settings) as cache:
-        gc_plan = await cache.gc_plan()
-        print(f"stored {gc_plan.stored_bytes} bytes; budget "
-              f"{gc_plan.budget if gc_plan.budget is not None else 'none'}; "
-              f"{gc_plan.kept_in_grace} unreferenced blob(s) within the "
-              f"{settings.gc_grace_s:.0f}s grace period kept")
-        for key, why in gc_plan.evict:
-            print(f"evict entry {key}  {why}")
-        for digest, size, why, _ in gc_plan.delete:
-            print(f"delete blob {digest}  {size} bytes  {why}")
-        if dry_run:
-            print(f"dry run: would evict {len(gc_plan.evict)} entries and delete "
-                  f"{len(gc_plan.delete)} blobs ({gc_plan.freed_bytes} bytes)")
-            return ExitCode.OK
-        done = await cache.collect(gc_plan=gc_plan)
-        if done is None:
-            print("megacache-server: another collector holds the GC lock; try again later",
-                  file=sys.stderr)
-            return ExitCode.UNAVAILABLE
-        print(f"evicted {done.evicted} entries, deleted {done.deleted} blobs "
-              f"({done.freed_bytes} bytes), spared {done.spared}")
-        if done.failed:
-            print(f"megacache-server: the blob store could not delete {done.failed} blobs; "
-                  "they stay on record and the next gc tries again", file=sys.stderr)
-            return ExitCode.UNAVAILABLE
+StorageCommand = Callable[[Cache, argparse.Namespace], Awaitable[int]]
+
+
+def on_storage(command: StorageCommand) -> Callable[[argparse.Namespace], int]:
+    """A command run on the configured storage through the cache service: settings checked,
+    storage reachable (else UNAVAILABLE), opened for the command and closed after it. A
+    refusal of the service ends it with UNAVAILABLE when storage is down (503), else
+    PROBLEM."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        settings = configured(args)
+        problem = asyncio.run(storage_problem(settings))
+        if problem:
+            raise CommandFailed(ExitCode.UNAVAILABLE, f"storage unavailable: {problem}")
+
+        async def on_cache() -> int:
+            async with opened_cache(settings) as cache:
+                return await command(cache, args)
+
+        try:
+            return asyncio.run(on_cache())
+        except ApiError as exc:
+            raise CommandFailed(ExitCode.UNAVAILABLE if exc.status == 503
+                                else ExitCode.PROBLEM, exc.message) from exc
+
+    return run
+
+
+@on_storage
+async def cmd_gc(cache: Cache, args: argparse.Namespace) -> int:
+    if args.nice > 0:
+        os.nice(args.nice)
+    if args.json:
+        return await gc_json(cache)
+    return await gc_report(cache, dry_run=args.dry_run)
+
+
+async def gc_report(cache: Cache, *, dry_run: bool) -> int:
+    """The plan, line by line, then what went (unless `dry_run`)."""
+    gc_plan = await cache.gc_plan()
+    print(f"stored {gc_plan.stored_bytes} bytes; budget "
+          f"{gc_plan.budget if gc_plan.budget is not None else 'none'}; "
+          f"{gc_plan.kept_in_grace} unreferenced blob(s) within the "
+          f"{cache.settings.gc_grace_s:.0f}s grace period kept")
+    for key, why in gc_plan.evict:
+        print(f"evict entry {key}  {why}")
+    for digest, size, why, _ in gc_plan.delete:
+        print(f"delete blob {digest}  {size} bytes  {why}")
+    if dry_run:
+        print(f"dry run: would evict {len(gc_plan.evict)} entries and delete "
+              f"{len(gc_plan.delete)} blobs ({gc_plan.freed_bytes} bytes)")
         return ExitCode.OK
+    done = await cache.collect(gc_plan=gc_plan)
+    if done is None:
+        raise CommandFailed(ExitCode.UNAVAILABLE,
+                            "another collector holds the GC lock; try again later")
+    print(f"evicted {done.evicted} entries, deleted {done.deleted} blobs "
+          f"({done.freed_bytes} bytes), spared {done.spared}")
+    if done.failed:
+        raise CommandFailed(ExitCode.UNAVAILABLE,
+                            f"the blob store could not delete {done.failed} blobs; they "
+                            "stay on record and the next gc tries again")
+    return ExitCode.OK
 
 
-async def run_gc_json(settings: Settings) -> int:
+async def gc_json(cache: Cache) -> int:
     """One collection, its result as a JSON line: {"evicted": .., "deleted": .., ...}, or
     {"locked": true} (exit 4) when another collector holds the GC lock."""
-    async with opened_cache(settings) as cache:
-        done = await cache.collect()
+    done = await cache.collect()
     print(json.dumps({"locked": True} if done is None else dataclasses.asdict(done)))
     return ExitCode.UNAVAILABLE if done is None else ExitCode.OK
 
 
-async def run_fsck(settings: Settings, *, repair: bool, verify: bool) -> int:
-    async with opened_cache(settings) as cache:
-        report = await cache.check(repair=repair, verify=verify)
+@on_storage
+async def cmd_fsck(cache: Cache, args: argparse.Namespace) -> int:
+    report = await cache.check(repair=args.repair, verify=args.verify)
     for line in report.lines():
         print(line)
-    return ExitCode.OK if report.clean or repair else ExitCode.PROBLEM
+    return ExitCode.OK if report.clean or args.repair else ExitCode.PROBLEM
 
 
-async def manage_tokens(settings: Settings, args: argparse.Namespace) -> int:
-    async with opened_cache(settings) as cache:
-        if args.token_command == "create":
-            scopes = tuple(s.strip() for s in args.scopes.split(",") if s.strip())
-            try:
-                lifetime = parse_duration(args.expires) if args.expires else None
-                token, record = new_token(args.name, scopes, args.namespace, lifetime)
-            except ValueError as exc:
-                print(f"megacache-server: {exc}", file=sys.stderr)
-                return ExitCode.USAGE
-            await cache.add_token(record)
-            print(token)
-            print(f"created token {record.token_id} for {record.name!r}: scopes "
-                  f"{','.join(record.scopes)}, namespace {record.namespace!r}, expires "
-                  f"{_when(record.expires_at)} (shown once; only its hash is stored)",
-                  file=sys.stderr)
-            return ExitCode.OK
-        if args.token_command == "list":
-            now = time.time()
-            for t in await cache.tokens():
-                state = "revoked" if t.revoked else "expired" if t.expired(now) else \
-                    f"active until {_when(t.expires_at)}"
-                print(f"{t.token_id}  {t.name:<24} {','.join(t.scopes):<16} "
-                      f"{t.namespace:<16} {state}")
-            return ExitCode.OK
-        if not await cache.revoke_token(args.token_id):
-            print(f"megacache-server: no token {args.token_id}", file=sys.stderr)
-            return ExitCode.PROBLEM
-        print(f"revoked {args.token_id}")
-        return ExitCode.OK
+@on_storage
+async def cmd_token_create(cache: Cache, args: argparse.Namespace) -> int:
+    scopes = tuple(s.strip() for s in args.scopes.split(",") if s.strip())
+    try:
+        lifetime = parse_duration(args.expires) if args.expires else None
+        token, record = new_token(args.name, scopes, args.namespace, lifetime)
+    except ValueError as exc:
+        raise CommandFailed(ExitCode.USAGE, str(exc)) from None
+    await cache.add_token(record)
+    print(token)
+    print(f"created token {record.token_id} for {record.name!r}: scopes "
+          f"{','.join(record.scopes)}, namespace {record.namespace!r}, expires "
+          f"{_when(record.expires_at)} (shown once; only its hash is stored)", file=sys.stderr)
+    return ExitCode.OK
+
+
+@on_storage
+async def cmd_token_list(cache: Cache, args: argparse.Namespace) -> int:
+    now = time.time()
+    for t in await cache.tokens():
+        state = "revoked" if t.revoked else "expired" if t.expired(now) else \
+            f"active until {_when(t.expires_at)}"
+        print(f"{t.token_id}  {t.name:<24} {','.join(t.scopes):<16} {t.namespace:<16} {state}")
+    return ExitCode.OK
+
+
+@on_storage
+async def cmd_token_revoke(cache: Cache, args: argparse.Namespace) -> int:
+    if not await cache.revoke_token(args.token_id):
+        raise CommandFailed(ExitCode.PROBLEM, f"no token {args.token_id}")
+    print(f"revoked {args.token_id}")
+    return ExitCode.OK
 
 
 def _when(epoch: float | None) -> str:
@@ -374,76 +461,47 @@ def _when(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def signing_key(args: argparse.Namespace) -> int:
-    """`signing-key generate|public`: the server keeps the private key, clients the public."""
+def cmd_key_generate(args: argparse.Namespace) -> int:
+    """The server keeps the private key, clients the public one (printed on stdout)."""
     try:
-        if args.key_command == "generate":
-            public = write_new_key(args.out)
-            print(f"wrote private key {args.out} (mode 0600): set "
-                  f"MEGACACHE_SIGNING_KEY_FILE={args.out} on the server; give clients "
-                  "MEGACACHE_VERIFY_KEY=<the line on stdout>", file=sys.stderr)
-        else:
-            public = signer_for(args.key_file).public_key
+        public = write_new_key(args.out)
     except FileExistsError:
-        print(f"megacache-server: {args.out} exists; not overwriting a key", file=sys.stderr)
-        return ExitCode.PROBLEM
+        raise CommandFailed(ExitCode.PROBLEM,
+                            f"{args.out} exists; not overwriting a key") from None
     except (OSError, SigningError) as exc:
-        print(f"megacache-server: {exc}", file=sys.stderr)
-        return ExitCode.PROBLEM
+        raise CommandFailed(ExitCode.PROBLEM, str(exc)) from None
+    print(f"wrote private key {args.out} (mode 0600): set "
+          f"MEGACACHE_SIGNING_KEY_FILE={args.out} on the server; give clients "
+          "MEGACACHE_VERIFY_KEY=<the line on stdout>", file=sys.stderr)
     print(public)
     return ExitCode.OK
 
 
-async def set_pinned(settings: Settings, key: str, pinned: bool) -> int:
-    async with opened_cache(settings) as cache:
-        if not is_hex64(key):
-            print(f"megacache-server: no entry {key}", file=sys.stderr)
-            return ExitCode.PROBLEM
-        await cache.bound(ANONYMOUS).set_pinned(key, pinned)
-        print(f"{'pinned' if pinned else 'unpinned'} {key}")
-        return ExitCode.OK
+def cmd_key_public(args: argparse.Namespace) -> int:
+    try:
+        public = signer_for(args.key_file).public_key
+    except (OSError, SigningError) as exc:
+        raise CommandFailed(ExitCode.PROBLEM, str(exc)) from None
+    print(public)
+    return ExitCode.OK
+
+
+@on_storage
+async def cmd_pin(cache: Cache, args: argparse.Namespace) -> int:
+    if not is_hex64(args.key):
+        raise CommandFailed(ExitCode.PROBLEM, f"no entry {args.key}")
+    await cache.bound(ANONYMOUS).set_pinned(args.key, args.pinned)
+    print(f"{'pinned' if args.pinned else 'unpinned'} {args.key}")
+    return ExitCode.OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # a bad command line exits 2 (USAGE) here
-    if args.command == "signing-key":
-        return signing_key(args)
-    for warning in unknown_environment(os.environ):
-        print(warning, file=sys.stderr)
     try:
-        settings = load_settings(args)
-    except ValidationError as exc:
-        print(f"megacache-server: invalid settings: {settings_errors(exc)}", file=sys.stderr)
-        return ExitCode.CONFIG
-    if settings.blob_store == "s3" and importlib.util.find_spec("boto3") is None:
-        print("megacache-server: --blob-store s3 needs boto3: "
-              "pip install 'megacache[server,s3]'", file=sys.stderr)
-        return ExitCode.CONFIG
-    if args.command in (None, "serve"):
-        problem = settings.exposure_problem()
-        if problem:
-            print(f"megacache-server: {problem}", file=sys.stderr)
-            return ExitCode.CONFIG
-        return serve(settings)
-    problem = asyncio.run(storage_problem(settings))
-    if problem:
-        print(f"megacache-server: storage unavailable: {problem}", file=sys.stderr)
-        return ExitCode.UNAVAILABLE
-    try:
-        if args.command == "gc":
-            if args.nice > 0:
-                os.nice(args.nice)
-            if args.json:
-                return asyncio.run(run_gc_json(settings))
-            return asyncio.run(run_gc(settings, dry_run=args.dry_run))
-        if args.command == "fsck":
-            return asyncio.run(run_fsck(settings, repair=args.repair, verify=args.verify))
-        if args.command == "token":
-            return asyncio.run(manage_tokens(settings, args))
-        return asyncio.run(set_pinned(settings, args.key, args.command == "pin"))
-    except ApiError as exc:
-        print(f"megacache-server: {exc.message}", file=sys.stderr)
-        return ExitCode.UNAVAILABLE if exc.status == 503 else ExitCode.PROBLEM
+        return int(args.fn(args))
+    except CommandFailed as exc:
+        print(f"megacache-server: {exc}", file=sys.stderr)
+        return int(exc.code)
 
 
 def settings_errors(exc: ValidationError) -> str:

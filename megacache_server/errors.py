@@ -1,6 +1,8 @@
 """Errors that carry their HTTP status, so storage code can fail precisely without knowing HTTP.
 
-Every error reaches the client as JSON: {"error": {"status", "code", "message", ...}}.
+Every error reaches the client as JSON: {"error": {"status", "code", "message", ...}}. Every
+error class with a status lives here, whichever layer raises it, so the API's list of
+statuses and codes is one file.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ _DESCRIPTIONS = {
 }
 
 
+def error_body(status: int, code: str, message: str, **detail: Any) -> dict[str, Any]:
+    """The JSON body of an error response, also for answers given before any route runs."""
+    return {"error": {"status": status, "code": code, "message": message, **detail}}
+
+
 class ApiError(Exception):
     status: int = 500
     code: str = "internal"
@@ -59,12 +66,19 @@ class ApiError(Exception):
         self.detail = detail
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"status": self.status, "code": self.code, "message": self.message,
-                          **self.detail}}
+        return error_body(self.status, self.code, self.message, **self.detail)
 
 
 class BadRequest(ApiError):
     status, code = 400, "bad_request"
+
+
+class Unauthorized(ApiError):
+    status, code = 401, "unauthorized"
+
+
+class Forbidden(ApiError):
+    status, code = 403, "forbidden"
 
 
 class NotFound(ApiError):
@@ -99,6 +113,10 @@ class FailedDependency(ApiError):
     """A manifest names a blob the store does not hold: refused, never a dangling entry."""
 
     status, code = 424, "missing_blobs"
+
+
+class TooManyRequests(ApiError):
+    status, code = 429, "rate_limited"
 
 
 class ServiceUnavailable(ApiError):

@@ -38,6 +38,7 @@ class Settings(BaseSettings):
         "with the public key (`megacache-server signing-key generate`)"
     )
     redis_prefix: str = Field("megacache:", description="key prefix of a Redis index")
+    # the names of store.storage.BLOB_STORES
     blob_store: Literal["fs", "s3"] = Field("fs", description="where blob bytes live")
     s3_bucket: str = Field("megacache", description="S3 bucket")
     s3_prefix: str = Field("", description="key prefix inside the bucket")

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from helpers import ServerProcess
 
-from megacache_server.index.sqlite import SqliteIndex
+from megacache_server.store.index.sqlite import SqliteIndex
 
 EMPTY = hashlib.sha256(b"").hexdigest()
 

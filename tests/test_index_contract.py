@@ -19,8 +19,8 @@ from services import LocalRedis
 from megacache_client.events import Event
 from megacache_client.rules import parse_json
 from megacache_server.errors import PreconditionFailed
-from megacache_server.index.base import Index, NewEntry, Precondition, TokenRecord
-from megacache_server.index.sqlite import SqliteIndex
+from megacache_server.store.index.base import Index, NewEntry, Precondition, TokenRecord
+from megacache_server.store.index.sqlite import SqliteIndex
 
 INDEXES = ["sqlite", "redis"]
 _n = iter(range(10**6))
@@ -31,7 +31,7 @@ def make_index(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Calla
     if request.param == "sqlite":
         yield lambda: SqliteIndex(tmp_path / "index.sqlite3")
         return
-    from megacache_server.index.redis import RedisIndex
+    from megacache_server.store.index.redis import RedisIndex
 
     redis: LocalRedis = request.getfixturevalue("redis_service")
     prefix = f"contract{next(_n)}:"
@@ -262,7 +262,7 @@ def test_redis_gc_reads_only_blobs_that_may_be_unreferenced(redis_service: Local
     """Redis keeps the blobs that may have lost their last reference (`unref`): a plan reads
     those, not every blob, and what it finds named again leaves the set. A store written
     before the set existed is seeded from every blob once."""
-    from megacache_server.index.redis import RedisIndex
+    from megacache_server.store.index.redis import RedisIndex
 
     ix = RedisIndex(f"redis://127.0.0.1:{redis_service.port}/0", prefix=f"unref{next(_n)}:")
 
@@ -270,7 +270,7 @@ def test_redis_gc_reads_only_blobs_that_may_be_unreferenced(redis_service: Local
         for d in ("a1", "a2", "orphan"):
             await ix.record_blob(d, 10, "ns")
         await ix.put(entry("a", digests=("a1", "a2")), Precondition())
-        candidates = ix.k("unref")
+        candidates = ix.keys.unref()
         assert await ix.r.smembers(candidates) == {b"orphan"}  # the put named a1 and a2
         await ix.put(entry("b", digests=("a2",)), Precondition())
         assert await ix.delete("a")
@@ -282,13 +282,13 @@ def test_redis_gc_reads_only_blobs_that_may_be_unreferenced(redis_service: Local
         await ix.forget_blobs(["a1", "a2"])
         assert await ix.r.smembers(candidates) == {b"orphan"}
         # a store from before the set: every blob is a candidate until a plan has looked
-        await ix.r.delete(candidates, ix.k("unref_ready"))
+        await ix.r.delete(candidates, ix.keys.unref_ready())
         await ix.put(entry("c", digests=("c1",)), Precondition())
-        await ix.r.hset(ix.k("blobs"), "c1", 10)  # recorded the old way, named by c
+        await ix.r.hset(ix.keys.blobs(), "c1", 10)  # recorded the old way, named by c
         await ix.r.srem(candidates, "c1", "orphan")
         assert [b.digest for b in await ix.unreferenced_blobs()] == ["orphan"]
         assert await ix.r.smembers(candidates) == {b"orphan"}
-        assert await ix.r.exists(ix.k("unref_ready"))
+        assert await ix.r.exists(ix.keys.unref_ready())
 
     run(lambda: ix, lambda _: body())
 
@@ -342,10 +342,10 @@ def test_event_log_long_windows_sum_days_and_hours_alike(make_index: Callable[[]
     """A window of days reads daily rollups for whole days and hourly ones for the ends:
     every event counts once, in the same place as with hourly resolution throughout."""
     async def body(ix: Index) -> None:
-        from megacache_server.index.redis import RedisIndex
+        from megacache_server.store.index.redis import RedisIndex
 
         if isinstance(ix, RedisIndex):  # a store that wrote daily rollups from its start
-            await ix.r.set(ix.k("daily_from"), 0)
+            await ix.r.set(ix.keys.daily_from(), 0)
         now = datetime.now(timezone.utc)
         ages_h = [0, 5, 30, 49, 50, 75, 140, 200]
         for h in ages_h:
@@ -376,10 +376,10 @@ def test_event_log_bounds_models_and_reasons_a_tenant_can_invent(
     """Model names and miss reasons are whatever a client sends: past a bound per namespace
     (per period for reasons) they count under one "other" row each. Nothing is lost from
     the sums, another namespace keeps its own bound, and names already counted stay."""
-    from megacache_server.index import base
+    from megacache_server.store.index import rollups
 
-    monkeypatch.setattr(base, "MAX_MODELS", 3)
-    monkeypatch.setattr(base, "MAX_REASONS", 2)
+    monkeypatch.setattr(rollups, "MAX_MODELS", 3)
+    monkeypatch.setattr(rollups, "MAX_REASONS", 2)
 
     async def body(ix: Index) -> None:
         for i in range(6):  # six invented models, each with an invented reason
@@ -387,14 +387,14 @@ def test_event_log_bounds_models_and_reasons_a_tenant_can_invent(
         await ix.add_event("ns", _event("m0", "miss", reason="r0"))  # known: still its own
         await ix.add_event("other", _event("x", "miss", reason="mine"))
         models = {m.model: m.runs for m in await ix.stats(namespace="ns")}
-        assert models == {"m0": 2, "m1": 1, "m2": 1, base.OTHER_MODELS: 3}
+        assert models == {"m0": 2, "m1": 1, "m2": 1, rollups.OTHER_MODELS: 3}
         windowed = await ix.stats(namespace="ns", since=time.time() - 3600)
         assert {m.model: m.runs for m in windowed} == models
         misses = {(m.model, m.reason): m.count
                   for m in await ix.top_misses(namespace="ns", since=0, limit=10)}
         assert misses == {("m0", "r0"): 2, ("m1", "r1"): 1,
-                          ("m2", base.OTHER_REASONS): 1,
-                          (base.OTHER_MODELS, base.OTHER_REASONS): 3}
+                          ("m2", rollups.OTHER_REASONS): 1,
+                          (rollups.OTHER_MODELS, rollups.OTHER_REASONS): 3}
         assert sum(misses.values()) == 7
         [mine] = await ix.top_misses(namespace="other", since=0, limit=10)
         assert (mine.model, mine.reason) == ("x", "mine")
@@ -407,7 +407,7 @@ def test_redis_rollup_sums_are_reused_until_a_period_changes(redis_service: Loca
     ones and the sum of the settled ones, and reads again only what an event changed: the
     current period on every new event, an old one when a late event lands in it. Every
     answer equals that of a process with nothing cached."""
-    from megacache_server.index.redis import RedisIndex
+    from megacache_server.store.index.redis import RedisIndex
 
     url, prefix = f"redis://127.0.0.1:{redis_service.port}/0", f"sums{next(_n)}:"
     ix = RedisIndex(url, prefix=prefix)
@@ -431,7 +431,7 @@ def test_redis_rollup_sums_are_reused_until_a_period_changes(redis_service: Loca
         await ix.add_event("ns", _event("m", outcome, reason=f"r{int(hours_ago)}", created_at=when))
 
     async def body() -> None:
-        await ix.r.set(ix.k("daily_from"), 0)
+        await ix.r.set(ix.keys.daily_from(), 0)
         for h in (1, 30, 50, 100):
             await add(h)
         first = await answers(ix)

@@ -65,7 +65,8 @@ def test_wheel_contents_and_metadata(dists: tuple[Path, Path]):
         names = zf.namelist()
         meta = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert {"megacache_autoload.pth", "megacache_autoload.py", "megacache_client/py.typed",
-            "megacache_server/py.typed", "megacache_server/static/dashboard.html"} <= set(names)
+            "megacache_server/py.typed", "megacache_server/api/static/dashboard.html",
+            "megacache_server/store/index/redis/scripts/listed.lua"} <= set(names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     # test and benchmark scaffolding stays out of the wheel
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/"))

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from services import LocalSeaweedS3
 
-from megacache_server.blobstore import s3_listing
-from megacache_server.blobstore.s3 import S3BlobStore
+from megacache_server.store.blobstore import s3_listing
+from megacache_server.store.blobstore.s3 import S3BlobStore
 
 
 def _client(s3: LocalSeaweedS3, *, lean: bool) -> Any:

@@ -8,8 +8,8 @@ import asyncio
 import sqlite3
 from pathlib import Path
 
-from megacache_server.index.base import NewEntry, Precondition
-from megacache_server.index.sqlite import SqliteIndex
+from megacache_server.store.index.base import NewEntry, Precondition
+from megacache_server.store.index.sqlite import SqliteIndex
 
 
 def entry(key: str, namespace: str, size: int) -> NewEntry:

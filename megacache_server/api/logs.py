@@ -1,0 +1,44 @@
+"""The server's log lines: text shaped like uvicorn's, or one JSON object per line.
+
+`configure_logging` is called by the CLI before uvicorn starts and by the app in each worker,
+so the supervisor and the workers write the same format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: what log pipelines (Loki, ELK, Cloud Logging) ingest."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        data: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        data.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            data["exc"] = self.formatException(record.exc_info)
+        return json.dumps(data, separators=(",", ":"))
+
+
+def configure_logging(log_format: str, level: str) -> None:
+    """megacache's own loggers get a handler at `level` in either format (text lines shaped
+    like uvicorn's); in JSON mode uvicorn's own loggers write JSON too."""
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+        names: tuple[str, ...] = ("megacache", "uvicorn", "uvicorn.error")
+    else:
+        handler.setFormatter(logging.Formatter("%(levelname)-9s %(name)s: %(message)s"))
+        names = ("megacache",)
+    for name in names:
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.propagate = False
+        logger.setLevel(level.upper())

@@ -1,1 +1,0 @@
-"""Blob store backends (fs.py, s3.py) behind the interface of base.py."""

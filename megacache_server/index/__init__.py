@@ -1,1 +1,0 @@
-"""Index backends (sqlite.py, redis.py) behind the storage protocols of base.py."""

@@ -1,0 +1,400 @@
+"""The cache service: every rule of the cache, in one place, bound to the caller.
+
+Routes translate HTTP to calls on a `TenantCache` and back; the CLI, the background GC,
+fsck and the dashboard call the same objects. Nothing else touches storage.
+
+- `Cache` is the process-wide part: settings, storage, the GC lock, event rate limits, and
+  who a request's token names (`Cache.authorized`).
+- `TenantCache` is the cache as one principal sees it. Namespace visibility is decided by
+  `TenantCache.scope` and nowhere else: a token of namespace B reads, lists, counts and
+  reports only within B; auth off (loopback) sees every namespace.
+
+Metrics subclass both (`service.metrics`) and override only what they count.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from anyio import to_thread
+
+from megacache_client.events import Event
+from megacache_client.manifest import Manifest, component_digest
+from megacache_client.rules import SchemaError, parse_json
+from megacache_server.errors import (
+    ApiError,
+    FailedDependency,
+    Forbidden,
+    InsufficientStorage,
+    NotFound,
+    ServiceUnavailable,
+    TooManyRequests,
+    Unprocessable,
+)
+from megacache_server.service import auth, eviction, fsck, reports
+from megacache_server.service.auth import Principal, Scope
+from megacache_server.service.ratelimit import RateLimiter
+from megacache_server.settings import Settings
+from megacache_server.store.index.base import NewEntry, Precondition, StoredEntry, TokenRecord
+from megacache_server.store.storage import Storage
+
+log = logging.getLogger("megacache.cache")
+
+GC_LOCK = "gc"
+GC_LOCK_TTL_S = 600.0
+"""Longer than any collect takes; a replica that dies holding it blocks GC this long."""
+
+
+class Collector(Protocol):
+    """Runs `Cache.collect` elsewhere (`collector.SubprocessCollector`: in a child process)."""
+
+    async def collect(self, budget: int | None) -> eviction.GcResult | None: ...
+
+
+class Cache:
+    """The process-wide cache: storage plus the rules that are not about one caller."""
+
+    def __init__(self, settings: Settings, storage: Storage,
+                 collector: Collector | None = None) -> None:
+        self.settings = settings
+        self.storage = storage
+        self.collector = collector
+        self.event_limiter = RateLimiter(rate=self.settings.event_rate,
+                                         burst=self.settings.event_burst)
+
+    def bound(self, principal: Principal) -> TenantCache:
+        return TenantCache(self, principal)
+
+    async def authorized(self, authorization: str, scope: Scope) -> TenantCache:
+        """The cache bound to the caller an `Authorization` header value names, who must
+        hold `scope` (401 or 403 if not)."""
+        principal = await auth.authenticate(self.settings, self.storage.index, authorization)
+        return self.bound(auth.authorize(principal, scope))
+
+    # -- maintenance: GC, eviction, fsck, readiness -----------------------------------
+    @property
+    def budget(self) -> int | None:
+        budget = self.settings.store_budget
+        return int(budget) if budget is not None else None
+
+    async def gc_plan(self, *, budget: int | None = None) -> eviction.GcPlan:
+        return await eviction.plan(self.storage, budget=budget if budget is not None
+                                   else self.budget, grace_s=self.settings.gc_grace_s,
+                                   low_water=self.settings.gc_low_water)
+
+    async def collect(self, *, budget: int | None = None,
+                      gc_plan: eviction.GcPlan | None = None) -> eviction.GcResult | None:
+        """Evict over budget and collect unreferenced blobs, one collector at a time across
+        every process and replica. None when another collector holds the lock.
+
+        With a collector (the server's), the work runs there: the access times this
+        process buffers are written first, so its LRU order is the one the plan reads."""
+        index = self.storage.index
+        if self.collector is not None and gc_plan is None:
+            await index.flush_access()
+            return await self.collector.collect(budget)
+        if not await index.acquire_lock(GC_LOCK, ttl_s=GC_LOCK_TTL_S):
+            return None
+        try:
+            gc_plan = gc_plan or await self.gc_plan(budget=budget)
+            done = eviction.GcResult()
+            if gc_plan.evict or gc_plan.delete:
+                done = await eviction.apply(self.storage, gc_plan)
+            await self._prune_events()
+            return done
+        finally:
+            await index.release_lock(GC_LOCK)
+
+    async def _prune_events(self) -> None:
+        now = time.time()
+        await self.storage.index.prune_events(
+            raw_before=now - self.settings.event_retention_days * 86400,
+            rollups_before=now - self.settings.rollup_retention_days * 86400)
+
+    async def add_token(self, record: TokenRecord) -> None:
+        await self.storage.index.put_token(record)
+
+    async def tokens(self) -> list[TokenRecord]:
+        return await self.storage.index.list_tokens()
+
+    async def revoke_token(self, token_id: str) -> bool:
+        return await self.storage.index.revoke_token(token_id)
+
+    async def check(self, *, repair: bool, verify: bool) -> fsck.FsckReport:
+        return await fsck.check(self.storage, repair=repair, verify=verify)
+
+    async def ready(self) -> dict[str, str]:
+        """Storage is reachable and can still write: a full disk is not ready."""
+        for name, probe in ((self.storage.blobs.name, self.storage.blobs.ping),
+                            (self.storage.index.name,
+                             lambda: self.storage.index.ping(write=True))):
+            try:
+                await probe()
+            except ApiError as exc:
+                raise type(exc)(f"{name}: {exc.message}", code=exc.code) from exc
+            except Exception as exc:  # any backend failure means not ready
+                raise ServiceUnavailable(f"{name} unavailable: {exc}") from exc
+        return {"status": "ready", "blobs": self.storage.blobs.name,
+                "index": self.storage.index.name}
+
+
+@dataclass(frozen=True)
+class EntryWrite:
+    entry: StoredEntry
+    created: bool
+
+
+class TenantCache:
+    """The cache as one principal sees it."""
+
+    def __init__(self, cache: Cache, principal: Principal) -> None:
+        self.cache = cache
+        self.storage = cache.storage
+        self.index = cache.storage.index
+        self.settings = cache.settings
+        self.principal = principal
+
+    # -- the one place namespaces are decided --------------------------------------------
+    @property
+    def scope(self) -> str | None:
+        """The namespace this caller is confined to; None: all (auth off)."""
+        return self.principal.namespace
+
+    @property
+    def home(self) -> str:
+        """The namespace this caller's writes (blobs, events) belong to."""
+        return self.principal.namespace or "default"
+
+    def sees(self, namespace: str) -> bool:
+        return self.scope is None or self.scope == namespace
+
+    def _require_namespace(self, namespace: str | None, verb: str) -> str | None:
+        if namespace is None or self.sees(namespace):
+            return namespace if namespace is not None else self.scope
+        raise Forbidden(f"token {self.principal.name!r} {verb} namespace {self.scope!r}, "
+                        f"not {namespace!r}", code="namespace_mismatch")
+
+    # -- blobs --------------------------------------------------------------------------
+    async def put_blob(self, digest: str, size: int, body: AsyncIterator[bytes]) -> bool:
+        """Store verified bytes; True if new to this caller's namespace (whether another
+        team stored the same bytes is not this caller's to learn)."""
+        if await self.storage.blobs.stat(digest) is None:
+            await self._make_room(size)
+        await self.storage.blobs.put(digest, size, body)
+        return await self.index.record_blob(digest, size, self.home)
+
+    async def blob_size(self, digest: str) -> int | None:
+        """The blob's size if this caller may see it, else None: asked of the store."""
+        if not await self._may_see_blob(digest):
+            return None
+        return await self.storage.blobs.stat(digest)
+
+    async def recorded_blob_size(self, digest: str) -> int | None:
+        """HEAD's answer: the index's record of a blob the caller may see, else the store's.
+
+        On S3 a stat is a request to another service (milliseconds, more in a cloud) for
+        every blob a publish asks about before uploading it. The record
+        is written only once the blob is committed and dropped when GC deletes it, so it
+        says the same. A blob lost behind the server's back reads as stored until a
+        manifest naming it is refused with 424, which drops that record (`_require_blobs`):
+        the next publish uploads it again.
+        """
+        if not await self._may_see_blob(digest):
+            return None
+        record = await self.index.blob_record(digest)
+        if record is not None:
+            return record.size
+        return await self.storage.blobs.stat(digest)
+
+    async def _may_see_blob(self, digest: str) -> bool:
+        return self.scope is None or await self.index.owns_blob(self.scope, digest)
+
+    def read_blob(self, digest: str, start: int, end: int) -> AsyncIterator[bytes]:
+        return self.storage.blobs.read(digest, start, end)
+
+    def presigned_url(self, digest: str) -> str | None:
+        """Where the client may read the blob itself, when redirects are on and the blob
+        store can sign a URL; else None (the bytes go through this server)."""
+        if not self.settings.s3_redirect:
+            return None
+        return self.storage.blobs.presigned_url(digest)
+
+    async def _make_room(self, size: int) -> None:
+        """Refuse an upload that would crowd others out; evict LRU entries for one that fits.
+
+        Blobs no manifest names yet are capped per namespace: one tenant's unreferenced
+        uploads can fill neither the store nor force out another tenant's entries.
+        """
+        cap = self.settings.pending_cap()
+        if cap is not None:
+            pending = await self.index.pending_bytes(self.home)
+            if pending + size > cap:
+                raise InsufficientStorage(
+                    f"namespace {self.home!r} holds {pending} bytes of blobs no entry names; "
+                    f"{size} more would pass its limit of {cap}: write the manifests that "
+                    "name them first", code="pending_quota", pending=pending, limit=cap)
+        budget = self.cache.budget
+        if budget is None:
+            return
+        used = await self.index.stored_bytes()
+        if used + size <= budget:
+            return
+        await self.cache.collect(budget=max(0, budget - size))
+        used = await self.index.stored_bytes()
+        if used + size > budget:
+            raise InsufficientStorage(
+                f"store budget {budget} bytes: {used} used, {size} more do not fit even after "
+                "evicting unpinned entries", code="store_full", used=used, budget=budget)
+
+    # -- entries ------------------------------------------------------------------------
+    async def put_entry(self, key: str, body: bytes, condition: Precondition) -> EntryWrite:
+        """Validate and store a manifest, exactly the bytes validated. Every blob it names
+        must be stored and visible to the writer (424 if not)."""
+        manifest = parse_manifest(body, key) if len(body) <= INLINE_PARSE_BYTES else \
+            await to_thread.run_sync(parse_manifest, body, key)
+        namespace = manifest.fingerprint.namespace
+        self._require_namespace(namespace, "writes")
+        size = await self._require_blobs(manifest)
+        await self._enforce_quota(namespace, key, size)
+        fp = manifest.fingerprint
+        entry, created = await self.index.put(NewEntry(
+            key=key, manifest_json=body, namespace=namespace, model=fp.model,
+            env_digest=component_digest(fp.env), hw_digest=component_digest(fp.hw),
+            digests=tuple(b.digest for b in manifest.blobs), size=size,
+            created_at=manifest.created_at.timestamp()), condition)
+        return EntryWrite(entry, created)
+
+    async def get_entry(self, key: str, *, touch: bool = True) -> StoredEntry:
+        """The entry if it exists in the caller's namespace; 404 otherwise (no hint)."""
+        return await self._visible_entry(key, touch=touch)
+
+    async def _visible_entry(self, key: str, *, touch: bool) -> StoredEntry:
+        """`get_entry` for this class's own checks: a subclass that counts lookups by
+        overriding `get_entry` does not count them."""
+        entry = await self.index.get(key, touch=touch)
+        if entry is None or not self.sees(entry.namespace):
+            raise NotFound(f"no entry for key {key}", code="entry_not_found")
+        return entry
+
+    async def list_entries(self, *, namespace: str | None, model: str | None,
+                           env: str | None, hw: str | None, limit: int) -> list[StoredEntry]:
+        return await self.index.list_entries(
+            namespace=self._require_namespace(namespace, "reads"), model=model,
+            env_digest=env, hw_digest=hw, limit=limit)
+
+    async def delete_entry(self, key: str) -> None:
+        await self._visible_entry(key, touch=False)
+        if not await self.index.delete(key):
+            raise NotFound(f"no entry for key {key}", code="entry_not_found")
+
+    async def set_pinned(self, key: str, pinned: bool) -> None:
+        await self._visible_entry(key, touch=False)
+        if not await self.index.set_pinned(key, pinned):
+            raise NotFound(f"no entry for key {key}", code="entry_not_found")
+
+    async def _require_blobs(self, manifest: Manifest) -> int:
+        """Every named blob must be stored (and visible to the writer's namespace). Touching
+        them first keeps garbage collection, which spares recently touched blobs, from
+        deleting one between this check and the write. Returns their total size."""
+        await self.index.touch_blobs([b.digest for b in manifest.blobs])
+        missing, wrong_size = [], []
+        for blob in manifest.blobs:
+            size = await self.blob_size(blob.digest)
+            if size is None:
+                missing.append(blob.digest)
+                if await self._may_see_blob(blob.digest):
+                    await self.index.forget_blob(blob.digest)  # a record of a lost blob
+            elif size != blob.size:
+                wrong_size.append({"digest": blob.digest, "declared": blob.size,
+                                   "stored": size})
+        if missing:
+            raise FailedDependency(
+                f"{len(missing)} blob(s) named by the manifest are not stored; upload them "
+                "first", missing=missing)
+        if wrong_size:
+            raise Unprocessable("blob sizes in the manifest differ from the stored blobs",
+                                code="size_mismatch", blobs=wrong_size)
+        return sum(b.size for b in manifest.blobs)
+
+    async def _enforce_quota(self, namespace: str, key: str, size: int) -> None:
+        """Over its quota, a namespace evicts its own least recently used entries, never
+        another's; when its pinned entries alone fill it, the write is refused."""
+        max_entries = self.settings.namespace_quota_entries
+        max_bytes = self.settings.namespace_quota_bytes
+        if max_entries is None and max_bytes is None:
+            return
+        entries, used = await self.index.usage(namespace)
+        existing = await self.index.get(key, touch=False)
+        if existing is not None:
+            entries, used = entries - 1, used - existing.size
+
+        def over(n: int, b: int) -> bool:
+            return ((max_entries is not None and n + 1 > max_entries)
+                    or (max_bytes is not None and b + size > int(max_bytes)))
+
+        if not over(entries, used):
+            return
+        for victim in await self.index.lru_entries(256, namespace=namespace):
+            if victim.key == key:
+                continue
+            if await self.index.delete(victim.key):
+                entries, used = entries - 1, used - victim.size
+                log.info("quota: evicted %s of namespace %s", victim.key, namespace)
+            if not over(entries, used):
+                return
+        raise InsufficientStorage(
+            f"namespace {namespace!r} is at its quota ({entries} entries, {used} bytes) with "
+            "nothing left to evict", code="namespace_quota", entries=entries, used=used)
+
+    # -- events and what they add up to ---------------------------------------------------
+    async def add_event(self, body: bytes) -> None:
+        """Record one run in the caller's namespace (from the token, never from the body)."""
+        wait = 0.0
+        if self.principal.namespace is not None:  # per token; auth off has none to key on
+            wait = self.cache.event_limiter.take(self.principal.name)
+        if wait > 0:
+            raise TooManyRequests(
+                f"more than {self.settings.event_rate:g} events/s from "
+                f"{self.principal.name!r}; retry in {wait:.1f}s",
+                headers={"retry-after": str(max(1, round(wait)))})
+        try:
+            event = parse_json(Event, body)
+        except SchemaError as exc:
+            raise Unprocessable("event does not match the schema", code="invalid_event",
+                                errors=exc.errors) from None
+        await self.index.add_event(self.home, event)
+
+    async def stats(self, *, since: float | None) -> dict[str, Any]:
+        return await reports.stats(self.index, scope=self.scope, since=since)
+
+    async def dashboard(self, *, hours: float) -> dict[str, Any]:
+        """Everything the dashboard shows, from rollups: cost independent of history."""
+        return await reports.dashboard(self.index, scope=self.scope, budget=self.cache.budget,
+                                       hours=hours)
+
+
+INLINE_PARSE_BYTES = 16 * 1024
+"""Larger manifests are validated in a worker thread: a real one is 1-3 KiB (~0.2 ms), but
+one of the 64 KiB allowed, full of fingerprint values, is ~5 ms of Python that every lookup
+on the event loop would wait for."""
+
+
+def parse_manifest(body: bytes, key: str) -> Manifest:
+    """A manifest, strictly validated (non-finite numbers included), for the URL's key."""
+    try:
+        manifest = parse_json(Manifest, body)
+    except SchemaError as exc:
+        errors = exc.errors
+        if errors and errors[0]["type"] == "json_invalid":
+            raise Unprocessable(f"manifest is not valid JSON: {errors[0]['msg']}",
+                                code="malformed_json") from None
+        raise Unprocessable("manifest does not match the schema", code="invalid_manifest",
+                            errors=errors) from None
+    if manifest.key != key:
+        raise Unprocessable(f"manifest key {manifest.key} differs from the URL key {key}",
+                            code="key_mismatch")
+    return manifest

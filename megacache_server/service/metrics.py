@@ -1,0 +1,149 @@
+"""Cache metrics: subclasses of the cache service that count, and the index's sums as metrics.
+
+As in bazel-remote (`disk/metrics.go`), the service knows nothing of Prometheus:
+`MeteredTenantCache` is a `TenantCache` that overrides only the calls it counts, and
+`MeteredCache` binds callers to it; `cache_metrics()` turns the index's running totals
+(which never go down) into metric families at scrape time. Per-request HTTP numbers live in
+`api.request_metrics`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from anyio import to_thread
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from megacache_server import __version__
+from megacache_server.errors import NotFound
+from megacache_server.service.auth import Principal
+from megacache_server.service.cache import Cache, EntryWrite, TenantCache
+from megacache_server.service.eviction import GcResult
+from megacache_server.store.index.base import ModelStats, Precondition, StoredEntry
+
+LOOKUPS = Counter("megacache_lookups_total", "Entry lookups by result", ["result"])
+UPLOADED = Counter("megacache_blob_upload_bytes_total", "Blob bytes uploaded")
+ENTRY_WRITES = Counter("megacache_entry_writes_total", "Entries written", ["result"])
+EVENTS = Counter("megacache_events_total", "Client events by result", ["result"])
+EVICTIONS = Counter("megacache_evictions_total", "Entries evicted and blobs collected",
+                    ["kind"])
+
+
+class MeteredTenantCache(TenantCache):
+    """A `TenantCache` that counts what it serves: same calls, same results."""
+
+    async def put_blob(self, digest: str, size: int, body: AsyncIterator[bytes]) -> bool:
+        created = await super().put_blob(digest, size, body)
+        UPLOADED.inc(size)
+        return created
+
+    async def put_entry(self, key: str, body: bytes, condition: Precondition) -> EntryWrite:
+        done = await super().put_entry(key, body, condition)
+        ENTRY_WRITES.labels("created" if done.created else "replaced").inc()
+        return done
+
+    async def get_entry(self, key: str, *, touch: bool = True) -> StoredEntry:
+        try:
+            entry = await super().get_entry(key, touch=touch)
+        except NotFound:
+            LOOKUPS.labels("miss").inc()
+            raise
+        LOOKUPS.labels("hit").inc()
+        return entry
+
+    async def add_event(self, body: bytes) -> None:
+        try:
+            await super().add_event(body)
+        except Exception:
+            EVENTS.labels("rejected").inc()
+            raise
+        EVENTS.labels("recorded").inc()
+
+
+class MeteredCache(Cache):
+    """The process-wide cache, counting what collection removes; the caches it binds to
+    callers count what they serve."""
+
+    def bound(self, principal: Principal) -> MeteredTenantCache:
+        return MeteredTenantCache(self, principal)
+
+    async def collect(self, **kwargs: Any) -> GcResult | None:
+        done = await super().collect(**kwargs)
+        if done is not None:
+            EVICTIONS.labels("entry").inc(done.evicted)
+            EVICTIONS.labels("blob").inc(done.deleted)
+        return done
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> Any:
+        return iter(self.families)
+
+
+async def cache_metrics(cache: TenantCache) -> bytes:
+    """The cache's own numbers for this caller's namespaces, in Prometheus text format."""
+    models = await cache.index.stats(namespace=cache.scope)
+    entries, entry_bytes = await cache.index.usage(cache.scope)
+    families: list[Any] = []
+    info = InfoMetricFamily("megacache_build", "Server build")
+    info.add_metric([], {"version": __version__, "index": cache.index.name,
+                         "blobs": cache.storage.blobs.name})
+    families.append(info)
+    entries_g = GaugeMetricFamily("megacache_entries", "Entries in the index")
+    entries_g.add_metric([], entries)
+    bytes_g = GaugeMetricFamily("megacache_entry_bytes",
+                                "Bytes named by entries (shared blobs counted per entry)")
+    bytes_g.add_metric([], entry_bytes)
+    families += [entries_g, bytes_g]
+    if cache.scope is None:
+        store = GaugeMetricFamily("megacache_store_bytes", "Bytes of blobs stored")
+        store.add_metric([], await cache.index.stored_bytes())
+        families.append(store)
+        if cache.cache.budget is not None:
+            budget = GaugeMetricFamily("megacache_store_budget_bytes", "Store budget")
+            budget.add_metric([], cache.cache.budget)
+            families.append(budget)
+    # Per-model series (11 per model) are built and rendered in a worker thread: with
+    # hundreds of models that is ~100 ms of Python, which on the event loop every lookup
+    # would wait for.
+    return await to_thread.run_sync(lambda: _render([*families, *_model_families(models)]))
+
+
+def _model_families(models: list[ModelStats]) -> list[Any]:
+    labels = ["namespace", "model"]
+    runs = CounterMetricFamily("megacache_runs", "Client runs reported, by outcome",
+                               labels=[*labels, "outcome"])
+    saved = CounterMetricFamily("megacache_compile_saved_seconds",
+                                "Compile seconds the cache saved", labels=labels)
+    spent = CounterMetricFamily("megacache_client_compile_seconds",
+                                "Compile seconds clients spent", labels=labels)
+    down = CounterMetricFamily("megacache_client_download_bytes",
+                               "Bytes clients downloaded", labels=labels)
+    tts = CounterMetricFamily("megacache_time_to_start_seconds",
+                              "Seconds from process start to the first compiled step, summed",
+                              labels=labels)
+    tts_n = CounterMetricFamily("megacache_time_to_start_runs",
+                                "Runs that reported a time to start", labels=labels)
+    for m in models:
+        key = [m.namespace, m.model]
+        for outcome, count in sorted(m.outcomes.items()):
+            runs.add_metric([*key, outcome], count)
+        saved.add_metric(key, m.saved_s)
+        spent.add_metric(key, m.compile_s)
+        down.add_metric(key, m.bytes_down)
+        tts.add_metric(key, m.tts_s)
+        tts_n.add_metric(key, m.tts_n)
+    return [runs, saved, spent, down, tts, tts_n]
+
+
+def _render(families: list[Any]) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return generate_latest(registry)
+

@@ -1,0 +1,89 @@
+"""What `/v1/stats` and the dashboard show, assembled from the index's rollups.
+
+Every number comes from running totals and hourly or daily rollups, never from raw events,
+so a report costs the same whatever the history. A new dashboard tile is a field added to
+`dashboard()` here and drawn by the page (`api/static/dashboard.html`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+from megacache_server.store.index.base import EntryInfo, Index, ModelStats
+
+
+async def stats(index: Index, *, scope: str | None, since: float | None) -> dict[str, Any]:
+    """Per-model and total runs, outcomes and savings of the namespace `scope` (None: all)."""
+    models = await index.stats(namespace=scope, since=since)
+    return {"total": _total(models), "models": [_model_row(m) for m in models]}
+
+
+async def dashboard(index: Index, *, scope: str | None, budget: int | None,
+                    hours: float) -> dict[str, Any]:
+    """Everything the dashboard shows for the last `hours`, for the namespace `scope`."""
+    now = time.time()
+    since = now - hours * 3600
+    models = await index.stats(namespace=scope, since=since)
+    bucket = 3600 if hours <= 72 else 86400
+    timeline = await index.timeline(namespace=scope, since=since, daily=bucket == 86400)
+    misses = await index.top_misses(namespace=scope, since=since, limit=10)
+    largest = await index.largest_entries(namespace=scope, limit=10)
+    entries, visible_bytes = await index.usage(scope)
+    if scope is None:
+        visible_bytes = await index.stored_bytes()
+    slots: dict[int, dict[str, float]] = {}
+    for slot in timeline:
+        start = slot.start // bucket * bucket
+        s = slots.setdefault(start, {"runs": 0, "warm": 0, "saved_s": 0.0, "tts_s": 0.0,
+                                     "tts_n": 0})
+        for name in ("runs", "warm", "saved_s", "tts_s", "tts_n"):
+            s[name] += getattr(slot, name)
+    return {
+        "generated_at": now,
+        "hours": hours,
+        "bucket_s": bucket,
+        "namespace": scope,
+        "total": _total(models),
+        "models": [_model_row(m) for m in models],
+        "timeline": [{"start": k, "runs": v["runs"], "warm": v["warm"],
+                      "saved_s": round(v["saved_s"], 3),
+                      "tts_s": round(v["tts_s"] / v["tts_n"], 3) if v["tts_n"] else None}
+                     for k, v in sorted(slots.items())],
+        "top_misses": [asdict(m) for m in misses],
+        "largest_entries": [_entry_row(e) for e in largest],
+        # a tenant sees the bytes its entries name; the store's total and budget are the
+        # operator's (auth off)
+        "store": {"bytes": visible_bytes, "entries": entries,
+                  "budget": budget if scope is None else None},
+    }
+
+
+def _model_row(m: ModelStats) -> dict[str, Any]:
+    row = asdict(m)
+    row.update(hit_rate=round(m.hit_rate, 4), compile_s=round(m.compile_s, 3),
+               saved_s=round(m.saved_s, 3), mean_tts_s=_round(m.mean_tts_s))
+    return row
+
+
+def _round(value: float | None) -> float | None:
+    return round(value, 3) if value is not None else None
+
+
+def _total(models: list[ModelStats]) -> dict[str, Any]:
+    runs = sum(m.runs for m in models)
+    warm = sum(m.outcomes["hit"] + m.outcomes["fallback"] for m in models)
+    saved = sum(m.saved_s for m in models)
+    tts_n = sum(m.tts_n for m in models)
+    return {"runs": runs, "warm": warm, "hit_rate": round(warm / runs, 4) if runs else 0.0,
+            "compile_s": round(sum(m.compile_s for m in models), 3),
+            "saved_s": round(saved, 3), "saved_hours": round(saved / 3600, 4),
+            "bytes_down": sum(m.bytes_down for m in models),
+            "bytes_up": sum(m.bytes_up for m in models),
+            "mean_tts_s": round(sum(m.tts_s for m in models) / tts_n, 3) if tts_n else None}
+
+
+def _entry_row(e: EntryInfo) -> dict[str, Any]:
+    return {"key": e.key, "model": e.model, "namespace": e.namespace, "bytes": e.size,
+            "pinned": e.pinned, "last_access": e.last_access}

@@ -1,0 +1,348 @@
+"""What the service keeps besides blob bytes, as five small storage protocols.
+
+- `EntryStore`: fingerprint key -> manifest (the action cache), with what eviction, quotas and
+  listings need already in columns (namespace, model, blob digests, size): nobody re-parses
+  manifests to learn them.
+- `BlobLedger`: which blobs the CAS holds, their sizes, last touch and owning namespaces.
+- `TokenStore`: bearer tokens, hashed.
+- `EventLog`: client runs, folded into rollups as they arrive (running totals that never go
+  down, hourly buckets, miss reasons), with raw events kept for a bounded time only.
+- `LockStore`: named locks shared by every replica.
+
+`Index` is all five; each backend (SQLite, Redis) implements it in one class. Only the cache
+service (`megacache_server.service.cache`) calls these: routes never do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from megacache_client.events import OUTCOMES, Event
+from megacache_server.errors import PreconditionFailed
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """An entry without its manifest bytes: what eviction, quotas and dashboards need."""
+
+    key: str
+    namespace: str
+    model: str
+    digests: tuple[str, ...]
+    size: int  # stored bytes of the blobs it names
+    created_at: float
+    updated_at: float
+    last_access: float
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class StoredEntry(EntryInfo):
+    manifest_json: bytes = b""
+    etag: str = ""
+
+
+@dataclass(frozen=True)
+class NewEntry:
+    """An entry to write: the validated manifest bytes and the columns derived from it."""
+
+    key: str
+    manifest_json: bytes
+    namespace: str
+    model: str
+    env_digest: str
+    hw_digest: str
+    digests: tuple[str, ...]
+    size: int
+    created_at: float
+
+
+@dataclass(frozen=True)
+class BlobRecord:
+    """What the index knows of a committed blob; `touched_at` guards it from early GC."""
+
+    digest: str
+    size: int
+    touched_at: float
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """A bearer token as stored: only its hash, never the token itself."""
+
+    token_id: str
+    name: str
+    token_hash: str
+    scopes: tuple[str, ...]
+    namespace: str
+    created_at: float
+    revoked: bool = False
+    expires_at: float | None = None  # epoch seconds; None: never
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
+
+
+@dataclass(frozen=True)
+class Precondition:
+    """HTTP conditional-request headers for an entry write (RFC 9110 §13)."""
+
+    if_match: str | None = None
+    if_none_match: str | None = None
+
+
+@dataclass
+class ModelStats:
+    namespace: str
+    model: str
+    runs: int = 0
+    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    compile_s: float = 0.0
+    saved_s: float = 0.0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    tts_s: float = 0.0
+    tts_n: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Runs that started warm (exact or fallback) over all runs."""
+        warm = self.outcomes["hit"] + self.outcomes["fallback"]
+        return warm / self.runs if self.runs else 0.0
+
+    @property
+    def mean_tts_s(self) -> float | None:
+        """Mean time from process start to the first compiled step, where clients said."""
+        return self.tts_s / self.tts_n if self.tts_n else None
+
+    def add(self, counters: dict[str, float]) -> None:
+        self.runs += int(counters.get("runs", 0))
+        for outcome in OUTCOMES:
+            self.outcomes[outcome] += int(counters.get(outcome, 0))
+        self.compile_s += counters.get("compile_s", 0.0)
+        self.saved_s += counters.get("saved_s", 0.0)
+        self.bytes_down += int(counters.get("bytes_down", 0))
+        self.bytes_up += int(counters.get("bytes_up", 0))
+        self.tts_s += counters.get("tts_s", 0.0)
+        self.tts_n += int(counters.get("tts_n", 0))
+
+
+@dataclass(frozen=True)
+class TimelineSlot:
+    start: int
+    runs: int
+    warm: int
+    saved_s: float
+    tts_s: float
+    tts_n: int
+
+
+@dataclass(frozen=True)
+class MissReason:
+    model: str
+    outcome: str
+    reason: str
+    count: int
+
+
+class EntryStore(ABC):
+    @abstractmethod
+    async def get(self, key: str, *, touch: bool = True) -> StoredEntry | None:
+        """The entry for `key`; `touch` records the access for LRU eviction."""
+
+    @abstractmethod
+    async def put(self, entry: NewEntry, condition: Precondition) -> tuple[StoredEntry, bool]:
+        """Write an entry atomically with its precondition; returns (entry, created).
+
+        Raises PreconditionFailed when the condition does not hold at write time.
+        """
+
+    @abstractmethod
+    async def list_entries(self, *, namespace: str | None = None, model: str | None = None,
+                           env_digest: str | None = None, hw_digest: str | None = None,
+                           limit: int) -> list[StoredEntry]:
+        """Entries matching every given filter, newest (by manifest created_at) first."""
+
+    @abstractmethod
+    async def entry_digests(self) -> dict[str, tuple[str, ...]]:
+        """Every entry's key and the blobs it names: fsck's side of its check, and no more
+        (at a million entries the rest of each entry is seconds of reading fsck discards)."""
+
+    @abstractmethod
+    async def largest_entries(self, *, namespace: str | None, limit: int) -> list[EntryInfo]:
+        """The biggest entries by stored bytes."""
+
+    @abstractmethod
+    async def usage(self, namespace: str | None = None) -> tuple[int, int]:
+        """(entries, bytes of their blobs) of a namespace, or of the whole store."""
+
+    @abstractmethod
+    async def delete(self, key: str, *, unless_pinned: bool = False) -> bool:
+        """Remove an entry; True if it was there (and, with `unless_pinned`, not pinned)."""
+
+    async def delete_unpinned(self, keys: list[str]) -> int:
+        """Evict many entries, each only if it is still there and unpinned; how many went.
+        Backends that can delete in batches override this."""
+        return sum([await self.delete(key, unless_pinned=True) for key in keys])
+
+    @abstractmethod
+    async def set_pinned(self, key: str, pinned: bool) -> bool:
+        """Pin (never evict) or unpin an entry; False if there is no such entry."""
+
+    async def flush_access(self) -> None:  # noqa: B027 - optional hook
+        """Write the access times a backend buffers, for a reader on another connection
+        (the off-loop collector) to see the same LRU order."""
+
+    @abstractmethod
+    async def lru_entries(self, limit: int, *, namespace: str | None = None,
+                          after: EntryInfo | None = None) -> list[EntryInfo]:
+        """Unpinned entries, least recently accessed first, from the one after `after` (the
+        last of the previous page): eviction candidates, read page by page."""
+
+
+class BlobLedger(ABC):
+    @abstractmethod
+    async def record_blob(self, digest: str, size: int, namespace: str) -> bool:
+        """Note a blob committed to the CAS for `namespace`; True if new to that namespace."""
+
+    @abstractmethod
+    async def stored_bytes(self) -> int:
+        """Total size of recorded blobs: what the store budget is checked against."""
+
+    @abstractmethod
+    async def pending_bytes(self, namespace: str) -> int:
+        """Bytes of blobs `namespace` uploaded that no entry names (yet)."""
+
+    @abstractmethod
+    async def recorded_digests(self) -> set[str]:
+        """The digest of every blob the index has recorded (fsck compares them with the
+        blob store), read in pages where the backend serves others meanwhile."""
+
+    async def blob_record(self, digest: str) -> BlobRecord | None:
+        """One blob's record, or None (backends with a faster point read override it)."""
+        return (await self.blob_records_of([digest])).get(digest)
+
+    @abstractmethod
+    async def blob_records_of(self, digests: list[str]) -> dict[str, BlobRecord]:
+        """The records of those of `digests` the index holds."""
+
+    @abstractmethod
+    async def unreferenced_blobs(self) -> list[BlobRecord]:
+        """Every recorded blob that no entry names (GC's candidates), read in pages."""
+
+    @abstractmethod
+    async def reference_counts(self, digests: list[str]) -> dict[str, int]:
+        """How many entries name each of `digests` (0 for none)."""
+
+    async def referenced(self, digests: list[str]) -> set[str]:
+        """Which of `digests` some entry names."""
+        return {d for d, n in (await self.reference_counts(digests)).items() if n}
+
+    @abstractmethod
+    async def touch_blobs(self, digests: list[str]) -> None:
+        """Mark blobs as just used (a manifest naming them is being written)."""
+
+    @abstractmethod
+    async def forget_blobs(self, digests: list[str]) -> None:
+        """Drop blobs' records (and their owners) after the store deleted them."""
+
+    async def forget_blob(self, digest: str) -> None:
+        await self.forget_blobs([digest])
+
+    @abstractmethod
+    async def owns_blob(self, namespace: str, digest: str) -> bool:
+        """Whether `namespace` may see this blob (the CAS dedupes bytes across namespaces)."""
+
+
+class TokenStore(ABC):
+    @abstractmethod
+    async def put_token(self, token: TokenRecord) -> None:
+        """Store a new token record."""
+
+    @abstractmethod
+    async def get_token(self, token_id: str) -> TokenRecord | None:
+        """A token record by id (revoked ones included)."""
+
+    @abstractmethod
+    async def list_tokens(self) -> list[TokenRecord]:
+        """Every token record, oldest first."""
+
+    @abstractmethod
+    async def revoke_token(self, token_id: str) -> bool:
+        """Revoke a token; False if there is no such token."""
+
+
+class EventLog(ABC):
+    @abstractmethod
+    async def add_event(self, namespace: str, event: Event) -> None:
+        """Record one run: its raw event, and its counters in every rollup."""
+
+    @abstractmethod
+    async def stats(self, *, namespace: str | None, since: float | None = None
+                    ) -> list[ModelStats]:
+        """Per-(namespace, model) sums since `since` (hour resolution; None: all time)."""
+
+    @abstractmethod
+    async def timeline(self, *, namespace: str | None, since: float,
+                       daily: bool = False) -> list[TimelineSlot]:
+        """Hourly runs, warm starts, seconds saved and time to start since `since`."""
+
+    @abstractmethod
+    async def top_misses(self, *, namespace: str | None, since: float,
+                         limit: int) -> list[MissReason]:
+        """The most frequent reasons runs did not start warm."""
+
+    @abstractmethod
+    async def prune_events(self, *, raw_before: float, rollups_before: float) -> int:
+        """Drop raw events and hourly rollups older than these times (totals stay)."""
+
+
+class LockStore(ABC):
+    @abstractmethod
+    async def acquire_lock(self, name: str, ttl_s: float) -> bool:
+        """Take a named lock shared by every replica (True if taken); it expires after ttl."""
+
+    @abstractmethod
+    async def release_lock(self, name: str) -> None:
+        """Release a lock this process took."""
+
+
+class Index(EntryStore, BlobLedger, TokenStore, EventLog, LockStore):
+    name: str = "abstract"
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Connect or create schema; called once at app start."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; called once at app stop."""
+
+    @abstractmethod
+    async def ping(self, *, write: bool = False) -> None:
+        """Raise if the index cannot serve requests; `write` also proves it can still write."""
+
+
+def check_precondition(condition: Precondition, current_etag: str | None) -> None:
+    """Shared by every backend so they agree on conditional-write semantics."""
+    if condition.if_match is not None:
+        tags = _tags(condition.if_match)
+        if current_etag is None or ("*" not in tags and current_etag not in tags):
+            raise PreconditionFailed(
+                "If-Match does not match the current entry", current_etag=current_etag
+            )
+    if condition.if_none_match is not None:
+        tags = _tags(condition.if_none_match)
+        if current_etag is not None and ("*" in tags or current_etag in tags):
+            raise PreconditionFailed(
+                "If-None-Match: the entry already exists", current_etag=current_etag
+            )
+
+
+def _tags(header: str) -> set[str]:
+    return {t.strip().removeprefix("W/") for t in header.split(",") if t.strip()}
+
+
+def entry_etag(manifest_json: bytes) -> str:
+    """A strong ETag for an entry: changes whenever its stored manifest bytes change."""
+    return '"' + hashlib.sha256(manifest_json).hexdigest()[:32] + '"'

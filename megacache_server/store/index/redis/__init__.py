@@ -1,0 +1,49 @@
+"""Index in Redis: shared by many stateless server replicas.
+
+One module per storage protocol (`entries`, `blobs`, `tokens`, `events`, `locks`), each a
+class on the shared connection of `connection.py`; the names of every key are in `keys.py`,
+the server-side scripts in `scripts/`. `RedisIndex` is all of them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from megacache_server.store.index.base import Index, NewEntry, entry_etag
+from megacache_server.store.index.redis.blobs import UNREF_RESEED_S, RedisBlobs
+from megacache_server.store.index.redis.entries import RedisEntries
+from megacache_server.store.index.redis.events import RedisEvents
+from megacache_server.store.index.redis.locks import RedisLocks
+from megacache_server.store.index.redis.tokens import RedisTokens
+
+
+class RedisIndex(RedisEntries, RedisBlobs, RedisTokens, RedisEvents, RedisLocks, Index):
+    name = "redis"
+
+    async def bulk_load(self, entries: list[tuple[NewEntry, float]],
+                        blobs: list[tuple[str, int, str]]) -> None:
+        """Write many new entries (each with its last-access time) and blob records in large
+        pipelines, with no preconditions: restoring a store, or filling one for a benchmark.
+        Every key is laid out as `put` and `record_blob` lay it out."""
+        fresh = not await self.r.exists(self.keys.blobs())
+        named = {d for entry, _ in entries for d in entry.digests}
+        for i in range(0, len(blobs), 5000):
+            async with self.r.pipeline(transaction=False) as pipe:
+                for digest, size, ns in blobs[i:i + 5000]:
+                    pipe.hset(self.keys.blobs(), digest, size)
+                    pipe.incrby(self.keys.stored_bytes(), size)
+                    self._own_blob(pipe, digest, ns, time.time())
+                    if digest not in named:
+                        pipe.sadd(self.keys.unref(), digest)
+                await pipe.execute()
+        if fresh:  # every blob here went through the lines above
+            await self.r.set(self.keys.unref_ready(), 1, nx=True, ex=UNREF_RESEED_S)
+        for i in range(0, len(entries), 2000):
+            async with self.r.pipeline(transaction=False) as pipe:
+                for entry, accessed in entries[i:i + 2000]:
+                    self._write_entry(pipe, entry, entry_etag(entry.manifest_json),
+                                      accessed, pinned=False)
+                await pipe.execute()
+
+
+__all__ = ["RedisIndex"]

@@ -1,0 +1,132 @@
+"""Every key the Redis index writes, all under one prefix (default `megacache:`).
+
+  entry:{key}            hash   manifest, etag, namespace, model, env, hw, size, digests,
+                                times, pinned
+  refs:{digest}          set    entry keys naming the blob (garbage collection)
+  by_model:{model}       zset   entry keys by created_at (fallback lookup)
+  by_envhw:{env}:{hw}    zset   entry keys by created_at (publish-side lookup)
+  entries / ns:{ns}      zset   every entry key (of a namespace) by created_at
+  lru / lru:{ns}         zset   entry keys by last access (eviction, quotas)
+  sizes / sizes:{ns}     zset   entry keys by stored bytes (largest entries)
+  usage                  hash   {ns}:entries, {ns}:bytes and *:entries, *:bytes
+  blobs                  hash   digest -> size;  blob_touched  zset digest -> last touch
+  unref                  set    blobs that may have no reference left: every blob recorded or
+                                left by an entry that went, until GC finds it named again
+                                (`unref_ready`: while set, the set covers every blob)
+  owned:{ns}             set    digests a namespace uploaded; blob_owners:{digest} the reverse
+  stored_bytes           int    sum of recorded blob sizes (the store budget)
+  tokens / token:{id}    zset / hash   token ids by creation; a token's record (its hash)
+  events:{ns}            list   recent raw events (capped)
+  total:{ns}             hash   "{model}\\t{counter}" -> running total (never goes down)
+  rollup:{ns}:{hour}     hash   the same, per hour (expires with the retention)
+  hourly:{ns}:{hour}     hash   "{counter}" -> the hour's sum over every model (the timeline
+                                reads 11 fields an hour, not 11 per model)
+  misses:{ns}:{hour}     zset   [model, outcome, reason] -> count
+  gen:{ns}:{hour}        int    events counted into that hour's rollups: a process keeps
+                                decoded periods until their generation moves (period_sums)
+  (rollup, hourly, misses and gen also exist as `{kind}_day:{ns}:{day}`, per UTC day)
+  daily_from             float  when this store began writing daily rollups
+  namespaces             set    namespaces that reported events
+  models:{ns}            set    model names its rollups count (at most rollups.MAX_MODELS)
+  lock:{name}            str    the owner of a lock shared by every replica (expires)
+  heartbeat              float  the last write readiness made
+
+The scripts in `scripts/` build the same names from the prefix they are given: a key renamed
+here is renamed there too.
+"""
+
+from __future__ import annotations
+
+Part = str | int | None
+
+
+class Keys:
+    """The names of the index's keys under `prefix`."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def _name(self, *parts: Part) -> str:
+        return self.prefix + ":".join("" if p is None else str(p) for p in parts)
+
+    # -- entries ----------------------------------------------------------------------
+    def entry(self, key: str) -> str:
+        return self._name("entry", key)
+
+    def refs(self, digest: str | None) -> str:
+        return self._name("refs", digest)
+
+    def by_model(self, model: str | None) -> str:
+        return self._name("by_model", model)
+
+    def by_envhw(self, env: str | None, hw: str | None) -> str:
+        return self._name("by_envhw", env, hw)
+
+    def created(self, namespace: str | None = None) -> str:
+        """Entry keys by created_at: every one, or a namespace's."""
+        return self._name("entries") if namespace is None else self._name("ns", namespace)
+
+    def lru(self, namespace: str | None = None) -> str:
+        return self._name("lru") if namespace is None else self._name("lru", namespace)
+
+    def sizes(self, namespace: str | None = None) -> str:
+        return self._name("sizes") if namespace is None else self._name("sizes", namespace)
+
+    def usage(self) -> str:
+        return self._name("usage")
+
+    # -- blobs ------------------------------------------------------------------------
+    def blobs(self) -> str:
+        return self._name("blobs")
+
+    def blob_touched(self) -> str:
+        return self._name("blob_touched")
+
+    def unref(self) -> str:
+        return self._name("unref")
+
+    def unref_ready(self) -> str:
+        return self._name("unref_ready")
+
+    def owned(self, namespace: str) -> str:
+        return self._name("owned", namespace)
+
+    def blob_owners(self, digest: str) -> str:
+        return self._name("blob_owners", digest)
+
+    def stored_bytes(self) -> str:
+        return self._name("stored_bytes")
+
+    # -- tokens -----------------------------------------------------------------------
+    def tokens(self) -> str:
+        return self._name("tokens")
+
+    def token(self, token_id: str) -> str:
+        return self._name("token", token_id)
+
+    # -- events -----------------------------------------------------------------------
+    def events(self, namespace: str) -> str:
+        return self._name("events", namespace)
+
+    def total(self, namespace: str) -> str:
+        return self._name("total", namespace)
+
+    def period(self, kind: str, namespace: str, start: int, *, daily: bool = False) -> str:
+        """A rollup of one hour (or UTC day): `kind` is rollup, hourly, misses or gen."""
+        return self._name(f"{kind}_day" if daily else kind, namespace, start)
+
+    def daily_from(self) -> str:
+        return self._name("daily_from")
+
+    def namespaces(self) -> str:
+        return self._name("namespaces")
+
+    def models(self, namespace: str) -> str:
+        return self._name("models", namespace)
+
+    # -- locks and health ---------------------------------------------------------------
+    def lock(self, name: str) -> str:
+        return self._name("lock", name)
+
+    def heartbeat(self) -> str:
+        return self._name("heartbeat")

@@ -1,0 +1,22 @@
+"""Index in SQLite (WAL): the embedded default, safe across several uvicorn workers.
+
+One module per storage protocol (`entries`, `blobs`, `tokens`, `events`, `locks`), each a
+class on the shared connections of `connection.py`; the tables are in `schema.py`.
+`SqliteIndex` is all of them.
+"""
+
+from __future__ import annotations
+
+from megacache_server.store.index.base import Index
+from megacache_server.store.index.sqlite.blobs import SqliteBlobs
+from megacache_server.store.index.sqlite.entries import SqliteEntries
+from megacache_server.store.index.sqlite.events import SqliteEvents
+from megacache_server.store.index.sqlite.locks import SqliteLocks
+from megacache_server.store.index.sqlite.tokens import SqliteTokens
+
+
+class SqliteIndex(SqliteEntries, SqliteBlobs, SqliteTokens, SqliteEvents, SqliteLocks, Index):
+    name = "sqlite"
+
+
+__all__ = ["SqliteIndex"]

@@ -1,0 +1,145 @@
+"""EventLog on SQLite: raw events for a bounded time, folded as they arrive into a running
+total per (namespace, model), hourly and daily rollups and miss-reason counts
+(`rollups.py` says how); reports read the rollups, never the raw events."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from typing import Any
+
+from megacache_client.events import Event
+from megacache_server.store.index import rollups
+from megacache_server.store.index.base import EventLog, MissReason, ModelStats, TimelineSlot
+from megacache_server.store.index.sqlite.connection import SqliteConnection, filters, transaction
+
+_UPSERT = ", ".join(f"{c}={c}+excluded.{c}" for c in rollups.COUNTERS)
+
+
+class SqliteEvents(SqliteConnection, EventLog):
+    async def add_event(self, namespace: str, event: Event) -> None:
+        now = time.time()
+        counters = rollups.event_counters(event)
+        columns = ", ".join(rollups.COUNTERS)
+        marks = ", ".join("?" * len(rollups.COUNTERS))
+        values = tuple(counters[c] for c in rollups.COUNTERS)
+        hour = rollups.event_hour(event, now)
+        day = hour // rollups.DAY * rollups.DAY
+
+        def op(c: sqlite3.Connection) -> None:
+            with transaction(c, immediate=True):
+                c.execute("INSERT INTO events (received_at, namespace, event) VALUES (?, ?, ?)",
+                          (now, namespace, event.to_json()))
+                model = _admitted_model(c, namespace, event.model)
+                for table, period in (("rollup_hourly", hour), ("rollup_daily", day)):
+                    c.execute(f"""INSERT INTO {table} VALUES (?, ?, ?, {marks})
+                                  ON CONFLICT DO UPDATE SET {_UPSERT}""",
+                              (namespace, period, model, *values))
+                c.execute(f"""INSERT INTO rollup_total (namespace, model, {columns})
+                              VALUES (?, ?, {marks}) ON CONFLICT DO UPDATE SET {_UPSERT}""",
+                          (namespace, model, *values))
+                if event.outcome not in ("hit", "fallback"):
+                    for table, column, period in (("miss_reasons", "hour", hour),
+                                                  ("miss_reasons_daily", "day", day)):
+                        row = (namespace, period, model, event.outcome, event.reason[:200])
+                        c.execute(f"""INSERT INTO {table} VALUES (?, ?, ?, ?, ?, 1)
+                                      ON CONFLICT DO UPDATE SET count=count+1""",
+                                  _admitted_reason(c, table, column, row))
+
+        await self._run(op)
+
+    async def stats(self, *, namespace: str | None, since: float | None = None
+                    ) -> list[ModelStats]:
+        sums = ", ".join(f"TOTAL({c})" for c in rollups.COUNTERS)
+        where, args = filters(namespace=namespace)
+        if since is None:
+            sql = f"SELECT namespace, model, {sums} FROM rollup_total{where} " \
+                  "GROUP BY namespace, model"
+        else:
+            rows, args = _windowed("namespace, model, " + ", ".join(rollups.COUNTERS),
+                                   "rollup", namespace, rollups.window(since, time.time()))
+            sql = f"SELECT namespace, model, {sums} FROM ({rows}) GROUP BY namespace, model"
+        found = await self._rows(sql, args)
+        return _model_stats(found)
+
+    async def timeline(self, *, namespace: str | None, since: float,
+                       daily: bool = False) -> list[TimelineSlot]:
+        rows, args = _windowed("runs, hit + fallback AS warm, saved_s, tts_s, tts_n", "rollup",
+                               namespace, rollups.window(since, time.time(), days=daily))
+        found = await self._rows(
+            "SELECT period, TOTAL(runs), TOTAL(warm), TOTAL(saved_s), TOTAL(tts_s), "
+            f"TOTAL(tts_n) FROM ({rows}) GROUP BY period ORDER BY period", args)
+        return [TimelineSlot(int(h), int(r), int(w), s, t, int(n))
+                for h, r, w, s, t, n in found]
+
+    async def top_misses(self, *, namespace: str | None, since: float,
+                         limit: int) -> list[MissReason]:
+        rows, args = _windowed("model, outcome, reason, count", "miss_reasons", namespace,
+                               rollups.window(since, time.time()))
+        found = await self._rows(
+            f"SELECT model, outcome, reason, SUM(count) AS n FROM ({rows}) "
+            "GROUP BY model, outcome, reason ORDER BY n DESC, model LIMIT ?", (*args, limit))
+        return [MissReason(m, o, r, int(n)) for m, o, r, n in found]
+
+    async def prune_events(self, *, raw_before: float, rollups_before: float) -> int:
+        def op(c: sqlite3.Connection) -> int:
+            with transaction(c, immediate=True):
+                n = c.execute("DELETE FROM events WHERE received_at < ?",
+                              (raw_before,)).rowcount
+                for table, period in (("rollup_hourly", "hour"), ("miss_reasons", "hour"),
+                                      ("rollup_daily", "day"), ("miss_reasons_daily", "day")):
+                    c.execute(f"DELETE FROM {table} WHERE {period} < ?",
+                              (rollups.hour_of(rollups_before) // rollups.DAY * rollups.DAY
+                               if period == "day" else rollups_before,))
+                return int(n)
+
+        return await self._run(op)
+
+
+def _admitted_model(c: sqlite3.Connection, namespace: str, model: str) -> str:
+    """`model`, or OTHER_MODELS once the namespace's rollups hold MAX_MODELS names."""
+    if c.execute("SELECT 1 FROM rollup_total WHERE namespace=? AND model=?",
+                 (namespace, model)).fetchone():
+        return model
+    known = c.execute("SELECT COUNT(*) FROM rollup_total WHERE namespace=?",
+                      (namespace,)).fetchone()[0]
+    return model if known < rollups.MAX_MODELS else rollups.OTHER_MODELS
+
+
+def _admitted_reason(c: sqlite3.Connection, table: str, column: str,
+                     row: tuple[str, int, str, str, str]) -> tuple[str, int, str, str, str]:
+    """The miss row to count: `row`, or its OTHER_REASONS row once the namespace's period
+    holds MAX_REASONS rows (both counts read the primary key's prefix)."""
+    namespace, period, model, outcome, _ = row
+    if c.execute(f"SELECT 1 FROM {table} WHERE namespace=? AND {column}=? AND model=? "
+                 "AND outcome=? AND reason=?", row).fetchone():
+        return row
+    known = c.execute(f"SELECT COUNT(*) FROM {table} WHERE namespace=? AND {column}=?",
+                      (namespace, period)).fetchone()[0]
+    return row if known < rollups.MAX_REASONS else (namespace, period, model, outcome,
+                                                    rollups.OTHER_REASONS)
+
+
+def _windowed(columns: str, table: str, namespace: str | None,
+              window: rollups.Window) -> tuple[str, tuple[Any, ...]]:
+    """The rows of `table`'s hourly and daily rollups that add up to `window` (one UNION ALL
+    with a `period` column), and its parameters. `table` is a prefix: rollup or
+    miss_reasons, whose hourly tables are rollup_hourly and miss_reasons."""
+    hourly = "rollup_hourly" if table == "rollup" else table
+    ns = "namespace=? AND " if namespace is not None else ""
+    ns_args: tuple[Any, ...] = (namespace,) if namespace is not None else ()
+    sql = (f"SELECT hour AS period, {columns} FROM {hourly} "
+           f"WHERE {ns}((hour >= ? AND hour < ?) OR hour >= ?) UNION ALL "
+           f"SELECT day AS period, {columns} FROM {table}_daily "
+           f"WHERE {ns}day >= ? AND day < ?")
+    return sql, (*ns_args, window.first_hour, window.day_start, window.day_end,
+                 *ns_args, window.day_start, window.day_end)
+
+
+def _model_stats(rows: list[tuple[Any, ...]]) -> list[ModelStats]:
+    out = []
+    for namespace, model, *sums in rows:
+        s = ModelStats(namespace, model)
+        s.add(dict(zip(rollups.COUNTERS, sums, strict=True)))
+        out.append(s)
+    return sorted(out, key=lambda s: (-s.runs, s.namespace, s.model))

@@ -1,0 +1,104 @@
+"""The server's layers, as the folders show them: `api` → `service` → `store`, never back.
+
+`errors` and `settings` sit below all three; `cli` and `__main__` above them. The server may
+import the client's shared definitions (the wire schema and the rest of `CLIENT_SHARED`),
+never the other way round, and no module imports itself back through others at import
+time.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER = ROOT / "megacache_server"
+CLIENT = ROOT / "megacache_client"
+
+RANK = {"errors": 0, "settings": 0, "store": 1, "service": 2, "api": 3, "cli": 4,
+        "__main__": 4, "": 4}
+"""A module may import from its own rank or below."""
+CLIENT_SHARED = {"manifest", "events", "rules", "signing", "exitcodes", "_version", "config"}
+"""What the server takes from the client: the wire schema (manifest, events and the rules
+they are checked with), the signature scheme, the exit codes and version both commands
+share, and the client's setting names (so unknown MEGACACHE_* variables can be named)."""
+
+
+def _module(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, *, top_level_only: bool) -> set[str]:
+    """Absolute names `path` imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text())
+    package = _module(path, path.parents[len(path.relative_to(ROOT).parts) - 2])
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return found
+
+
+def _rank(module: str) -> int:
+    part = module.split(".")[1] if "." in module else ""
+    return RANK[part]
+
+
+def test_no_import_runs_upward():
+    upward = []
+    for path in sorted(SERVER.rglob("*.py")):
+        module = _module(path, SERVER)
+        for name in _imports(path, top_level_only=False):
+            top, _, rest = name.partition(".")
+            part = rest.split(".")[0]
+            if (top == "megacache_server" and part in RANK and _rank(name) > _rank(module)) \
+                    or (top == "megacache_client" and part not in CLIENT_SHARED):
+                upward.append(f"{module} imports {name}")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_client_never_imports_the_server():
+    found = [f"{_module(p, CLIENT)} imports {name}" for p in sorted(CLIENT.rglob("*.py"))
+             for name in _imports(p, top_level_only=False)
+             if name.split(".")[0] == "megacache_server"]
+    assert not found, "\n".join(found)
+
+
+def test_no_import_cycles():
+    modules = {_module(p, SERVER): p for p in SERVER.rglob("*.py")}
+    graph = {m: {n for n in (_owner(i, modules) for i in _imports(p, top_level_only=True))
+                 if n is not None and n != m}
+             for m, p in modules.items()}
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(n):], n]))
+            elif n not in state:
+                visit(n, [*stack, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "\n".join(cycles)
+
+
+def _owner(name: str, modules: dict[str, Path]) -> str | None:
+    """The server module an imported name lives in (`a.b.C` -> `a.b`), if any."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
