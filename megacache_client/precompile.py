@@ -277,7 +277,7 @@ def _missing_globals(codes: list[Any], modules: dict[str, Any], builtin: dict[st
     for code in codes:
         if code.bypassed:
             continue
-        home = by_file.get(code.python_code.co_filename) or code.python_module
+        home = _defining_module(code, modules, by_file)
         module = modules.get(home)
         if module is None:
             missing.append(f"(module {home} not imported)")
@@ -292,6 +292,17 @@ def _missing_globals(codes: list[Any], modules: dict[str, Any], builtin: dict[st
                     continue
                 missing.append(name)
     return sorted(set(missing))
+
+
+def _defining_module(code: Any, modules: dict[str, Any], by_file: dict[Any, str]) -> str:
+    """The module whose globals the code runs in: the recorded one when its file is the
+    code's (a script is both `__main__` and, once multiprocessing has run, `__mp_main__`),
+    else whichever module was loaded from the code's file."""
+    filename = code.python_code.co_filename
+    recorded = modules.get(code.python_module)
+    if recorded is not None and getattr(recorded, "__file__", None) == filename:
+        return str(code.python_module)
+    return by_file.get(filename) or str(code.python_module)
 
 
 def _global_loads(code: Any) -> set[str]:

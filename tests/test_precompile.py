@@ -91,6 +91,28 @@ def test_an_entry_whose_bytecode_needs_an_unrecorded_global_is_neither_shipped_n
     assert consumer["kept"] == 0 and missing[0] in consumer["note"], consumer
 
 
+def test_a_script_aliased_as_mp_main_is_still_its_own_home():
+    """A script is both `__main__` and, once multiprocessing ran, `__mp_main__` (same
+    file): the names torch restores into `__main__` count for its code."""
+    import types
+
+    from megacache_client.precompile import _defining_module
+
+    script = types.ModuleType("__main__")
+    script.__file__ = "/job/train.py"
+    library = types.ModuleType("lib.modeling")
+    library.__file__ = "/site/lib/modeling.py"
+    modules = {"__main__": script, "__mp_main__": script, "lib.modeling": library}
+    by_file = {m.__file__: name for name, m in modules.items()}  # __mp_main__ wins here
+    code = types.SimpleNamespace(python_module="__main__",
+                                 python_code=types.SimpleNamespace(co_filename="/job/train.py"))
+    assert _defining_module(code, modules, by_file) == "__main__"
+    # a wrapper that copied the library function's __module__ (functools.wraps)
+    wrapped = types.SimpleNamespace(python_module="__main__", python_code=types.SimpleNamespace(
+        co_filename="/site/lib/modeling.py"))
+    assert _defining_module(wrapped, modules, by_file) == "lib.modeling"
+
+
 def test_recording_module_aliases_makes_the_entry_restorable(tmp_path):
     bundle = tmp_path / "bundle.bin"
     patched = python(tmp_path, PRODUCER, "record-aliases", str(bundle))
