@@ -275,7 +275,7 @@ def test_cli_ls_with_url_after_the_subcommand_talks_to_that_server():
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGACACHE_")}
     out = subprocess.run([sys.executable, "-m", "megacache_client.cli", "ls", "--url", url],
                          capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 4  # unreachable (exit codes: README)
+    assert out.returncode == 4  # unreachable (exit codes: docs/configuration.md)
     assert "list entries" in out.stderr and "unrecognized" not in out.stderr, out.stderr
 
 
