@@ -10,6 +10,8 @@ import json
 import logging
 from typing import Any
 
+from megacache_server.api.redact import redact
+
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: what log pipelines (Loki, ELK, Cloud Logging) ingest."""
@@ -19,9 +21,10 @@ class JsonFormatter(logging.Formatter):
             "ts": round(record.created, 3),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": redact(record.getMessage()),
         }
-        data.update(getattr(record, "fields", {}))
+        data.update({key: redact(value) if isinstance(value, str) else value
+                     for key, value in getattr(record, "fields", {}).items()})
         if record.exc_info:
             data["exc"] = self.formatException(record.exc_info)
         return json.dumps(data, separators=(",", ":"))

@@ -2,7 +2,9 @@
 
 The dashboard accepts its token as `/?token=mc_…` (so a link can carry it); uvicorn's text
 access log writes the whole request target, query included, so that token would sit in
-every log file and pipeline the logs go to. The JSON access log records the path only.
+every log file and pipeline the logs go to. A client may also percent-encode the `=`
+(`&token%3Dmc_…`) or put a token where no one expects one (the path, `X-Request-ID`): the
+JSON log redacts every value it writes, and a megacache token is masked wherever it stands.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import logging
 import re
 
-SECRET_PARAM = re.compile(r"((?:^|[?&;])(?:token|access_token)=)[^&;\s\"]*", re.IGNORECASE)
-BEARER = re.compile(r"\bmc_[0-9a-f]{16}_[A-Za-z0-9_-]+")
+SECRET_PARAM = re.compile(r"((?:^|[?&;]|%26|%3B)(?:token|access_token)(?:=|%3D))(?:(?!%26|%3B)[^&;\s\"])*",
+                          re.IGNORECASE)
+BEARER = re.compile(r"mc_[0-9a-f]{16}_[A-Za-z0-9_-]+")
+"""A megacache token anywhere in a string (no word boundary: `%3Dmc_…` has none)."""
 
 
 def redact(text: str) -> str:
