@@ -236,3 +236,37 @@ def test_concurrent_entry_writes_never_answer_500(teams: tuple[Team, Team]):
     with ThreadPoolExecutor(16) as pool:
         codes = list(pool.map(write, range(120)))
     assert all(c < 500 for c in codes), codes
+
+
+def _last_access(server: ServerProcess, key: str) -> float:
+    """The entry's LRU time as the backend holds it (what eviction orders by)."""
+    if server.backend.startswith("redis"):
+        import redis
+
+        url = server.extra_args[server.extra_args.index("--index") + 1]
+        value = redis.Redis.from_url(url).hget(
+            server.env["MEGACACHE_REDIS_PREFIX"] + f"entry:{key}", "last_access")
+        return float(value or 0)
+    with sqlite3.connect(server.data_dir / "index.sqlite3") as db:
+        return float(db.execute("SELECT last_access FROM entries WHERE key=?",
+                                (key,)).fetchone()[0])
+
+
+def test_a_lookup_of_another_tenants_key_does_not_reorder_its_eviction(
+        teams: tuple[Team, Team]):
+    import time
+
+    a, b = teams
+    key = a.publish("lru-target")
+    own = b.publish("lru-own")
+    before, own_before = _last_access(a.server, key), _last_access(a.server, own)
+    for _ in range(3):
+        assert b.http.get(f"/v1/ac/{key}").status_code == 404
+    # SQLite writes buffered access times at a touch a second after its last write: B's own
+    # lookups flush whatever its lookups of A's key would have buffered
+    deadline = time.monotonic() + 10
+    while _last_access(a.server, own) <= own_before and time.monotonic() < deadline:
+        time.sleep(0.3)
+        assert b.http.get(f"/v1/ac/{own}").status_code == 200
+    assert _last_access(a.server, own) > own_before  # access times did reach the store
+    assert _last_access(a.server, key) == before

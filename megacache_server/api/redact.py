@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import re
 
-SECRET_PARAM = re.compile(r"((?:^|[?&;]|%26|%3B)(?:token|access_token)(?:=|%3D))(?:(?!%26|%3B)[^&;\s\"])*",
-                          re.IGNORECASE)
+SECRET_PARAM = re.compile(
+    r"((?:^|[?&;]|%26|%3B)(?:token|access_token)(?:=|%3D))(?:(?!%26|%3B)[^&;\s\"])*",
+    re.IGNORECASE)
 BEARER = re.compile(r"mc_[0-9a-f]{16}_[A-Za-z0-9_-]+")
 """A megacache token anywhere in a string (no word boundary: `%3Dmc_…` has none)."""
 

@@ -275,10 +275,10 @@ class TenantCache:
     async def _visible_entry(self, key: str, *, touch: bool) -> StoredEntry:
         """`get_entry` for this class's own checks: a subclass that counts lookups by
         overriding `get_entry` does not count them."""
-        entry = await self.index.get(key, touch=touch)
-        if entry is None or not self.sees(entry.namespace):
+        entry = await self.index.get(key, touch=False)
+        if entry is None or not self.sees(entry.namespace):  # and its LRU rank left alone
             raise NotFound(f"no entry for key {key}", code="entry_not_found")
-        return entry
+        return await self.index.touch(entry) if touch else entry
 
     async def list_entries(self, *, namespace: str | None, model: str | None,
                            env: str | None, hw: str | None, limit: int) -> list[StoredEntry]:

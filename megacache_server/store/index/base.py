@@ -153,6 +153,11 @@ class EntryStore(ABC):
         """The entry for `key`; `touch` records the access for LRU eviction."""
 
     @abstractmethod
+    async def touch(self, entry: StoredEntry) -> StoredEntry:
+        """Record an access of `entry` for LRU eviction (the caller has checked that the
+        reader may see it: a lookup from another namespace must not reorder eviction)."""
+
+    @abstractmethod
     async def put(self, entry: NewEntry, condition: Precondition) -> tuple[StoredEntry, bool]:
         """Write an entry atomically with its precondition; returns (entry, created).
 

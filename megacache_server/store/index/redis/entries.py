@@ -9,6 +9,7 @@ replicas, the same contract the SQLite index keeps with BEGIN IMMEDIATE.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from redis.exceptions import WatchError
@@ -37,16 +38,23 @@ class RedisEntries(RedisConnection, EntryStore):
             if not data:
                 return None
             entry = _stored(key, data)
-            if touch:
-                now = time.time()
-                async with self.r.pipeline(transaction=False) as pipe:
-                    pipe.hset(self.keys.entry(key), "last_access", now)
-                    pipe.zadd(self.keys.lru(), {key: now})
-                    pipe.zadd(self.keys.lru(entry.namespace), {key: now})
-                    await pipe.execute()
-            return entry
+            return await self._touch(entry) if touch else entry
 
         return await self._do(op)
+
+    async def touch(self, entry: StoredEntry) -> StoredEntry:
+        return await self._do(lambda: self._touch(entry))
+
+    async def _touch(self, entry: StoredEntry) -> StoredEntry:
+        now = time.time()
+        async with self.r.pipeline(transaction=False) as pipe:
+            # a touch racing a delete leaves a hash without a model, ranked in the LRU:
+            # eviction's script removes such remains (delete_unpinned.lua)
+            pipe.hset(self.keys.entry(entry.key), "last_access", now)
+            pipe.zadd(self.keys.lru(), {entry.key: now})
+            pipe.zadd(self.keys.lru(entry.namespace), {entry.key: now})
+            await pipe.execute()
+        return replace(entry, last_access=now)
 
     async def put(self, entry: NewEntry, condition: Precondition) -> tuple[StoredEntry, bool]:
         etag = entry_etag(entry.manifest_json)

@@ -51,13 +51,14 @@ class SqliteEntries(SqliteConnection, EntryStore):
         if row is None:
             return None
         entry = _stored(row)
-        if touch:
-            now = time.time()
-            self._touched[key] = now
-            if time.monotonic() - self._flushed_at >= ACCESS_FLUSH_S and self._flushing is None:
-                self._flushing = asyncio.get_running_loop().create_task(self._flush())
-            entry = replace(entry, last_access=now)
-        return entry
+        return await self.touch(entry) if touch else entry
+
+    async def touch(self, entry: StoredEntry) -> StoredEntry:
+        now = time.time()
+        self._touched[entry.key] = now
+        if time.monotonic() - self._flushed_at >= ACCESS_FLUSH_S and self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        return replace(entry, last_access=now)
 
     async def flush_access(self) -> None:
         if self._flushing is not None:
