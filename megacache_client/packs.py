@@ -40,6 +40,12 @@ def decompress_bytes(data: bytes, raw_size: int, raw_sha256: str | None, cap: in
     if raw_size > cap:
         raise PackError(f"bundle would decompress to {raw_size} bytes, over the cap of {cap}")
     try:
+        # python-zstandard sizes its output by the frame's declared content size and ignores
+        # max_output_size when there is one: a frame that declares more is refused unread
+        declared = zstandard.frame_content_size(data)
+        if declared > raw_size:
+            raise PackError(f"bundle's zstd frame declares {declared} bytes, manifest says "
+                            f"{raw_size}")
         raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
     except zstandard.ZstdError as exc:
         raise PackError(f"bundle is not valid zstd: {exc}") from None
@@ -49,6 +55,12 @@ def decompress_bytes(data: bytes, raw_size: int, raw_sha256: str | None, cap: in
         raise PackError("bundle's decompressed bytes do not match the manifest's raw_sha256")
     return raw
 
+
+MAX_MEMBERS = 16_384
+"""Files a pack may hold: a large model's kernels are a few thousand; past this a pack is
+refused, not unpacked in full (empty members cost no bytes against the cap)."""
+MEMBER_COST = 512
+"""What each member counts against the byte cap besides its size: its tar header."""
 
 INDEX_NAME = "megacache-index.json"
 """A pack's optional first member: what each file is, independent of paths (relocate.py)."""
@@ -76,7 +88,7 @@ def write_pack(files: Iterable[tuple[str, Path]], dest: Path, index: bytes | Non
             for name, path in sorted(files):
                 if name == INDEX_NAME:
                     raise PackError(f"{INDEX_NAME} is reserved for the pack index")
-                info = tarfile.TarInfo(_safe_name(name))
+                info = tarfile.TarInfo(safe_name(name))
                 info.size = path.stat().st_size
                 info.mode = 0o755 if name.endswith(".so") else 0o644
                 info.mtime = 0
@@ -122,15 +134,19 @@ def _members(pack: Path, cap: int, *, suffixes: tuple[str, ...] | None,
              into: Path | None) -> list[tarfile.TarInfo]:
     seen: list[tarfile.TarInfo] = []
     total = 0
+    names: set[str] = set()
     try:
         with open(pack, "rb") as raw, \
                 zstandard.ZstdDecompressor().stream_reader(raw) as zr, \
                 tarfile.open(fileobj=zr, mode="r|", bufsize=1 << 20) as tar:
             for i, member in enumerate(tar):
+                if i >= MAX_MEMBERS:
+                    raise PackError(f"pack holds more than {MAX_MEMBERS} files")
                 if not member.isfile():
                     raise PackError(f"pack entry {member.name!r} is not a regular file")
-                name = _safe_name(member.name)
-                total += member.size
+                name = safe_name(member.name)
+                _require_no_clash(name, names)
+                total += member.size + MEMBER_COST
                 if total > cap:
                     raise PackError(f"pack expands past the cap of {cap} bytes")
                 if i == 0 and name == INDEX_NAME:
@@ -142,7 +158,12 @@ def _members(pack: Path, cap: int, *, suffixes: tuple[str, ...] | None,
                     if not target.exists():
                         src = tar.extractfile(member)
                         assert src is not None
-                        _write_atomic(target, src, member.size, executable=name.endswith(".so"))
+                        try:
+                            _write_atomic(target, src, member.size,
+                                          executable=name.endswith(".so"))
+                        except (NotADirectoryError, FileExistsError, IsADirectoryError):
+                            raise PackError(f"pack entry {name!r} clashes with a file or "
+                                            f"folder already in {into}") from None
                         seen.append(member)
                 else:
                     seen.append(member)
@@ -151,7 +172,18 @@ def _members(pack: Path, cap: int, *, suffixes: tuple[str, ...] | None,
     return seen
 
 
-def _safe_name(name: str) -> str:
+def _require_no_clash(name: str, names: set[str]) -> None:
+    """Each member names a new file, never one already in the pack nor a folder of one
+    (`a.so` then `a.so/b.so`): two members that clash are a malformed pack."""
+    parents = {str(p) for p in PurePosixPath(name).parents if str(p) != "."}
+    if name in names or f"{name}/" in names or parents & names:
+        raise PackError(f"pack entry {name!r} clashes with an earlier entry")
+    names.add(name)  # files by name, folders with a trailing slash
+    names.update(f"{p}/" for p in parents)
+
+
+def safe_name(name: str) -> str:
+    """`name` if it is a relative path that stays inside the folder it is unpacked into."""
     path = PurePosixPath(name)
     if path.is_absolute() or ".." in path.parts or not path.parts or "\\" in name \
             or any(p in ("", ".") for p in path.parts):

@@ -178,6 +178,8 @@ def index_bytes(ids: Mapping[str, str]) -> bytes:
 
 def parse_index(raw: bytes | None) -> dict[str, str]:
     """Shipped name -> identity from a pack index (empty for a pack without one)."""
+    from megacache_client.packs import PackError, safe_name
+
     if raw is None:
         return {}
     try:
@@ -185,10 +187,11 @@ def parse_index(raw: bytes | None) -> dict[str, str]:
         files = doc["files"]
         if doc.get("format") != INDEX_FORMAT or not isinstance(files, dict):
             raise ValueError("unknown index format")
-        return {str(k): str(v) for k, v in files.items() if re.fullmatch(r"[0-9a-f]{64}", v)}
+        # a name is where a shipped file will be looked for: `../` would point outside
+        # the unpacked pack, at any file the trainer can read, to be linked in as a kernel
+        return {safe_name(str(k)): str(v) for k, v in files.items()
+                if re.fullmatch(r"[0-9a-f]{64}", str(v))}
     except (ValueError, KeyError, TypeError) as exc:
-        from megacache_client.packs import PackError
-
         raise PackError(f"pack index is malformed: {exc}") from None
 
 
@@ -278,9 +281,12 @@ class KeyRecorder:
 
     def learn(self, root: Path, ids: Mapping[str, str]) -> None:
         """A pack's files are unpacked under `root`: they may stand in for their identities."""
+        inside = os.path.join(os.path.realpath(root), "")
         with self._lock:
             for name, ident in ids.items():
                 path = os.path.realpath(root / name)
+                if not path.startswith(inside):  # only files of the pack stand in for kernels
+                    continue
                 self.records[path] = ident
                 self.available.setdefault(ident, path)
 

@@ -58,7 +58,10 @@ class RemoteCache:
         """Made on first use (a rank that finds the breaker open makes none), with the
         process's one TLS context."""
         if self._client is None:
-            headers = {"user-agent": f"megacache-client/{__version__}"}
+            # identity only: blobs are compressed already, and a body a server or proxy
+            # encodes anyway is refused before it is read (`_refuse_encoded`)
+            headers = {"user-agent": f"megacache-client/{__version__}",
+                       "accept-encoding": "identity"}
             if self.config.token:
                 headers["authorization"] = f"Bearer {self.config.token}"
             self._client = httpx.Client(
@@ -68,6 +71,7 @@ class RemoteCache:
                                       connect=self.config.connect_timeout_s),
                 follow_redirects=True,
                 verify=tls_context(),
+                event_hooks={"response": [_refuse_encoded]},
             )
         return self._client
 
@@ -292,6 +296,21 @@ def _file_chunks(path: Path, progress: Progress | None) -> Iterator[bytes]:
             if progress:
                 progress(done, total)
             yield chunk
+
+
+def _refuse_encoded(response: httpx.Response) -> None:
+    """An answer in a Content-Encoding the client did not ask for is refused unread.
+
+    httpx decodes gzip, brotli and zstd bodies whatever was asked, a whole chunk at a time:
+    a hostile server's 32 KiB of zstd became gigabytes in memory before any size, digest or
+    signature check could run.
+    """
+    encoding = response.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise TransportError(
+            f"{response.request.method} {response.request.url.path}: the server answered "
+            f"with Content-Encoding {encoding[:40]!r} though the client asked for identity; "
+            "refusing to decode it", response.status_code)
 
 
 def _retryable(response: httpx.Response, what: str) -> RetryableStatus:

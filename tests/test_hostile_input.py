@@ -76,3 +76,126 @@ def test_no_token_reaches_the_logs_however_it_is_spelled(tmp_path, fmt: str):
         assert secret not in log, log[-2000:]
     finally:
         server.stop()
+
+
+# -- a hostile server or proxy in front of the client ------------------------------------
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def zstd_bomb_server() -> Iterator[str]:
+    """Answers every GET with 1 GiB of zeros as ~32 KiB of `Content-Encoding: zstd`."""
+    import http.server
+    import threading
+
+    import zstandard
+
+    cctx = zstandard.ZstdCompressor(level=19)
+    bomb = cctx.compress(b"\0" * (64 << 20))  # one 64 MiB frame, sent 16 times
+    body = bomb * 16
+
+    class Bomb(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-encoding", "zstd")
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Bomb)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_an_encoded_answer_is_refused_before_it_is_decoded(zstd_bomb_server: str, tmp_path):
+    import resource
+
+    from megacache_client.config import ClientConfig
+    from megacache_client.transport import RemoteCache, TransportError
+
+    cfg = ClientConfig.from_env({"MEGACACHE_URL": zstd_bomb_server, "MEGACACHE_RETRIES": "0",
+                                 "MEGACACHE_NODE_CACHE_DIR": str(tmp_path / "node")})
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with RemoteCache(cfg) as remote:
+        with pytest.raises(TransportError, match="Content-Encoding 'zstd'"):
+            remote.get_entry("a" * 64)
+        with pytest.raises(TransportError, match="Content-Encoding 'zstd'"):
+            remote.download_blob("b" * 64, 2_700, tmp_path / "blob")
+    assert not (tmp_path / "blob").exists()
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 256 * 1024, f"memory grew by {grown_kib} KiB"
+
+
+def test_a_frame_that_declares_more_than_the_manifest_is_refused_unread():
+    import resource
+
+    import zstandard
+
+    from megacache_client.packs import PackError, decompress_bytes
+
+    data = zstandard.ZstdCompressor(write_content_size=True).compress(b"\0" * GiB)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(PackError, match="declares 1073741824 bytes"):
+        decompress_bytes(data, 1_000, None, cap=4096)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 * 1024
+
+
+def _pack(path, members: list[tuple[str, bytes]]):
+    import io
+    import tarfile
+
+    import zstandard
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(zstandard.ZstdCompressor().compress(buf.getvalue()))
+    return path
+
+
+def test_a_pack_of_too_many_members_is_refused(tmp_path):
+    from megacache_client.packs import MAX_MEMBERS, PackError, unpack
+
+    pack = _pack(tmp_path / "many", [(f"k{i}.so", b"") for i in range(MAX_MEMBERS + 4000)])
+    with pytest.raises(PackError, match=f"more than {MAX_MEMBERS} files"):
+        unpack(pack, tmp_path / "out", suffixes=(".so",), cap=10**9)
+
+
+@pytest.mark.parametrize("names", [["a.so", "a.so/b.so"], ["a.so/b.so", "a.so"],
+                                   ["a.so", "a.so"]])
+def test_members_that_clash_are_a_pack_error(tmp_path, names: list[str]):
+    from megacache_client.packs import PackError, unpack
+
+    pack = _pack(tmp_path / "clash", [(n, b"k") for n in names])
+    with pytest.raises(PackError, match="clashes"):
+        unpack(pack, tmp_path / "out", suffixes=(".so",), cap=10**6)
+
+
+def test_a_pack_index_cannot_point_outside_the_pack(tmp_path):
+    import json
+
+    from megacache_client import relocate
+    from megacache_client.packs import PackError
+
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not a kernel")
+    ident = "c" * 64
+    raw = json.dumps({"format": relocate.INDEX_FORMAT, "build": {},
+                      "files": {"../secret.txt": ident}}).encode()
+    with pytest.raises(PackError, match="unsafe file name"):
+        relocate.parse_index(raw)
+    # and a name that resolves outside the unpacked folder never stands in for a kernel
+    recorder = relocate.KeyRecorder()
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "link").symlink_to(outside)
+    recorder.learn(tmp_path / "kernels", {"link": ident})
+    assert ident not in recorder.available
