@@ -384,6 +384,8 @@ async def gc_report(cache: Cache, *, dry_run: bool) -> int:
           f"{gc_plan.budget if gc_plan.budget is not None else 'none'}; "
           f"{gc_plan.kept_in_grace} unreferenced blob(s) within the "
           f"{cache.settings.gc_grace_s:.0f}s grace period kept")
+    if gc_plan.kept_held:
+        print(f"{gc_plan.kept_held} unreferenced blob(s) kept: a live job resolution names them")
     for key, why in gc_plan.evict:
         print(f"evict entry {key}  {why}")
     for digest, size, why, _ in gc_plan.delete:

@@ -34,7 +34,8 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 _DESCRIPTIONS = {
     400: "malformed input (digest, key, length, body)", 401: "missing or invalid token",
     403: "token lacks the scope or namespace", 404: "not found", 408: "upload stalled",
-    411: "Content-Length required", 412: "precondition failed", 413: "too large",
+    409: "held by another (a publish claim)", 411: "Content-Length required",
+    412: "precondition failed", 413: "too large",
     416: "range not satisfiable", 422: "invalid manifest or parameters",
     424: "a named blob is not stored", 431: "headers too large", 503: "storage unavailable",
     507: "store full",
@@ -87,6 +88,10 @@ class NotFound(ApiError):
 
 class RequestTimeout(ApiError):
     status, code = 408, "request_timeout"
+
+
+class Conflict(ApiError):
+    status, code = 409, "conflict"
 
 
 class LengthRequired(ApiError):

@@ -103,6 +103,29 @@ def test_over_budget_evicts_least_recently_used_first(settings: Settings):
     run(settings, scenario)
 
 
+def test_blobs_of_a_live_job_resolution_are_never_collected(settings: Settings):
+    """Eviction passes over an entry a live resolution holds (evicting it frees nothing),
+    and a held blob no entry names any more stays, until the resolution expires; apply
+    re-checks holds made after the plan."""
+    async def scenario(storage: Storage) -> None:
+        e = await entries_with_own_blobs(storage, 3)
+        now = time.time()
+        held = await storage.index.get(e[0].key, touch=False)
+        await storage.index.resolve("default", "job", 0, e[0].key, held, 600, now)
+        plan = await eviction.plan(storage, budget=2000, grace_s=0, low_water=0.5, now=now)
+        assert [k for k, _ in plan.evict] == [e[1].key, e[2].key]
+        await storage.index.delete(e[0].key)  # the entry goes; its held blob stays
+        plan = await eviction.plan(storage, budget=None, grace_s=0, now=now + 1)
+        assert plan.delete == [] and plan.kept_held == 1
+        stale = await eviction.plan(storage, budget=None, grace_s=0, now=now + 10**5)
+        assert [d.digest for d in stale.delete] == [e[0].blobs[0].digest]
+        done = await eviction.apply(storage, stale)  # the hold is still live: spared
+        assert (done.deleted, done.spared) == (0, 1)
+        assert await storage.blobs.stat(e[0].blobs[0].digest) == 1000
+
+    run(settings, scenario)
+
+
 def test_pinned_entries_are_never_evicted(settings: Settings):
     async def scenario(storage: Storage) -> None:
         e = await entries_with_own_blobs(storage, 3)

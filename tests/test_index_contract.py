@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -19,7 +20,15 @@ from services import LocalRedis
 from megacache_client.events import Event
 from megacache_client.rules import parse_json
 from megacache_server.errors import PreconditionFailed
-from megacache_server.store.index.base import Index, NewEntry, Precondition, TokenRecord
+from megacache_server.store.index.base import (
+    MAX_CLAIM_LEASE_S,
+    MAX_RESOLUTION_TTL_S,
+    Index,
+    NewEntry,
+    Precondition,
+    StoredEntry,
+    TokenRecord,
+)
 from megacache_server.store.index.sqlite import SqliteIndex
 
 INDEXES = ["sqlite", "redis"]
@@ -471,5 +480,131 @@ def test_lock_store_is_shared_and_expires(make_index: Callable[[], Index]):
             assert await other.acquire_lock("gc", ttl_s=0.3)
         finally:
             await other.close()
+
+    run(make_index, body)
+
+
+# -- JobStore ---------------------------------------------------------------------------
+async def _stored(ix: Index, key: str, **kwargs: object) -> StoredEntry:
+    await ix.put(entry(key, **kwargs), Precondition())  # type: ignore[arg-type]
+    got = await ix.get(key, touch=False)
+    assert got is not None
+    return got
+
+
+def test_job_store_one_resolution_per_attempt(make_index: Callable[[], Index]):
+    """Every rank of an attempt gets the first rank's answer, whatever it offers; a new
+    attempt, another job or another namespace resolves afresh; blobs are held meanwhile."""
+    async def body(ix: Index) -> None:
+        other = make_index()  # another process or replica on the same index
+        await other.open()
+        try:
+            now = time.time()
+            v1 = await _stored(ix, "k", digests=("a", "b"))
+            first = await ix.resolve("ns", "job-1", 0, "k", v1, 600, now)
+            assert first.hit and first.manifest_json == v1.manifest_json
+            assert first.etag == v1.etag and first.entry_namespace == "ns"
+            assert first.digests == ("a", "b") and first.expires_at >= now + 600
+            v2 = replace(v1, manifest_json=b'{"k":"v2"}', etag='"v2"', digests=("c",))
+            for i, ix_ in enumerate([ix, other] * 4):
+                again = await ix_.resolve("ns", "job-1", 0, "k", v2 if i % 2 else None,
+                                          600, now + i)
+                assert (again.manifest_json, again.etag, again.digests, again.resolved_at) \
+                    == (first.manifest_json, first.etag, first.digests, first.resolved_at)
+            retry = await other.resolve("ns", "job-1", 1, "k", v2, 600, now + 10)
+            assert retry.manifest_json == b'{"k":"v2"}' and retry.attempt == 1
+            miss = await ix.resolve("ns", "job-2", 0, "k", None, 600, now)
+            assert not miss.hit and miss.digests == () and miss.etag == ""
+            assert not (await other.resolve("ns", "job-2", 0, "k", v2, 600, now + 1)).hit
+            # another tenant's job of the same name is another record
+            assert (await ix.resolve("ns2", "job-1", 0, "k", None, 600, now)).hit is False
+            assert (await ix.resolve("ns", "job-1", 0, "k", None, 600, now)).hit
+            assert await ix.held_blobs(["a", "b", "c", "z"], now + 1) == {"a", "b", "c"}
+            assert await other.held_blobs(["a", "b", "c"], now + 10**6) == set()
+        finally:
+            await other.close()
+
+    run(make_index, body)
+
+
+def test_job_store_expiry_renewal_and_bounds(make_index: Callable[[], Index]):
+    async def body(ix: Index) -> None:
+        now = time.time()
+        v1 = await _stored(ix, "k", digests=("a",))
+        v2 = replace(v1, manifest_json=b'{"k":"v2"}', digests=("b",))
+        first = await ix.resolve("ns", "j", 0, "k", v1, 100, now)
+        assert first.expires_at == pytest.approx(now + 100)
+        # asked at 60 s: renewed (to at least half a ttl ahead), so still live at 150 s
+        renewed = await ix.resolve("ns", "j", 0, "k", v2, 100, now + 60)
+        assert renewed.manifest_json == v1.manifest_json and renewed.expires_at >= now + 110
+        assert (await ix.resolve("ns", "j", 0, "k", v2, 100, now + 105)).manifest_json \
+            == v1.manifest_json
+        assert await ix.held_blobs(["a"], now + 105) == {"a"}
+        # a shorter ttl never shortens a live resolution
+        short = await ix.resolve("ns", "j", 0, "k", v2, 1, now + 106)
+        assert short.manifest_json == v1.manifest_json and short.expires_at >= now + 155
+        # nobody asked for longer than its life: expired, resolved afresh
+        later = now + 10_000
+        fresh = await ix.resolve("ns", "j", 0, "k", v2, 100, later)
+        assert fresh.manifest_json == b'{"k":"v2"}' and fresh.resolved_at == pytest.approx(later)
+        assert await ix.held_blobs(["a", "b"], later + 1) == {"b"}
+        # every number is bounded, whatever the caller asks
+        huge = await ix.resolve("ns", "j2", 0, "k", v1, 10.0**12, now)
+        assert huge.expires_at <= now + MAX_RESOLUTION_TTL_S + 1
+        assert (await ix.resolve("ns", "j3", 0, "k", v1, float("nan"), now)).expires_at \
+            <= now + 2
+        await ix.prune_jobs(later + 10**6)
+        assert await ix.held_blobs(["a", "b"], later + 1) == set()
+
+    run(make_index, body)
+
+
+# -- ClaimStore -------------------------------------------------------------------------
+def test_claim_store_one_claimant_wins(make_index: Callable[[], Index]):
+    async def body(ix: Index) -> None:
+        indexes = [make_index() for _ in range(4)]
+        for other in indexes:
+            await other.open()
+        try:
+            now = time.time()
+            got = await asyncio.gather(*(indexes[i % 4].claim("ns", "k", f"node-{i}", 60, now)
+                                         for i in range(8)))
+            winners = [c for c in got if c.granted]
+            assert len(winners) == 1
+            winner = winners[0].holder
+            assert {c.holder for c in got} == {winner}  # the losers are told who holds it
+            assert all(c.expires_at == pytest.approx(now + 60) for c in got)
+            # the holder renews; a release by anyone else is refused and changes nothing
+            assert (await ix.claim("ns", "k", winner, 60, now + 30)).expires_at \
+                == pytest.approx(now + 90)
+            assert not await ix.release("ns", "k", "node-x", now + 31)
+            assert not (await ix.claim("ns", "k", "node-x", 60, now + 31)).granted
+            # other namespaces and keys are other claims
+            assert (await ix.claim("ns2", "k", "node-x", 60, now)).granted
+            assert (await ix.claim("ns", "k2", "node-x", 60, now)).granted
+            # the holder releases: the next claimant gets it at once
+            assert await ix.release("ns", "k", winner, now + 32)
+            assert await ix.release("ns", "k", winner, now + 32)  # idempotent
+            assert (await ix.claim("ns", "k", "node-y", 60, now + 33)).granted
+        finally:
+            for other in indexes:
+                await other.close()
+
+    run(make_index, body)
+
+
+def test_claim_store_expired_lease_is_taken_over(make_index: Callable[[], Index]):
+    async def body(ix: Index) -> None:
+        now = time.time()
+        assert (await ix.claim("ns", "k", "dead", 10, now)).granted
+        held = await ix.claim("ns", "k", "next", 10, now + 9)
+        assert not held.granted and held.holder == "dead"
+        taken = await ix.claim("ns", "k", "next", 10, now + 11)
+        assert taken.granted and taken.holder == "next"
+        assert not await ix.release("ns", "k", "dead", now + 12)  # lost it: refused
+        huge = await ix.claim("ns", "k2", "h", 10.0**9, now)
+        assert huge.expires_at <= now + MAX_CLAIM_LEASE_S + 1
+        await ix.prune_jobs(now + 10**6)
+        assert (await ix.claim("ns", "k", "third", 10, now + 10**6)).granted
 
     run(make_index, body)

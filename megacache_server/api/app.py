@@ -31,6 +31,7 @@ from megacache_server.api.routes.ac import router as ac_router
 from megacache_server.api.routes.cas import router as cas_router
 from megacache_server.api.routes.events import router as events_router
 from megacache_server.api.routes.health import router as health_router
+from megacache_server.api.routes.jobs import router as jobs_router
 from megacache_server.api.routes.observability import router as observe_router
 from megacache_server.errors import ApiError, BadRequest, error_body
 from megacache_server.service.cache import Cache
@@ -97,6 +98,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.state.cache = cache
     app.include_router(cas_router)
     app.include_router(ac_router)
+    app.include_router(jobs_router)
     app.include_router(events_router)
     app.include_router(observe_router)
     app.include_router(health_router)

@@ -15,6 +15,8 @@ Metrics subclass both (`service.metrics`) and override only what they count.
 from __future__ import annotations
 
 import logging
+import math
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from megacache_client.manifest import Manifest, component_digest
 from megacache_client.rules import SchemaError, parse_json
 from megacache_server.errors import (
     ApiError,
+    Conflict,
     FailedDependency,
     Forbidden,
     InsufficientStorage,
@@ -39,7 +42,16 @@ from megacache_server.service import auth, eviction, fsck, reports
 from megacache_server.service.auth import Principal, Scope
 from megacache_server.service.ratelimit import RateLimiter
 from megacache_server.settings import Settings
-from megacache_server.store.index.base import NewEntry, Precondition, StoredEntry, TokenRecord
+from megacache_server.store.index.base import (
+    MAX_CLAIM_LEASE_S,
+    MAX_RESOLUTION_TTL_S,
+    Claim,
+    NewEntry,
+    Precondition,
+    Resolution,
+    StoredEntry,
+    TokenRecord,
+)
 from megacache_server.store.storage import Storage
 
 log = logging.getLogger("megacache.cache")
@@ -47,6 +59,15 @@ log = logging.getLogger("megacache.cache")
 GC_LOCK = "gc"
 GC_LOCK_TTL_S = 600.0
 """Longer than any collect takes; a replica that dies holding it blocks GC this long."""
+
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""Job ids and claim holders: 1-128 of letters, digits, `.`, `_`, `-`, starting with a letter
+or digit. No `/`, `:` or NUL (they name index records); `.` and `..` cannot match."""
+MAX_ATTEMPT = 1_000_000
+DEFAULT_RESOLUTION_TTL_S = 6 * 3600.0
+"""How long a job attempt's resolution lives after the last rank asked, unless it says."""
+DEFAULT_CLAIM_LEASE_S = 600.0
+"""How long a publish claim lasts unless the claimant asks for another lease (or renews)."""
 
 
 class Collector(Protocol):
@@ -105,6 +126,7 @@ class Cache:
             if gc_plan.evict or gc_plan.delete:
                 done = await eviction.apply(self.storage, gc_plan)
             await self._prune_events()
+            await index.prune_jobs(time.time())
             return done
         finally:
             await index.release_lock(GC_LOCK)
@@ -350,6 +372,50 @@ class TenantCache:
             f"namespace {namespace!r} is at its quota ({entries} entries, {used} bytes) with "
             "nothing left to evict", code="namespace_quota", entries=entries, used=used)
 
+    # -- jobs: one resolution per job attempt, one publisher per key -----------------------
+    async def resolve(self, key: str, *, job: str, attempt: int,
+                      ttl_s: float = DEFAULT_RESOLUTION_TTL_S) -> Resolution:
+        """What `key` means for this job attempt, the same for every rank: the first caller's
+        answer (the entry this caller may see, or a miss) fixed for `ttl_s`, renewed as
+        ranks ask. Records are the caller's namespace's: another tenant's job of the same
+        name is another record, and the entry offered is only one this caller may read."""
+        job = require_id(job, "job")
+        if isinstance(attempt, bool) or not isinstance(attempt, int) \
+                or not 0 <= attempt <= MAX_ATTEMPT:
+            raise Unprocessable(f"attempt must be an integer from 0 to {MAX_ATTEMPT}",
+                                code="invalid_attempt")
+        ttl_s = require_seconds(ttl_s, MAX_RESOLUTION_TTL_S, "ttl_s")
+        try:
+            candidate: StoredEntry | None = await self._visible_entry(key, touch=True)
+        except NotFound:
+            candidate = None
+        return await self.index.resolve(self.home, job, attempt, key, candidate, ttl_s,
+                                        time.time())
+
+    async def claim(self, key: str, *, holder: str,
+                    lease_s: float = DEFAULT_CLAIM_LEASE_S) -> Claim:
+        """Claim the publish of `key` in the caller's namespace for `lease_s` (claiming again
+        renews it). 409 when another holder's lease is live: that one uploads."""
+        holder = require_id(holder, "holder")
+        lease_s = require_seconds(lease_s, MAX_CLAIM_LEASE_S, "lease_s")
+        now = time.time()
+        got = await self.index.claim(self.home, key, holder, lease_s, now)
+        if not got.granted:
+            remaining = max(0.0, got.expires_at - now)
+            raise Conflict(
+                f"key {key} is being published by {got.holder!r} (lease runs out in "
+                f"{remaining:.0f}s): skip the upload; add what the entry lacks once it is "
+                "written", code="claim_held", holder=got.holder, expires_at=got.expires_at,
+                remaining_s=round(remaining, 3))
+        return got
+
+    async def release_claim(self, key: str, *, holder: str) -> None:
+        """Give up `holder`'s claim (nothing to do if it lapsed); 409 if another holds it."""
+        holder = require_id(holder, "holder")
+        if not await self.index.release(self.home, key, holder, time.time()):
+            raise Conflict(f"the claim on key {key} is held by another holder, not "
+                           f"{holder!r}", code="claim_not_held")
+
     # -- events and what they add up to ---------------------------------------------------
     async def add_event(self, body: bytes) -> None:
         """Record one run in the caller's namespace (from the token, never from the body)."""
@@ -375,6 +441,26 @@ class TenantCache:
         """Everything the dashboard shows, from rollups: cost independent of history."""
         return await reports.dashboard(self.index, scope=self.scope, budget=self.cache.budget,
                                        hours=hours)
+
+
+def require_id(value: object, what: str) -> str:
+    """A job id or holder as ID_PATTERN allows, or 422 naming the rule (never echoing a
+    huge or binary value back whole)."""
+    if isinstance(value, str) and ID_PATTERN.fullmatch(value):
+        return value
+    shown = repr(value)[:80] if isinstance(value, str) else type(value).__name__
+    raise Unprocessable(f"{what} {shown} is not valid: 1-128 of A-Z a-z 0-9 . _ -, starting "
+                        "with a letter or digit", code=f"invalid_{what}")
+
+
+def require_seconds(value: object, limit: float, what: str) -> float:
+    """A finite number of seconds in (0, limit], or 422."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not 0 < value <= limit:
+        raise Unprocessable(f"{what} must be a number of seconds above 0 and at most "
+                            f"{limit:g}", code=f"invalid_{what.removesuffix('_s')}",
+                            limit=limit)
+    return float(value)
 
 
 INLINE_PARSE_BYTES = 16 * 1024

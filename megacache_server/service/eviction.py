@@ -7,8 +7,11 @@ Rules, in order:
 2. A blob no entry names is deleted once it has not been touched for the grace period:
    an upload followed a moment later by the manifest naming it is never collected in
    between (writing a manifest touches its blobs before checking them).
-3. Right before a blob is deleted, its references and last touch are read again, so a
-   manifest written while the plan was made keeps its blobs.
+3. A blob a live job resolution names (`JobStore.held_blobs`) stays, referenced or not: the
+   ranks of that job attempt were promised the entry as it was when their first rank asked.
+   An entry whose blobs are all held, or named by others, frees nothing and is not evicted.
+4. Right before a blob is deleted, its references, holds and last touch are read again, so a
+   manifest written (or a resolution made) while the plan was made keeps its blobs.
 
 `plan()` only reads, from the index's columns (never a manifest), page by page, so a
 plan over a million entries neither holds them all in memory nor stalls the event loop;
@@ -45,6 +48,7 @@ class GcPlan:
     evict: list[tuple[str, str]] = field(default_factory=list)  # (key, why)
     delete: list[Deletion] = field(default_factory=list)
     kept_in_grace: int = 0
+    kept_held: int = 0  # unreferenced blobs out of grace that a live job resolution names
 
     @property
     def freed_bytes(self) -> int:
@@ -79,16 +83,21 @@ async def plan(storage: Storage, *, budget: int | None, grace_s: float,
     result = GcPlan(stored_bytes=stored, budget=budget, target_bytes=target)
     # Blobs no entry names, out of their grace period: going anyway, whatever eviction does.
     idle: list[BlobRecord] = []
-    for rec in await index.unreferenced_blobs():
-        if rec.touched_at < now - grace_s:
-            idle.append(rec)
-        else:
+    unreferenced = await index.unreferenced_blobs()
+    held = await index.held_blobs([r.digest for r in unreferenced
+                                   if r.touched_at < now - grace_s], now)
+    for rec in unreferenced:
+        if rec.touched_at >= now - grace_s:
             result.kept_in_grace += 1
+        elif rec.digest in held:
+            result.kept_held += 1
+        else:
+            idle.append(rec)
     projected = stored - sum(rec.size for rec in idle)
     taken: list[EntryInfo] = []
     freed: dict[str, int] = {}
     if budget is not None and target is not None and stored > budget and projected > target:
-        taken, freed = await _Lru(index).evict_until(projected, target)
+        taken, freed = await _Lru(index, now).evict_until(projected, target)
     # Lists of a hundred thousand items are built off the event loop.
     await to_thread.run_sync(_conclude, result, taken, freed, idle, now, grace_s)
     return result
@@ -112,11 +121,13 @@ def _conclude(result: GcPlan, taken: list[EntryInfo], freed: dict[str, int],
 class _Lru:
     """Least-recently-used entries taken page by page until the bytes they free reach the
     target. A blob is freed only when every entry naming it goes (pinned entries count as
-    naming it). Entries taken that free no blob (all their blobs still named by entries
-    that stay) are put back: evicting one would lose a cache entry and free nothing."""
+    naming it) and no live job resolution holds it (a hold counts as one more name).
+    Entries taken that free no blob (all their blobs still named by entries that stay, or
+    held) are put back: evicting one would lose a cache entry and free nothing."""
 
-    def __init__(self, index: Index) -> None:
+    def __init__(self, index: Index, now: float) -> None:
         self.index = index
+        self.now = now
         self.refcount: dict[str, int] = {}
         self.sizes: dict[str, int] = {}
 
@@ -147,6 +158,8 @@ class _Lru:
         """Reference counts and sizes of blobs first met on this page."""
         new = sorted(digests - self.refcount.keys())
         self.refcount.update(await self.index.reference_counts(new))
+        for digest in await self.index.held_blobs(new, self.now):
+            self.refcount[digest] += 1
         self.sizes.update((d, rec.size)
                           for d, rec in (await self.index.blob_records_of(new)).items())
 
@@ -154,7 +167,7 @@ class _Lru:
 async def apply(storage: Storage, gc_plan: GcPlan) -> GcResult:
     """Act on a plan, re-checking each entry and blob as it goes (the plan may be stale):
     entries go in batches (an entry pinned since the plan stays), then each blob whose
-    references and last touch still allow it."""
+    references, holds and last touch still allow it."""
     result = GcResult()
     index = storage.index
     result.evicted = await index.delete_unpinned([key for key, _ in gc_plan.evict])
@@ -162,6 +175,7 @@ async def apply(storage: Storage, gc_plan: GcPlan) -> GcResult:
         part = gc_plan.delete[i:i + RECHECK]
         digests = [d.digest for d in part]
         named = await index.referenced(digests)
+        named |= await index.held_blobs(digests, time.time())
         records = await index.blob_records_of(digests)
         going: list[Deletion] = []
         for deletion in part:

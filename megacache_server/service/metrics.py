@@ -18,16 +18,25 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from megacache_server import __version__
-from megacache_server.errors import NotFound
+from megacache_server.errors import Conflict, NotFound
 from megacache_server.service.auth import Principal
 from megacache_server.service.cache import Cache, EntryWrite, TenantCache
 from megacache_server.service.eviction import GcResult
-from megacache_server.store.index.base import ModelStats, Precondition, StoredEntry
+from megacache_server.store.index.base import (
+    Claim,
+    ModelStats,
+    Precondition,
+    Resolution,
+    StoredEntry,
+)
 
 LOOKUPS = Counter("megacache_lookups_total", "Entry lookups by result", ["result"])
 UPLOADED = Counter("megacache_blob_upload_bytes_total", "Blob bytes uploaded")
 ENTRY_WRITES = Counter("megacache_entry_writes_total", "Entries written", ["result"])
 EVENTS = Counter("megacache_events_total", "Client events by result", ["result"])
+RESOLUTIONS = Counter("megacache_job_resolutions_total",
+                      "Job-attempt resolutions served, by what they resolved to", ["result"])
+CLAIMS = Counter("megacache_publish_claims_total", "Publish claims, by answer", ["result"])
 EVICTIONS = Counter("megacache_evictions_total", "Entries evicted and blobs collected",
                     ["kind"])
 
@@ -53,6 +62,20 @@ class MeteredTenantCache(TenantCache):
             raise
         LOOKUPS.labels("hit").inc()
         return entry
+
+    async def resolve(self, key: str, **kwargs: Any) -> Resolution:
+        done = await super().resolve(key, **kwargs)
+        RESOLUTIONS.labels("hit" if done.hit else "miss").inc()
+        return done
+
+    async def claim(self, key: str, **kwargs: Any) -> Claim:
+        try:
+            got = await super().claim(key, **kwargs)
+        except Conflict:
+            CLAIMS.labels("held").inc()
+            raise
+        CLAIMS.labels("granted").inc()
+        return got
 
     async def add_event(self, body: bytes) -> None:
         try:

@@ -1,6 +1,7 @@
 """Index in Redis: shared by many stateless server replicas.
 
-One module per storage protocol (`entries`, `blobs`, `tokens`, `events`, `locks`), each a
+One module per storage protocol (`entries`, `blobs`, `tokens`, `events`, `locks`, `jobs`: job
+resolutions and publish claims), each a
 class on the shared connection of `connection.py`; the names of every key are in `keys.py`,
 the server-side scripts in `scripts/`. `RedisIndex` is all of them.
 """
@@ -13,11 +14,13 @@ from megacache_server.store.index.base import Index, NewEntry, entry_etag
 from megacache_server.store.index.redis.blobs import UNREF_RESEED_S, RedisBlobs
 from megacache_server.store.index.redis.entries import RedisEntries
 from megacache_server.store.index.redis.events import RedisEvents
+from megacache_server.store.index.redis.jobs import RedisJobs
 from megacache_server.store.index.redis.locks import RedisLocks
 from megacache_server.store.index.redis.tokens import RedisTokens
 
 
-class RedisIndex(RedisEntries, RedisBlobs, RedisTokens, RedisEvents, RedisLocks, Index):
+class RedisIndex(RedisEntries, RedisBlobs, RedisTokens, RedisEvents, RedisLocks, RedisJobs,
+                 Index):
     name = "redis"
 
     async def bulk_load(self, entries: list[tuple[NewEntry, float]],

@@ -9,7 +9,7 @@ it.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -74,7 +74,7 @@ class RedisConnection:
         async with self._guard():
             return await fn()
 
-    async def _run_script(self, name: str, args: list[str]) -> Any:
+    async def _run_script(self, name: str, args: Sequence[str | bytes]) -> Any:
         """One of SCRIPTS on `args` (after the key prefix); registered once per connection
         pool, then run by its hash (EVALSHA, loaded again if the server lost it)."""
         if name not in self._scripts:

@@ -29,6 +29,11 @@
   namespaces             set    namespaces that reported events
   models:{ns}            set    model names its rollups count (at most rollups.MAX_MODELS)
   lock:{name}            str    the owner of a lock shared by every replica (expires)
+  job:{ns}:{job}:{attempt}:{key}
+                         hash   a job attempt's resolution of a key: manifest ("" for a miss),
+                                etag, entry_ns, digests, resolved_at, expires_at (expires)
+  held                   zset   digest -> latest expiry of the live resolutions naming it (GC)
+  claim:{ns}:{key}       hash   a publish claim: holder, expires_at (expires)
   heartbeat              float  the last write readiness made
 
 The scripts in `scripts/` build the same names from the prefix they are given: a key renamed
@@ -123,6 +128,16 @@ class Keys:
 
     def models(self, namespace: str) -> str:
         return self._name("models", namespace)
+
+    # -- jobs and claims (the scripts resolve.lua, claim.lua, release.lua build these too) --
+    def job(self, namespace: str, job: str, attempt: int, key: str) -> str:
+        return self._name("job", namespace, job, attempt, key)
+
+    def held(self) -> str:
+        return self._name("held")
+
+    def claim(self, namespace: str, key: str) -> str:
+        return self._name("claim", namespace, key)
 
     # -- locks and health ---------------------------------------------------------------
     def lock(self, name: str) -> str:

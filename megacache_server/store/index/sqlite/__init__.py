@@ -1,6 +1,7 @@
 """Index in SQLite (WAL): the embedded default, safe across several uvicorn workers.
 
-One module per storage protocol (`entries`, `blobs`, `tokens`, `events`, `locks`), each a
+One module per storage protocol (`entries`, `blobs`, `tokens`, `events`, `locks`, `jobs`: job
+resolutions and publish claims), each a
 class on the shared connections of `connection.py`; the tables are in `schema.py`.
 `SqliteIndex` is all of them.
 """
@@ -11,11 +12,13 @@ from megacache_server.store.index.base import Index
 from megacache_server.store.index.sqlite.blobs import SqliteBlobs
 from megacache_server.store.index.sqlite.entries import SqliteEntries
 from megacache_server.store.index.sqlite.events import SqliteEvents
+from megacache_server.store.index.sqlite.jobs import SqliteJobs
 from megacache_server.store.index.sqlite.locks import SqliteLocks
 from megacache_server.store.index.sqlite.tokens import SqliteTokens
 
 
-class SqliteIndex(SqliteEntries, SqliteBlobs, SqliteTokens, SqliteEvents, SqliteLocks, Index):
+class SqliteIndex(SqliteEntries, SqliteBlobs, SqliteTokens, SqliteEvents, SqliteLocks,
+                  SqliteJobs, Index):
     name = "sqlite"
 
 

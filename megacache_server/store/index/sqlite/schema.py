@@ -95,6 +95,32 @@ CREATE TABLE IF NOT EXISTS miss_reasons (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS miss_reasons_by_hour ON miss_reasons (hour);
 CREATE TABLE IF NOT EXISTS heartbeat (id INTEGER PRIMARY KEY, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS resolutions (
+    namespace       TEXT NOT NULL,
+    job             TEXT NOT NULL,
+    attempt         INTEGER NOT NULL,
+    key             TEXT NOT NULL,
+    manifest        BLOB NOT NULL,
+    etag            TEXT NOT NULL,
+    entry_namespace TEXT NOT NULL,
+    digests         TEXT NOT NULL,
+    resolved_at     REAL NOT NULL,
+    expires_at      REAL NOT NULL,
+    PRIMARY KEY (namespace, job, attempt, key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS resolutions_by_expiry ON resolutions (expires_at);
+CREATE TABLE IF NOT EXISTS held_blobs (
+    digest   TEXT PRIMARY KEY,
+    until    REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS held_blobs_by_until ON held_blobs (until);
+CREATE TABLE IF NOT EXISTS claims (
+    namespace   TEXT NOT NULL,
+    key         TEXT NOT NULL,
+    holder      TEXT NOT NULL,
+    expires_at  REAL NOT NULL,
+    PRIMARY KEY (namespace, key)
+) WITHOUT ROWID;
 """
 
 DAILY_SCHEMA = f"""

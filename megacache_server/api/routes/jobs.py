@@ -1,0 +1,116 @@
+"""`/v1/ac/{key}/resolve` and `/v1/ac/{key}/claim`: what a fleet agrees on.
+
+- resolve: every rank of one job attempt gets the answer its first rank got (the entry as it
+  was then, or a miss), whatever is published meanwhile: no rank starts warm while another
+  compiles.
+- claim: one publisher per key across the fleet; the others skip the upload.
+
+Bodies are small JSON objects read with a hard size limit; their values are checked by the
+cache service (`TenantCache.resolve`, `.claim`), which owns the rules.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Path, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from megacache_client.manifest import HEX64_PATTERN
+from megacache_server.api.deps import Reader, Writer
+from megacache_server.api.validation import request_body
+from megacache_server.errors import NotFound, PayloadTooLarge, Unprocessable, error_responses
+from megacache_server.service.cache import DEFAULT_CLAIM_LEASE_S, DEFAULT_RESOLUTION_TTL_S
+from megacache_server.service.signing import signature_headers
+
+router = APIRouter(prefix="/v1/ac", tags=["jobs"],
+                   responses=error_responses(400, 401, 403, 413, 422, 431, 503))
+Key = Annotated[str, Path(pattern=HEX64_PATTERN, description="fingerprint key")]
+M = TypeVar("M", bound=BaseModel)
+MAX_BODY = 4096
+"""A resolve or claim body is a few dozen bytes; nothing larger is read."""
+
+
+class ResolveRequest(BaseModel):
+    """Which job attempt asks, and how long its answer should outlive the last rank asking."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    job: str
+    attempt: int = 0
+    ttl_s: float = DEFAULT_RESOLUTION_TTL_S
+
+
+class ClaimRequest(BaseModel):
+    """Who claims the publish (an opaque id the claimant makes up), and for how long."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    holder: str
+    lease_s: float = DEFAULT_CLAIM_LEASE_S
+
+
+def _body_of(model: type[BaseModel]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": model.model_json_schema()}}}}
+
+
+@router.post(
+    "/{key}/resolve",
+    openapi_extra=_body_of(ResolveRequest),
+    responses={200: {"description": "the job attempt's entry (a manifest)",
+                     "content": {"application/json": {
+                         "schema": {"$ref": "#/components/schemas/Manifest"}}}},
+               404: {"description": "the job attempt resolved this key to a miss "
+                                    "(`resolved_miss`)"}},
+)
+async def resolve(key: Key, request: Request, cache: Reader) -> Response:
+    """The entry for `key` as this job attempt first saw it, or a miss, for every rank."""
+    body = await _parse(request, ResolveRequest)
+    done = await cache.resolve(key, job=body.job, attempt=body.attempt, ttl_s=body.ttl_s)
+    headers = {"x-megacache-resolution": "hit" if done.hit else "miss",
+               "x-megacache-resolved-at": f"{done.resolved_at:.6f}",
+               "x-megacache-expires-at": f"{done.expires_at:.6f}"}
+    if not done.hit:
+        raise NotFound(
+            f"job {done.job!r} attempt {done.attempt} resolved key {key} to a miss: every "
+            "rank of this attempt compiles it", code="resolved_miss", headers=headers,
+            job=done.job, attempt=done.attempt, resolved_at=done.resolved_at,
+            expires_at=done.expires_at)
+    headers |= {"etag": done.etag, **signature_headers(
+        cache.settings, key, done.entry_namespace, done.manifest_json)}
+    return Response(done.manifest_json, headers=headers, media_type="application/json")
+
+
+@router.post("/{key}/claim", openapi_extra=_body_of(ClaimRequest), responses={
+    200: {"description": "granted (or renewed): this holder uploads"},
+    **error_responses(409)})
+async def claim(key: Key, request: Request, cache: Writer) -> Response:
+    """Claim the publish of `key`: granted unless another holder's lease is live (409)."""
+    body = await _parse(request, ClaimRequest)
+    got = await cache.claim(key, holder=body.holder, lease_s=body.lease_s)
+    return Response(json.dumps({"granted": True, "holder": got.holder,
+                                "expires_at": got.expires_at, "lease_s": body.lease_s}),
+                    media_type="application/json")
+
+
+@router.delete("/{key}/claim", status_code=204, responses=error_responses(409))
+async def release_claim(key: Key, cache: Writer,
+                        holder: Annotated[str, Query(max_length=256)]) -> Response:
+    """Give up a claim (204 also when it had lapsed); 409 if another holder's is live."""
+    await cache.release_claim(key, holder=holder)
+    return Response(status_code=204)
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    raw = bytearray()
+    async for chunk in request_body(request):
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise PayloadTooLarge(f"body is over {MAX_BODY} bytes", limit=MAX_BODY)
+    try:
+        return model.model_validate_json(bytes(raw))
+    except ValidationError as exc:
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+                  for e in exc.errors()]
+        raise Unprocessable("request body is invalid", code="invalid_request",
+                            errors=errors) from None
