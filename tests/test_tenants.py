@@ -270,3 +270,57 @@ def test_a_lookup_of_another_tenants_key_does_not_reorder_its_eviction(
         assert b.http.get(f"/v1/ac/{own}").status_code == 200
     assert _last_access(a.server, own) > own_before  # access times did reach the store
     assert _last_access(a.server, key) == before
+
+
+def _slow_body(data: bytes, started: "threading.Barrier") -> Iterator[bytes]:
+    """The body in two halves, the second only once every uploader has sent its first:
+    all uploads are in flight at once, as N connections of a hostile tenant are."""
+    import threading
+
+    yield data[: len(data) // 2]
+    try:
+        started.wait(timeout=30)
+    except threading.BrokenBarrierError:  # another upload was refused: send the rest now
+        pass
+    yield data[len(data) // 2:]
+
+
+def test_uploads_in_flight_count_against_the_pending_quota(teams: tuple[Team, Team]):
+    import threading
+
+    a, b = teams
+    before = b.snapshot()
+    n, size = 8, 1_500_000  # 12 MB at once against a 4 MiB quota
+    started = threading.Barrier(n)
+    blobs = [os.urandom(size) for _ in range(n)]
+
+    def upload(data: bytes) -> int:
+        with httpx.Client(base_url=a.server.url, headers=a.headers, timeout=60) as c:
+            try:
+                return c.put(f"/v1/cas/{sha256(data)}", content=_slow_body(data, started),
+                             headers={"content-length": str(size)}).status_code
+            except httpx.HTTPError:  # refused before the body was read: the server closed
+                started.abort()
+                return 507
+
+    with ThreadPoolExecutor(n) as pool:
+        codes = list(pool.map(upload, blobs))
+    stored = [d for d in blobs if a.http.head(f"/v1/cas/{sha256(d)}").status_code == 200]
+    assert codes.count(201) == len(stored) <= (4 * MiB) // size, codes
+    assert 507 in codes, codes
+    assert b.snapshot() == before
+
+
+def test_another_tenants_bytes_pass_the_same_quota_as_new_ones(teams: tuple[Team, Team]):
+    a, b = teams
+    theirs = os.urandom(MiB)
+    assert b.http.put(f"/v1/cas/{sha256(theirs)}", content=theirs).status_code == 201
+    for _ in range(4):  # A fills its 4 MiB of unreferenced uploads
+        data = os.urandom(MiB)
+        a.http.put(f"/v1/cas/{sha256(data)}", content=data)
+    fresh = os.urandom(MiB)
+    new = a.http.put(f"/v1/cas/{sha256(fresh)}", content=fresh)
+    existing = a.http.put(f"/v1/cas/{sha256(theirs)}", content=theirs)
+    assert new.status_code == existing.status_code == 507, (new.text, existing.text)
+    assert new.json()["error"]["code"] == existing.json()["error"]["code"] == "pending_quota"
+    assert a.http.head(f"/v1/cas/{sha256(theirs)}").status_code == 404  # still not A's

@@ -14,11 +14,12 @@ Metrics subclass both (`service.metrics`) and override only what they count.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -86,6 +87,9 @@ class Cache:
         self.collector = collector
         self.event_limiter = RateLimiter(rate=self.settings.event_rate,
                                          burst=self.settings.event_burst)
+        self.uploading: dict[str, int] = {}
+        """Bytes of uploads in flight in this process, per namespace: counted against the
+        pending quota with what the index holds, so N connections cannot each pass it."""
 
     def bound(self, principal: Principal) -> TenantCache:
         return TenantCache(self, principal)
@@ -203,11 +207,17 @@ class TenantCache:
     # -- blobs --------------------------------------------------------------------------
     async def put_blob(self, digest: str, size: int, body: AsyncIterator[bytes]) -> bool:
         """Store verified bytes; True if new to this caller's namespace (whether another
-        team stored the same bytes is not this caller's to learn)."""
-        if await self.storage.blobs.stat(digest) is None:
-            await self._make_room(size)
-        await self.storage.blobs.put(digest, size, body)
-        return await self.index.record_blob(digest, size, self.home)
+        team stored the same bytes is not this caller's to learn).
+
+        Bytes new to this namespace pass its pending quota whether or not another team
+        stored them: a 507 for new bytes and a 201 for another team's would tell that
+        the bytes exist."""
+        new_here = not await self.index.owns_blob(self.home, digest)
+        with await self._reserve_pending(size if new_here else 0):
+            if await self.storage.blobs.stat(digest) is None:
+                await self._make_room(size)
+            await self.storage.blobs.put(digest, size, body)
+            return await self.index.record_blob(digest, size, self.home)
 
     async def blob_size(self, digest: str) -> int | None:
         """The blob's size if this caller may see it, else None: asked of the store."""
@@ -245,20 +255,41 @@ class TenantCache:
             return None
         return self.storage.blobs.presigned_url(digest)
 
-    async def _make_room(self, size: int) -> None:
-        """Refuse an upload that would crowd others out; evict LRU entries for one that fits.
+    async def _reserve_pending(self, size: int) -> contextlib.AbstractContextManager[None]:
+        """Hold `size` bytes of the namespace's pending quota until the upload is recorded.
 
         Blobs no manifest names yet are capped per namespace: one tenant's unreferenced
-        uploads can fill neither the store nor force out another tenant's entries.
+        uploads can fill neither the store nor force out another tenant's entries. Uploads
+        still streaming count too (checked and reserved with no await in between), so the
+        cap holds however many connections a tenant opens to this process.
         """
         cap = self.settings.pending_cap()
-        if cap is not None:
-            pending = await self.index.pending_bytes(self.home)
-            if pending + size > cap:
-                raise InsufficientStorage(
-                    f"namespace {self.home!r} holds {pending} bytes of blobs no entry names; "
-                    f"{size} more would pass its limit of {cap}: write the manifests that "
-                    "name them first", code="pending_quota", pending=pending, limit=cap)
+        if cap is None or size == 0:
+            return contextlib.nullcontext()
+        pending = await self.index.pending_bytes(self.home)
+        uploading = self.cache.uploading.get(self.home, 0)
+        if pending + uploading + size > cap:
+            raise InsufficientStorage(
+                f"namespace {self.home!r} holds {pending} bytes of blobs no entry names and "
+                f"{uploading} bytes in uploads; {size} more would pass its limit of {cap}: "
+                "write the manifests that name them first", code="pending_quota",
+                pending=pending + uploading, limit=cap)
+        self.cache.uploading[self.home] = uploading + size
+        return self._release_pending(size)
+
+    @contextlib.contextmanager
+    def _release_pending(self, size: int) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            left = self.cache.uploading.get(self.home, 0) - size
+            if left > 0:
+                self.cache.uploading[self.home] = left
+            else:
+                self.cache.uploading.pop(self.home, None)
+
+    async def _make_room(self, size: int) -> None:
+        """Refuse an upload that would crowd others out; evict LRU entries for one that fits."""
         budget = self.cache.budget
         if budget is None:
             return
