@@ -277,3 +277,31 @@ def test_replicas_give_every_rank_the_same_resolution(replicas: list[ServerProce
 
     with ThreadPoolExecutor(8) as pool:
         assert sorted(pool.map(claim, range(8))) == [200] + [409] * 7
+
+
+def test_the_fallback_is_chosen_once_per_attempt(fleet: ServerProcess):
+    """A key without an entry resolves to the model's newest compatible entry, chosen by the
+    first rank: an entry for the exact key published meanwhile changes nothing for the
+    attempt's other ranks (they would have listed entries at their own moments)."""
+    from megacache_client.manifest import component_digest
+
+    with as_team(fleet) as c:
+        older = publish(c, "fallback-v1", os.urandom(1024))
+        fp = make_fingerprint(code="fallback-v2", namespace="team-a")
+        rule = {"namespace": fp.namespace, "model": fp.model,
+                "env": component_digest(fp.env), "hw": component_digest(fp.hw)}
+        first = resolve(c, fp.key(), "job-fb", fallback=rule)
+        assert first.status_code == 200, first.text
+        assert Manifest.from_json(first.content).key == older.key  # the stand-in
+        exact = publish(c, "fallback-v2", os.urandom(1024))
+        assert exact.key == fp.key()
+        later = resolve(c, fp.key(), "job-fb", fallback=rule)
+        assert later.content == first.content
+        assert Manifest.from_json(resolve(c, fp.key(), "job-fb", attempt=1,
+                                          fallback=rule).content).key == exact.key
+        # a rule naming another namespace is refused, not answered from it
+        missing = make_fingerprint(code="fallback-v3", namespace="team-a").key()
+        other = resolve(c, missing, "job-fb-x", fallback={**rule, "namespace": "team-b"})
+        assert other.status_code == 403, other.text
+        bad = resolve(c, fp.key(), "job-fb-y", fallback={**rule, "env": "../x"})
+        assert bad.status_code == 422

@@ -169,6 +169,17 @@ class Cache:
 
 
 @dataclass(frozen=True)
+class FallbackRule:
+    """Which entry stands in for a missing key: the newest of `model` in `namespace` whose
+    env and hw components have these digests (the client's own fallback rule)."""
+
+    namespace: str
+    model: str
+    env: str
+    hw: str
+
+
+@dataclass(frozen=True)
 class EntryWrite:
     entry: StoredEntry
     created: bool
@@ -405,11 +416,16 @@ class TenantCache:
 
     # -- jobs: one resolution per job attempt, one publisher per key -----------------------
     async def resolve(self, key: str, *, job: str, attempt: int,
-                      ttl_s: float = DEFAULT_RESOLUTION_TTL_S) -> Resolution:
+                      ttl_s: float = DEFAULT_RESOLUTION_TTL_S,
+                      fallback: FallbackRule | None = None) -> Resolution:
         """What `key` means for this job attempt, the same for every rank: the first caller's
         answer (the entry this caller may see, or a miss) fixed for `ttl_s`, renewed as
         ranks ask. Records are the caller's namespace's: another tenant's job of the same
-        name is another record, and the entry offered is only one this caller may read."""
+        name is another record, and the entry offered is only one this caller may read.
+
+        With a `fallback`, a key without an entry resolves to the newest entry of that
+        namespace and model with the same env and hw: the fallback is chosen once, here,
+        since ranks that each listed entries at their own moment could choose apart."""
         job = require_id(job, "job")
         if isinstance(attempt, bool) or not isinstance(attempt, int) \
                 or not 0 <= attempt <= MAX_ATTEMPT:
@@ -419,9 +435,19 @@ class TenantCache:
         try:
             candidate: StoredEntry | None = await self._visible_entry(key, touch=True)
         except NotFound:
-            candidate = None
+            candidate = await self._fallback_candidate(fallback) if fallback else None
         return await self.index.resolve(self.home, job, attempt, key, candidate, ttl_s,
                                         time.time())
+
+    async def _fallback_candidate(self, rule: FallbackRule) -> StoredEntry | None:
+        newest = await self.list_entries(namespace=rule.namespace, model=rule.model,
+                                         env=rule.env, hw=rule.hw, limit=1)
+        if not newest:
+            return None
+        try:
+            return await self._visible_entry(newest[0].key, touch=True)
+        except NotFound:  # evicted since it was listed
+            return None
 
     async def claim(self, key: str, *, holder: str,
                     lease_s: float = DEFAULT_CLAIM_LEASE_S) -> Claim:

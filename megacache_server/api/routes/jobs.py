@@ -15,13 +15,17 @@ import json
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Path, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from megacache_client.manifest import HEX64_PATTERN
+from megacache_client.manifest import HEX64_PATTERN, NAMESPACE_PATTERN
 from megacache_server.api.deps import Reader, Writer
 from megacache_server.api.validation import request_body
 from megacache_server.errors import NotFound, PayloadTooLarge, Unprocessable, error_responses
-from megacache_server.service.cache import DEFAULT_CLAIM_LEASE_S, DEFAULT_RESOLUTION_TTL_S
+from megacache_server.service.cache import (
+    DEFAULT_CLAIM_LEASE_S,
+    DEFAULT_RESOLUTION_TTL_S,
+    FallbackRule,
+)
 from megacache_server.service.signing import signature_headers
 
 router = APIRouter(prefix="/v1/ac", tags=["jobs"],
@@ -32,6 +36,17 @@ MAX_BODY = 4096
 """A resolve or claim body is a few dozen bytes; nothing larger is read."""
 
 
+class FallbackRequest(BaseModel):
+    """The client's fallback rule, applied once for the whole job attempt (see
+    `TenantCache.resolve`): the newest entry of this model with these component digests."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    namespace: Annotated[str, Field(pattern=NAMESPACE_PATTERN)]
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    env: Annotated[str, Field(pattern=HEX64_PATTERN)]
+    hw: Annotated[str, Field(pattern=HEX64_PATTERN)]
+
+
 class ResolveRequest(BaseModel):
     """Which job attempt asks, and how long its answer should outlive the last rank asking."""
 
@@ -39,6 +54,7 @@ class ResolveRequest(BaseModel):
     job: str
     attempt: int = 0
     ttl_s: float = DEFAULT_RESOLUTION_TTL_S
+    fallback: FallbackRequest | None = None
 
 
 class ClaimRequest(BaseModel):
@@ -66,7 +82,9 @@ def _body_of(model: type[BaseModel]) -> dict[str, Any]:
 async def resolve(key: Key, request: Request, cache: Reader) -> Response:
     """The entry for `key` as this job attempt first saw it, or a miss, for every rank."""
     body = await _parse(request, ResolveRequest)
-    done = await cache.resolve(key, job=body.job, attempt=body.attempt, ttl_s=body.ttl_s)
+    rule = FallbackRule(**body.fallback.model_dump()) if body.fallback else None
+    done = await cache.resolve(key, job=body.job, attempt=body.attempt, ttl_s=body.ttl_s,
+                               fallback=rule)
     headers = {"x-megacache-resolution": "hit" if done.hit else "miss",
                "x-megacache-resolved-at": f"{done.resolved_at:.6f}",
                "x-megacache-expires-at": f"{done.expires_at:.6f}"}
