@@ -127,6 +127,48 @@ class RemoteCache:
                                       f"with the manifest of {manifest.key[:12]}…: refusing it")
         return manifest, r.headers.get("etag", "")
 
+    def resolve_entry(self, entry_key: str, *, job: str, attempt: int, ttl_s: float,
+                      fallback: dict[str, str] | None = None) -> tuple[Manifest, str] | None:
+        """The entry `entry_key` means for this job attempt (None: the attempt resolved it
+        to a miss), the same for every rank whatever is published meanwhile.
+
+        The answer may be another key's manifest only when a fallback rule was sent: the
+        server chose the stand-in once for the attempt. The signature covers the key asked.
+        """
+        body: dict[str, Any] = {"job": job, "attempt": attempt, "ttl_s": ttl_s}
+        if fallback is not None:
+            body["fallback"] = fallback
+        r = self._call(lambda t: self._http.post(f"/v1/ac/{entry_key}/resolve", json=body,
+                                                 timeout=t), "resolve entry")
+        if r.status_code == 404:
+            return None
+        self._expect(r, (200,), "resolve entry")
+        self._check_signature(entry_key, r)
+        manifest = Manifest.from_json(r.content)
+        if manifest.key != entry_key and fallback is None:
+            raise UntrustedEntryError(f"resolved entry {entry_key[:12]}…, the server answered "
+                                      f"with the manifest of {manifest.key[:12]}…: refusing it")
+        return manifest, r.headers.get("etag", "")
+
+    def claim(self, entry_key: str, *, holder: str, lease_s: float) -> str | None:
+        """Claim the publish of `entry_key`: None when granted, else who holds it."""
+        r = self._call(lambda t: self._http.post(
+            f"/v1/ac/{entry_key}/claim", json={"holder": holder, "lease_s": lease_s},
+            timeout=t), "claim publish")
+        if r.status_code == 409:
+            try:
+                return str(r.json()["error"]["holder"])[:128]
+            except (ValueError, KeyError, TypeError):
+                return "another publisher"
+        self._expect(r, (200,), "claim publish")
+        return None
+
+    def release_claim(self, entry_key: str, *, holder: str) -> None:
+        r = self._call(lambda t: self._http.delete(f"/v1/ac/{entry_key}/claim",
+                                                   params={"holder": holder}, timeout=t),
+                       "release claim")
+        self._expect(r, (204, 409), "release claim")
+
     def _check_signature(self, entry_key: str, r: httpx.Response) -> None:
         """With a verify key, the manifest must be signed by the server for this key and the
         client's namespace (a signature of another entry, replayed here, does not verify)."""
