@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from megacache_client import precompile, relocate, torch_env, tts, vec_isa
+from megacache_client import precompile, relocate, start_clock, torch_env, vec_isa
 from megacache_client._version import __version__
 from megacache_client.config import ClientConfig
 from megacache_client.events import Event, Outcome
@@ -142,7 +142,7 @@ class Session:
         self._warned = False
         self._publisher: threading.Thread | None = None
         self._lock = threading.RLock()
-        self.clock = tts.TimeToStart()
+        self.clock = start_clock.TimeToStart()
         self.prefetcher: Prefetcher | None = None
         self.precompile_off = ""
         """Why caching precompile is off in this process ("" when on)."""
@@ -210,7 +210,7 @@ class Session:
         """Called by the torch.compile hook with its result: time the first compiled step."""
         if not self.config.enabled or self.clock.first_step_end is not None:
             return compiled
-        return tts.watch(compiled, self.clock)
+        return start_clock.watch(compiled, self.clock)
 
     def load(self, target: Any = None, options: dict[str, Any] | None = None) -> LoadResult:
         """Steps 1-5 for what is about to be compiled: fingerprint, find, fetch, place, load."""
