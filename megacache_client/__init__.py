@@ -7,7 +7,7 @@ or set MEGACACHE_URL (and optionally MEGACACHE_MODEL, MEGACACHE_CODE, ...) and l
 autoload hook do it in every process, `torchrun` workers included.
 """
 
-from megacache_client import _lean  # noqa: F401  (first: httpx without its CLI, see _lean)
+from megacache_client import httpx_import  # noqa: F401  (first: httpx without its CLI)
 from megacache_client._version import __version__
 from megacache_client.api import cached, disable, enable, session
 from megacache_client.config import ClientConfig

@@ -120,16 +120,16 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_push(args: argparse.Namespace) -> int:
     from megacache_client.fingerprint import compute
-    from megacache_client.session import Session, build_manifest, upload_blobs
+    from megacache_client.publish import build_manifest, bundle_blob, upload_blobs
 
     config = _config(args, model=args.model, code=args.code)
-    session = Session(config)
+    node = NodeCache(config.node_cache_dir, config.lock_timeout_s)
     fp = compute(namespace=config.namespace, model=config.model, code=config.code)
     raw = args.bundle.read_bytes()
-    blob = session.bundle_blob(raw)
+    blob = bundle_blob(node, raw)
     manifest = build_manifest(fp, [blob], {}, args.cold_compile_s)
     with _remote(config) as remote:
-        sent = upload_blobs(remote, session.node, [blob], ProgressBar("megacache"))
+        sent = upload_blobs(remote, node, [blob], ProgressBar("megacache"))
         etag = remote.put_entry(manifest)
     print(f"pushed {manifest.key} ({sent} bytes uploaded, etag {etag})")
     return 0

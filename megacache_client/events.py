@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from typing import Annotated, Literal
 
 from megacache_client.manifest import Hex64
-from megacache_client.rules import Doc, Range, Schema, Size
+from megacache_client.schema import Doc, Range, Schema, Size
 
 Outcome = Literal["hit", "fallback", "miss", "invalid", "error", "inert"]
 OUTCOMES: tuple[Outcome, ...] = ("hit", "fallback", "miss", "invalid", "error", "inert")

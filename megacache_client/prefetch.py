@@ -40,15 +40,12 @@ from pathlib import Path
 
 from megacache_client import relocate, torch_env
 from megacache_client.config import ClientConfig
+from megacache_client.load import place, read_bundle, skip_reason
 from megacache_client.manifest import BlobRef, Manifest, Scalar
 from megacache_client.nodecache import NodeCache
-from megacache_client.packs import PackError, decompress_bytes, read_index, unpack
 from megacache_client.transport import Deadline, RemoteCache
 
 log = logging.getLogger("megacache")
-
-KERNEL_SUFFIXES = (".so",)
-TOOLCHAIN_SUFFIXES = (".h", ".gch")
 
 
 @dataclass
@@ -242,37 +239,3 @@ class Prefetcher:
                 return blob
         return None
 
-
-def place(role: str, pack: Path, cap: int) -> int:
-    """Unpack a kernels or toolchain pack where torch looks for those files; files written."""
-    roots = {"kernels": (torch_env.inductor_cache_dir(), KERNEL_SUFFIXES),
-             "toolchain": (torch_env.header_dir(), TOOLCHAIN_SUFFIXES)}
-    if role not in roots:
-        return 0
-    root, suffixes = roots[role]
-    ids = relocate.parse_index(read_index(pack))
-    placed = unpack(pack, root, suffixes=suffixes, cap=cap)
-    relocate.recorder().learn(root, ids)  # torch finds them under its own local names
-    return len(placed)
-
-
-def read_bundle(ref: BlobRef, path: Path, cap: int) -> bytes:
-    """A downloaded (verified) bundle blob as the bytes torch loads: decompressed with a size
-    cap and checked against the manifest's raw size and digest."""
-    data = path.read_bytes()
-    if ref.compression != "zstd":
-        return data
-    if ref.raw_size is None:
-        raise PackError("compressed bundle without raw_size")
-    return decompress_bytes(data, ref.raw_size, ref.raw_sha256, cap)
-
-
-def skip_reason(config: ClientConfig, blob: BlobRef) -> str:
-    """Why a compiled-artifact blob cannot help here (it would only cost a download)."""
-    if blob.role == "kernels" and not config.ship_kernels:
-        return "kernels disabled by configuration"
-    if blob.role == "toolchain" and not config.ship_toolchain:
-        return "toolchain disabled by configuration"
-    if blob.role in ("kernels", "toolchain"):
-        return relocate.refusal(blob.meta)
-    return ""

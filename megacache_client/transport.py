@@ -31,7 +31,7 @@ from megacache_client.errors import (
 )
 from megacache_client.manifest import Manifest, component_digest, sha256_file
 from megacache_client.retry import Deadline, RetryableStatus, retry_after_s, retryable, retrying
-from megacache_client.rules import parse
+from megacache_client.schema import parse
 from megacache_client.signing import SIGNATURE_HEADER, SigningError, signature_valid
 
 __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineExceeded",

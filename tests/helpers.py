@@ -16,7 +16,7 @@ import httpx
 from services import LOOPBACK, LocalServer, free_port
 
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
-from megacache_client.rules import parse
+from megacache_client.schema import parse
 
 __all__ = ["LOOPBACK", "ServerProcess", "free_port", "make_fingerprint", "make_manifest",
            "raw_http", "sha256"]

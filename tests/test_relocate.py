@@ -21,9 +21,9 @@ from jobs import GxxCounter, JobRun, Machine, run_job
 
 from megacache_client import relocate
 from megacache_client.config import ClientConfig
+from megacache_client.load import skip_reason
 from megacache_client.manifest import BlobRef
 from megacache_client.packs import INDEX_NAME, PackError, pack_names, read_index, unpack, write_pack
-from megacache_client.prefetch import skip_reason
 
 torch = need("torch", "kernel relocation compiles with torch")
 

@@ -1,5 +1,5 @@
 """The shared schema has two validators: the standard library one the client runs on its
-start path (`megacache_client.rules`) and pydantic's reading of the same declaration (the
+start path (`megacache_client.schema`) and pydantic's reading of the same declaration (the
 OpenAPI document). They must agree on what is valid, and the start path must not import
 pydantic at all (the reason the first one exists)."""
 
@@ -20,7 +20,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from megacache_client.events import Event
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
-from megacache_client.rules import SchemaError, parse, parse_json
+from megacache_client.schema import SchemaError, parse, parse_json
 
 Doc = dict[str, Any]
 

@@ -18,10 +18,11 @@ CLIENT = ROOT / "megacache_client"
 RANK = {"errors": 0, "settings": 0, "store": 1, "service": 2, "api": 3, "cli": 4,
         "__main__": 4, "": 4}
 """A module may import from its own rank or below."""
-CLIENT_SHARED = {"manifest", "events", "rules", "signing", "exitcodes", "_version", "config"}
-"""What the server takes from the client: the wire schema (manifest, events and the rules
-they are checked with), the signature scheme, the exit codes and version both commands
-share, and the client's setting names (so unknown MEGACACHE_* variables can be named)."""
+CLIENT_SHARED = {"manifest", "events", "schema", "signing", "exitcodes", "_version", "config"}
+"""What the server takes from the client: the wire schema (manifest, events and the field
+rules of `schema` they are checked with), the signature scheme, the exit codes and version
+both commands share, and the client's setting names (so unknown MEGACACHE_* variables can
+be named)."""
 
 
 def _module(path: Path, root: Path) -> str:

@@ -25,7 +25,7 @@ from helpers import ForwardingProxy, ServerProcess
 from jobs import GxxCounter, JobRun, Machine, run_job
 
 from megacache_client.events import Event
-from megacache_client.rules import SchemaError, parse, parse_json
+from megacache_client.schema import SchemaError, parse, parse_json
 
 MODEL, CODE = "start-mlp", "v1"
 READ_ONLY = {"MEGACACHE_MODE": "read-only"}
@@ -295,7 +295,8 @@ def test_process_start_is_read_from_the_boot_clock() -> None:
     asked = time.time()
     out = subprocess.run(
         [sys.executable, "-c", "import time; first_line = time.time()\n"
-         "from megacache_client import tts; print(tts.process_start_time(), first_line)"],
+         "from megacache_client import start_clock\n"
+         "print(start_clock.process_start_time(), first_line)"],
         capture_output=True, text=True, check=True).stdout.split()
     started, first_line = float(out[0]), float(out[1])
     tick = 1 / os.sysconf("SC_CLK_TCK")  # the kernel records the start in clock ticks

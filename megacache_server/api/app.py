@@ -181,7 +181,7 @@ def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
 
 def _openapi_with_models(app: FastAPI) -> None:
     """Put the shared schemas in components/schemas, where the routes refer to them (pydantic
-    reads the rules they are declared with; the routes validate with `rules.parse_json`).
+    reads the rules they are declared with; the routes validate with `schema.parse_json`).
 
     The routes read their bodies themselves (to give 413/422 their own way), so FastAPI
     does not know these models; without this the spec would carry dangling references.
@@ -193,7 +193,7 @@ def _openapi_with_models(app: FastAPI) -> None:
             return app.openapi_schema
         schema = base()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (Manifest, Event):  # pydantic reads the rules of megacache_client.rules
+        for model in (Manifest, Event):  # pydantic reads the rules of megacache_client.schema
             spec = TypeAdapter(model).json_schema(ref_template="#/components/schemas/{model}")
             components.update(spec.pop("$defs", {}))
             components[model.__name__] = spec

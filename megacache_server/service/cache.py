@@ -27,7 +27,7 @@ from anyio import to_thread
 
 from megacache_client.events import Event
 from megacache_client.manifest import Manifest, component_digest
-from megacache_client.rules import SchemaError, parse_json
+from megacache_client.schema import SchemaError, parse_json
 from megacache_server.errors import (
     ApiError,
     Conflict,

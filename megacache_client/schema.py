@@ -1,4 +1,4 @@
-"""Field rules: a schema declared once, checked with the standard library, read by pydantic.
+"""The wire schema: declared once, checked with the standard library, read by pydantic.
 
 A trainer reads a manifest on its way to the first compiled step, and importing pydantic
 there would be the largest single cost megacache adds to a warm start (~150 ms: pydantic

@@ -1,0 +1,267 @@
+"""The publish side of a session: snapshot this run's artifacts, pack them, upload, write.
+
+What a run ships is what torch saved, plus what it loaded from exact hits (a graph served
+from the cache is not saved again), plus its compiled kernels and the toolchain headers, as
+content-addressed blobs; each fingerprint the process compiled under then gets its own
+entry naming them. Blobs are written to the node cache first, so the upload streams from
+disk and a later run on this node finds them there. Every function raises on trouble: the
+session decides what a failure costs.
+
+`bundle_blob` and `upload_blobs` also serve `megacache push`, which ships a bundle made
+elsewhere without a session.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+from megacache_client import precompile, relocate, torch_env
+from megacache_client._version import __version__
+from megacache_client.config import ClientConfig
+from megacache_client.load import KERNEL_SUFFIXES, TOOLCHAIN_SUFFIXES, read_bundle
+from megacache_client.manifest import BlobRef, Fingerprint, Manifest, sha256_file, sha256_hex
+from megacache_client.nodecache import NodeCache
+from megacache_client.packs import PackError, compress_bytes, pack_names, read_index, write_pack
+from megacache_client.results import Snapshot, Track
+from megacache_client.transport import Progress, RemoteCache
+
+log = logging.getLogger("megacache")
+
+
+# -- snapshot: what this run has that its entries lack ------------------------------------
+def save_for_shipping(precompile_keys: dict[str, list[str]]
+                      ) -> tuple[torch_env.Artifacts, str] | None:
+    """torch's Mega-Cache of this process as artifacts to ship, and why its precompiled
+    Dynamo output is not among them ("" when it is); None when torch recorded nothing."""
+    saved = torch_env.save_bundle()
+    if saved is None:
+        return None
+    artifacts = torch_env.read_artifacts(saved[0])
+    if artifacts is None:
+        raise ValueError("torch could not read its own Mega-Cache bytes")
+    return precompile.for_shipping(artifacts, precompile_keys)
+
+
+def snapshot(artifacts: torch_env.Artifacts, tracks: Sequence[Track], node: NodeCache,
+             cap: int) -> Snapshot | None:
+    """This run's artifacts and kernels, listed on the caller's thread (fast), with the
+    tracks whose entries lack some of them; None when no entry lacks anything.
+
+    Kernels compare by path-free identity: a consumer whose torch is elsewhere holds the
+    entry's kernels under other names, and must not publish them back as new (thrash).
+    """
+    keys = torch_env.keys_of(artifacts)
+    kernels = _files(torch_env.inductor_cache_dir(), KERNEL_SUFFIXES,
+                     exclude=("triton", "locks"))
+    ids = relocate.recorder().ids_for(kernels)
+    kernels = relocate.dedupe(kernels, ids)
+    new_keys = {(kind, k) for kind, ks in keys.items() for k in ks}
+    lacking = [t for t in tracks
+               if _lacks(t, tracks, new_keys, relocate.content_ids(kernels, ids), node, cap)]
+    if not lacking:
+        return None
+    artifacts = torch_env.merged(_loaded_artifacts(tracks, node, cap), artifacts)
+    counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()}
+    return Snapshot(torch_env.to_bytes(artifacts), counts, kernels,
+                    torch_env.compile_seconds(), lacking)
+
+
+def _loaded_artifacts(tracks: Sequence[Track], node: NodeCache, cap: int
+                      ) -> torch_env.Artifacts:
+    """What this process loaded from exact hits, read again from the node cache.
+
+    torch's save holds only what this process recorded, and a graph served by a
+    precompiled Dynamo entry is never looked up in the FX-graph or AOTAutograd caches, so
+    a republish built from the save alone would drop every graph the run loaded but did
+    not compile. Fallback entries are left out: they are another code version's.
+    """
+    out: torch_env.Artifacts = {}
+    seen: set[str] = set()
+    for track in tracks:
+        load = track.load
+        ref = load.entry.blob("megacache") if load.entry is not None else None
+        if load.outcome != "hit" or ref is None or ref.digest in seen:
+            continue
+        seen.add(ref.digest)
+        path = node.path(ref.digest)
+        if not NodeCache.verified(path, ref.digest, ref.size):
+            continue
+        artifacts = torch_env.read_artifacts(read_bundle(ref, path, cap)) or {}
+        loaded = _loaded_with(tracks, ref)
+        out = torch_env.merged(out, {
+            kind: [a for a in items if (kind, a.key) in loaded]
+            for kind, items in artifacts.items()})
+    return out
+
+
+def _lacks(track: Track, tracks: Sequence[Track], new_keys: set[tuple[str, str]],
+           kernel_ids: set[str], node: NodeCache, cap: int) -> bool:
+    """Whether this track's entry should be (re)written with this run's artifacts."""
+    load, res = track.load, track.publish
+    if load.outcome in ("invalid", "error"):
+        res.reason = f"not publishing after a failed load ({load.outcome})"
+        return False
+    if load.outcome == "hit" and load.entry is not None \
+            and new_keys <= _loaded_with(tracks, load.entry.blob("megacache")) \
+            and kernel_ids <= _entry_pack_ids(load.entry, "kernels", node, cap):
+        res.reason = "the loaded entry already has everything this run compiled"
+        return False
+    return True
+
+
+def _loaded_with(tracks: Sequence[Track], bundle: BlobRef | None) -> set[tuple[str, str]]:
+    """What every track that loaded this bundle got from it: torch keeps one
+    Mega-Cache per process, so the tracks of one process share what they loaded."""
+    keys: set[tuple[str, str]] = set()
+    for t in tracks:
+        other = t.load.entry.blob("megacache") if t.load.entry is not None else None
+        if other is not None and bundle is not None and other.digest == bundle.digest:
+            keys |= t.load.loaded_keys
+    return keys
+
+
+def _entry_pack_ids(entry: Manifest, role: str, node: NodeCache, cap: int) -> set[str]:
+    """What the entry's pack holds (relocate.content_ids), read from the node cache."""
+    blob = entry.blob(role)
+    if blob is None:
+        return set()
+    path = node.path(blob.digest)
+    if not NodeCache.verified(path, blob.digest, blob.size):
+        return set()
+    try:
+        names = pack_names(path, cap)
+        return relocate.content_ids(names, relocate.parse_index(read_index(path)))
+    except PackError:
+        return set()
+
+
+# -- upload: the blobs once, then an entry per track --------------------------------------
+def upload(snap: Snapshot, config: ClientConfig, node: NodeCache, first: Track) -> None:
+    """Upload the blobs once, then write each track's entry (its own key, its own etag).
+    `first` is the session's first track: its entry and fingerprint find a stored
+    toolchain pack to reuse."""
+    with RemoteCache(config) as remote:
+        blobs = [bundle_blob(node, snap.raw, precompile.producer_meta(snap.counts))]
+        if config.ship_kernels and snap.kernels:
+            blobs.append(_pack_blob(node, "kernels", snap.kernels,
+                                    relocate.recorder().ids_for(snap.kernels)))
+        if config.ship_toolchain:
+            toolchain = _toolchain_blob(remote, node, first)
+            if toolchain is not None:
+                blobs.append(toolchain)
+        snap.tracks[0].publish.bytes_up += upload_blobs(remote, node, blobs)
+        for track in snap.tracks:
+            _put_entry(remote, track, blobs, snap)
+
+
+def _put_entry(remote: RemoteCache, track: Track, blobs: list[BlobRef], snap: Snapshot
+               ) -> None:
+    res, load = track.publish, track.load
+    manifest = build_manifest(track.fp, blobs, snap.counts, snap.compile_s, load.entry)
+    same_key = load.outcome == "hit" and load.etag
+    etag = remote.put_entry(manifest, if_match=load.etag if same_key else None,
+                            if_none_match=None if same_key else "*")
+    res.key = manifest.key
+    if etag is None:
+        res.reason = "another producer published this key first"
+    else:
+        res.published, res.reason = True, f"published {len(blobs)} blob(s)"
+        log.info("megacache: published %s for %s (%d bytes uploaded)", manifest.key[:12],
+                 track.fp.model, res.bytes_up)
+
+
+def bundle_blob(node: NodeCache, raw: bytes, meta: dict[str, str] | None = None) -> BlobRef:
+    """The Mega-Cache bundle `raw` compressed into the node cache, as the blob to upload."""
+    data = compress_bytes(raw)
+    digest = sha256_hex(data)
+    tmp = node.blob_dir / f".{uuid.uuid4().hex}.new"
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_bytes(data)
+    node.add(digest, tmp)
+    return BlobRef(digest=digest, size=len(data), role="megacache", compression="zstd",
+                   raw_size=len(raw), raw_sha256=sha256_hex(raw), meta=meta or {})
+
+
+def _pack_blob(node: NodeCache, role: str, files: dict[str, Path], ids: dict[str, str],
+               contents: str | None = None) -> BlobRef:
+    """A pack of compiled files with its identity index; its meta says what build made
+    it (the consumer's check), never where torch was installed."""
+    tmp = node.blob_dir / f".{uuid.uuid4().hex}.new"
+    raw_size, size = write_pack(files.items(), tmp, index=relocate.index_bytes(ids))
+    digest = sha256_file(tmp)
+    node.add(digest, tmp)
+    meta = {**relocate.build_meta(), "files": str(len(files))}
+    if contents is not None:
+        meta["contents"] = contents
+    return BlobRef(digest=digest, size=size, role=role, compression="zstd",
+                   raw_size=raw_size, meta=meta)
+
+
+def _toolchain_blob(remote: RemoteCache, node: NodeCache, first: Track) -> BlobRef | None:
+    """The precompiled header pack, reusing one already stored when it holds our files.
+
+    The header is model-independent but g++ does not write it byte-identically twice, so
+    content addressing alone would store a new ~21 MB copy per cold producer. Its
+    path-free content (identities of header text + flags) is recorded in the blob's
+    meta: a stored pack with the same contents and build facts is the same toolchain,
+    wherever its producer's torch was installed.
+    """
+    files = _files(torch_env.header_dir(), TOOLCHAIN_SUFFIXES, exclude=("locks",))
+    if not files:
+        return None
+    ids = relocate.recorder().ids_for(files)
+    files = relocate.dedupe(files, ids)
+    contents = sha256_hex(",".join(sorted(relocate.content_ids(files, ids))).encode())
+    loaded = [first.load.entry] if first.load.entry is not None else []
+    try:
+        stored = remote.list_entries(env=first.fp.env, hw=first.fp.hw, limit=20)
+    except Exception:
+        stored = []
+    for entry in loaded + stored:
+        blob = entry.blob("toolchain")
+        if blob is not None and blob.meta.get("contents") == contents \
+                and not relocate.refusal(blob.meta):
+            return blob
+    return _pack_blob(node, "toolchain", files, ids, contents=contents)
+
+
+def build_manifest(fp: Fingerprint, blobs: list[BlobRef], counts: dict[str, int],
+                   compile_s: float, loaded: Manifest | None = None) -> Manifest:
+    """cold_compile_s stays the cold time: a partly warm run only raises it, never lowers."""
+    cold = compile_s if loaded is None else max(compile_s, loaded.cold_compile_s)
+    return Manifest(
+        key=fp.key(), blobs=blobs, fingerprint=fp,
+        torch_version=torch_env.torch_version(), triton_version=torch_env.triton_version(),
+        artifact_counts=counts, cold_compile_s=round(cold, 3),
+        created_at=datetime.now(timezone.utc),
+        producer={"client": f"megacache {__version__}", "rank": os.environ.get("RANK", "0")},
+    )
+
+
+def upload_blobs(remote: RemoteCache, node: NodeCache, blobs: list[BlobRef],
+                 progress: Progress | None = None) -> int:
+    """Upload the blobs the server lacks (HEAD before PUT); returns the bytes sent."""
+    sent = 0
+    for blob in blobs:
+        if not remote.has_blob(blob.digest):
+            remote.upload_blob(node.path(blob.digest), blob.digest, progress)
+            sent += blob.size
+    return sent
+
+
+def _files(root: Path, suffixes: tuple[str, ...], exclude: tuple[str, ...]) -> dict[str, Path]:
+    if not root.is_dir():
+        return {}
+    found = {}
+    for path in root.rglob("*"):
+        rel = path.relative_to(root)
+        if rel.parts[0] in exclude or not path.is_file() or path.name.startswith("."):
+            continue
+        if path.name.endswith(suffixes):
+            found[rel.as_posix()] = path
+    return found

@@ -1,0 +1,96 @@
+"""The report step: what each run saw, as events the server turns into stats.
+
+One event per fingerprint the process compiled under. The process-wide figures (compile
+seconds, seconds saved, bytes, the time-to-start split) go on the first track's event only,
+so stats never count them twice. A bundle that loaded but served nothing is reported as
+`inert`, not as a hit: torch found none of its graphs, so it saved nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from megacache_client import precompile, torch_env
+from megacache_client.config import ClientConfig
+from megacache_client.events import Event
+from megacache_client.results import Track
+from megacache_client.start_clock import TimeToStart
+from megacache_client.transport import Deadline, RemoteCache
+
+log = logging.getLogger("megacache")
+
+
+def events(tracks: Sequence[Track], start_fields: Callable[[], dict[str, Any]],
+           warn: Callable[[str], None]) -> list[Event]:
+    """One event per track that got as far as an outcome; `start_fields` gives the first
+    one its time-to-start and precompile fields; `warn` hears of an inert bundle."""
+    counters = torch_env.cache_counters() if tracks else {}
+    compile_s = torch_env.compile_seconds() if tracks else 0.0
+    out = []
+    for n, track in enumerate(tracks):
+        event = _event(track, counters, compile_s if n == 0 else None, start_fields, warn)
+        if event is not None:
+            out.append(event)
+    return out
+
+
+def _event(track: Track, counters: dict[str, int], compile_s: float | None,
+           start_fields: Callable[[], dict[str, Any]], warn: Callable[[str], None]
+           ) -> Event | None:
+    res = track.load
+    if res.key is None or res.outcome is None:
+        return None
+    outcome = res.outcome
+    if outcome in ("hit", "fallback") and counters["fxgraph_miss"] > 0 \
+            and counters["fxgraph_hit"] + counters["aot_hit"] == 0 \
+            and precompile.counters()["served"] == 0:
+        outcome = "inert"
+        res.reason = ("bundle loaded but torch found none of its graphs (FX graph, "
+                      "AOTAutograd and precompiled Dynamo cache hits = 0)")
+        warn(res.reason)
+    cold = res.entry.cold_compile_s if res.entry is not None else None
+    saved = 0.0
+    if compile_s is not None and cold is not None and outcome != "inert":
+        saved = max(0.0, cold - compile_s)
+    first = compile_s is not None
+    return Event(
+        key=res.key, model=track.fp.model, outcome=outcome, reason=res.reason[:2000],
+        entry_key=res.entry.key if res.entry else None, differing=res.differing,
+        compile_s=round(compile_s or 0.0, 3), cold_compile_s=cold, saved_s=round(saved, 3),
+        load_s=round(res.seconds, 3), bytes_down=res.bytes_down,
+        bytes_up=track.publish.bytes_up, fxgraph_hit=counters["fxgraph_hit"] if first else 0,
+        fxgraph_miss=counters["fxgraph_miss"] if first else 0,
+        published=track.publish.published,
+        **(start_fields() if first else {}),
+    )
+
+
+def start_fields(clock: TimeToStart, precompile_note: str) -> dict[str, Any]:
+    """The event's time-to-start split and precompile fields."""
+    return {**_precompile_fields(precompile_note), **clock.fields()}
+
+
+def _precompile_fields(note: str) -> dict[str, Any]:
+    """The event's precompile counters (torch's) and why it was not used, if it was not."""
+    c = precompile.counters()
+    return {"precompile_hit": c["hit"], "precompile_miss": c["miss"] + c["error"],
+            "precompile_reason": note[:500]}
+
+
+def post_events(config: ClientConfig, events: Callable[[], list[Event]]) -> Event | None:
+    """POST this run's events (within the load deadline); returns the first one. A server
+    that cannot take them costs a debug line, never the trainer."""
+    try:
+        found = events()
+        if not found:
+            return None
+        with RemoteCache(config, deadline=Deadline(config.load_deadline_s)) as remote:
+            for event in found:
+                remote.post_event(event.to_dict())
+        return found[0]
+    except Exception as exc:
+        log.debug("megacache: could not report the run's events: %s", exc)
+        again = events()
+        return again[0] if again else None

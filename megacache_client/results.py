@@ -1,0 +1,74 @@
+"""What a session's steps produce: the records the lifecycle, the load, the publish and the
+report pass between them, kept apart so that each of those modules can import them without
+importing the others."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megacache_client.events import Outcome
+from megacache_client.manifest import Fingerprint, Manifest
+
+
+class MegacacheError(RuntimeError):
+    """Raised only in `required` mode, when the cache could not be used."""
+
+
+@dataclass
+class LoadResult:
+    outcome: Outcome | None = None
+    key: str | None = None
+    entry: Manifest | None = None
+    etag: str | None = None
+    differing: list[str] = field(default_factory=list)
+    reason: str = ""
+    bytes_down: int = 0
+    loaded_keys: set[tuple[str, str]] = field(default_factory=set)
+    placed: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    steps: dict[str, float] = field(default_factory=dict)
+    precompile: str = ""
+    """Why the entry's precompiled Dynamo output was not loaded ("" when loaded or absent)."""
+
+    def timer(self) -> Callable[[str], None]:
+        """Returns `mark(name)`: records the seconds since the previous mark under `name`."""
+        last = [time.monotonic()]
+
+        def mark(name: str) -> None:
+            now = time.monotonic()
+            self.steps[name] = round(now - last[0], 4)
+            last[0] = now
+
+        return mark
+
+
+@dataclass
+class PublishResult:
+    published: bool = False
+    reason: str = ""
+    bytes_up: int = 0
+    key: str | None = None
+
+
+@dataclass
+class Track:
+    """One fingerprint this process compiled under: its entry's load and its publish."""
+
+    fp: Fingerprint
+    load: LoadResult
+    publish: PublishResult = field(default_factory=PublishResult)
+
+
+@dataclass
+class Snapshot:
+    """This run's artifacts, taken once, and the tracks whose entries lack some of them."""
+
+    raw: bytes
+    counts: dict[str, int]
+    kernels: dict[str, Path]
+    compile_s: float
+    tracks: list[Track]
