@@ -50,12 +50,23 @@ def await_prefetch(prefetcher: Prefetcher | None, wait_s: float, result: LoadRes
     return None if done.error else done
 
 
-def prefetch_failure(prefetcher: Prefetcher | None, exc: Exception) -> str:
-    """The prefetch's own error, when it is why the load found the server marked down."""
-    done = prefetcher.wait(0) if prefetcher is not None else None
-    if isinstance(exc, CircuitOpenError) and done is not None and done.error:
-        return f" (the prefetch: {done.error})"
-    return ""
+def failure_reason(prefetcher: Prefetcher | None, exc: Exception) -> str:
+    """Why the load failed, the root cause first: when it found the server marked down
+    because this process's own prefetch (or the earlier one it continued) gave up on it,
+    that prefetch's error is the reason, not the breaker it opened."""
+    reason = f"{type(exc).__name__}: {exc}"
+    if not isinstance(exc, CircuitOpenError):
+        return reason
+    errors = []
+    while prefetcher is not None:
+        done = prefetcher.wait(0)
+        if done is not None and done.error:
+            errors.append(done.error)
+        prefetcher = prefetcher.previous
+    root = next((e for e in errors if not e.startswith(CircuitOpenError.__name__)), None)
+    if root is not None:
+        return f"{root} (the prefetch; then {reason})"
+    return f"{reason} (the prefetch: {errors[0]})" if errors else reason
 
 
 def watch_kernel_keys() -> str:

@@ -30,11 +30,11 @@ from megacache_client.load import (
     await_prefetch,
     await_toolchain,
     count_toolchain,
+    failure_reason,
     fetch_blobs,
     find_entry,
     load_bundle,
     place_artifacts,
-    prefetch_failure,
     watch_kernel_keys,
 )
 from megacache_client.manifest import Fingerprint
@@ -189,8 +189,7 @@ class Session:
             except (CorruptBlobError, PackError) as exc:
                 self._fail(result, "invalid", str(exc))
             except Exception as exc:  # never let the cache break the trainer
-                self._fail(result, "error", f"{type(exc).__name__}: {exc}"
-                           + prefetch_failure(self.prefetcher, exc))
+                self._fail(result, "error", failure_reason(self.prefetcher, exc))
             finally:
                 result.seconds = time.monotonic() - started
                 steps = result.steps
