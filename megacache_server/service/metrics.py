@@ -14,7 +14,12 @@ from typing import Any
 
 from anyio import to_thread
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from megacache_server import __version__
@@ -22,6 +27,7 @@ from megacache_server.errors import Conflict, NotFound
 from megacache_server.service.auth import Principal
 from megacache_server.service.cache import Cache, EntryWrite, TenantCache
 from megacache_server.service.eviction import GcResult
+from megacache_server.store.index import rollups
 from megacache_server.store.index.base import (
     Claim,
     ModelStats,
@@ -162,7 +168,45 @@ def _model_families(models: list[ModelStats]) -> list[Any]:
         down.add_metric(key, m.bytes_down)
         tts.add_metric(key, m.tts_s)
         tts_n.add_metric(key, m.tts_n)
-    return [runs, saved, spent, down, tts, tts_n]
+    return [runs, saved, spent, down, tts, tts_n, *_job_families(models)]
+
+
+JOB_HISTOGRAMS = {
+    "start": ("megacache_job_time_to_start_seconds",
+              "Job attempts 0 (and runs without a job): process start to the first compiled "
+              "step of the slowest rank"),
+    "recover": ("megacache_job_time_to_recover_seconds",
+                "Job attempts after the first: process start to the first compiled step of "
+                "the slowest rank"),
+    "compile": ("megacache_job_compile_seconds",
+                "Compile seconds of the job attempt's slowest-compiling rank"),
+}
+
+
+def _job_families(models: list[ModelStats]) -> list[Any]:
+    """Job attempts as Prometheus histograms, from the rollups' bucket counts (an attempt
+    counted once whatever its number of ranks: its slowest rank's seconds)."""
+    labels = ["namespace", "model"]
+    bounds = [f"{b:g}" for b in rollups.BUCKETS] + ["+Inf"]
+    families: list[Any] = []
+    for histogram, (name, doc) in JOB_HISTOGRAMS.items():
+        family = HistogramMetricFamily(name, doc, labels=labels)
+        for m in models:
+            cumulative, buckets = 0.0, []
+            for bound, count in zip(bounds, m.buckets(histogram), strict=True):
+                cumulative += max(count, 0.0)
+                buckets.append((bound, cumulative))
+            family.add_metric([m.namespace, m.model], buckets, m.jobs[f"{histogram}_sum"])
+        families.append(family)
+    attempts = CounterMetricFamily("megacache_job_attempts",
+                                   "Job attempts reported (each once, however many ranks)",
+                                   labels=labels)
+    restarts = CounterMetricFamily("megacache_job_restarts",
+                                   "Job attempts after the first (restarts)", labels=labels)
+    for m in models:
+        attempts.add_metric([m.namespace, m.model], m.attempts)
+        restarts.add_metric([m.namespace, m.model], m.restarts)
+    return [*families, attempts, restarts]
 
 
 def _render(families: list[Any]) -> bytes:
