@@ -21,6 +21,7 @@ from prometheus_client.core import (
     InfoMetricFamily,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from megacache_server import __version__
 from megacache_server.errors import Conflict, NotFound
@@ -187,7 +188,7 @@ def _job_families(models: list[ModelStats]) -> list[Any]:
     """Job attempts as Prometheus histograms, from the rollups' bucket counts (an attempt
     counted once whatever its number of ranks: its slowest rank's seconds)."""
     labels = ["namespace", "model"]
-    bounds = [f"{b:g}" for b in rollups.BUCKETS] + ["+Inf"]
+    bounds = [floatToGoString(b) for b in rollups.BUCKETS] + ["+Inf"]  # le="90.0", as usual
     families: list[Any] = []
     for histogram, (name, doc) in JOB_HISTOGRAMS.items():
         family = HistogramMetricFamily(name, doc, labels=labels)
