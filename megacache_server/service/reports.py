@@ -14,7 +14,7 @@ from typing import Any
 from megacache_server.store.index import rollups
 from megacache_server.store.index.base import EntryInfo, Index, JobView, ModelStats
 
-JOBS_SHOWN = 20
+JOBS_SHOWN = 10
 """Jobs the dashboard lists (those that reported last)."""
 
 
