@@ -106,3 +106,36 @@ def test_ranks_reporting_at_once_count_once(make_index):  # noqa: F811
         assert m.jobs["start_sum"] == pytest.approx(16.0)
 
     run(make_index, body)
+
+
+def test_an_older_sqlite_file_gains_the_job_counters(tmp_path):
+    """A store made before the job counters existed opens with them as zeros and counts."""
+    import sqlite3
+
+    from megacache_server.store.index.sqlite import SqliteIndex
+
+    path = tmp_path / "index.sqlite3"
+
+    async def make() -> None:
+        ix = SqliteIndex(path)
+        await ix.open()
+        await ix.add_event("ns", ev(tts=3.0))
+        await ix.close()
+
+    asyncio.run(make())
+    with sqlite3.connect(path) as c:
+        for table in ("rollup_hourly", "rollup_daily", "rollup_total"):
+            for column in rollups.JOB_COUNTERS:
+                c.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+        c.execute("DROP TABLE job_attempts")
+
+    async def reopen() -> None:
+        ix = SqliteIndex(path)
+        await ix.open()
+        await ix.add_event("ns", ev(job="J", attempt=2, tts=30.0))
+        [m] = await ix.stats(namespace="ns")
+        assert m.runs == 2 and m.attempts == 1 and m.restarts == 1
+        assert [j.job_id for j in await ix.recent_jobs(namespace="ns", limit=5)] == ["J"]
+        await ix.close()
+
+    asyncio.run(reopen())
