@@ -89,18 +89,27 @@ class SqliteEvents(SqliteConnection, EventLog):
         return [MissReason(m, o, r, int(n)) for m, o, r, n in found]
 
     async def recent_jobs(self, *, namespace: str | None, limit: int) -> list[JobView]:
-        where, args = filters(namespace=namespace)
-        jobs = await self._rows(
-            f"SELECT namespace, job, MAX(last_seen) AS seen FROM job_attempts{where} "
-            "GROUP BY namespace, job ORDER BY seen DESC, job LIMIT ?", (*args, limit))
-        out = []
-        for ns, job, seen in jobs:
-            rows = await self._rows(
-                "SELECT attempt, model, outcome, tts_s, compile_s, reports, world_size, "
-                "first_seen, last_seen FROM job_attempts WHERE namespace=? AND job=? "
-                "ORDER BY attempt DESC LIMIT ?", (ns, job, MAX_VIEW_ATTEMPTS))
-            out.append(JobView(ns, job, seen, [AttemptRecord(*row) for row in rows]))
-        return out
+        def op(c: sqlite3.Connection) -> list[JobView]:
+            # newest reports first along the last_seen index, until `limit` distinct jobs:
+            # a dashboard reads a few dozen rows, not every job of the namespace
+            where, args = filters(namespace=namespace)
+            seen: dict[tuple[str, str], float] = {}
+            for ns, job, last in c.execute(
+                    f"SELECT namespace, job, last_seen FROM job_attempts{where} "
+                    "ORDER BY last_seen DESC", args):
+                seen.setdefault((ns, job), last)
+                if len(seen) >= limit:
+                    break
+            out = []
+            for (ns, job), last in seen.items():
+                rows = c.execute(
+                    "SELECT attempt, model, outcome, tts_s, compile_s, reports, world_size, "
+                    "first_seen, last_seen FROM job_attempts WHERE namespace=? AND job=? "
+                    "ORDER BY attempt DESC LIMIT ?", (ns, job, MAX_VIEW_ATTEMPTS)).fetchall()
+                out.append(JobView(ns, job, last, [AttemptRecord(*row) for row in rows]))
+            return out
+
+        return await self._run(op)
 
     async def prune_events(self, *, raw_before: float, rollups_before: float) -> int:
         def op(c: sqlite3.Connection) -> int:
