@@ -139,3 +139,23 @@ def test_an_older_sqlite_file_gains_the_job_counters(tmp_path):
         await ix.close()
 
     asyncio.run(reopen())
+
+
+def test_job_records_are_bounded(make_index, monkeypatch):  # noqa: F811
+    """At most MAX_JOBS jobs' records per namespace (the latest reporting), whatever a
+    tenant sends; the rollups keep counting every attempt."""
+    monkeypatch.setattr(rollups, "MAX_JOBS", 3)
+
+    async def body(ix: Index) -> None:
+        for n in range(6):
+            await ix.add_event("ns", ev(job=f"job{n}", attempt=0, tts=1.0))
+            await asyncio.sleep(0.01)  # distinct report times
+        await ix.add_event("other", ev(job="mine", attempt=0, tts=1.0))
+        await ix.prune_events(raw_before=0, rollups_before=0)
+        jobs = await ix.recent_jobs(namespace="ns", limit=10)
+        assert [j.job_id for j in jobs] == ["job5", "job4", "job3"]
+        assert [j.job_id for j in await ix.recent_jobs(namespace="other", limit=10)] == ["mine"]
+        [m] = await ix.stats(namespace="ns")
+        assert m.attempts == 6
+
+    run(make_index, body)

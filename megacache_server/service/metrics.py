@@ -139,9 +139,9 @@ async def cache_metrics(cache: TenantCache) -> bytes:
             budget = GaugeMetricFamily("megacache_store_budget_bytes", "Store budget")
             budget.add_metric([], cache.cache.budget)
             families.append(budget)
-    # Per-model series (11 per model) are built and rendered in a worker thread: with
-    # hundreds of models that is ~100 ms of Python, which on the event loop every lookup
-    # would wait for.
+    # Per-model series (~80 per model, the job histograms' buckets included) are built and
+    # rendered in a worker thread: with hundreds of models that is 100+ ms of Python, which
+    # on the event loop every lookup would wait for.
     return await to_thread.run_sync(lambda: _render([*families, *_model_families(models)]))
 
 

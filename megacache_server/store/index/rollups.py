@@ -196,7 +196,7 @@ EVENT_BACKDATE_S = 30 * 24 * 3600
 MAX_MODELS = 2000
 """Distinct model names one namespace's rollups keep; events of further models count under
 OTHER_MODELS. A model name is whatever a client sends: without a bound, one tenant posting
-a new name with every event (20/s is 1.7M a day) would grow everyone's `/metrics` (11
+a new name with every event (20/s is 1.7M a day) would grow everyone's `/metrics` (~80
 series per model), the admin's stats and dashboard without end."""
 OTHER_MODELS = "(other models)"
 MAX_REASONS = 1000
