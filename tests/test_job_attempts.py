@@ -159,3 +159,24 @@ def test_job_records_are_bounded(make_index, monkeypatch):  # noqa: F811
         assert m.attempts == 6
 
     run(make_index, body)
+
+
+def test_histogram_text_parses_whatever_the_model_name():
+    """/metrics writes the job histograms as text itself: label values are escaped, buckets
+    are cumulative and end in _count."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from megacache_server.service.metrics import _job_histograms
+    from megacache_server.store.index.base import ModelStats
+
+    m = ModelStats("ns", 'a "model"\\ with\na newline')
+    m.jobs[rollups.bucket_counter("start", 3)] = 2.0
+    m.jobs[rollups.bucket_counter("start", len(rollups.BUCKETS))] = 1.0
+    m.jobs["start_sum"] = 4000.0
+    families = {f.name: f for f in text_string_to_metric_families(_job_histograms([m]).decode())}
+    start = families["megacache_job_time_to_start_seconds"]
+    assert start.type == "histogram"
+    values = {s.labels.get("le", s.name.rsplit("_", 1)[1]): s.value for s in start.samples}
+    assert {s.labels["model"] for s in start.samples} == {m.model}
+    assert values["5.0"] == 0 and values["10.0"] == 2 and values["+Inf"] == 3
+    assert values["count"] == 3 and values["sum"] == 4000.0

@@ -17,7 +17,6 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     InfoMetricFamily,
 )
 from prometheus_client.registry import Collector
@@ -142,7 +141,8 @@ async def cache_metrics(cache: TenantCache) -> bytes:
     # Per-model series (~80 per model, the job histograms' buckets included) are built and
     # rendered in a worker thread: with hundreds of models that is 100+ ms of Python, which
     # on the event loop every lookup would wait for.
-    return await to_thread.run_sync(lambda: _render([*families, *_model_families(models)]))
+    return await to_thread.run_sync(
+        lambda: _render([*families, *_model_families(models)]) + _job_histograms(models))
 
 
 def _model_families(models: list[ModelStats]) -> list[Any]:
@@ -185,20 +185,7 @@ JOB_HISTOGRAMS = {
 
 
 def _job_families(models: list[ModelStats]) -> list[Any]:
-    """Job attempts as Prometheus histograms, from the rollups' bucket counts (an attempt
-    counted once whatever its number of ranks: its slowest rank's seconds)."""
     labels = ["namespace", "model"]
-    bounds = [floatToGoString(b) for b in rollups.BUCKETS] + ["+Inf"]  # le="90.0", as usual
-    families: list[Any] = []
-    for histogram, (name, doc) in JOB_HISTOGRAMS.items():
-        family = HistogramMetricFamily(name, doc, labels=labels)
-        for m in models:
-            cumulative, buckets = 0.0, []
-            for bound, count in zip(bounds, m.buckets(histogram), strict=True):
-                cumulative += max(count, 0.0)
-                buckets.append((bound, cumulative))
-            family.add_metric([m.namespace, m.model], buckets, m.jobs[f"{histogram}_sum"])
-        families.append(family)
     attempts = CounterMetricFamily("megacache_job_attempts",
                                    "Job attempts reported (each once, however many ranks)",
                                    labels=labels)
@@ -207,7 +194,31 @@ def _job_families(models: list[ModelStats]) -> list[Any]:
     for m in models:
         attempts.add_metric([m.namespace, m.model], m.attempts)
         restarts.add_metric([m.namespace, m.model], m.restarts)
-    return [*families, attempts, restarts]
+    return [attempts, restarts]
+
+
+def _job_histograms(models: list[ModelStats]) -> bytes:
+    """Job attempts as Prometheus histograms, from the rollups' bucket counts (an attempt
+    counted once whatever its number of ranks: its slowest rank's seconds). Written as
+    text directly: 69 samples a model, ~5x faster than through metric family objects."""
+    bounds = [floatToGoString(b) for b in rollups.BUCKETS] + ["+Inf"]  # le="90.0", as usual
+    lines: list[str] = []
+    for histogram, (name, doc) in JOB_HISTOGRAMS.items():
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} histogram"]
+        for m in models:
+            key = f'namespace="{_escape(m.namespace)}",model="{_escape(m.model)}"'
+            cumulative = 0.0
+            for bound, count in zip(bounds, m.buckets(histogram), strict=True):
+                cumulative += max(count, 0.0)
+                lines.append(f'{name}_bucket{{{key},le="{bound}"}} {cumulative!r}')
+            lines.append(f"{name}_count{{{key}}} {cumulative!r}")
+            lines.append(f"{name}_sum{{{key}}} {float(m.jobs[histogram + '_sum'])!r}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _escape(value: str) -> str:
+    """A label value as the Prometheus text format quotes it."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def _render(families: list[Any]) -> bytes:
