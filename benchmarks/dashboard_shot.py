@@ -64,7 +64,10 @@ def seed(url: str, seed_value: int = 7, headers: dict[str, str] | None = None) -
                          "reason": REASONS.get(outcome, "exact fingerprint"),
                          "tts_s": round(rng.uniform(20, 40) if warm else rng.uniform(150, 200),
                                         1),
-                         "created_at": (now - timedelta(hours=h)).isoformat()}
+                         "created_at": (now - timedelta(hours=h)).isoformat(),
+                         # every six hours a job starts, and three hours later restarts
+                         "job_id": f"{model}-{h // 6}", "attempt": 1 - h % 6 // 3,
+                         "rank": 0, "world_size": 1}
                 c.post("/v1/events", json=event).raise_for_status()
 
 

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from typing import Annotated, Literal
 
 from megacache_client.manifest import Hex64
-from megacache_client.schema import Doc, Range, Schema, Size
+from megacache_client.schema import Doc, Match, Range, Schema, Size
 
 Outcome = Literal["hit", "fallback", "miss", "invalid", "error", "inert"]
 OUTCOMES: tuple[Outcome, ...] = ("hit", "fallback", "miss", "invalid", "error", "inert")
@@ -17,6 +17,9 @@ Seconds = Annotated[float, Range(0, 7 * 24 * 3600)]
 Bytes = Annotated[int, Range(0, 2**40)]
 """No run moves more than a TiB; sums of bounded values stay exact far past any fleet's life."""
 Count = Annotated[int, Range(0, 10**6)]
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+"""As the server's job routes take it: 1-128 of letters, digits, `.`, `_`, `-`."""
+JobId = Annotated[str, Match(JOB_ID_PATTERN)]
 
 
 def _now() -> datetime:
@@ -60,8 +63,18 @@ class Event(Schema):
                                                  "step's end")] = None
     tts_rest_s: Annotated[Seconds | None, Doc("the remainder: trainer set-up, data, running "
                                               "the step")] = None
+    job_id: Annotated[JobId | None, Doc("the job this run belongs to; without one the run "
+                                        "counts as its own start")] = None
+    attempt: Annotated[Annotated[int, Range(0, 10**6)] | None,
+                       Doc("the job's attempt: 0 is its start, later ones recoveries")] = None
+    rank: Annotated[Annotated[int, Range(0, 10**6)] | None, Doc("this process's rank")] = None
+    world_size: Annotated[Annotated[int, Range(1, 10**6)] | None,
+                          Doc("ranks in the job attempt")] = None
     created_at: datetime = dataclasses.field(default_factory=_now)
 
     def validate(self) -> None:
         if self.saved_s > (self.cold_compile_s or 0.0):
             raise ValueError("saved_s cannot exceed cold_compile_s (the cold compile it saved)")
+        if self.rank is not None and self.world_size is not None \
+                and self.rank >= self.world_size:
+            raise ValueError("rank must be below world_size")

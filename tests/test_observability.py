@@ -109,6 +109,19 @@ def test_dashboard_shows_what_the_api_says(tmp_path: Path):
         assert cells[:3] == [m["model"], str(m["runs"]),
                              str(m["outcomes"]["hit"] + m["outcomes"]["fallback"])]
         assert f'data-value="{m["hit_rate"]}"' in row.group(1)
+    assert total["restarts"] == 84 and total["tts_p50_s"] and total["ttr_p90_s"]
+    for name in ("tts_p50", "tts_p90", "ttr_p50", "ttr_p90"):
+        assert shown(name.replace("_", "-")) == f"{total[name + '_s']:.1f} s"
+    assert shown("restarts") == "84"
+    assert api["jobs"] and len(api["jobs"]) == 10
+    for job in api["jobs"]:
+        for a in job["attempts"]:
+            row = re.search(rf'<tr data-job="{job["job_id"]}" data-attempt="{a["attempt"]}">'
+                            r"(.*?)</tr>", dom, re.S)
+            assert row, (job["job_id"], a["attempt"])
+            cells = re.findall(r"<td[^>]*>([^<]*)<", row.group(1))
+            assert cells[1:5] == [str(a["attempt"]), a["kind"], a["model"],
+                                  f"{a['seconds']:.1f} s"]
     for miss in api["top_misses"][:3]:
         assert miss["reason"].replace("'", "&#39;")[:40] in dom.replace("'", "&#39;")
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000

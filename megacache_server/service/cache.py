@@ -494,6 +494,10 @@ class TenantCache:
     async def stats(self, *, since: float | None) -> dict[str, Any]:
         return await reports.stats(self.index, scope=self.scope, since=since)
 
+    async def jobs(self, *, limit: int) -> list[dict[str, Any]]:
+        """The caller's jobs that reported last, with their attempts."""
+        return await reports.jobs(self.index, scope=self.scope, limit=limit)
+
     async def dashboard(self, *, hours: float) -> dict[str, Any]:
         """Everything the dashboard shows, from rollups: cost independent of history."""
         return await reports.dashboard(self.index, scope=self.scope, budget=self.cache.budget,

@@ -14,14 +14,20 @@ from typing import Any
 
 from anyio import to_thread
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from megacache_server import __version__
 from megacache_server.errors import Conflict, NotFound
 from megacache_server.service.auth import Principal
 from megacache_server.service.cache import Cache, EntryWrite, TenantCache
 from megacache_server.service.eviction import GcResult
+from megacache_server.store.index import rollups
 from megacache_server.store.index.base import (
     Claim,
     ModelStats,
@@ -132,10 +138,11 @@ async def cache_metrics(cache: TenantCache) -> bytes:
             budget = GaugeMetricFamily("megacache_store_budget_bytes", "Store budget")
             budget.add_metric([], cache.cache.budget)
             families.append(budget)
-    # Per-model series (11 per model) are built and rendered in a worker thread: with
-    # hundreds of models that is ~100 ms of Python, which on the event loop every lookup
-    # would wait for.
-    return await to_thread.run_sync(lambda: _render([*families, *_model_families(models)]))
+    # Per-model series (~80 per model, the job histograms' buckets included) are built and
+    # rendered in a worker thread: with hundreds of models that is 100+ ms of Python, which
+    # on the event loop every lookup would wait for.
+    return await to_thread.run_sync(
+        lambda: _render([*families, *_model_families(models)]) + _job_histograms(models))
 
 
 def _model_families(models: list[ModelStats]) -> list[Any]:
@@ -162,7 +169,56 @@ def _model_families(models: list[ModelStats]) -> list[Any]:
         down.add_metric(key, m.bytes_down)
         tts.add_metric(key, m.tts_s)
         tts_n.add_metric(key, m.tts_n)
-    return [runs, saved, spent, down, tts, tts_n]
+    return [runs, saved, spent, down, tts, tts_n, *_job_families(models)]
+
+
+JOB_HISTOGRAMS = {
+    "start": ("megacache_job_time_to_start_seconds",
+              "Job attempts 0 (and runs without a job): process start to the first compiled "
+              "step of the slowest rank"),
+    "recover": ("megacache_job_time_to_recover_seconds",
+                "Job attempts after the first: process start to the first compiled step of "
+                "the slowest rank"),
+    "compile": ("megacache_job_compile_seconds",
+                "Compile seconds of the job attempt's slowest-compiling rank"),
+}
+
+
+def _job_families(models: list[ModelStats]) -> list[Any]:
+    labels = ["namespace", "model"]
+    attempts = CounterMetricFamily("megacache_job_attempts",
+                                   "Job attempts reported (each once, however many ranks)",
+                                   labels=labels)
+    restarts = CounterMetricFamily("megacache_job_restarts",
+                                   "Job attempts after the first (restarts)", labels=labels)
+    for m in models:
+        attempts.add_metric([m.namespace, m.model], m.attempts)
+        restarts.add_metric([m.namespace, m.model], m.restarts)
+    return [attempts, restarts]
+
+
+def _job_histograms(models: list[ModelStats]) -> bytes:
+    """Job attempts as Prometheus histograms, from the rollups' bucket counts (an attempt
+    counted once whatever its number of ranks: its slowest rank's seconds). Written as
+    text directly: 69 samples a model, ~5x faster than through metric family objects."""
+    bounds = [floatToGoString(b) for b in rollups.BUCKETS] + ["+Inf"]  # le="90.0", as usual
+    lines: list[str] = []
+    for histogram, (name, doc) in JOB_HISTOGRAMS.items():
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} histogram"]
+        for m in models:
+            key = f'namespace="{_escape(m.namespace)}",model="{_escape(m.model)}"'
+            cumulative = 0.0
+            for bound, count in zip(bounds, m.buckets(histogram), strict=True):
+                cumulative += max(count, 0.0)
+                lines.append(f'{name}_bucket{{{key},le="{bound}"}} {cumulative!r}')
+            lines.append(f"{name}_count{{{key}}} {cumulative!r}")
+            lines.append(f"{name}_sum{{{key}}} {float(m.jobs[histogram + '_sum'])!r}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _escape(value: str) -> str:
+    """A label value as the Prometheus text format quotes it."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def _render(families: list[Any]) -> bytes:

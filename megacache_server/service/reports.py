@@ -11,13 +11,33 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from megacache_server.store.index.base import EntryInfo, Index, ModelStats
+from megacache_server.store.index import rollups
+from megacache_server.store.index.base import EntryInfo, Index, JobView, ModelStats
+
+JOBS_SHOWN = 10
+"""Jobs the dashboard lists (those that reported last)."""
 
 
 async def stats(index: Index, *, scope: str | None, since: float | None) -> dict[str, Any]:
     """Per-model and total runs, outcomes and savings of the namespace `scope` (None: all)."""
     models = await index.stats(namespace=scope, since=since)
     return {"total": _total(models), "models": [_model_row(m) for m in models]}
+
+
+async def jobs(index: Index, *, scope: str | None, limit: int) -> list[dict[str, Any]]:
+    """The `limit` jobs of `scope` that reported last, with their latest attempts."""
+    return [_job_row(j) for j in await index.recent_jobs(namespace=scope, limit=limit)]
+
+
+def _job_row(job: JobView) -> dict[str, Any]:
+    return {"namespace": job.namespace, "job_id": job.job_id, "last_seen": job.last_seen,
+            "restarts": max((a.attempt for a in job.attempts), default=0),
+            "attempts": [{"attempt": a.attempt, "model": a.model, "outcome": a.outcome,
+                          "kind": "start" if a.attempt == 0 else "recover",
+                          "seconds": _round(a.tts_s), "compile_s": round(a.compile_s, 3),
+                          "reports": a.reports, "world_size": a.world_size,
+                          "first_seen": a.first_seen, "last_seen": a.last_seen}
+                         for a in job.attempts]}
 
 
 async def dashboard(index: Index, *, scope: str | None, budget: int | None,
@@ -53,6 +73,7 @@ async def dashboard(index: Index, *, scope: str | None, budget: int | None,
                      for k, v in sorted(slots.items())],
         "top_misses": [asdict(m) for m in misses],
         "largest_entries": [_entry_row(e) for e in largest],
+        "jobs": await jobs(index, scope=scope, limit=JOBS_SHOWN),
         # a tenant sees the bytes its entries name; the store's total and budget are the
         # operator's (auth off)
         "store": {"bytes": visible_bytes, "entries": entries,
@@ -62,9 +83,31 @@ async def dashboard(index: Index, *, scope: str | None, budget: int | None,
 
 def _model_row(m: ModelStats) -> dict[str, Any]:
     row = asdict(m)
+    del row["jobs"]
     row.update(hit_rate=round(m.hit_rate, 4), compile_s=round(m.compile_s, 3),
                saved_s=round(m.saved_s, 3), mean_tts_s=_round(m.mean_tts_s))
+    row.update(_job_figures(m.jobs))
     return row
+
+
+def _job_figures(jobs: dict[str, float]) -> dict[str, Any]:
+    """Per job attempt (its slowest rank): time to start and to recover, median and p90,
+    interpolated within the histogram buckets (rollups.BUCKETS) as Prometheus's
+    histogram_quantile does; restarts; compile seconds on the critical path per attempt."""
+    def buckets(h: str) -> list[float]:
+        return [jobs[rollups.bucket_counter(h, i)] for i in range(len(rollups.BUCKETS) + 1)]
+
+    out: dict[str, Any] = {"attempts": int(jobs["attempts"]), "restarts": int(jobs["restarts"])}
+    for h, name in (("start", "tts"), ("recover", "ttr")):
+        out[f"{name}_n"] = int(jobs[f"{h}_count"])
+        out[f"{name}_p50_s"] = _round(rollups.quantile(buckets(h), 0.5))
+        out[f"{name}_p90_s"] = _round(rollups.quantile(buckets(h), 0.9))
+    n = jobs["compile_count"]
+    out["compile_per_job_s"] = round(jobs["compile_sum"] / n, 3) if n else None
+    split_n = jobs["split_n"]
+    out["tts_split_s"] = {p: round(jobs[f"split_{p}_s"] / split_n, 3)
+                          for p in rollups.SPLIT} if split_n else None
+    return out
 
 
 def _round(value: float | None) -> float | None:
@@ -81,7 +124,9 @@ def _total(models: list[ModelStats]) -> dict[str, Any]:
             "saved_s": round(saved, 3), "saved_hours": round(saved / 3600, 4),
             "bytes_down": sum(m.bytes_down for m in models),
             "bytes_up": sum(m.bytes_up for m in models),
-            "mean_tts_s": round(sum(m.tts_s for m in models) / tts_n, 3) if tts_n else None}
+            "mean_tts_s": round(sum(m.tts_s for m in models) / tts_n, 3) if tts_n else None,
+            **_job_figures({name: sum(m.jobs[name] for m in models)
+                            for name in rollups.JOB_COUNTERS})}
 
 
 def _entry_row(e: EntryInfo) -> dict[str, Any]:

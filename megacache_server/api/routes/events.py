@@ -36,3 +36,13 @@ async def get_stats(
     """Per-model and total runs, outcomes, hit rate, compile time saved and time to start,
     for the caller's namespace."""
     return await cache.stats(since=time.time() - since_hours * 3600 if since_hours else None)
+
+
+@router.get("/jobs")
+async def get_jobs(
+    cache: Reader,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+) -> dict[str, Any]:
+    """The caller's jobs that reported last, each with its latest attempts: the slowest
+    rank's time to start (attempt 0) or recover, its outcome, compile seconds, ranks."""
+    return {"jobs": await cache.jobs(limit=limit)}

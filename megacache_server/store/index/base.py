@@ -6,7 +6,8 @@
 - `BlobLedger`: which blobs the CAS holds, their sizes, last touch and owning namespaces.
 - `TokenStore`: bearer tokens, hashed.
 - `EventLog`: client runs, folded into rollups as they arrive (running totals that never go
-  down, hourly buckets, miss reasons), with raw events kept for a bounded time only.
+  down, hourly buckets, miss reasons), with raw events kept for a bounded time only; runs of
+  a job are also folded per (job, attempt), each attempt counted once (its slowest rank).
 - `LockStore`: named locks shared by every replica.
 - `JobStore`: one resolution of a fingerprint key per (namespace, job, attempt), fixed by
   the first rank that asks and held (with its blobs, against GC) while ranks keep asking.
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 from megacache_client.events import OUTCOMES, Event
 from megacache_server.errors import PreconditionFailed
+from megacache_server.store.index import rollups
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,25 @@ class ModelStats:
     bytes_up: int = 0
     tts_s: float = 0.0
     tts_n: int = 0
+    jobs: dict[str, float] = field(default_factory=lambda: dict.fromkeys(rollups.JOB_COUNTERS,
+                                                                         0.0))
+    """Job attempts, restarts and the job histograms (`rollups.JOB_COUNTERS`)."""
+
+    @property
+    def attempts(self) -> int:
+        return int(self.jobs["attempts"])
+
+    @property
+    def restarts(self) -> int:
+        return int(self.jobs["restarts"])
+
+    def buckets(self, histogram: str) -> list[float]:
+        """A job histogram's bucket counts, not cumulative; the last is +Inf's."""
+        return [self.jobs[rollups.bucket_counter(histogram, i)]
+                for i in range(len(rollups.BUCKETS) + 1)]
+
+    def quantile(self, histogram: str, q: float) -> float | None:
+        return rollups.quantile(self.buckets(histogram), q)
 
     @property
     def hit_rate(self) -> float:
@@ -131,6 +152,8 @@ class ModelStats:
         self.bytes_up += int(counters.get("bytes_up", 0))
         self.tts_s += counters.get("tts_s", 0.0)
         self.tts_n += int(counters.get("tts_n", 0))
+        for name in rollups.JOB_COUNTERS:
+            self.jobs[name] += counters.get(name, 0.0)
 
 
 @dataclass(frozen=True)
@@ -149,6 +172,34 @@ class MissReason:
     outcome: str
     reason: str
     count: int
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One job attempt as its ranks reported it: the slowest rank's time to start (attempt
+    0) or recover, that rank's outcome, the most compile seconds of any rank."""
+
+    attempt: int
+    model: str
+    outcome: str
+    tts_s: float | None
+    compile_s: float
+    reports: int
+    world_size: int | None
+    first_seen: float
+    last_seen: float
+
+
+@dataclass(frozen=True)
+class JobView:
+    namespace: str
+    job_id: str
+    last_seen: float
+    attempts: list[AttemptRecord]  # newest attempt first
+
+
+MAX_VIEW_ATTEMPTS = 20
+"""Attempts of one job a job view lists (the latest)."""
 
 
 class EntryStore(ABC):
@@ -305,7 +356,12 @@ class EventLog(ABC):
 
     @abstractmethod
     async def prune_events(self, *, raw_before: float, rollups_before: float) -> int:
-        """Drop raw events and hourly rollups older than these times (totals stay)."""
+        """Drop raw events and hourly rollups older than these times (totals stay), and
+        job attempt records not reported since `raw_before` or beyond rollups.MAX_JOBS."""
+
+    @abstractmethod
+    async def recent_jobs(self, *, namespace: str | None, limit: int) -> list[JobView]:
+        """The `limit` jobs that reported last, each with its latest attempts."""
 
 
 class LockStore(ABC):

@@ -8,17 +8,131 @@ the hourly ones. What a tenant can invent (model names, reasons) is bounded per 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megacache_client.events import OUTCOMES, Event
 
+BUCKETS = (1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 240.0,
+           300.0, 450.0, 600.0, 900.0, 1200.0, 1800.0, 3600.0)
+"""Upper bounds (seconds) of the job histograms' buckets, +Inf after the last: a warm start
+takes seconds, a cold one minutes, a bad one an hour."""
+HISTOGRAMS = ("start", "recover", "compile")
+"""Per job attempt, the slowest rank's: time to start (attempt 0, or a run without a job),
+time to recover (later attempts), compile seconds (every attempt)."""
+
+
+def bucket_counter(histogram: str, index: int) -> str:
+    return f"{histogram}_b{index:02d}"
+
+
+HISTOGRAM_COUNTERS = tuple(
+    name for h in HISTOGRAMS
+    for name in (*(bucket_counter(h, i) for i in range(len(BUCKETS) + 1)), f"{h}_count",
+                 f"{h}_sum"))
+SPLIT = ("import", "fetch", "load", "compile", "rest")
+"""The parts of a run's time to start clients report (`Event.tts_{part}_s`)."""
+JOB_COUNTERS = ("attempts", "restarts", *HISTOGRAM_COUNTERS,
+                *(f"split_{p}_s" for p in SPLIT), "split_n")
+"""Job attempts (each counted once however many ranks report), restarts (attempts after the
+first), the histograms' bucket counts (not cumulative), counts and sums; and the sums of
+the time-to-start split over the runs that reported one (split_n)."""
+
 COUNTERS = ("runs", *OUTCOMES, "compile_s", "saved_s", "bytes_down", "bytes_up", "tts_s",
-            "tts_n")
+            "tts_n", *JOB_COUNTERS)
 """What every rollup row adds up. Stored as floats: sums of bounded values never overflow."""
 
 
+def bucket_of(seconds: float) -> int:
+    """The index of the bucket `seconds` falls in (len(BUCKETS): the +Inf one)."""
+    for i, bound in enumerate(BUCKETS):
+        if seconds <= bound:
+            return i
+    return len(BUCKETS)
+
+
+@dataclass(frozen=True)
+class AttemptState:
+    """What the index keeps of one (namespace, job, attempt): the slowest rank's time so far
+    (and that rank's outcome), the most compile seconds any rank spent, and where its
+    counters went (the model row and hour of its first report: every later change to it
+    moves counts within that row)."""
+
+    model: str
+    hour: int
+    outcome: str
+    tts_s: float | None
+    compile_s: float
+    reports: int
+    world_size: int | None
+    first_seen: float
+    last_seen: float
+
+
+def _observe(deltas: dict[str, float], histogram: str, old: float | None,
+             new: float | None) -> None:
+    """Move one attempt's value in `histogram` from `old` to `new` (None: not counted)."""
+    if new is None or (old is not None and new <= old):
+        return
+    if old is None:
+        deltas[f"{histogram}_count"] = deltas.get(f"{histogram}_count", 0.0) + 1.0
+    else:
+        key = bucket_counter(histogram, bucket_of(old))
+        deltas[key] = deltas.get(key, 0.0) - 1.0
+    key = bucket_counter(histogram, bucket_of(new))
+    deltas[key] = deltas.get(key, 0.0) + 1.0
+    deltas[f"{histogram}_sum"] = deltas.get(f"{histogram}_sum", 0.0) + new - (old or 0.0)
+
+
+def attempt_update(prev: AttemptState | None, event: Event, model: str, hour: int,
+                   now: float) -> tuple[AttemptState, dict[str, float]]:
+    """One report of a job attempt: the attempt's new state, and the counter changes (some
+    negative: a bucket the attempt leaves) for the rollup rows of `state.model` and
+    `state.hour`. A run without a job is an attempt 0 of its own, reported once."""
+    tts = event.tts_s
+    deltas: dict[str, float] = {}
+    histogram = "recover" if event.job_id is not None and (event.attempt or 0) > 0 \
+        else "start"
+    if prev is None:
+        deltas["attempts"] = 1.0
+        if histogram == "recover":
+            deltas["restarts"] = 1.0
+        state = AttemptState(model, hour, event.outcome, tts, event.compile_s, 1,
+                             event.world_size, now, now)
+        _observe(deltas, histogram, None, tts)
+        _observe(deltas, "compile", None, event.compile_s)
+        return state, deltas
+    slower = tts is not None and (prev.tts_s is None or tts > prev.tts_s)
+    _observe(deltas, histogram, prev.tts_s, tts)
+    _observe(deltas, "compile", prev.compile_s, event.compile_s)
+    state = replace(prev, outcome=event.outcome if slower else prev.outcome,
+                    tts_s=tts if slower else prev.tts_s,
+                    compile_s=max(prev.compile_s, event.compile_s), reports=prev.reports + 1,
+                    world_size=event.world_size or prev.world_size,
+                    last_seen=max(prev.last_seen, now))
+    return state, deltas
+
+
+def quantile(buckets: list[float], q: float) -> float | None:
+    """The `q` quantile of a histogram's (non-cumulative) bucket counts, interpolated
+    linearly within the bucket it falls in, as Prometheus's histogram_quantile does (the
+    +Inf bucket answers its lower bound). None without observations."""
+    total = sum(buckets)
+    if total <= 0:
+        return None
+    rank, seen = q * total, 0.0
+    for i, count in enumerate(buckets):
+        if count > 0 and seen + count >= rank:
+            if i == len(BUCKETS):
+                return BUCKETS[-1]
+            low = BUCKETS[i - 1] if i else 0.0
+            return low + (BUCKETS[i] - low) * max(0.0, rank - seen) / count
+        seen += count
+    return BUCKETS[-1]
+
+
 def event_counters(event: Event) -> dict[str, float]:
-    """The increments one event adds to its rollup rows."""
+    """The increments one event adds to its rollup rows (its job attempt's are
+    `attempt_update`'s)."""
     tts = getattr(event, "tts_s", None)
     counters = dict.fromkeys(COUNTERS, 0.0)
     counters.update(runs=1.0, compile_s=event.compile_s, saved_s=event.saved_s,
@@ -26,6 +140,11 @@ def event_counters(event: Event) -> dict[str, float]:
     counters[event.outcome] = 1.0
     if tts is not None:
         counters.update(tts_s=float(tts), tts_n=1.0)
+    parts = {p: getattr(event, f"tts_{p}_s", None) for p in SPLIT}
+    if any(v is not None for v in parts.values()):
+        counters["split_n"] = 1.0
+        for p, v in parts.items():
+            counters[f"split_{p}_s"] = float(v or 0.0)
     return counters
 
 
@@ -77,7 +196,7 @@ EVENT_BACKDATE_S = 30 * 24 * 3600
 MAX_MODELS = 2000
 """Distinct model names one namespace's rollups keep; events of further models count under
 OTHER_MODELS. A model name is whatever a client sends: without a bound, one tenant posting
-a new name with every event (20/s is 1.7M a day) would grow everyone's `/metrics` (11
+a new name with every event (20/s is 1.7M a day) would grow everyone's `/metrics` (~80
 series per model), the admin's stats and dashboard without end."""
 OTHER_MODELS = "(other models)"
 MAX_REASONS = 1000
@@ -85,6 +204,10 @@ MAX_REASONS = 1000
 further reasons count under OTHER_REASONS, so a flood of unique reasons costs the top-misses
 table a bounded number of rows."""
 OTHER_REASONS = "(other reasons)"
+MAX_JOBS = 10_000
+"""Jobs whose attempts one namespace's index keeps (the most recently reporting); their
+records also go with the raw events' retention. An attempt reported again after its record
+went counts as a new one."""
 
 
 def event_hour(event: Event, now: float) -> int:

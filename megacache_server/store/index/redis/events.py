@@ -12,15 +12,26 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from anyio import to_thread
+from redis.exceptions import WatchError
 
 from megacache_client.events import Event
 from megacache_server.store.index import rollups
-from megacache_server.store.index.base import EventLog, MissReason, ModelStats, TimelineSlot
+from megacache_server.store.index.base import (
+    MAX_VIEW_ATTEMPTS,
+    AttemptRecord,
+    EventLog,
+    JobView,
+    MissReason,
+    ModelStats,
+    TimelineSlot,
+)
 from megacache_server.store.index.period_sums import Period, PeriodSums, Sums, add_up
 from megacache_server.store.index.redis.connection import RedisConnection, text
 
 MAX_RAW_EVENTS = 10_000  # per namespace
 ROLLUP_TTL_S = 400 * 24 * 3600
+JOB_RECORD_TTL_S = 30 * 24 * 3600
+"""A job attempt record unreported this long expires even if no server prunes it."""
 
 
 class RedisEvents(RedisConnection, EventLog):
@@ -44,42 +55,126 @@ class RedisEvents(RedisConnection, EventLog):
     async def add_event(self, namespace: str, event: Event) -> None:
         hour = rollups.event_hour(event, time.time())
         day = hour // rollups.DAY * rollups.DAY
-        sums = {c: v for c, v in rollups.event_counters(event).items() if v}
-        periods = [(kind, period, daily) for daily, period in ((False, hour), (True, day))
-                   for kind in ("rollup", "hourly", "misses")]
+        counters = rollups.event_counters(event)
         miss = event.outcome not in ("hit", "fallback")
 
         async def op() -> None:
             await self._daily_since()  # before the first daily write
             model, members = await self._admitted(namespace, event, hour, day, miss)
-            counters = {f"{model}\t{c}": v for c, v in sums.items()}
             async with self.r.pipeline(transaction=True) as pipe:
-                pipe.lpush(self.keys.events(namespace), event.to_json())
-                pipe.ltrim(self.keys.events(namespace), 0, MAX_RAW_EVENTS - 1)
-                pipe.sadd(self.keys.namespaces(), namespace)
-                pipe.sadd(self.keys.models(namespace), model)
-                for field, value in counters.items():
-                    pipe.hincrbyfloat(self.keys.total(namespace), field, value)
-                for kind, period, daily in periods:  # per model, all models, misses; hour, day
-                    key = self.keys.period(kind, namespace, period, daily=daily)
-                    if kind == "rollup":
-                        for field, value in counters.items():
-                            pipe.hincrbyfloat(key, field, value)
-                    elif kind == "hourly":
-                        for field, value in sums.items():
-                            pipe.hincrbyfloat(key, field, value)
-                    elif not miss:
-                        continue
-                    else:
-                        pipe.zincrby(key, 1, members[1 if daily else 0])
-                    pipe.expire(key, ROLLUP_TTL_S)
-                for daily, period in ((False, hour), (True, day)):
-                    generation = self.keys.period("gen", namespace, period, daily=daily)
-                    pipe.incr(generation)
-                    pipe.expire(generation, ROLLUP_TTL_S)
-                await pipe.execute()
+                for _ in range(100):  # another rank's report of the same attempt: again
+                    try:
+                        await self._add(pipe, namespace, event, model, members, counters,
+                                        hour, miss)
+                        return
+                    except WatchError:
+                        await pipe.reset()
+                raise ConnectionError("job attempt record kept changing under 100 tries")
 
         await self._do(op)
+
+    async def _add(self, pipe: Any, namespace: str, event: Event, model: str,
+                   members: tuple[str, str], counters: dict[str, float], hour: int,
+                   miss: bool) -> None:
+        """One event in one transaction; a job attempt's record is read under WATCH and
+        written with the rollups, so ranks reporting at once move its counts once each."""
+        now = time.time()
+        own = counters
+        moved: tuple[rollups.AttemptState, dict[str, float]] | None = None
+        state: rollups.AttemptState | None = None
+        record = ""
+        if event.job_id is None:
+            _, deltas = rollups.attempt_update(None, event, model, hour, now)
+            own = _merged(counters, deltas)
+        else:
+            record = self.keys.attempt(namespace, event.job_id, event.attempt or 0)
+            await pipe.watch(record)
+            state, deltas = rollups.attempt_update(
+                _state(await pipe.hgetall(record)), event, model, hour, now)
+            if (state.model, state.hour) == (model, hour):
+                own = _merged(counters, deltas)
+            elif deltas:
+                moved = (state, deltas)
+        pipe.multi()
+        pipe.lpush(self.keys.events(namespace), event.to_json())
+        pipe.ltrim(self.keys.events(namespace), 0, MAX_RAW_EVENTS - 1)
+        pipe.sadd(self.keys.namespaces(), namespace)
+        pipe.sadd(self.keys.models(namespace), model)
+        self._count(pipe, namespace, model, hour, own)
+        if moved is not None:
+            self._count(pipe, namespace, moved[0].model, moved[0].hour, moved[1])
+        if miss:
+            for daily, period, member in ((False, hour, members[0]),
+                                          (True, hour // rollups.DAY * rollups.DAY,
+                                           members[1])):
+                key = self.keys.period("misses", namespace, period, daily=daily)
+                pipe.zincrby(key, 1, member)
+                pipe.expire(key, ROLLUP_TTL_S)
+        if state is not None and event.job_id is not None:
+            pipe.hset(record, mapping=_fields(state))
+            pipe.expire(record, JOB_RECORD_TTL_S)
+            pipe.zadd(self.keys.jobs(namespace), {event.job_id: state.last_seen})
+            attempts = self.keys.job_attempts(namespace, event.job_id)
+            pipe.zadd(attempts, {str(event.attempt or 0): event.attempt or 0})
+            pipe.expire(attempts, JOB_RECORD_TTL_S)
+        await pipe.execute()
+        if event.job_id is not None and await self.r.zcard(self.keys.jobs(namespace)) \
+                > rollups.MAX_JOBS:
+            await self._drop_jobs(namespace, [text(j) or "" for j, _ in await self.r.zpopmin(
+                self.keys.jobs(namespace),
+                await self.r.zcard(self.keys.jobs(namespace)) - rollups.MAX_JOBS)])
+
+    def _count(self, pipe: Any, namespace: str, model: str, hour: int,
+               counters: dict[str, float]) -> None:
+        """Add `counters` to the model's total, its hour's and day's rollups and the
+        all-model hourly sums, and bump those periods' generations."""
+        sums = {c: v for c, v in counters.items() if v}
+        fields = {f"{model}\t{c}": v for c, v in sums.items()}
+        for field, value in fields.items():
+            pipe.hincrbyfloat(self.keys.total(namespace), field, value)
+        for daily, period in ((False, hour), (True, hour // rollups.DAY * rollups.DAY)):
+            for kind, values in (("rollup", fields), ("hourly", sums)):
+                key = self.keys.period(kind, namespace, period, daily=daily)
+                for field, value in values.items():
+                    pipe.hincrbyfloat(key, field, value)
+                pipe.expire(key, ROLLUP_TTL_S)
+            generation = self.keys.period("gen", namespace, period, daily=daily)
+            pipe.incr(generation)
+            pipe.expire(generation, ROLLUP_TTL_S)
+
+    async def _drop_jobs(self, namespace: str, jobs: list[str]) -> None:
+        """Forget these jobs' attempt records (their counts stay in the rollups)."""
+        for job in jobs:
+            attempts = self.keys.job_attempts(namespace, job)
+            numbers = [int(a) for a in await self.r.zrange(attempts, 0, -1)]
+            async with self.r.pipeline(transaction=False) as pipe:
+                pipe.zrem(self.keys.jobs(namespace), job)
+                pipe.delete(attempts, *(self.keys.attempt(namespace, job, n) for n in numbers))
+                await pipe.execute()
+
+    async def recent_jobs(self, *, namespace: str | None, limit: int) -> list[JobView]:
+        async def op() -> list[JobView]:
+            found: list[tuple[float, str, str]] = []
+            for ns in await self._namespaces(namespace):
+                found += [(seen, ns, text(job) or "") for job, seen in await self.r.zrevrange(
+                    self.keys.jobs(ns), 0, limit - 1, withscores=True)]
+            found.sort(key=lambda t: (-t[0], t[2]))
+            out = []
+            for seen, ns, job in found[:limit]:
+                numbers = [int(a) for a in await self.r.zrevrange(
+                    self.keys.job_attempts(ns, job), 0, MAX_VIEW_ATTEMPTS - 1)]
+                records = await self._hashes([self.keys.attempt(ns, job, n) for n in numbers])
+                attempts = []
+                for n, raw in zip(numbers, records, strict=True):
+                    st = _state(raw)
+                    if st is not None:
+                        attempts.append(AttemptRecord(
+                            n, st.model, st.outcome, st.tts_s, st.compile_s, st.reports,
+                            st.world_size, st.first_seen, st.last_seen))
+                out.append(JobView(ns, job, seen, attempts))
+            return out
+
+        return await self._do(op)
 
     async def _admitted(self, namespace: str, event: Event, hour: int, day: int,
                         miss: bool) -> tuple[str, tuple[str, str]]:
@@ -190,11 +285,47 @@ class RedisEvents(RedisConnection, EventLog):
         return await self._do(op)
 
     async def prune_events(self, *, raw_before: float, rollups_before: float) -> int:
-        return 0  # raw events are a capped list and rollups expire on their own
+        # raw events are a capped list and rollups expire on their own; job records go
+        # with the raw events' retention
+        async def op() -> int:
+            for ns in await self._namespaces(None):
+                old = await self.r.zrangebyscore(self.keys.jobs(ns), "-inf", f"({raw_before}")
+                await self._drop_jobs(ns, [text(j) or "" for j in old])
+            return 0
+
+        return await self._do(op)
 
 
 # The sums below run in a worker thread: at 200 models and a week of hourly rollups they
 # are tens of thousands of fields, milliseconds of Python the serving loop must not wait on.
+
+def _merged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    out = dict(a)
+    for name, value in b.items():
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+_STATE_FIELDS = ("model", "hour", "outcome", "tts_s", "compile_s", "reports", "world_size",
+                 "first_seen", "last_seen")
+
+
+def _fields(state: rollups.AttemptState) -> dict[str, str]:
+    return {name: "" if getattr(state, name) is None else str(getattr(state, name))
+            for name in _STATE_FIELDS}
+
+
+def _state(raw: dict[bytes, bytes]) -> rollups.AttemptState | None:
+    """A job attempt record as `_fields` wrote it, or None if there is none."""
+    if not raw:
+        return None
+    v = {text(k) or "": text(x) or "" for k, x in raw.items()}
+    return rollups.AttemptState(
+        model=v["model"], hour=int(v["hour"]), outcome=v["outcome"],
+        tts_s=float(v["tts_s"]) if v["tts_s"] else None, compile_s=float(v["compile_s"]),
+        reports=int(v["reports"]), world_size=int(v["world_size"]) if v["world_size"] else None,
+        first_seen=float(v["first_seen"]), last_seen=float(v["last_seen"]))
+
 
 def _decoded(pairs: Iterable[tuple[bytes, Any]]) -> Sums:
     return {text(name) or "": float(value) for name, value in pairs}

@@ -26,6 +26,11 @@
                                 decoded periods until their generation moves (period_sums)
   (rollup, hourly, misses and gen also exist as `{kind}_day:{ns}:{day}`, per UTC day)
   daily_from             float  when this store began writing daily rollups
+  attempt:{ns}:{job}:{n} hash   a job attempt as its ranks reported it: the slowest rank's
+                                time and outcome, compile seconds, model and hour it counts
+                                in (rollups.AttemptState; expires)
+  jobs:{ns}              zset   job id -> last report (at most rollups.MAX_JOBS)
+  attempts:{ns}:{job}    zset   a job's attempt numbers
   namespaces             set    namespaces that reported events
   models:{ns}            set    model names its rollups count (at most rollups.MAX_MODELS)
   lock:{name}            str    the owner of a lock shared by every replica (expires)
@@ -119,6 +124,15 @@ class Keys:
     def period(self, kind: str, namespace: str, start: int, *, daily: bool = False) -> str:
         """A rollup of one hour (or UTC day): `kind` is rollup, hourly, misses or gen."""
         return self._name(f"{kind}_day" if daily else kind, namespace, start)
+
+    def attempt(self, namespace: str, job: str, attempt: int) -> str:
+        return self._name("attempt", namespace, job, attempt)
+
+    def jobs(self, namespace: str) -> str:
+        return self._name("jobs", namespace)
+
+    def job_attempts(self, namespace: str, job: str) -> str:
+        return self._name("attempts", namespace, job)
 
     def daily_from(self) -> str:
         return self._name("daily_from")

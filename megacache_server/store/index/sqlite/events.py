@@ -10,34 +10,41 @@ from typing import Any
 
 from megacache_client.events import Event
 from megacache_server.store.index import rollups
-from megacache_server.store.index.base import EventLog, MissReason, ModelStats, TimelineSlot
+from megacache_server.store.index.base import (
+    MAX_VIEW_ATTEMPTS,
+    AttemptRecord,
+    EventLog,
+    JobView,
+    MissReason,
+    ModelStats,
+    TimelineSlot,
+)
 from megacache_server.store.index.sqlite.connection import SqliteConnection, filters, transaction
-
-_UPSERT = ", ".join(f"{c}={c}+excluded.{c}" for c in rollups.COUNTERS)
 
 
 class SqliteEvents(SqliteConnection, EventLog):
     async def add_event(self, namespace: str, event: Event) -> None:
         now = time.time()
         counters = rollups.event_counters(event)
-        columns = ", ".join(rollups.COUNTERS)
-        marks = ", ".join("?" * len(rollups.COUNTERS))
-        values = tuple(counters[c] for c in rollups.COUNTERS)
         hour = rollups.event_hour(event, now)
-        day = hour // rollups.DAY * rollups.DAY
 
         def op(c: sqlite3.Connection) -> None:
             with transaction(c, immediate=True):
                 c.execute("INSERT INTO events (received_at, namespace, event) VALUES (?, ?, ?)",
                           (now, namespace, event.to_json()))
                 model = _admitted_model(c, namespace, event.model)
-                for table, period in (("rollup_hourly", hour), ("rollup_daily", day)):
-                    c.execute(f"""INSERT INTO {table} VALUES (?, ?, ?, {marks})
-                                  ON CONFLICT DO UPDATE SET {_UPSERT}""",
-                              (namespace, period, model, *values))
-                c.execute(f"""INSERT INTO rollup_total (namespace, model, {columns})
-                              VALUES (?, ?, {marks}) ON CONFLICT DO UPDATE SET {_UPSERT}""",
-                          (namespace, model, *values))
+                day = hour // rollups.DAY * rollups.DAY
+                own = counters
+                if event.job_id is None:  # a run of its own: its own attempt 0
+                    _, deltas = rollups.attempt_update(None, event, model, hour, now)
+                    own = _merged(counters, deltas)
+                else:
+                    state, deltas = _attempt(c, namespace, event, model, hour, now)
+                    if (state.model, state.hour) == (model, hour):
+                        own = _merged(counters, deltas)
+                    elif deltas:  # a later rank: its attempt's counts stay where they began
+                        _add_rollups(c, namespace, state.model, state.hour, deltas)
+                _add_rollups(c, namespace, model, hour, own)
                 if event.outcome not in ("hit", "fallback"):
                     for table, column, period in (("miss_reasons", "hour", hour),
                                                   ("miss_reasons_daily", "day", day)):
@@ -81,11 +88,36 @@ class SqliteEvents(SqliteConnection, EventLog):
             "GROUP BY model, outcome, reason ORDER BY n DESC, model LIMIT ?", (*args, limit))
         return [MissReason(m, o, r, int(n)) for m, o, r, n in found]
 
+    async def recent_jobs(self, *, namespace: str | None, limit: int) -> list[JobView]:
+        def op(c: sqlite3.Connection) -> list[JobView]:
+            # newest reports first along the last_seen index, until `limit` distinct jobs:
+            # a dashboard reads a few dozen rows, not every job of the namespace
+            where, args = filters(namespace=namespace)
+            seen: dict[tuple[str, str], float] = {}
+            for ns, job, last in c.execute(
+                    f"SELECT namespace, job, last_seen FROM job_attempts{where} "
+                    "ORDER BY last_seen DESC", args):
+                seen.setdefault((ns, job), last)
+                if len(seen) >= limit:
+                    break
+            out = []
+            for (ns, job), last in seen.items():
+                rows = c.execute(
+                    "SELECT attempt, model, outcome, tts_s, compile_s, reports, world_size, "
+                    "first_seen, last_seen FROM job_attempts WHERE namespace=? AND job=? "
+                    "ORDER BY attempt DESC LIMIT ?", (ns, job, MAX_VIEW_ATTEMPTS)).fetchall()
+                out.append(JobView(ns, job, last, [AttemptRecord(*row) for row in rows]))
+            return out
+
+        return await self._run(op)
+
     async def prune_events(self, *, raw_before: float, rollups_before: float) -> int:
         def op(c: sqlite3.Connection) -> int:
             with transaction(c, immediate=True):
                 n = c.execute("DELETE FROM events WHERE received_at < ?",
                               (raw_before,)).rowcount
+                c.execute("DELETE FROM job_attempts WHERE last_seen < ?", (raw_before,))
+                _cap_jobs(c)
                 for table, period in (("rollup_hourly", "hour"), ("miss_reasons", "hour"),
                                       ("rollup_daily", "day"), ("miss_reasons_daily", "day")):
                     c.execute(f"DELETE FROM {table} WHERE {period} < ?",
@@ -94,6 +126,59 @@ class SqliteEvents(SqliteConnection, EventLog):
                 return int(n)
 
         return await self._run(op)
+
+
+def _merged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    out = dict(a)
+    for name, value in b.items():
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def _add_rollups(c: sqlite3.Connection, namespace: str, model: str, hour: int,
+                 counters: dict[str, float]) -> None:
+    """Add `counters` to the model's hourly, daily and total rows."""
+    names = [n for n in rollups.COUNTERS if counters.get(n)]
+    if not names:
+        return
+    values = tuple(counters[n] for n in names)
+    columns, marks = ", ".join(names), ", ".join("?" * len(names))
+    upsert = ", ".join(f"{n}={n}+excluded.{n}" for n in names)
+    day = hour // rollups.DAY * rollups.DAY
+    for table, column, period in (("rollup_hourly", "hour", hour), ("rollup_daily", "day", day)):
+        c.execute(f"""INSERT INTO {table} (namespace, {column}, model, {columns})
+                      VALUES (?, ?, ?, {marks}) ON CONFLICT DO UPDATE SET {upsert}""",
+                  (namespace, period, model, *values))
+    c.execute(f"""INSERT INTO rollup_total (namespace, model, {columns})
+                  VALUES (?, ?, {marks}) ON CONFLICT DO UPDATE SET {upsert}""",
+              (namespace, model, *values))
+
+
+def _attempt(c: sqlite3.Connection, namespace: str, event: Event, model: str, hour: int,
+             now: float) -> tuple[rollups.AttemptState, dict[str, float]]:
+    """Fold one rank's report into its job attempt's record; the rollup changes it makes."""
+    key = (namespace, event.job_id, event.attempt or 0)
+    row = c.execute("SELECT model, hour, outcome, tts_s, compile_s, reports, world_size, "
+                    "first_seen, last_seen FROM job_attempts WHERE namespace=? AND job=? "
+                    "AND attempt=?", key).fetchone()
+    prev = rollups.AttemptState(*row) if row else None
+    state, deltas = rollups.attempt_update(prev, event, model, hour, now)
+    c.execute("INSERT OR REPLACE INTO job_attempts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+              (*key, state.model, state.hour, state.outcome, state.tts_s, state.compile_s,
+               state.reports, state.world_size, state.first_seen, state.last_seen))
+    return state, deltas
+
+
+def _cap_jobs(c: sqlite3.Connection) -> None:
+    """Keep each namespace's records of its MAX_JOBS most recently reporting jobs."""
+    for (namespace,) in c.execute("SELECT DISTINCT namespace FROM job_attempts").fetchall():
+        cut = c.execute("SELECT seen FROM (SELECT MAX(last_seen) AS seen FROM job_attempts "
+                        "WHERE namespace=? GROUP BY job) ORDER BY seen DESC LIMIT 1 OFFSET ?",
+                        (namespace, rollups.MAX_JOBS)).fetchone()
+        if cut is not None:
+            c.execute("DELETE FROM job_attempts WHERE namespace=? AND job IN (SELECT job FROM "
+                      "job_attempts WHERE namespace=? GROUP BY job HAVING MAX(last_seen) <= ?)",
+                      (namespace, namespace, cut[0]))
 
 
 def _admitted_model(c: sqlite3.Connection, namespace: str, model: str) -> str:

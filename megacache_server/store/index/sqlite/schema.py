@@ -94,6 +94,23 @@ CREATE TABLE IF NOT EXISTS miss_reasons (
     PRIMARY KEY (namespace, hour, model, outcome, reason)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS miss_reasons_by_hour ON miss_reasons (hour);
+CREATE TABLE IF NOT EXISTS job_attempts (
+    namespace  TEXT NOT NULL,
+    job        TEXT NOT NULL,
+    attempt    INTEGER NOT NULL,
+    model      TEXT NOT NULL,
+    hour       INTEGER NOT NULL,
+    outcome    TEXT NOT NULL,
+    tts_s      REAL,
+    compile_s  REAL NOT NULL,
+    reports    INTEGER NOT NULL,
+    world_size INTEGER,
+    first_seen REAL NOT NULL,
+    last_seen  REAL NOT NULL,
+    PRIMARY KEY (namespace, job, attempt)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS job_attempts_by_seen ON job_attempts (namespace, last_seen);
+CREATE INDEX IF NOT EXISTS job_attempts_by_age ON job_attempts (last_seen);
 CREATE TABLE IF NOT EXISTS heartbeat (id INTEGER PRIMARY KEY, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS resolutions (
     namespace       TEXT NOT NULL,
@@ -207,12 +224,24 @@ def create(conn: sqlite3.Connection, path: Path) -> None:
     for statement in SCHEMA.split(";"):
         if statement.strip():
             conn.execute(statement)
+    _add_counters(conn)
     for table, script in (("usage", USAGE_SCHEMA), ("rollup_daily", DAILY_SCHEMA),
                           ("blobs_unreferenced", REFS_SCHEMA)):
         if not conn.execute("SELECT 1 FROM sqlite_master WHERE name=?", (table,)).fetchone():
             for statement in _statements(script):
                 conn.execute(statement)
+    _add_counters(conn)
     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+
+def _add_counters(conn: sqlite3.Connection) -> None:
+    """Counters added to the rollups after a file was made (the job counters), as columns
+    of zeros."""
+    for table in ("rollup_hourly", "rollup_daily", "rollup_total"):
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        for column in rollups.COUNTERS:
+            if have and column not in have:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} REAL NOT NULL DEFAULT 0")
 
 
 def _statements(script: str) -> list[str]:

@@ -1,0 +1,152 @@
+"""Effective Training Time on a real server, on every backend pair: job attempts reported by
+many ranks count once, `/metrics` exports them as histograms Prometheus can take quantiles
+of, `/v1/stats`, `/v1/jobs` and `/v1/dashboard` show them, and one tenant never sees
+another's jobs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import BACKENDS, _configured, backend_args
+from helpers import ServerProcess
+from prometheus_client.parser import text_string_to_metric_families
+
+HISTOGRAMS = ("megacache_job_time_to_start_seconds", "megacache_job_time_to_recover_seconds",
+              "megacache_job_compile_seconds")
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def ett_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[ServerProcess]:
+    args, env = backend_args(request.param, request)
+    proc = _configured(ServerProcess(
+        tmp_path_factory.mktemp("ett") / "data", *args, "--auth",
+        env={**env, "MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_EVENT_RATE": "1000",
+             "MEGACACHE_EVENT_BURST": "1000"}), request.param, args).start()
+    yield proc
+    proc.stop()
+    assert "Traceback" not in proc.log(), proc.log()
+
+
+def client(server: ServerProcess, scopes: str, namespace: str = "default") -> httpx.Client:
+    token = server.token(scopes, namespace=namespace, name=f"{namespace}-{scopes}")
+    return httpx.Client(base_url=server.url, timeout=30,
+                        headers={"authorization": f"Bearer {token}"})
+
+
+def event(model: str, **fields: object) -> dict[str, object]:
+    return {"key": "b" * 64, "model": model, "outcome": "miss", "compile_s": 3.0, **fields}
+
+
+def post_job(c: httpx.Client, model: str, job: str, attempt: int, times: list[float]) -> None:
+    for rank, tts in enumerate(times):
+        r = c.post("/v1/events", json=event(model, job_id=job, attempt=attempt, rank=rank,
+                                            world_size=len(times), tts_s=tts,
+                                            compile_s=tts / 2))
+        assert r.status_code == 202, r.text
+
+
+def histograms(text: str) -> dict[tuple[str, str, str], dict[str, float]]:
+    """(family, namespace, model) -> {le or _sum/_count: value}."""
+    out: dict[tuple[str, str, str], dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in HISTOGRAMS:
+            continue
+        assert family.type == "histogram"
+        for s in family.samples:
+            key = (family.name, s.labels["namespace"], s.labels["model"])
+            part = s.labels["le"] if s.name.endswith("_bucket") else s.name.rsplit("_", 1)[1]
+            out.setdefault(key, {})[part] = s.value
+    return out
+
+
+def test_job_attempts_in_metrics_stats_jobs_and_dashboard(ett_server: ServerProcess):
+    team_a = client(ett_server, "read,write", "team-a")
+    team_b = client(ett_server, "read,write", "team-b")
+    prometheus = client(ett_server, "metrics")
+    # team A: job j1 starts on 4 ranks (slowest 95 s) and recovers twice; job j2 starts
+    # warm; one run without a job; team B: one job with the same id
+    post_job(team_a, "llm", "j1", 0, [30.0, 95.0, 40.0, 20.0])
+    post_job(team_a, "llm", "j1", 1, [12.0, 14.0, 11.0, 13.0])
+    post_job(team_a, "llm", "j1", 2, [8.0, 9.0])
+    post_job(team_a, "vit", "j2", 0, [4.0, 6.0])
+    assert team_a.post("/v1/events", json=event("vit", tts_s=50.0)).status_code == 202
+    post_job(team_b, "secret-model", "j1", 0, [7.0])
+
+    text = prometheus.get("/metrics").text
+    found = histograms(text)
+    counts: dict[str, float] = dict.fromkeys(HISTOGRAMS, 0.0)
+    for (name, _, _), samples in found.items():
+        les = sorted((float(le), v) for le, v in samples.items() if le not in ("sum", "count"))
+        assert les[-1][0] == math.inf and les[-1][1] == samples["count"]
+        assert [v for _, v in les] == sorted(v for _, v in les)  # cumulative: monotone
+        counts[name] += samples["count"]
+    # every job attempt once: 3 attempts 0 + 1 run of its own are starts, 2 recoveries
+    assert counts["megacache_job_time_to_start_seconds"] == 4
+    assert counts["megacache_job_time_to_recover_seconds"] == 2
+    assert counts["megacache_job_compile_seconds"] == 6  # every attempt: starts + recoveries
+    llm = found[("megacache_job_time_to_start_seconds", "team-a", "llm")]
+    assert llm["sum"] == 95.0 and llm["90.0"] == 0 and llm["120.0"] == 1
+    ttr = found[("megacache_job_time_to_recover_seconds", "team-a", "llm")]
+    assert ttr["sum"] == 14.0 + 9.0 and ttr["count"] == 2
+
+    def sample(name: str, **labels: str) -> float:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return float(s.value)
+        raise AssertionError(name)
+
+    assert sample("megacache_job_restarts_total", namespace="team-a", model="llm") == 2
+    assert sample("megacache_job_attempts_total", namespace="team-a", model="llm") == 3
+
+    # the tenant's own /metrics, stats, jobs and dashboard: its jobs only
+    own = histograms(team_b.get("/metrics").text)
+    assert {ns for _, ns, _ in own} == {"team-b"}
+    stats = team_b.get("/v1/stats").json()
+    assert stats["total"]["attempts"] == 1 and stats["total"]["restarts"] == 0
+    assert team_b.get("/v1/jobs").json()["jobs"][0]["attempts"][0]["seconds"] == 7.0
+    assert len(team_b.get("/v1/jobs").json()["jobs"]) == 1
+    dash_b = team_b.get("/v1/dashboard", params={"hours": 24}).json()
+    assert [j["namespace"] for j in dash_b["jobs"]] == ["team-b"]
+    assert "llm" not in team_b.get("/v1/dashboard").text
+
+    total = team_a.get("/v1/stats").json()["total"]
+    assert (total["attempts"], total["restarts"], total["tts_n"], total["ttr_n"]) == \
+        (5, 2, 3, 2)
+    assert 0 < total["tts_p50_s"] <= total["tts_p90_s"] <= 120
+    # the recoveries' slowest ranks, 9 s and 14 s, fall in the buckets (5, 10] and (10, 15]
+    assert 5 < total["ttr_p50_s"] <= 10 < total["ttr_p90_s"] <= 15
+    models = {m["model"]: m for m in team_a.get("/v1/stats").json()["models"]}
+    assert models["llm"]["restarts"] == 2 and models["llm"]["tts_p90_s"] > 90
+    assert models["llm"]["compile_per_job_s"] == round((47.5 + 7.0 + 4.5) / 3, 3)
+    [j2, j1] = team_a.get("/v1/jobs").json()["jobs"]
+    assert (j1["job_id"], j1["restarts"], [a["attempt"] for a in j1["attempts"]]) == \
+        ("j1", 2, [2, 1, 0])
+    assert [a["seconds"] for a in j1["attempts"]] == [9.0, 14.0, 95.0]
+    assert j1["attempts"][2]["reports"] == 4 and j1["attempts"][2]["world_size"] == 4
+    assert j1["attempts"][0]["kind"] == "recover" and j1["attempts"][2]["kind"] == "start"
+    dash = team_a.get("/v1/dashboard", params={"hours": 24}).json()
+    assert {j["job_id"] for j in dash["jobs"]} == {"j1", "j2"}
+    assert dash["total"]["tts_p50_s"] == total["tts_p50_s"]
+
+
+@pytest.mark.parametrize("bad", [
+    {"attempt": float("nan")}, {"attempt": 10**12}, {"attempt": -1}, {"rank": "0"},
+    {"world_size": 0}, {"job_id": "../etc"}, {"job_id": "x" * 129}, {"job_id": ""},
+    {"rank": 5, "world_size": 2}, {"tts_s": 1e300},
+])
+def test_bad_job_fields_are_refused(ett_server: ServerProcess, bad: dict[str, object]):
+    with client(ett_server, "read,write", "team-c") as c:
+        good = event("m", job_id="ok-1", attempt=10**6, rank=1, world_size=2, tts_s=1.0)
+        assert c.post("/v1/events", json=good).status_code == 202
+        body = httpx.Request("POST", "/", json=event("m", **{"job_id": "j", **bad})).content \
+            if not any(isinstance(v, float) and math.isnan(v) for v in bad.values()) \
+            else ('{"key": "' + "b" * 64 + '", "model": "m", "outcome": "miss", '
+                  '"job_id": "j", "attempt": NaN}').encode()
+        r = c.post("/v1/events", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert [j["job_id"] for j in c.get("/v1/jobs").json()["jobs"]] == ["ok-1"]
