@@ -58,6 +58,7 @@ class ClientConfig:
     node_cache_dir: Path = field(default_factory=_default_node_cache)
     max_raw_bytes: Bytes = 16 * 1024**3
     publish_wait_s: float = 120.0
+    claim_lease_s: float = 600.0
     lock_timeout_s: float = 600.0
     fallback: bool = True
     ship_kernels: bool = True
@@ -95,10 +96,13 @@ class ClientConfig:
         if self.url and not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"MEGACACHE_URL must start with http:// or https://: {self.url!r}")
         for name in ("connect_timeout_s", "read_timeout_s", "load_deadline_s",
-                     "breaker_reset_s"):
+                     "breaker_reset_s", "claim_lease_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"MEGACACHE_{name.upper()} must be positive, "
                                   f"not {getattr(self, name)}")
+        if self.claim_lease_s > 900:
+            raise ConfigError("MEGACACHE_CLAIM_LEASE_S must be at most 900 seconds (the "
+                              "server's limit)")
         if not 0 <= self.prefetch_wait_s <= 3600:
             raise ConfigError("MEGACACHE_PREFETCH_WAIT_S must be between 0 and 3600 seconds")
         if self.retries < 0:

@@ -27,8 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 MAX_JOB_ID = 128
-JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
-"""What a job id may hold: it travels in URL paths, so no `/`, no spaces, nothing odd."""
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""What a job id may hold (the server's rule too): no `/`, no spaces, nothing odd."""
+RESOLUTION_TTL_S = 6 * 3600.0
+"""How long the server keeps a job attempt's resolutions after the last rank asked."""
 MAX_ATTEMPT = 10**6
 
 
@@ -49,6 +51,16 @@ class JobIdentity:
         return self.job_id is not None
 
     @classmethod
+    def of_process(cls) -> tuple[JobIdentity, str]:
+        """This process's identity, and why it is none ("" when the launcher's variables
+        read well): a variable that is not a job id costs the job's shared decision, never
+        the trainer."""
+        try:
+            return cls.from_env(), ""
+        except JobIdentityError as exc:
+            return cls(), f"job identity ignored: {exc}"
+
+    @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> JobIdentity:
         """The identity the launcher gave this process (see the module's table)."""
         env = os.environ if env is None else env
@@ -60,7 +72,7 @@ class JobIdentity:
             job_id = env["SLURM_JOB_ID"] + (f".{step}" if step else "")
         if job_id is not None and (len(job_id) > MAX_JOB_ID or not JOB_ID.fullmatch(job_id)):
             raise JobIdentityError(
-                f"job id {job_id[:40]!r} must be 1-{MAX_JOB_ID} letters, digits or ._:@+- "
+                f"job id {job_id[:40]!r} must be 1-{MAX_JOB_ID} letters, digits or ._- "
                 "(set MEGACACHE_JOB_ID to override the launcher's)")
         return cls(
             job_id=job_id,

@@ -21,11 +21,17 @@ from typing import TYPE_CHECKING
 from megacache_client import precompile, relocate, torch_env, vec_isa
 from megacache_client.config import ClientConfig
 from megacache_client.fingerprint import COMPONENTS, describe, differing
-from megacache_client.manifest import BlobRef, Fingerprint, Manifest
+from megacache_client.job import RESOLUTION_TTL_S, JobIdentity
+from megacache_client.manifest import BlobRef, Fingerprint, Manifest, component_digest
 from megacache_client.nodecache import NodeCache
 from megacache_client.packs import PackError, decompress_bytes, read_index, unpack
 from megacache_client.results import LoadResult
-from megacache_client.transport import CircuitOpenError, RemoteCache, UntrustedEntryError
+from megacache_client.transport import (
+    CircuitOpenError,
+    RemoteCache,
+    ResolutionUnsupported,
+    UntrustedEntryError,
+)
 
 if TYPE_CHECKING:  # the prefetcher places with this module's helpers
     from megacache_client.prefetch import Prefetcher, PrefetchResult
@@ -81,8 +87,20 @@ def watch_kernel_keys() -> str:
 
 # -- find the entry (exact, else the nearest of the same model) ----------------------------
 def find_entry(remote: RemoteCache, fp: Fingerprint, result: LoadResult, fallback: bool,
-               prefetched: PrefetchResult | None = None) -> tuple[Manifest, str] | None:
-    """The entry (and its etag) to load for `fp`; `result` says which and why."""
+               prefetched: PrefetchResult | None = None, job: JobIdentity | None = None
+               ) -> tuple[Manifest, str] | None:
+    """The entry (and its etag) to load for `fp`; `result` says which and why.
+
+    A process of a job asks the server for the job attempt's resolution: every rank gets
+    the answer the first one got, whatever is published meanwhile (a rank that hits while
+    another compiles holds the whole job at its first collective). A server too old to
+    resolve leaves each process to decide alone, as before.
+    """
+    if job is not None and job.job_id is not None:
+        try:
+            return _resolve_for_job(remote, fp, result, fallback, job)
+        except ResolutionUnsupported as exc:
+            result.job_note = str(exc)
     exact = prefetched.entry if prefetched is not None and prefetched.entry is not None \
         and prefetched.entry[0].key == fp.key() else remote.get_entry(fp.key())
     if exact is not None:
@@ -114,6 +132,31 @@ def find_entry(remote: RemoteCache, fp: Fingerprint, result: LoadResult, fallbac
     result.reason = (f"no entry for this fingerprint; the newest entry of {fp.model!r} "
                      f"differs in {describe(candidates[0].fingerprint, fp)}")
     return None
+
+
+def _resolve_for_job(remote: RemoteCache, fp: Fingerprint, result: LoadResult,
+                     fallback: bool, job: JobIdentity) -> tuple[Manifest, str] | None:
+    assert job.job_id is not None
+    rule = {"namespace": fp.namespace, "model": fp.model, "env": component_digest(fp.env),
+            "hw": component_digest(fp.hw)} if fallback else None
+    got = remote.resolve_entry(fp.key(), job=job.job_id, attempt=job.attempt,
+                               ttl_s=RESOLUTION_TTL_S, fallback=rule)
+    whose = f"job {job.job_id} attempt {job.attempt}"
+    if got is None:
+        result.outcome = "miss"
+        result.reason = f"no entry for this fingerprint when {whose} first looked"
+        return None
+    if got[0].key == fp.key():
+        _require_match(got[0], fp, COMPONENTS)
+        result.outcome, result.reason = "hit", f"exact fingerprint ({whose})"
+        return got
+    _require_match(got[0], fp, ("namespace", "model", "env", "hw"))
+    result.differing = differing(got[0].fingerprint, fp)
+    result.outcome = "fallback"
+    result.reason = (f"exact key missed; using the newest entry of {fp.model!r} with the "
+                     f"same env and hw when {whose} first looked (differs in "
+                     f"{', '.join(result.differing)})")
+    return got
 
 
 # -- fetch each blob once per node, verified ----------------------------------------------

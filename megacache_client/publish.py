@@ -28,7 +28,7 @@ from megacache_client.manifest import BlobRef, Fingerprint, Manifest, sha256_fil
 from megacache_client.nodecache import NodeCache
 from megacache_client.packs import PackError, compress_bytes, pack_names, read_index, write_pack
 from megacache_client.results import Snapshot, Track
-from megacache_client.transport import Progress, RemoteCache
+from megacache_client.transport import Progress, RemoteCache, TransportError
 
 log = logging.getLogger("megacache")
 
@@ -141,22 +141,81 @@ def _entry_pack_ids(entry: Manifest, role: str, node: NodeCache, cap: int) -> se
 
 
 # -- upload: the blobs once, then an entry per track --------------------------------------
-def upload(snap: Snapshot, config: ClientConfig, node: NodeCache, first: Track) -> None:
+def upload(snap: Snapshot, config: ClientConfig, node: NodeCache, first: Track,
+           holder: str = "") -> None:
     """Upload the blobs once, then write each track's entry (its own key, its own etag).
     `first` is the session's first track: its entry and fingerprint find a stored
-    toolchain pack to reuse."""
+    toolchain pack to reuse.
+
+    A first publish of a key is claimed first (`holder` names this process): when a cold
+    fleet starts, every node compiles and would upload the same ~20 MB-to-GBs only to lose
+    the conditional PUT; the claimant uploads, the others skip. A republish (adding to an
+    entry this run loaded) needs no claim: its conditional PUT orders it.
+    """
     with RemoteCache(config) as remote:
-        blobs = [bundle_blob(node, snap.raw, precompile.producer_meta(snap.counts))]
-        if config.ship_kernels and snap.kernels:
-            blobs.append(_pack_blob(node, "kernels", snap.kernels,
-                                    relocate.recorder().ids_for(snap.kernels)))
-        if config.ship_toolchain:
-            toolchain = _toolchain_blob(remote, node, first)
-            if toolchain is not None:
-                blobs.append(toolchain)
-        snap.tracks[0].publish.bytes_up += upload_blobs(remote, node, blobs)
-        for track in snap.tracks:
-            _put_entry(remote, track, blobs, snap)
+        claimed = _claim_first_publishes(remote, snap, holder, config.claim_lease_s) \
+            if holder else []
+        if not snap.tracks:
+            return
+        try:
+            _upload_and_write(remote, snap, config, node, first)
+        finally:
+            for key in claimed:
+                try:
+                    remote.release_claim(key, holder=holder)
+                except Exception as exc:  # the lease runs out on its own
+                    log.debug("megacache: releasing the claim on %s failed: %s", key[:12], exc)
+
+
+def _claim_first_publishes(remote: RemoteCache, snap: Snapshot, holder: str,
+                           lease_s: float) -> list[str]:
+    """Claim the key of each track that publishes for the first time; a track whose key
+    another process holds is dropped from `snap.tracks`, with the reason. Returns the keys
+    claimed (to release once written). A claim that fails publishes as if unclaimed: the
+    conditional PUT still keeps one entry."""
+    claimed, kept = [], []
+    for track in snap.tracks:
+        if track.load.outcome == "hit" and track.load.etag:
+            kept.append(track)  # a republish of the entry this run loaded
+            continue
+        key = track.fp.key()
+        try:
+            other = remote.claim(key, holder=holder, lease_s=lease_s)
+        except TransportError as exc:
+            log.debug("megacache: claiming %s failed (%s): publishing unclaimed", key[:12], exc)
+            kept.append(track)
+            continue
+        if other is None:
+            claimed.append(key)
+            if remote.get_entry(key) is None:
+                kept.append(track)
+            else:  # the claimant before us wrote it and let go: nothing to add blindly
+                track.publish.key = key
+                track.publish.reason = ("another publisher wrote this key meanwhile: upload "
+                                        "skipped; a later run that loads the entry adds what "
+                                        "it lacks")
+        else:
+            track.publish.key = key
+            track.publish.reason = (
+                f"another publisher ({other}) is publishing this key: upload skipped; a "
+                "later run that loads the entry adds what it lacks")
+    snap.tracks[:] = kept
+    return claimed
+
+
+def _upload_and_write(remote: RemoteCache, snap: Snapshot, config: ClientConfig,
+                      node: NodeCache, first: Track) -> None:
+    blobs = [bundle_blob(node, snap.raw, precompile.producer_meta(snap.counts))]
+    if config.ship_kernels and snap.kernels:
+        blobs.append(_pack_blob(node, "kernels", snap.kernels,
+                                relocate.recorder().ids_for(snap.kernels)))
+    if config.ship_toolchain:
+        toolchain = _toolchain_blob(remote, node, first)
+        if toolchain is not None:
+            blobs.append(toolchain)
+    snap.tracks[0].publish.bytes_up += upload_blobs(remote, node, blobs)
+    for track in snap.tracks:
+        _put_entry(remote, track, blobs, snap)
 
 
 def _put_entry(remote: RemoteCache, track: Track, blobs: list[BlobRef], snap: Snapshot
@@ -173,6 +232,16 @@ def _put_entry(remote: RemoteCache, track: Track, blobs: list[BlobRef], snap: Sn
         res.published, res.reason = True, f"published {len(blobs)} blob(s)"
         log.info("megacache: published %s for %s (%d bytes uploaded)", manifest.key[:12],
                  track.fp.model, res.bytes_up)
+
+
+def claim_holder() -> str:
+    """A name for this process on a publish claim: host, pid and a random part (a pid
+    is reused, a host name repeats in containers), in the server's id alphabet."""
+    import re
+    import socket
+
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64].strip(".-") or "host"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def bundle_blob(node: NodeCache, raw: bytes, meta: dict[str, str] | None = None) -> BlobRef:

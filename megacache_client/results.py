@@ -33,6 +33,8 @@ class LoadResult:
     steps: dict[str, float] = field(default_factory=dict)
     precompile: str = ""
     """Why the entry's precompiled Dynamo output was not loaded ("" when loaded or absent)."""
+    job_note: str = ""
+    """Why this process of a job decided alone ("" when the job's resolution decided)."""
 
     def timer(self) -> Callable[[str], None]:
         """Returns `mark(name)`: records the seconds since the previous mark under `name`."""

@@ -26,6 +26,7 @@ from megacache_client import precompile, start_clock, torch_env
 from megacache_client.config import ClientConfig
 from megacache_client.events import Event, Outcome
 from megacache_client.fingerprint import compute as compute_fingerprint
+from megacache_client.job import JobIdentity
 from megacache_client.load import (
     await_prefetch,
     await_toolchain,
@@ -41,7 +42,7 @@ from megacache_client.manifest import Fingerprint
 from megacache_client.nodecache import NodeCache
 from megacache_client.packs import PackError
 from megacache_client.prefetch import Prefetcher
-from megacache_client.publish import save_for_shipping, snapshot, upload
+from megacache_client.publish import claim_holder, save_for_shipping, snapshot, upload
 from megacache_client.report import events as track_events
 from megacache_client.report import post_events, start_fields
 from megacache_client.results import LoadResult, MegacacheError, PublishResult, Snapshot, Track
@@ -79,6 +80,10 @@ class Session:
         """Why this process's precompiled Dynamo output was not shipped ("" when it was)."""
         self._precompile_keys: dict[str, list[str]] = {}
         """torch's precompile key of each compiled callable -> the callables wrapped under it."""
+        self.job, self.job_note = JobIdentity.of_process()
+        """Which job, attempt and rank this process is (never part of the fingerprint)."""
+        self.holder = claim_holder()
+        """This process's name on a publish claim: unique to it, meaningful in a log."""
 
     def start(self) -> Session:
         """Called when the client is enabled: precompile on, clock started, prefetch begun.
@@ -173,7 +178,8 @@ class Session:
                 cap = self.config.max_raw_bytes
                 deadline = Deadline(self.config.load_deadline_s)
                 with RemoteCache(self.config, deadline=deadline) as remote:
-                    found = find_entry(remote, fp, result, self.config.fallback, prefetched)
+                    found = find_entry(remote, fp, result, self.config.fallback, prefetched,
+                                       self.job)
                     step("find")
                     if found is not None:
                         result.entry, result.etag = found
@@ -259,7 +265,7 @@ class Session:
     def _upload(self, snap: Snapshot) -> None:
         """The publish thread: upload the blobs, write each lacking track's entry."""
         try:
-            upload(snap, self.config, self.node, self._first)
+            upload(snap, self.config, self.node, self._first, self.holder)
         except Exception as exc:
             for track in snap.tracks:
                 track.publish.reason = f"publish failed: {type(exc).__name__}: {exc}"

@@ -35,7 +35,8 @@ from megacache_client.schema import parse
 from megacache_client.signing import SIGNATURE_HEADER, SigningError, signature_valid
 
 __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineExceeded",
-           "Deadline", "Progress", "RemoteCache", "TransportError", "UntrustedEntryError",
+           "Deadline", "Progress", "RemoteCache", "ResolutionUnsupported", "TransportError",
+           "UntrustedEntryError",
            "breaker_for", "sha256_file"]
 
 Progress = Callable[[int, int], None]
@@ -140,8 +141,12 @@ class RemoteCache:
             body["fallback"] = fallback
         r = self._call(lambda t: self._http.post(f"/v1/ac/{entry_key}/resolve", json=body,
                                                  timeout=t), "resolve entry")
-        if r.status_code == 404:
+        if r.status_code == 404 and r.headers.get("x-megacache-resolution") == "miss":
             return None
+        if r.status_code in (404, 405):  # a server from before job resolutions
+            raise ResolutionUnsupported(
+                "the server does not resolve job attempts (an older version): each process "
+                "decided alone", r.status_code)
         self._expect(r, (200,), "resolve entry")
         self._check_signature(entry_key, r)
         manifest = Manifest.from_json(r.content)
@@ -160,6 +165,8 @@ class RemoteCache:
                 return str(r.json()["error"]["holder"])[:128]
             except (ValueError, KeyError, TypeError):
                 return "another publisher"
+        if r.status_code in (404, 405):  # a server from before claims: publish as before
+            return None
         self._expect(r, (200,), "claim publish")
         return None
 
@@ -167,7 +174,7 @@ class RemoteCache:
         r = self._call(lambda t: self._http.delete(f"/v1/ac/{entry_key}/claim",
                                                    params={"holder": holder}, timeout=t),
                        "release claim")
-        self._expect(r, (204, 409), "release claim")
+        self._expect(r, (204, 404, 405, 409), "release claim")
 
     def _check_signature(self, entry_key: str, r: httpx.Response) -> None:
         """With a verify key, the manifest must be signed by the server for this key and the
@@ -338,6 +345,10 @@ def _file_chunks(path: Path, progress: Progress | None) -> Iterator[bytes]:
             if progress:
                 progress(done, total)
             yield chunk
+
+
+class ResolutionUnsupported(TransportError):
+    """The server has no job resolutions: the process decides alone."""
 
 
 def _refuse_encoded(response: httpx.Response) -> None:
