@@ -15,6 +15,7 @@ from typing import Any
 from megacache_client import precompile, torch_env
 from megacache_client.config import ClientConfig
 from megacache_client.events import Event
+from megacache_client.job import JobIdentity
 from megacache_client.results import Track
 from megacache_client.start_clock import TimeToStart
 from megacache_client.transport import Deadline, RemoteCache
@@ -23,22 +24,35 @@ log = logging.getLogger("megacache")
 
 
 def events(tracks: Sequence[Track], start_fields: Callable[[], dict[str, Any]],
-           warn: Callable[[str], None]) -> list[Event]:
+           warn: Callable[[str], None], job: JobIdentity | None = None) -> list[Event]:
     """One event per track that got as far as an outcome; `start_fields` gives the first
-    one its time-to-start and precompile fields; `warn` hears of an inert bundle."""
+    one its time-to-start and precompile fields; `warn` hears of an inert bundle. Each
+    event of a job names it, so the server counts a job attempt once (its slowest rank)."""
     counters = torch_env.cache_counters() if tracks else {}
     compile_s = torch_env.compile_seconds() if tracks else 0.0
     out = []
     for n, track in enumerate(tracks):
-        event = _event(track, counters, compile_s if n == 0 else None, start_fields, warn)
+        event = _event(track, counters, compile_s if n == 0 else None, start_fields, warn,
+                       job_fields(job))
         if event is not None:
             out.append(event)
     return out
 
 
+def job_fields(job: JobIdentity | None) -> dict[str, Any]:
+    """What an event carries of the job: nothing outside one, rank and world size only
+    when the launcher's pair makes sense."""
+    if job is None or job.job_id is None:
+        return {}
+    fields: dict[str, Any] = {"job_id": job.job_id, "attempt": job.attempt}
+    if job.rank < job.world_size:
+        fields |= {"rank": job.rank, "world_size": job.world_size}
+    return fields
+
+
 def _event(track: Track, counters: dict[str, int], compile_s: float | None,
-           start_fields: Callable[[], dict[str, Any]], warn: Callable[[str], None]
-           ) -> Event | None:
+           start_fields: Callable[[], dict[str, Any]], warn: Callable[[str], None],
+           job: dict[str, Any]) -> Event | None:
     res = track.load
     if res.key is None or res.outcome is None:
         return None
@@ -62,7 +76,7 @@ def _event(track: Track, counters: dict[str, int], compile_s: float | None,
         load_s=round(res.seconds, 3), bytes_down=res.bytes_down,
         bytes_up=track.publish.bytes_up, fxgraph_hit=counters["fxgraph_hit"] if first else 0,
         fxgraph_miss=counters["fxgraph_miss"] if first else 0,
-        published=track.publish.published,
+        published=track.publish.published, **job,
         **(start_fields() if first else {}),
     )
 

@@ -282,7 +282,8 @@ class Session:
     # -- step 7: report -----------------------------------------------------------------
     def events(self) -> list[Event]:
         """One event per track; the process-wide figures go on the first one only."""
-        return track_events(list(self.tracks.values()), self._start_fields, self._warn)
+        return track_events(list(self.tracks.values()), self._start_fields, self._warn,
+                            self.job)
 
     def event(self) -> Event | None:
         events = self.events()

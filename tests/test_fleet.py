@@ -41,7 +41,7 @@ RANK = textwrap.dedent("""
     bundle = r.entry.blob("megacache") if r.entry is not None else None
     print(json.dumps({"outcome": r.outcome, "reason": r.reason, "job_note": r.job_note,
                       "bundle": bundle.digest if bundle else None}))
-    session.retire()
+    session.close()  # reports the run: the job's attempt counts once, whatever the ranks
 """) % (MODEL, CODE)
 
 
@@ -111,6 +111,13 @@ def test_ranks_agree_when_an_entry_appears_between_their_lookups(server, bundles
     restart = rank(server, tmp_path, "restart", RANK="0",
                    MEGACACHE_JOB_ID="fleet-appears", MEGACACHE_ATTEMPT="1")
     assert restart["outcome"] == "hit", restart  # a new attempt finds what was published
+    import httpx
+
+    jobs = httpx.get(f"{server.url}/v1/jobs").json()["jobs"]
+    job = next(j for j in jobs if j["job_id"] == "fleet-appears")
+    attempts = {a["attempt"]: a for a in job["attempts"]}
+    assert sorted(attempts) == [0, 1] and job["restarts"] == 1, job
+    assert attempts[0]["reports"] == 2 and attempts[0]["outcome"] == "miss", attempts
 
 
 def test_ranks_agree_when_the_entry_is_replaced_between_their_lookups(server, bundles,
