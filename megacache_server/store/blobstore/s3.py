@@ -211,6 +211,23 @@ class S3BlobStore(BlobStore):
                                                         Key=self.key_of(digest)))
         return True
 
+    def quarantine_key(self, digest: str) -> str:
+        return f"{self.prefix}quarantine/{digest}"
+
+    async def quarantine(self, digest: str, reason: str) -> bool:
+        """Copy the object under `quarantine/` (with the reason as metadata), then delete it
+        from `cas/`: outside the prefix the store lists, serves and collects."""
+        if await self.stat(digest) is None:
+            return False
+        await self._call(lambda: self._s3.copy_object(
+            Bucket=self.bucket, Key=self.quarantine_key(digest),
+            CopySource={"Bucket": self.bucket, "Key": self.key_of(digest)},
+            Metadata={"reason": reason.encode("ascii", "replace").decode()[:200]},
+            MetadataDirective="REPLACE"))
+        await self._call(lambda: self._s3.delete_object(Bucket=self.bucket,
+                                                        Key=self.key_of(digest)))
+        return True
+
     async def delete_many(self, digests: list[str]) -> set[str]:
         """DeleteObjects, DELETE_BATCH keys a request (deleting a missing key succeeds)."""
         failed: set[str] = set()
