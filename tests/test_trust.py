@@ -9,6 +9,7 @@ all, rot is found within the scrub's byte budget.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -277,3 +278,56 @@ def test_the_scrub_finds_rot_with_no_client_within_its_budget(scrubbing: ServerP
     assert f"quarantined blob {bad} (reason digest" in scrubbing.log()
     assert "found by scrub" in scrubbing.log()
     http.close()
+
+
+# -- provenance ----------------------------------------------------------------------------
+PRODUCER = {"x-megacache-client-version": "0.4.1+cpu", "x-megacache-job": "train-42",
+            "x-megacache-attempt": "2"}
+
+
+def _provenance(r: httpx.Response) -> dict[str, object]:
+    return json.loads(r.headers["x-megacache-provenance"])
+
+
+def test_every_entry_records_who_wrote_it(team: Team):
+    data = os.urandom(20_000)
+    team.upload(data)
+    m = make_manifest({"megacache": data}, make_fingerprint(code="prov",
+                                                            namespace=team.namespace))
+    assert team.http.put(f"/v1/ac/{m.key}", content=m.to_json(),
+                         headers=PRODUCER).status_code == 201
+    got = team.reader.get(f"/v1/ac/{m.key}")
+    first = _provenance(got)
+    assert first["writer"] == f"ci-{team.namespace}" and first["writer_id"]
+    assert first["writer_scopes"] == ["read", "write"]
+    assert first["namespace"] == team.namespace
+    assert (first["client_version"], first["job"], first["attempt"]) == ("0.4.1+cpu",
+                                                                         "train-42", 2)
+    assert first["replaced"] is False
+    assert got.headers["x-megacache-writer"] == f"ci-{team.namespace}"
+    assert got.headers["x-megacache-writer-scopes"] == "read,write"
+    # a rewrite says it replaced an earlier version, and what it (did not) claim
+    assert team.http.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 200
+    second = _provenance(team.reader.get(f"/v1/ac/{m.key}"))
+    assert second["replaced"] is True and second["job"] is None
+    assert second["written_at"] >= first["written_at"]  # type: ignore[operator]
+    # and the resolve answer carries the provenance of the version resolved
+    r = team.reader.post(f"/v1/ac/{m.key}/resolve", json={"job": "reader", "attempt": 0})
+    assert r.status_code == 200 and _provenance(r) == second
+
+
+@pytest.mark.parametrize("header,value", [
+    ("x-megacache-job", "../../etc"), ("x-megacache-job", "a" * 129),
+    ("x-megacache-job", "-starts-with-dash"), ("x-megacache-attempt", "-1"),
+    ("x-megacache-attempt", "1e3"), ("x-megacache-attempt", "01"),
+    ("x-megacache-attempt", "99999999"), ("x-megacache-client-version", "x" * 65),
+    ("x-megacache-client-version", "1.0 <script>")])
+def test_hostile_producer_headers_are_refused(team: Team, header: str, value: str):
+    data = os.urandom(1000)
+    team.upload(data)
+    m = make_manifest({"megacache": data}, make_fingerprint(code=f"h{os.urandom(2).hex()}",
+                                                            namespace=team.namespace))
+    r = team.http.put(f"/v1/ac/{m.key}", content=m.to_json(), headers={header: value})
+    assert r.status_code == 422, r.text
+    assert value not in r.text or len(value) < 20
+    assert team.reader.get(f"/v1/ac/{m.key}").status_code == 404

@@ -41,7 +41,7 @@ from megacache_server.errors import (
     TooManyRequests,
     Unprocessable,
 )
-from megacache_server.service import auth, eviction, fsck, reports, trust
+from megacache_server.service import auth, eviction, fsck, provenance, reports, trust
 from megacache_server.service.auth import Principal, Scope
 from megacache_server.service.ratelimit import RateLimiter
 from megacache_server.settings import Settings
@@ -316,9 +316,11 @@ class TenantCache:
                 "evicting unpinned entries", code="store_full", used=used, budget=budget)
 
     # -- entries ------------------------------------------------------------------------
-    async def put_entry(self, key: str, body: bytes, condition: Precondition) -> EntryWrite:
+    async def put_entry(self, key: str, body: bytes, condition: Precondition, *,
+                        claims: provenance.ProducerClaims | None = None) -> EntryWrite:
         """Validate and store a manifest, exactly the bytes validated. Every blob it names
-        must be stored and visible to the writer (424 if not)."""
+        must be stored and visible to the writer (424 if not). The entry records who wrote
+        it (`service.provenance`): this caller's token, and what the producer `claims`."""
         manifest = parse_manifest(body, key) if len(body) <= INLINE_PARSE_BYTES else \
             await to_thread.run_sync(parse_manifest, body, key)
         namespace = manifest.fingerprint.namespace
@@ -326,11 +328,15 @@ class TenantCache:
         size = await self._require_blobs(manifest)
         await self._enforce_quota(namespace, key, size)
         fp = manifest.fingerprint
+        replaced = await self.index.get(key, touch=False) is not None
+        written = provenance.record(self.principal, namespace,
+                                    claims or provenance.ProducerClaims(),
+                                    replaced=replaced, written_at=time.time())
         entry, created = await self.index.put(NewEntry(
             key=key, manifest_json=body, namespace=namespace, model=fp.model,
             env_digest=component_digest(fp.env), hw_digest=component_digest(fp.hw),
             digests=tuple(b.digest for b in manifest.blobs), size=size,
-            created_at=manifest.created_at.timestamp()), condition)
+            created_at=manifest.created_at.timestamp(), provenance=written), condition)
         return EntryWrite(entry, created)
 
     async def get_entry(self, key: str, *, touch: bool = True) -> StoredEntry:
@@ -439,6 +445,13 @@ class TenantCache:
             # bytes are gone; the ranks that had it met the bad blob and compile)
             return dataclasses.replace(done, manifest_json=b"", etag="")
         return done
+
+    async def resolution_provenance(self, done: Resolution) -> str:
+        """Who wrote the version a job attempt resolved to, while that version is still the
+        entry ("" once it was replaced or removed: a reader that needs a trusted writer
+        then compiles)."""
+        entry = await self.index.get(done.key, touch=False)
+        return entry.provenance if entry is not None and entry.etag == done.etag else ""
 
     async def claim(self, key: str, *, holder: str,
                     lease_s: float = DEFAULT_CLAIM_LEASE_S) -> Claim:

@@ -53,8 +53,9 @@ class MeteredTenantCache(TenantCache):
         UPLOADED.inc(size)
         return created
 
-    async def put_entry(self, key: str, body: bytes, condition: Precondition) -> EntryWrite:
-        done = await super().put_entry(key, body, condition)
+    async def put_entry(self, key: str, body: bytes, condition: Precondition,
+                        **kwargs: Any) -> EntryWrite:
+        done = await super().put_entry(key, body, condition, **kwargs)
         ENTRY_WRITES.labels("created" if done.created else "replaced").inc()
         return done
 
