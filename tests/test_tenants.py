@@ -7,9 +7,11 @@ dashboard, GC and fsck are checked to be as they were.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -272,16 +274,13 @@ def test_a_lookup_of_another_tenants_key_does_not_reorder_its_eviction(
     assert _last_access(a.server, key) == before
 
 
-def _slow_body(data: bytes, started: "threading.Barrier") -> Iterator[bytes]:
+def _slow_body(data: bytes, started: threading.Barrier) -> Iterator[bytes]:
     """The body in two halves, the second only once every uploader has sent its first:
     all uploads are in flight at once, as N connections of a hostile tenant are."""
-    import threading
-
     yield data[: len(data) // 2]
-    try:
+    # another upload was refused (a broken barrier): send the rest now
+    with contextlib.suppress(threading.BrokenBarrierError):
         started.wait(timeout=30)
-    except threading.BrokenBarrierError:  # another upload was refused: send the rest now
-        pass
     yield data[len(data) // 2:]
 
 
