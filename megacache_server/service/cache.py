@@ -92,9 +92,11 @@ class Cache:
                                          burst=self.settings.event_burst)
         self.report_limiter = RateLimiter(rate=self.settings.report_rate,
                                           burst=self.settings.report_burst)
-        self.found_good: dict[str, float] = {}
-        """Blobs a report had re-hashed and found good, with when (monotonic): reported again
-        within trust.GOOD_VERDICT_TTL_S, they are not hashed again."""
+        self.found_good: dict[tuple[str, str], float] = {}
+        """(reporter, blob) pairs a report had re-hashed and found good, with when
+        (monotonic): reported again by the same token within trust.GOOD_VERDICT_TTL_S, the
+        blob is not hashed again. Per reporter, so one tenant's reports of a good blob
+        never delay the quarantine another's report of it rotten would make."""
         self._verifying: dict[str, asyncio.Future[trust.Verdict]] = {}
         self.uploading: dict[str, int] = {}
         """Bytes of uploads in flight in this process, per namespace: counted against the
@@ -513,9 +515,10 @@ class TenantCache:
 
     async def _verify(self, digest: str) -> trust.Verdict:
         """Re-hash once however many reports arrive together; trust a good verdict for a
-        while (a flood of reports about a good blob costs one hash)."""
+        while (a flood of one token's reports about a good blob costs one hash)."""
         now = time.monotonic()
-        good_at = self.cache.found_good.get(digest)
+        reporter = self.principal.token_id or self.principal.name
+        good_at = self.cache.found_good.get((reporter, digest))
         if good_at is not None and now - good_at < trust.GOOD_VERDICT_TTL_S:
             return trust.Verdict(True)
         running = self.cache._verifying.get(digest)
@@ -535,7 +538,7 @@ class TenantCache:
         if verdict.ok:
             if len(self.cache.found_good) > 10_000:
                 self.cache.found_good.clear()
-            self.cache.found_good[digest] = time.monotonic()
+            self.cache.found_good[(reporter, digest)] = time.monotonic()
             await self.index.mark_verified(digest, time.time())
         return verdict
 
