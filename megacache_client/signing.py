@@ -22,18 +22,29 @@ SIGNATURE_HEADER = "x-megacache-signature"
 SIGNATURE_PREFIX = "ed25519="
 PUBLIC_KEY_PREFIX = "ed25519:"
 _DOMAIN = b"megacache-manifest-v1"
+_DOMAIN_V2 = b"megacache-manifest-v2"
+PROVENANCE_HEADER = "x-megacache-provenance"
+PROVENANCE_SIGNATURE_HEADER = "x-megacache-provenance-signature"
 
 
 class SigningError(ValueError):
     """A key that cannot be used, or signing support that is not installed."""
 
 
-def signed_message(key: str, namespace: str, manifest_json: bytes) -> bytes:
+def signed_message(key: str, namespace: str, manifest_json: bytes,
+                   provenance: str | None = None) -> bytes:
     """What the signature covers: a fixed domain tag, the key, the namespace, the bytes.
 
     Key and namespace are fixed-shape (hex, a restricted charset) and NUL-separated, so no
-    two different triples make the same message.
+    two different triples make the same message. With `provenance` (who wrote the entry:
+    `x-megacache-provenance`, ASCII JSON, never a NUL) the message has another domain tag
+    and the provenance before the bytes: what `x-megacache-provenance-signature` covers, so
+    neither the writer nor the bytes can be swapped. `x-megacache-signature` stays the
+    signature without it, so every verifier of it works as before.
     """
+    if provenance:
+        return b"\0".join((_DOMAIN_V2, key.encode(), namespace.encode(),
+                           provenance.encode("ascii", "replace"), manifest_json))
     return b"\0".join((_DOMAIN, key.encode(), namespace.encode(), manifest_json))
 
 
@@ -60,8 +71,9 @@ def public_key_bytes(text: str) -> bytes:
 
 
 def signature_valid(public_key: str, key: str, namespace: str, manifest_json: bytes,
-                    signature: str | None) -> bool:
-    """True if `signature` is the server's signature of this manifest for this key/namespace."""
+                    signature: str | None, provenance: str | None = None) -> bool:
+    """True if `signature` is the server's signature of this manifest for this key/namespace
+    (and of `provenance`, the `x-megacache-provenance` it was served with, if any)."""
     if not signature or not signature.startswith(SIGNATURE_PREFIX):
         return False
     ed25519 = _ed25519()
@@ -70,7 +82,7 @@ def signature_valid(public_key: str, key: str, namespace: str, manifest_json: by
     try:
         raw_sig = base64.b64decode(signature[len(SIGNATURE_PREFIX):], validate=True)
         ed25519.Ed25519PublicKey.from_public_bytes(public_key_bytes(public_key)).verify(
-            raw_sig, signed_message(key, namespace, manifest_json))
+            raw_sig, signed_message(key, namespace, manifest_json, provenance))
     except (InvalidSignature, binascii.Error, ValueError):
         return False
     return True
@@ -95,9 +107,11 @@ class Signer:
             raise SigningError(f"{path} is not an Ed25519 private key")
         return cls(key)
 
-    def sign(self, key: str, namespace: str, manifest_json: bytes) -> str:
-        """The `x-megacache-signature` value for this manifest served under key/namespace."""
-        sig = self._key.sign(signed_message(key, namespace, manifest_json))
+    def sign(self, key: str, namespace: str, manifest_json: bytes,
+             provenance: str | None = None) -> str:
+        """The `x-megacache-signature` value for this manifest served under key/namespace
+        (with its provenance, when it has one)."""
+        sig = self._key.sign(signed_message(key, namespace, manifest_json, provenance))
         return SIGNATURE_PREFIX + base64.b64encode(sig).decode()
 
     @property

@@ -32,7 +32,13 @@ from megacache_client.errors import (
 from megacache_client.manifest import Manifest, component_digest, sha256_file
 from megacache_client.retry import Deadline, RetryableStatus, retry_after_s, retryable, retrying
 from megacache_client.schema import parse
-from megacache_client.signing import SIGNATURE_HEADER, SigningError, signature_valid
+from megacache_client.signing import (
+    PROVENANCE_HEADER,
+    PROVENANCE_SIGNATURE_HEADER,
+    SIGNATURE_HEADER,
+    SigningError,
+    signature_valid,
+)
 
 __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineExceeded",
            "Deadline", "Progress", "RemoteCache", "ResolutionUnsupported", "TransportError",
@@ -185,6 +191,10 @@ class RemoteCache:
         try:
             ok = signature_valid(public_key, entry_key, self.config.namespace, r.content,
                                  r.headers.get(SIGNATURE_HEADER))
+            provenance = r.headers.get(PROVENANCE_HEADER)
+            if ok and provenance:  # who wrote it, when said, must be what the server signed
+                ok = signature_valid(public_key, entry_key, self.config.namespace, r.content,
+                                     r.headers.get(PROVENANCE_SIGNATURE_HEADER), provenance)
         except SigningError as exc:
             raise UntrustedEntryError(f"cannot verify entry {entry_key[:12]}…: {exc}") from None
         if not ok:

@@ -95,6 +95,18 @@ class Settings(BaseSettings):
         14, gt=0, description="days raw events are kept (totals are kept for good)")
     rollup_retention_days: float = Field(
         400, gt=0, description="days hourly rollups (dashboard history) are kept")
+    report_rate: float = Field(
+        0.5, ge=0, description="reports of bad blobs or unloadable entries one token may send "
+        "per second, per process (0: no limit)")
+    report_burst: float = Field(10, ge=1, description="reports a token may send at once")
+    withdraw_after_reports: int = Field(
+        3, ge=1, description="independent reports (distinct token and job) that torch could "
+        "not load an entry's bundle after which the entry is withdrawn")
+    scrub_bytes_per_s: ByteSize = Field(
+        ByteSize(0), description="background re-hashing of stored blobs, bytes per second "
+        "(0: off, the embedded default; see docs/reliability.md)")
+    scrub_interval_s: float = Field(
+        7 * 86400, ge=0, description="the scrub re-hashes a blob at most once in this long")
     upload_idle_timeout_s: float = Field(
         60, gt=0, description="a body that sends nothing for this long gets 408"
     )

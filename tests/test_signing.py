@@ -25,7 +25,13 @@ from helpers import (
 
 from megacache_client.config import ClientConfig, ConfigError
 from megacache_client.session import Session
-from megacache_client.signing import SIGNATURE_HEADER, Signer, signature_valid
+from megacache_client.signing import (
+    PROVENANCE_HEADER,
+    PROVENANCE_SIGNATURE_HEADER,
+    SIGNATURE_HEADER,
+    Signer,
+    signature_valid,
+)
 from megacache_client.transport import RemoteCache, UntrustedEntryError
 
 
@@ -163,3 +169,31 @@ def _new_key(path: Path) -> Path:
     out = cli("signing-key", "generate", "--out", str(path))
     assert out.returncode == 0, out.stderr
     return path
+
+
+def test_the_provenance_signature_covers_who_wrote_the_entry(signing: ServerProcess,
+                                                            keys: tuple[Path, str]):
+    data = os.urandom(64)
+    m = make_manifest({"megacache": data}, make_fingerprint(code="prov-signed",
+                                                            namespace="team-a"))
+    with httpx.Client(base_url=signing.url) as c:
+        c.put(f"/v1/cas/{sha256(data)}", content=data)
+        assert c.put(f"/v1/ac/{m.key}", content=m.to_json(),
+                     headers={"x-megacache-job": "ci-7"}).status_code == 201
+        r = c.get(f"/v1/ac/{m.key}")
+        resolved = c.post(f"/v1/ac/{m.key}/resolve", json={"job": "j"})
+    provenance = r.headers[PROVENANCE_HEADER]
+    assert '"job":"ci-7"' in provenance
+    for answer in (r, resolved):
+        sig = answer.headers[PROVENANCE_SIGNATURE_HEADER]
+        assert signature_valid(keys[1], m.key, "team-a", answer.content, sig, provenance)
+        forged = provenance.replace('"job":"ci-7"', '"job":"ci-8"')
+        assert not signature_valid(keys[1], m.key, "team-a", answer.content, sig, forged)
+        assert not signature_valid(keys[1], m.key, "team-a", answer.content, sig)
+        # the manifest-only signature still verifies as it always did
+        assert signature_valid(keys[1], m.key, "team-a", answer.content,
+                               answer.headers[SIGNATURE_HEADER])
+    # the client checks both signatures of an entry served with its provenance
+    with RemoteCache(ClientConfig(url=signing.url, namespace="team-a",
+                                  verify_key=keys[1])) as remote:
+        assert remote.get_entry(m.key)[0].key == m.key

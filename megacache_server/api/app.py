@@ -33,11 +33,13 @@ from megacache_server.api.routes.events import router as events_router
 from megacache_server.api.routes.health import router as health_router
 from megacache_server.api.routes.jobs import router as jobs_router
 from megacache_server.api.routes.observability import router as observe_router
+from megacache_server.api.routes.trust import router as trust_router
 from megacache_server.errors import ApiError, BadRequest, error_body
 from megacache_server.service.cache import Cache
 from megacache_server.service.collector import SubprocessCollector
 from megacache_server.service.metrics import MeteredCache
 from megacache_server.service.signing import check_signing_key
+from megacache_server.service.trust import Scrubber
 from megacache_server.settings import Settings
 from megacache_server.store.storage import Storage, build_storage
 
@@ -73,16 +75,18 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         gc.collect()
         gc.freeze()
         sys.setswitchinterval(GIL_SWITCH_S)
-        gc_task = None
+        tasks = []
         if settings.gc_interval_s > 0:
-            gc_task = asyncio.create_task(_gc_forever(cache))
+            tasks.append(asyncio.create_task(_gc_forever(cache)))
+        if settings.scrub_bytes_per_s > 0:  # one process scrubs: the rest wait on its lock
+            tasks.append(asyncio.create_task(Scrubber(settings, storage).run_forever()))
         try:
             yield
         finally:
-            if gc_task is not None:
-                gc_task.cancel()
+            for task in tasks:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await gc_task
+                    await task
             await storage.close()
 
     app = FastAPI(
@@ -100,6 +104,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.include_router(ac_router)
     app.include_router(jobs_router)
     app.include_router(events_router)
+    app.include_router(trust_router)
     app.include_router(observe_router)
     app.include_router(health_router)
     add_offline_docs(app)

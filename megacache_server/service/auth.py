@@ -38,6 +38,7 @@ class Principal:
     name: str
     scopes: frozenset[str]
     namespace: str | None  # None: every namespace (auth off)
+    token_id: str = ""  # "" with auth off
 
 
 ANONYMOUS = Principal("anonymous", frozenset(SCOPES), None)
@@ -117,7 +118,7 @@ async def authenticate(settings: Settings, tokens: TokenStore, authorization: st
         raise Unauthorized("token expired", code="token_expired",
                            headers={"www-authenticate": 'Bearer error="invalid_token", '
                                                         'error_description="expired"'})
-    return Principal(record.name, frozenset(record.scopes), record.namespace)
+    return Principal(record.name, frozenset(record.scopes), record.namespace, record.token_id)
 
 
 def authorize(principal: Principal, scope: Scope) -> Principal:
@@ -125,7 +126,7 @@ def authorize(principal: Principal, scope: Scope) -> Principal:
     admin). A `metrics` token scrapes every namespace; any reader scrapes its own."""
     if scope == "metrics":
         if "metrics" in principal.scopes:  # the operator's scrape: every namespace
-            return Principal(principal.name, principal.scopes, None)
+            return Principal(principal.name, principal.scopes, None, principal.token_id)
         scope_held = "read"  # any reader scrapes its own namespace's series
     else:
         scope_held = scope

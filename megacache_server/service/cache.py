@@ -14,7 +14,9 @@ Metrics subclass both (`service.metrics`) and override only what they count.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import re
@@ -39,7 +41,7 @@ from megacache_server.errors import (
     TooManyRequests,
     Unprocessable,
 )
-from megacache_server.service import auth, eviction, fsck, reports
+from megacache_server.service import auth, eviction, fsck, provenance, reports, trust
 from megacache_server.service.auth import Principal, Scope
 from megacache_server.service.ratelimit import RateLimiter
 from megacache_server.settings import Settings
@@ -49,6 +51,7 @@ from megacache_server.store.index.base import (
     Claim,
     NewEntry,
     Precondition,
+    QuarantineRecord,
     Resolution,
     StoredEntry,
     TokenRecord,
@@ -87,6 +90,14 @@ class Cache:
         self.collector = collector
         self.event_limiter = RateLimiter(rate=self.settings.event_rate,
                                          burst=self.settings.event_burst)
+        self.report_limiter = RateLimiter(rate=self.settings.report_rate,
+                                          burst=self.settings.report_burst)
+        self.found_good: dict[tuple[str, str], float] = {}
+        """(reporter, blob) pairs a report had re-hashed and found good, with when
+        (monotonic): reported again by the same token within trust.GOOD_VERDICT_TTL_S, the
+        blob is not hashed again. Per reporter, so one tenant's reports of a good blob
+        never delay the quarantine another's report of it rotten would make."""
+        self._verifying: dict[str, asyncio.Future[trust.Verdict]] = {}
         self.uploading: dict[str, int] = {}
         """Bytes of uploads in flight in this process, per namespace: counted against the
         pending quota with what the index holds, so N connections cannot each pass it."""
@@ -228,7 +239,10 @@ class TenantCache:
             if await self.storage.blobs.stat(digest) is None:
                 await self._make_room(size)
             await self.storage.blobs.put(digest, size, body)
-            return await self.index.record_blob(digest, size, self.home)
+            created = await self.index.record_blob(digest, size, self.home)
+        if await self.index.quarantined([digest]):  # verified again as it streamed in
+            await self.index.clear_quarantined(digest)
+        return created
 
     async def blob_size(self, digest: str) -> int | None:
         """The blob's size if this caller may see it, else None: asked of the store."""
@@ -315,9 +329,11 @@ class TenantCache:
                 "evicting unpinned entries", code="store_full", used=used, budget=budget)
 
     # -- entries ------------------------------------------------------------------------
-    async def put_entry(self, key: str, body: bytes, condition: Precondition) -> EntryWrite:
+    async def put_entry(self, key: str, body: bytes, condition: Precondition, *,
+                        claims: provenance.ProducerClaims | None = None) -> EntryWrite:
         """Validate and store a manifest, exactly the bytes validated. Every blob it names
-        must be stored and visible to the writer (424 if not)."""
+        must be stored and visible to the writer (424 if not). The entry records who wrote
+        it (`service.provenance`): this caller's token, and what the producer `claims`."""
         manifest = parse_manifest(body, key) if len(body) <= INLINE_PARSE_BYTES else \
             await to_thread.run_sync(parse_manifest, body, key)
         namespace = manifest.fingerprint.namespace
@@ -325,11 +341,15 @@ class TenantCache:
         size = await self._require_blobs(manifest)
         await self._enforce_quota(namespace, key, size)
         fp = manifest.fingerprint
+        replaced = await self.index.get(key, touch=False) is not None
+        written = provenance.record(self.principal, namespace,
+                                    claims or provenance.ProducerClaims(),
+                                    replaced=replaced, written_at=time.time())
         entry, created = await self.index.put(NewEntry(
             key=key, manifest_json=body, namespace=namespace, model=fp.model,
             env_digest=component_digest(fp.env), hw_digest=component_digest(fp.hw),
             digests=tuple(b.digest for b in manifest.blobs), size=size,
-            created_at=manifest.created_at.timestamp()), condition)
+            created_at=manifest.created_at.timestamp(), provenance=written), condition)
         return EntryWrite(entry, created)
 
     async def get_entry(self, key: str, *, touch: bool = True) -> StoredEntry:
@@ -436,8 +456,20 @@ class TenantCache:
             candidate: StoredEntry | None = await self._visible_entry(key, touch=True)
         except NotFound:
             candidate = await self._fallback_candidate(fallback) if fallback else None
-        return await self.index.resolve(self.home, job, attempt, key, candidate, ttl_s,
+        done = await self.index.resolve(self.home, job, attempt, key, candidate, ttl_s,
                                         time.time())
+        if done.hit and await self.index.quarantined(list(done.digests)):
+            # the attempt's entry named a blob since quarantined: a miss from now on (its
+            # bytes are gone; the ranks that had it met the bad blob and compile)
+            return dataclasses.replace(done, manifest_json=b"", etag="")
+        return done
+
+    async def resolution_provenance(self, done: Resolution) -> str:
+        """Who wrote the version a job attempt resolved to, while that version is still the
+        entry ("" once it was replaced or removed: a reader that needs a trusted writer
+        then compiles)."""
+        entry = await self.index.get(done.key, touch=False)
+        return entry.provenance if entry is not None and entry.etag == done.etag else ""
 
     async def _fallback_candidate(self, rule: FallbackRule) -> StoredEntry | None:
         newest = await self.list_entries(namespace=rule.namespace, model=rule.model,
@@ -473,6 +505,108 @@ class TenantCache:
             raise Conflict(f"the claim on key {key} is held by another holder, not "
                            f"{holder!r}", code="claim_not_held")
 
+    # -- reports: what clients met that was bad ------------------------------------------
+    def _take_report(self) -> None:
+        """Per token (per caller name with auth off, where there is one caller)."""
+        wait = self.cache.report_limiter.take(self.principal.token_id or self.principal.name)
+        if wait > 0:
+            raise TooManyRequests(
+                f"more than {self.settings.report_rate:g} reports/s from "
+                f"{self.principal.name!r}; retry in {wait:.1f}s",
+                headers={"retry-after": str(max(1, round(wait)))})
+
+    async def report_blob(self, digest: str, *, kind: str, entry_key: str | None,
+                          detail: str) -> dict[str, Any]:
+        """A client met a bad blob: re-verify it from the store; quarantine it only if it is
+        really bad. 404 for a blob this caller may not see (as GET). A blob that verifies
+        but was reported undecodable counts, with its entry, as a report on that entry."""
+        self._take_report()
+        if not await self._may_see_blob(digest):
+            raise NotFound(f"blob {digest} is not stored", code="blob_not_found")
+        if await self.index.blob_record(digest) is None and \
+                await self.storage.blobs.stat(digest) is None:
+            raise NotFound(f"blob {digest} is not stored", code="blob_not_found")
+        verdict = await self._verify(digest)
+        if not verdict.ok:
+            record = await trust.quarantine_blob(
+                self.storage, digest, verdict, reporter=self.principal.name,
+                claimed=f"{kind}: {detail}"[:200])
+            return {"verdict": "quarantined", "reason": record.reason}
+        answer: dict[str, Any] = {"verdict": "ok"}
+        if entry_key is not None and kind in ("decompress", "unpack", "load"):
+            entry = await self._visible_entry(entry_key, touch=False)
+            if digest in entry.digests:
+                answer |= await self._count_load_report(entry, kind, detail, job=None)
+        return answer
+
+    async def _verify(self, digest: str) -> trust.Verdict:
+        """Re-hash once however many reports arrive together; trust a good verdict for a
+        while (a flood of one token's reports about a good blob costs one hash)."""
+        now = time.monotonic()
+        reporter = self.principal.token_id or self.principal.name
+        good_at = self.cache.found_good.get((reporter, digest))
+        if good_at is not None and now - good_at < trust.GOOD_VERDICT_TTL_S:
+            return trust.Verdict(True)
+        running = self.cache._verifying.get(digest)
+        if running is not None:
+            return await asyncio.shield(running)
+        future: asyncio.Future[trust.Verdict] = asyncio.get_running_loop().create_future()
+        self.cache._verifying[digest] = future
+        try:
+            verdict = await trust.verify_blob(self.storage, digest)
+            future.set_result(verdict)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: nobody else may be waiting
+            raise
+        finally:
+            del self.cache._verifying[digest]
+        if verdict.ok:
+            if len(self.cache.found_good) > 10_000:
+                self.cache.found_good.clear()
+            self.cache.found_good[(reporter, digest)] = time.monotonic()
+            await self.index.mark_verified(digest, time.time())
+        return verdict
+
+    async def report_entry(self, key: str, *, kind: str, detail: str,
+                           job: str | None) -> dict[str, Any]:
+        """torch could not load this entry's bundle. One report proves nothing (the reader's
+        own torch may be at fault); `withdraw_after_reports` independent ones (distinct
+        token and job) withdraw the entry the way a quarantine does."""
+        self._take_report()
+        if job is not None:
+            job = require_id(job, "job")
+        entry = await self._visible_entry(key, touch=False)
+        return await self._count_load_report(entry, kind, detail, job=job)
+
+    async def _count_load_report(self, entry: StoredEntry, kind: str, detail: str,
+                                 job: str | None) -> dict[str, Any]:
+        reporter = f"{self.principal.token_id or self.principal.name}/{job or '-'}"
+        count = await self.index.add_load_report(entry.key, entry.etag, reporter, time.time())
+        needed = self.settings.withdraw_after_reports
+        if count < needed:
+            return {"verdict": "counted", "reports": count, "needed": needed}
+        current = await self.index.get(entry.key, touch=False)
+        if current is None or current.etag != entry.etag or \
+                not await self.index.delete(entry.key):
+            return {"verdict": "counted", "reports": count, "needed": needed}
+        record = QuarantineRecord(
+            "", "load", f"{count} independent reports; last: {kind}: {detail}"[:500],
+            self.principal.name, time.time(), entry.size, (entry.namespace,),
+            (f"{entry.namespace}/{entry.key}",))
+        await self.index.add_quarantine(record)
+        trust.log.warning("withdrew entry %s of namespace %s: torch could not load its bundle "
+                          "(%d independent reports; last: %s: %s)", entry.key,
+                          entry.namespace, count, kind, detail[:200])
+        return {"verdict": "withdrawn", "reports": count, "needed": needed}
+
+    async def quarantines(self, *, limit: int = 100) -> list[dict[str, Any]]:
+        """Quarantine records touching this caller's namespace, newest first."""
+        return [vars(r) | {"namespaces": [n for n in r.namespaces if self.sees(n)],
+                           "withdrawn": [w for w in r.withdrawn
+                                         if self.sees(w.partition("/")[0])]}
+                for r in await self.index.quarantines(namespace=self.scope, limit=limit)]
+
     # -- events and what they add up to ---------------------------------------------------
     async def add_event(self, body: bytes) -> None:
         """Record one run in the caller's namespace (from the token, never from the body)."""
@@ -492,7 +626,8 @@ class TenantCache:
         await self.index.add_event(self.home, event)
 
     async def stats(self, *, since: float | None) -> dict[str, Any]:
-        return await reports.stats(self.index, scope=self.scope, since=since)
+        found = await reports.stats(self.index, scope=self.scope, since=since)
+        return {**found, "quarantine": await self.quarantine_summary()}
 
     async def jobs(self, *, limit: int) -> list[dict[str, Any]]:
         """The caller's jobs that reported last, with their attempts."""
@@ -500,8 +635,21 @@ class TenantCache:
 
     async def dashboard(self, *, hours: float) -> dict[str, Any]:
         """Everything the dashboard shows, from rollups: cost independent of history."""
-        return await reports.dashboard(self.index, scope=self.scope, budget=self.cache.budget,
-                                       hours=hours)
+        found = await reports.dashboard(self.index, scope=self.scope,
+                                        budget=self.cache.budget, hours=hours)
+        return {**found, "quarantine": await self.quarantines(limit=20)}
+
+    async def quarantine_summary(self) -> dict[str, Any]:
+        """Quarantines by reason (of this caller's namespace: its records' count) and the
+        latest records."""
+        latest = await self.quarantines(limit=1000 if self.scope is not None else 20)
+        if self.scope is None:
+            by_reason = await self.index.quarantine_counts()
+        else:
+            by_reason = {}
+            for record in latest:
+                by_reason[record["reason"]] = by_reason.get(record["reason"], 0) + 1
+        return {"by_reason": by_reason, "latest": latest[:20]}
 
 
 def require_id(value: object, what: str) -> str:

@@ -9,6 +9,7 @@ As in bazel-remote (`disk/metrics.go`), the service knows nothing of Prometheus:
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,6 +30,7 @@ from megacache_server.service.cache import Cache, EntryWrite, TenantCache
 from megacache_server.service.eviction import GcResult
 from megacache_server.store.index import rollups
 from megacache_server.store.index.base import (
+    MAX_QUARANTINE_RECORDS,
     Claim,
     ModelStats,
     Precondition,
@@ -43,6 +45,8 @@ EVENTS = Counter("megacache_events_total", "Client events by result", ["result"]
 RESOLUTIONS = Counter("megacache_job_resolutions_total",
                       "Job-attempt resolutions served, by what they resolved to", ["result"])
 CLAIMS = Counter("megacache_publish_claims_total", "Publish claims, by answer", ["result"])
+REPORTS = Counter("megacache_reports_total", "Client reports of bad blobs and unloadable "
+                  "entries, by the server's verdict", ["verdict"])
 EVICTIONS = Counter("megacache_evictions_total", "Entries evicted and blobs collected",
                     ["kind"])
 
@@ -55,8 +59,9 @@ class MeteredTenantCache(TenantCache):
         UPLOADED.inc(size)
         return created
 
-    async def put_entry(self, key: str, body: bytes, condition: Precondition) -> EntryWrite:
-        done = await super().put_entry(key, body, condition)
+    async def put_entry(self, key: str, body: bytes, condition: Precondition,
+                        **kwargs: Any) -> EntryWrite:
+        done = await super().put_entry(key, body, condition, **kwargs)
         ENTRY_WRITES.labels("created" if done.created else "replaced").inc()
         return done
 
@@ -82,6 +87,17 @@ class MeteredTenantCache(TenantCache):
             raise
         CLAIMS.labels("granted").inc()
         return got
+
+    async def report_blob(self, digest: str, **kwargs: Any) -> dict[str, Any]:
+        return self._count_report(await super().report_blob(digest, **kwargs))
+
+    async def report_entry(self, key: str, **kwargs: Any) -> dict[str, Any]:
+        return self._count_report(await super().report_entry(key, **kwargs))
+
+    @staticmethod
+    def _count_report(verdict: dict[str, Any]) -> dict[str, Any]:
+        REPORTS.labels(verdict["verdict"]).inc()
+        return verdict
 
     async def add_event(self, body: bytes) -> None:
         try:
@@ -138,11 +154,35 @@ async def cache_metrics(cache: TenantCache) -> bytes:
             budget = GaugeMetricFamily("megacache_store_budget_bytes", "Store budget")
             budget.add_metric([], cache.cache.budget)
             families.append(budget)
+    families += await _trust_families(cache)
     # Per-model series (~80 per model, the job histograms' buckets included) are built and
     # rendered in a worker thread: with hundreds of models that is 100+ ms of Python, which
     # on the event loop every lookup would wait for.
     return await to_thread.run_sync(
         lambda: _render([*families, *_model_families(models)]) + _job_histograms(models))
+
+
+async def _trust_families(cache: TenantCache) -> list[Any]:
+    """Quarantines by reason (shared by every replica: from the index) and, for the operator,
+    how far the scrub is behind (the age of the longest-unverified blob)."""
+    summary = await cache.quarantine_summary()
+    total = CounterMetricFamily("megacache_quarantined_blobs",
+                                "Blobs quarantined (reason load: entries withdrawn)",
+                                labels=["reason"])
+    for reason, count in sorted(summary["by_reason"].items()):
+        total.add_metric([reason], count)
+    families: list[Any] = [total]
+    if cache.scope is None:
+        held = GaugeMetricFamily("megacache_quarantine_records",
+                                 "Quarantine records kept for inspection")
+        held.add_metric([], len(await cache.index.quarantines(namespace=None,
+                                                               limit=MAX_QUARANTINE_RECORDS)))
+        oldest = await cache.index.least_verified(1)
+        age = GaugeMetricFamily("megacache_scrub_oldest_unverified_seconds",
+                                "Seconds since the longest-unverified blob was last hashed")
+        age.add_metric([], max(0.0, time.time() - oldest[0][1]) if oldest else 0.0)
+        families += [held, age]
+    return families
 
 
 def _model_families(models: list[ModelStats]) -> list[Any]:

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from megacache_client.signing import (
+    PROVENANCE_SIGNATURE_HEADER,
     SIGNATURE_HEADER,
     Signer,
     SigningError,
@@ -26,12 +27,18 @@ def signer_for(path: Path) -> Signer:
 
 
 def signature_headers(settings: Settings, key: str, namespace: str,
-                      manifest_json: bytes) -> dict[str, str]:
-    """`x-megacache-signature` for a manifest served under key/namespace, when we sign."""
+                      manifest_json: bytes, provenance: str = "") -> dict[str, str]:
+    """`x-megacache-signature` for a manifest served under key/namespace, and with the
+    provenance it is served with (if any) `x-megacache-provenance-signature`, covering the
+    manifest bytes and the provenance together, when we sign."""
     if settings.signing_key_file is None:
         return {}
-    return {SIGNATURE_HEADER: signer_for(settings.signing_key_file).sign(
-        key, namespace, manifest_json)}
+    signer = signer_for(settings.signing_key_file)
+    found = {SIGNATURE_HEADER: signer.sign(key, namespace, manifest_json)}
+    if provenance:  # a second signature, so verifiers of the first work as before
+        found[PROVENANCE_SIGNATURE_HEADER] = signer.sign(key, namespace, manifest_json,
+                                                         provenance)
+    return found
 
 
 def check_signing_key(settings: Settings) -> None:

@@ -10,6 +10,7 @@ from megacache_client.manifest import HEX64_PATTERN
 from megacache_server.api.deps import Admin, Reader, Writer
 from megacache_server.api.validation import request_body, require_content_length
 from megacache_server.errors import PayloadTooLarge, error_responses
+from megacache_server.service import provenance
 from megacache_server.service.cache import Precondition, StoredEntry, TenantCache
 from megacache_server.service.signing import signature_headers
 
@@ -41,13 +42,19 @@ async def put_entry(key: Key, request: Request, cache: Writer) -> Response:
     """Write the manifest for `key`. Every blob it names must already be stored (424 if not).
 
     `If-None-Match: *` writes only if absent; `If-Match: <etag>` only over that version.
+    The entry records who wrote it: the token, and `X-Megacache-Client-Version`,
+    `X-Megacache-Job`, `X-Megacache-Attempt` when sent (422 if malformed).
     """
     limit = int(cache.settings.max_manifest_size)
     require_content_length(request.headers.get("content-length"), limit, "manifest")
     body = await _read_limited(request, limit)
+    claims = provenance.ProducerClaims.from_headers(
+        request.headers.get(provenance.CLIENT_VERSION_HEADER),
+        request.headers.get(provenance.JOB_HEADER),
+        request.headers.get(provenance.ATTEMPT_HEADER))
     done = await cache.put_entry(key, body, Precondition(
         if_match=request.headers.get("if-match"),
-        if_none_match=request.headers.get("if-none-match")))
+        if_none_match=request.headers.get("if-none-match")), claims=claims)
     return _json(body, 201 if done.created else 200, _entry_headers(cache, done.entry))
 
 
@@ -103,9 +110,11 @@ async def unpin_entry(key: Key, cache: Admin) -> Response:
 
 
 def _entry_headers(cache: TenantCache, entry: StoredEntry) -> dict[str, str]:
-    """ETag, and the signature binding these bytes to this key and namespace."""
-    return {"etag": entry.etag, **signature_headers(cache.settings, entry.key, entry.namespace,
-                                                    entry.manifest_json)}
+    """ETag, who wrote the entry, and the signature binding these bytes and that provenance
+    to this key and namespace."""
+    return {"etag": entry.etag, **provenance.headers(entry.provenance),
+            **signature_headers(cache.settings, entry.key, entry.namespace,
+                                entry.manifest_json, entry.provenance)}
 
 
 async def _read_limited(request: Request, limit: int) -> bytes:

@@ -21,6 +21,7 @@ from megacache_client.manifest import HEX64_PATTERN, NAMESPACE_PATTERN
 from megacache_server.api.deps import Reader, Writer
 from megacache_server.api.validation import request_body
 from megacache_server.errors import NotFound, PayloadTooLarge, Unprocessable, error_responses
+from megacache_server.service import provenance
 from megacache_server.service.cache import (
     DEFAULT_CLAIM_LEASE_S,
     DEFAULT_RESOLUTION_TTL_S,
@@ -94,8 +95,9 @@ async def resolve(key: Key, request: Request, cache: Reader) -> Response:
             "rank of this attempt compiles it", code="resolved_miss", headers=headers,
             job=done.job, attempt=done.attempt, resolved_at=done.resolved_at,
             expires_at=done.expires_at)
-    headers |= {"etag": done.etag, **signature_headers(
-        cache.settings, key, done.entry_namespace, done.manifest_json)}
+    written = await cache.resolution_provenance(done)
+    headers |= {"etag": done.etag, **provenance.headers(written), **signature_headers(
+        cache.settings, key, done.entry_namespace, done.manifest_json, written)}
     return Response(done.manifest_json, headers=headers, media_type="application/json")
 
 

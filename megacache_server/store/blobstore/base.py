@@ -117,6 +117,12 @@ class BlobStore(ABC):
         """Raise if the store cannot serve requests (readiness)."""
 
     # -- optional abilities: a default that means "not supported" -------------------------
+    async def quarantine(self, digest: str, reason: str) -> bool:
+        """Take a blob whose bytes are bad out of service: never served again under its
+        address, kept aside for inspection where the store has room for that. True if there
+        was a blob to take. The default has nowhere to keep it and deletes it."""
+        return await self.delete(digest)
+
     def presigned_url(self, digest: str) -> str | None:
         """A time-limited URL a client can read the blob from without this server, or None
         where the store cannot sign one (then the server streams the bytes itself)."""

@@ -1,6 +1,7 @@
 """Blob store on a local directory: the embedded default.
 
-Layout: `<root>/cas/ab/abcdef…` for blobs, `<root>/tmp/*.part` for uploads in flight.
+Layout: `<root>/cas/ab/abcdef…` for blobs, `<root>/tmp/*.part` for uploads in flight,
+`<root>/quarantine/abcdef…` (with `.reason`) for blobs found bad, kept for inspection.
 An upload is written to its own temp file while hashing, fsynced, then hard-linked into
 place: `link` fails if the address already exists, so concurrent uploads of one blob end
 with exactly one copy and an exact created/existed answer, and a reader can never see a
@@ -37,6 +38,7 @@ class FsBlobStore(BlobStore):
         self.root = Path(root)
         self.cas_dir = self.root / "cas"
         self.tmp_dir = self.root / "tmp"
+        self.quarantine_dir = self.root / "quarantine"
         self.min_free_bytes = min_free_bytes
 
     @classmethod
@@ -175,6 +177,26 @@ class FsBlobStore(BlobStore):
             return True
         except FileNotFoundError:
             return False
+
+    async def quarantine(self, digest: str, reason: str) -> bool:
+        """Rename the file aside (same file system: atomic; a reader mid-stream keeps its
+        map), with a note of why next to it. A later quarantine of the same digest (bytes
+        uploaded again and rotted again) replaces the earlier copy."""
+        def move() -> bool:
+            self.quarantine_dir.mkdir(exist_ok=True)
+            try:
+                os.replace(self.path_of(digest), self.quarantine_dir / digest)
+            except FileNotFoundError:
+                return False
+            (self.quarantine_dir / f"{digest}.reason").write_text(
+                f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {reason}\n")
+            _fsync_dir(self.path_of(digest).parent)
+            return True
+
+        try:
+            return await to_thread.run_sync(move)
+        except OSError as exc:
+            raise _storage_error(exc) from exc
 
     async def delete_many(self, digests: list[str]) -> set[str]:
         """All the unlinks in one worker thread: one hop, not one per blob."""

@@ -12,6 +12,7 @@ boto3 is synchronous; every call runs in a worker thread.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,8 @@ from megacache_server.errors import ServiceUnavailable
 from megacache_server.settings import Settings
 from megacache_server.store.blobstore import s3_listing
 from megacache_server.store.blobstore.base import READ_CHUNK, BlobStore, DigestVerifier
+
+log = logging.getLogger("megacache.s3")
 
 DELETE_BATCH = 1000
 """Keys per DeleteObjects request: S3's limit, one request instead of a thousand."""
@@ -207,6 +210,27 @@ class S3BlobStore(BlobStore):
     async def delete(self, digest: str) -> bool:
         if await self.stat(digest) is None:
             return False
+        await self._call(lambda: self._s3.delete_object(Bucket=self.bucket,
+                                                        Key=self.key_of(digest)))
+        return True
+
+    def quarantine_key(self, digest: str) -> str:
+        return f"{self.prefix}quarantine/{digest}"
+
+    async def quarantine(self, digest: str, reason: str) -> bool:
+        """Copy the object under `quarantine/` (with the reason as metadata), then delete it
+        from `cas/`: outside the prefix the store lists, serves and collects."""
+        if await self.stat(digest) is None:
+            return False
+        try:  # one CopyObject: up to 5 GiB; past it the bad bytes are only deleted
+            await self._call(lambda: self._s3.copy_object(
+                Bucket=self.bucket, Key=self.quarantine_key(digest),
+                CopySource={"Bucket": self.bucket, "Key": self.key_of(digest)},
+                Metadata={"reason": reason.encode("ascii", "replace").decode()[:200]},
+                MetadataDirective="REPLACE"))
+        except ServiceUnavailable as exc:
+            log.warning("quarantine: could not keep blob %s aside (%s); deleting it", digest,
+                        exc)
         await self._call(lambda: self._s3.delete_object(Bucket=self.bucket,
                                                         Key=self.key_of(digest)))
         return True

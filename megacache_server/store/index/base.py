@@ -12,8 +12,11 @@
 - `JobStore`: one resolution of a fingerprint key per (namespace, job, attempt), fixed by
   the first rank that asks and held (with its blobs, against GC) while ranks keep asking.
 - `ClaimStore`: publish claims, a lease per (namespace, key): one uploader across a fleet.
+- `TrustStore`: what keeps bad bytes from being served again: quarantined blobs (why, when,
+  who reported), reports of entries torch could not load, and when each blob was last
+  re-hashed (the scrub's order).
 
-`Index` is all seven; each backend (SQLite, Redis) implements it in one class. Only the cache
+`Index` is all eight; each backend (SQLite, Redis) implements it in one class. Only the cache
 service (`megacache_server.service.cache`) calls these: routes never do.
 """
 
@@ -48,6 +51,9 @@ class EntryInfo:
 class StoredEntry(EntryInfo):
     manifest_json: bytes = b""
     etag: str = ""
+    provenance: str = ""
+    """Who wrote this version (`service.provenance`, canonical JSON); "" for entries written
+    before provenance was recorded."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class NewEntry:
     digests: tuple[str, ...]
     size: int
     created_at: float
+    provenance: str = ""
 
 
 @dataclass(frozen=True)
@@ -453,7 +460,73 @@ def clamp_ttl(ttl_s: float, limit: float) -> float:
     return min(float(ttl_s), limit)
 
 
-class Index(EntryStore, BlobLedger, TokenStore, EventLog, LockStore, JobStore, ClaimStore):
+@dataclass(frozen=True)
+class QuarantineRecord:
+    """A blob taken out of service (or, with `digest` "", an entry withdrawn because torch
+    repeatedly failed to load it): what was wrong, found by whom, and what stopped being
+    offered because of it."""
+
+    digest: str
+    reason: str  # what the server found: digest, size, missing; or load (an entry)
+    detail: str
+    reporter: str  # a token's name, "scrub", or "anonymous" (auth off)
+    at: float
+    size: int
+    namespaces: tuple[str, ...]  # the blob's owners (or the entry's namespace)
+    withdrawn: tuple[str, ...]  # "namespace/key" of each entry no longer offered
+
+
+MAX_QUARANTINE_RECORDS = 10_000
+"""Quarantine records kept for inspection (the oldest go first; counts by reason stay)."""
+
+
+class TrustStore(ABC):
+    @abstractmethod
+    async def entries_naming(self, digest: str) -> list[str]:
+        """The keys of every entry that names the blob."""
+
+    @abstractmethod
+    async def blob_namespaces(self, digest: str) -> list[str]:
+        """The namespaces that uploaded the blob."""
+
+    @abstractmethod
+    async def add_quarantine(self, record: QuarantineRecord) -> None:
+        """Keep a quarantine record and count it under its reason (counts never go down)."""
+
+    @abstractmethod
+    async def quarantines(self, *, namespace: str | None, limit: int
+                          ) -> list[QuarantineRecord]:
+        """The newest records first, those touching `namespace` only (None: all)."""
+
+    @abstractmethod
+    async def quarantine_counts(self) -> dict[str, int]:
+        """Quarantines ever made, by reason."""
+
+    @abstractmethod
+    async def quarantined(self, digests: list[str]) -> set[str]:
+        """Which of `digests` were quarantined (and not uploaded again since)."""
+
+    @abstractmethod
+    async def clear_quarantined(self, digest: str) -> None:
+        """The blob was uploaded again, verified: it may be offered once more."""
+
+    @abstractmethod
+    async def add_load_report(self, key: str, etag: str, reporter: str, now: float) -> int:
+        """Note that `reporter` could not load this version of the entry; how many distinct
+        reporters have said so of this version."""
+
+    @abstractmethod
+    async def mark_verified(self, digest: str, at: float) -> None:
+        """The blob's bytes were re-hashed and found good at `at`."""
+
+    @abstractmethod
+    async def least_verified(self, limit: int) -> list[tuple[BlobRecord, float]]:
+        """Recorded blobs with when they were last verified, longest ago first (a blob is
+        verified when uploaded; 0 for records older than this bookkeeping)."""
+
+
+class Index(EntryStore, BlobLedger, TokenStore, EventLog, LockStore, JobStore, ClaimStore,
+            TrustStore):
     name: str = "abstract"
 
     async def open(self) -> None:  # noqa: B027 - optional hook

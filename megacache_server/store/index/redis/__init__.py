@@ -17,10 +17,11 @@ from megacache_server.store.index.redis.events import RedisEvents
 from megacache_server.store.index.redis.jobs import RedisJobs
 from megacache_server.store.index.redis.locks import RedisLocks
 from megacache_server.store.index.redis.tokens import RedisTokens
+from megacache_server.store.index.redis.trust import RedisTrust
 
 
 class RedisIndex(RedisEntries, RedisBlobs, RedisTokens, RedisEvents, RedisLocks, RedisJobs,
-                 Index):
+                 RedisTrust, Index):
     name = "redis"
 
     async def bulk_load(self, entries: list[tuple[NewEntry, float]],

@@ -26,6 +26,7 @@ class RedisBlobs(RedisConnection, BlobLedger):
         async def op() -> bool:
             if await self.r.hsetnx(self.keys.blobs(), digest, size):
                 await self.r.incrby(self.keys.stored_bytes(), size)
+                await self.r.zadd(self.keys.blob_verified(), {digest: time.time()}, nx=True)
             async with self.r.pipeline(transaction=False) as pipe:
                 self._own_blob(pipe, digest, namespace, time.time())
                 pipe.sadd(self.keys.unref(), digest)  # GC drops it once it finds it named

@@ -78,7 +78,8 @@ class RedisEntries(RedisConnection, EntryStore):
                         await pipe.execute()
                         stored = StoredEntry(key, entry.namespace, entry.model,
                                              entry.digests, entry.size, entry.created_at,
-                                             now, now, pinned, entry.manifest_json, etag)
+                                             now, now, pinned, entry.manifest_json, etag,
+                                             entry.provenance)
                         return stored, current is None
                     except WatchError:
                         continue
@@ -95,7 +96,8 @@ class RedisEntries(RedisConnection, EntryStore):
             "env": entry.env_digest, "hw": entry.hw_digest, "size": entry.size,
             "digests": ",".join(entry.digests),
             "created_at": entry.created_at, "updated_at": now,
-            "last_access": now, "pinned": "1" if pinned else "0"})
+            "last_access": now, "pinned": "1" if pinned else "0",
+            "provenance": entry.provenance})
         pipe.zadd(self.keys.by_model(entry.model), {key: entry.created_at})
         pipe.zadd(self.keys.by_envhw(entry.env_digest, entry.hw_digest),
                   {key: entry.created_at})
@@ -304,4 +306,5 @@ def _stored(key: str, data: dict[bytes, bytes]) -> StoredEntry:
         pinned=text(data.get(b"pinned")) == "1",
         manifest_json=bytes(data.get(b"manifest") or b""),
         etag=text(data.get(b"etag")) or "",
+        provenance=text(data.get(b"provenance")) or "",
     )

@@ -15,6 +15,12 @@
                                 (`unref_ready`: while set, the set covers every blob)
   owned:{ns}             set    digests a namespace uploaded; blob_owners:{digest} the reverse
   stored_bytes           int    sum of recorded blob sizes (the store budget)
+  blob_verified          zset   digest -> when its bytes were last hashed (the scrub's order)
+  quarantine             list   quarantine records, newest first (JSON, capped)
+  quarantine_counts      hash   reason -> quarantines ever made
+  quarantined            set    digests quarantined and not uploaded again since
+  load_reports:{key}:{etag}
+                         set    who reported that torch could not load this entry version
   tokens / token:{id}    zset / hash   token ids by creation; a token's record (its hash)
   events:{ns}            list   recent raw events (capped)
   total:{ns}             hash   "{model}\\t{counter}" -> running total (never goes down)
@@ -106,6 +112,22 @@ class Keys:
 
     def stored_bytes(self) -> str:
         return self._name("stored_bytes")
+
+    # -- trust: verification, quarantine, load reports ------------------------------------
+    def blob_verified(self) -> str:
+        return self._name("blob_verified")
+
+    def quarantine(self) -> str:
+        return self._name("quarantine")
+
+    def quarantine_counts(self) -> str:
+        return self._name("quarantine_counts")
+
+    def quarantined(self) -> str:
+        return self._name("quarantined")
+
+    def load_reports(self, key: str, etag: str) -> str:
+        return self._name("load_reports", key, etag)
 
     # -- tokens -----------------------------------------------------------------------
     def tokens(self) -> str:

@@ -15,10 +15,11 @@ from megacache_server.store.index.sqlite.events import SqliteEvents
 from megacache_server.store.index.sqlite.jobs import SqliteJobs
 from megacache_server.store.index.sqlite.locks import SqliteLocks
 from megacache_server.store.index.sqlite.tokens import SqliteTokens
+from megacache_server.store.index.sqlite.trust import SqliteTrust
 
 
 class SqliteIndex(SqliteEntries, SqliteBlobs, SqliteTokens, SqliteEvents, SqliteLocks,
-                  SqliteJobs, Index):
+                  SqliteJobs, SqliteTrust, Index):
     name = "sqlite"
 
 

@@ -22,10 +22,10 @@ class SqliteBlobs(SqliteConnection, BlobLedger):
         def op(c: sqlite3.Connection) -> bool:
             now = time.time()
             with transaction(c, immediate=True):
-                c.execute("""INSERT INTO blobs (digest, size, created_at, touched_at)
-                             VALUES (?, ?, ?, ?)
+                c.execute("""INSERT INTO blobs (digest, size, created_at, touched_at,
+                               verified_at) VALUES (?, ?, ?, ?, ?)
                              ON CONFLICT(digest) DO UPDATE SET touched_at=excluded.touched_at""",
-                          (digest, size, now, now))
+                          (digest, size, now, now, now))
                 return c.execute("INSERT OR IGNORE INTO blob_owners (namespace, digest) "
                                  "VALUES (?, ?)", (namespace, digest)).rowcount > 0
 

@@ -28,7 +28,7 @@ from megacache_server.store.index.sqlite.connection import (
 ACCESS_FLUSH_S = 1.0
 INFO_COLUMNS = ("key, namespace, model, size, created_at, updated_at, last_access, pinned, "
                 "(SELECT group_concat(digest) FROM entry_blobs b WHERE b.key = entries.key)")
-ENTRY_COLUMNS = INFO_COLUMNS + ", manifest, etag"
+ENTRY_COLUMNS = INFO_COLUMNS + ", manifest, etag, provenance"
 
 
 class SqliteEntries(SqliteConnection, EntryStore):
@@ -93,22 +93,24 @@ class SqliteEntries(SqliteConnection, EntryStore):
                 base.check_precondition(condition, row[0] if row else None)
                 c.execute(
                     """INSERT INTO entries (key, manifest, etag, namespace, model, env_digest,
-                         hw_digest, size, created_at, updated_at, last_access)
-                       VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                         hw_digest, size, created_at, updated_at, last_access, provenance)
+                       VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                        ON CONFLICT(key) DO UPDATE SET manifest=excluded.manifest,
                          etag=excluded.etag, namespace=excluded.namespace,
                          model=excluded.model, env_digest=excluded.env_digest,
                          hw_digest=excluded.hw_digest, size=excluded.size,
                          created_at=excluded.created_at, updated_at=excluded.updated_at,
-                         last_access=excluded.last_access""",
+                         last_access=excluded.last_access, provenance=excluded.provenance""",
                     (entry.key, entry.manifest_json, etag, entry.namespace, entry.model,
-                     entry.env_digest, entry.hw_digest, entry.size, entry.created_at, now, now))
+                     entry.env_digest, entry.hw_digest, entry.size, entry.created_at, now, now,
+                     entry.provenance))
                 c.execute("DELETE FROM entry_blobs WHERE key=?", (entry.key,))
                 c.executemany("INSERT INTO entry_blobs (key, digest) VALUES (?, ?)",
                               [(entry.key, d) for d in entry.digests])
             stored = StoredEntry(entry.key, entry.namespace, entry.model, entry.digests,
                                  entry.size, entry.created_at, now, now,
-                                 bool(row and row[1]), entry.manifest_json, etag)
+                                 bool(row and row[1]), entry.manifest_json, etag,
+                                 entry.provenance)
             return stored, row is None
 
         return await self._run(op)
@@ -197,4 +199,5 @@ def _info(row: tuple[Any, ...]) -> EntryInfo:
 
 def _stored(row: tuple[Any, ...]) -> StoredEntry:
     info = _info(row)
-    return StoredEntry(**vars(info), manifest_json=bytes(row[9]), etag=row[10])
+    return StoredEntry(**vars(info), manifest_json=bytes(row[9]), etag=row[10],
+                       provenance=row[11] if len(row) > 11 else "")

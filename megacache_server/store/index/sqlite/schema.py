@@ -213,6 +213,38 @@ index of just the blobs no entry names: GC finds those without visiting the mill
 others. Added to older stores on first open."""
 
 
+TRUST_SCHEMA = """
+ALTER TABLE entries ADD COLUMN provenance TEXT NOT NULL DEFAULT '';
+ALTER TABLE blobs ADD COLUMN verified_at REAL NOT NULL DEFAULT 0;
+CREATE INDEX blobs_by_verified ON blobs (verified_at, digest);
+CREATE TABLE quarantine (
+    id          INTEGER PRIMARY KEY,
+    digest      TEXT NOT NULL,
+    reason      TEXT NOT NULL,
+    detail      TEXT NOT NULL,
+    reporter    TEXT NOT NULL,
+    at          REAL NOT NULL,
+    size        INTEGER NOT NULL,
+    namespaces  TEXT NOT NULL,
+    withdrawn   TEXT NOT NULL
+);
+CREATE INDEX quarantine_by_digest ON quarantine (digest);
+CREATE TABLE quarantine_counts (reason TEXT PRIMARY KEY, count INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TABLE quarantined_blobs (digest TEXT PRIMARY KEY) WITHOUT ROWID;
+CREATE TABLE load_reports (
+    key       TEXT NOT NULL,
+    etag      TEXT NOT NULL,
+    reporter  TEXT NOT NULL,
+    at        REAL NOT NULL,
+    PRIMARY KEY (key, etag, reporter)
+) WITHOUT ROWID;
+CREATE INDEX load_reports_by_time ON load_reports (at);
+"""
+"""Who wrote each entry (`entries.provenance`), when each blob was last re-hashed (the
+scrub reads them longest-unverified first; 0 for blobs recorded before), quarantined blobs
+and reports of entries torch could not load. Added to older stores on first open."""
+
+
 def create(conn: sqlite3.Connection, path: Path) -> None:
     """Create what is missing (inside the caller's transaction); refuse another version."""
     version = conn.execute("PRAGMA user_version").fetchone()[0]
@@ -226,7 +258,8 @@ def create(conn: sqlite3.Connection, path: Path) -> None:
             conn.execute(statement)
     _add_counters(conn)
     for table, script in (("usage", USAGE_SCHEMA), ("rollup_daily", DAILY_SCHEMA),
-                          ("blobs_unreferenced", REFS_SCHEMA)):
+                          ("blobs_unreferenced", REFS_SCHEMA),
+                          ("blobs_by_verified", TRUST_SCHEMA)):
         if not conn.execute("SELECT 1 FROM sqlite_master WHERE name=?", (table,)).fetchone():
             for statement in _statements(script):
                 conn.execute(statement)

@@ -1,4 +1,5 @@
--- ARGV: prefix, digests. Drops each blob's record, size total, touch time and owners.
+-- ARGV: prefix, digests. Drops each blob's record, size total, touch and verify times and
+-- owners.
 local p = ARGV[1]
 for i = 2, #ARGV do
   local d = ARGV[i]
@@ -11,6 +12,7 @@ for i = 2, #ARGV do
   end
   redis.call('DEL', p .. 'blob_owners:' .. d)
   redis.call('ZREM', p .. 'blob_touched', d)
+  redis.call('ZREM', p .. 'blob_verified', d)
   redis.call('SREM', p .. 'unref', d)
 end
 return #ARGV - 1

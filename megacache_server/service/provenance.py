@@ -1,0 +1,92 @@
+"""Who wrote an entry: recorded by the server when the entry is written, served with it.
+
+A bundle is code every reader runs, so a consumer may want to accept only some writers
+(`MEGACACHE_TRUSTED_WRITERS` on the client: token names, or a scope only CI tokens hold).
+The server attests what it knows itself (the writing token's id, name, scopes and
+namespace, when, and whether the write replaced an earlier version) and records what the
+producer says of itself (client version, job id and attempt; strictly validated, 422
+otherwise). It is kept as one canonical JSON string (sorted keys, no spaces, ASCII), served
+as `x-megacache-provenance` with the manifest and, when the server signs, covered by the
+signature (`megacache_client.signing.signed_message`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from megacache_server.errors import Unprocessable
+from megacache_server.service.auth import Principal
+
+PROVENANCE_HEADER = "x-megacache-provenance"
+WRITER_HEADER = "x-megacache-writer"
+WRITER_SCOPES_HEADER = "x-megacache-writer-scopes"
+CLIENT_VERSION_HEADER = "x-megacache-client-version"
+JOB_HEADER = "x-megacache-job"
+ATTEMPT_HEADER = "x-megacache-attempt"
+
+VERSION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}")
+JOB_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # cache.ID_PATTERN's rule
+ATTEMPT_PATTERN = re.compile(r"0|[1-9][0-9]{0,6}")
+MAX_ATTEMPT = 1_000_000
+
+
+@dataclass(frozen=True)
+class ProducerClaims:
+    """What the producer says of itself, from request headers (None: not said)."""
+
+    client_version: str | None = None
+    job: str | None = None
+    attempt: int | None = None
+
+    @classmethod
+    def from_headers(cls, client_version: str | None, job: str | None,
+                     attempt: str | None) -> ProducerClaims:
+        """Strictly validated: a value of another shape is refused (422) naming the rule,
+        never echoed back whole nor stored."""
+        if client_version is not None and not VERSION_PATTERN.fullmatch(client_version):
+            raise Unprocessable(f"{CLIENT_VERSION_HEADER} must be 1-64 of A-Z a-z 0-9 . + _ -",
+                                code="invalid_client_version")
+        if job is not None and not JOB_PATTERN.fullmatch(job):
+            raise Unprocessable(f"{JOB_HEADER} must be 1-128 of A-Z a-z 0-9 . _ -, starting "
+                                "with a letter or digit", code="invalid_job")
+        number = None
+        if attempt is not None:
+            if not ATTEMPT_PATTERN.fullmatch(attempt) or int(attempt) > MAX_ATTEMPT:
+                raise Unprocessable(f"{ATTEMPT_HEADER} must be an integer from 0 to "
+                                    f"{MAX_ATTEMPT}", code="invalid_attempt")
+            number = int(attempt)
+        return cls(client_version, job, number)
+
+
+def record(principal: Principal, namespace: str, claims: ProducerClaims, *,
+           replaced: bool, written_at: float) -> str:
+    """The canonical provenance string of an entry version."""
+    return json.dumps({
+        "v": 1,
+        "writer": principal.name,
+        "writer_id": principal.token_id,
+        "writer_scopes": sorted(principal.scopes),
+        "namespace": namespace,
+        "client_version": claims.client_version,
+        "job": claims.job,
+        "attempt": claims.attempt,
+        "replaced": replaced,
+        "written_at": round(written_at, 3),
+    }, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def headers(provenance: str) -> dict[str, str]:
+    """The provenance as response headers (none for entries written before it existed)."""
+    if not provenance:
+        return {}
+    data = json.loads(provenance)
+    found = {PROVENANCE_HEADER: provenance,
+             WRITER_SCOPES_HEADER: ",".join(data["writer_scopes"])}
+    if SAFE_NAME.fullmatch(data["writer"]):  # else only inside the (escaped) JSON
+        found[WRITER_HEADER] = data["writer"]
+    return found
+
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9._@:+-]{1,128}")
