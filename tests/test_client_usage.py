@@ -158,18 +158,19 @@ def test_hung_server_costs_each_process_the_deadline_once(hung_server, gxx, tmp_
 TORCHRUN_JOB = HERE / "torchrun_job.py"
 
 
-def torchrun(machine: Machine, gxx: GxxCounter, url: str) -> list[dict]:
-    """A 4-rank job on `machine` (one node); the ranks' results, by rank."""
+def torchrun(machine: Machine, gxx: GxxCounter, url: str, nproc: int = 4,
+             launcher: tuple[str, ...] = (), env: dict[str, str] | None = None) -> list[dict]:
+    """An `nproc`-rank job on `machine` (one node); the ranks' results, by rank."""
     results = machine.root / "results"
     results.mkdir()
-    runner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-              "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-              str(TORCHRUN_JOB)]
+    where = launcher or ("--master-addr", "127.0.0.1", "--master-port", str(free_port()))
+    runner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+              *where, str(TORCHRUN_JOB)]
     job = run_job(machine, env={"MEGACACHE_URL": url, "OMP_NUM_THREADS": "1",
-                                "RESULT_DIR": str(results)},
+                                "RESULT_DIR": str(results), **(env or {})},
                   gxx=gxx, runner=runner, timeout=900)
     assert job.returncode == 0, job.stderr[-4000:]
-    ranks = [json.loads((results / f"rank{i}.json").read_text()) for i in range(4)]
+    ranks = [json.loads((results / f"rank{i}.json").read_text()) for i in range(nproc)]
     return [{**r, "gxx_builds": job.gxx_builds} for r in ranks]
 
 
@@ -190,6 +191,29 @@ def test_torchrun_downloads_once_per_node_and_publishes_once(cache, gxx, tmp_pat
     assert sorted(r["bytes_down"] > 0 for r in warm) == [False, False, False, True]
     assert warm[0]["gxx_builds"] == 0
     assert len(requests(cache, "PUT", f"/v1/ac/{key}")) == 1  # nothing new: no publish
+
+
+def test_a_restart_resolves_afresh_and_counts_as_one_recovery(cache, gxx, tmp_path):
+    """torchrun --max-restarts 1; rank 0 crashes after the first step of attempt 0 (its
+    exit publishes). Attempt 1 resolves the key afresh and starts warm from that publish;
+    the server counts one start and one recovery for the job, not one per rank."""
+    job = f"restart-{tmp_path.name[-12:]}".replace("_", "-")
+    # dynamic (c10d) rendezvous: the static one cannot bring the group up again
+    ranks = torchrun(Machine(tmp_path / "node"), gxx, cache.url, nproc=2,
+                     launcher=("--max-restarts", "1", "--rdzv-backend", "c10d",
+                               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", job),
+                     env={"CRASH_IN_FIRST_ATTEMPT": "1", "MEGACACHE_JOB_ID": job})
+    assert [r["outcome"] for r in ranks] == ["hit", "hit"], ranks  # attempt 1: warm
+    assert all(f"job {job} attempt 1" in r["reason"] for r in ranks), ranks
+    listed = httpx.get(f"{cache.url}/v1/jobs").json()["jobs"]
+    record = next(j for j in listed if j["job_id"] == job)
+    attempts = {a["attempt"]: a for a in record["attempts"]}
+    assert sorted(attempts) == [0, 1] and record["restarts"] == 1, record
+    assert attempts[0]["kind"] != attempts[1]["kind"], attempts  # a start, then a recovery
+    assert attempts[1]["reports"] == 2 and attempts[1]["outcome"] == "hit", attempts
+    model = next(m for m in httpx.get(f"{cache.url}/v1/stats").json()["models"]
+                 if m["model"] == "TinyNet")
+    assert model["restarts"] >= 1 and model["ttr_n"] >= 1, model
 
 
 HF_JOB = HERE / "hf_train_job.py"
