@@ -26,6 +26,7 @@ def megacache(*args: str, env: dict[str, str] | None = None,
                           capture_output=True, text=True, env=full_env, cwd=cwd, timeout=120)
 
 
+@pytest.mark.e2e  # real torch and the toolchain probe, in three processes
 def test_fingerprint_is_the_same_on_any_host_and_names_no_host(tmp_path: Path):
     need("torch")
     outputs = []
