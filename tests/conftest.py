@@ -169,9 +169,25 @@ def client(server: ServerProcess) -> Iterator[httpx.Client]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """No server, Redis or SeaweedFS process a test started may outlive the suite."""
-    left = leftover_groups()
+    """No server, Redis or SeaweedFS process a test started may outlive the suite. Under
+    pytest-xdist (`-n 2`) each worker checks its own processes and tells the controller,
+    whose exit status is the run's."""
+    left = leftover_groups() + session.config.stash.get(_LEFT_BY_WORKERS, [])
     if left:
         print(f"\nprocess groups left running by the tests (now killed): {left}",
               file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        workeroutput = getattr(session.config, "workeroutput", None)
+        if workeroutput is not None:  # an xdist worker
+            workeroutput["leftover_groups"] = left
+
+
+_LEFT_BY_WORKERS = pytest.StashKey[list[int]]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """xdist's controller: a worker has finished; keep what it left running."""
+    left = getattr(node, "workeroutput", {}).get("leftover_groups", [])
+    config: pytest.Config = node.config  # type: ignore[attr-defined]
+    config.stash[_LEFT_BY_WORKERS] = config.stash.get(_LEFT_BY_WORKERS, []) + left

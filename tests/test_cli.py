@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import need
 from helpers import ServerProcess, free_port
 
@@ -25,6 +26,7 @@ def megacache(*args: str, env: dict[str, str] | None = None,
                           capture_output=True, text=True, env=full_env, cwd=cwd, timeout=120)
 
 
+@pytest.mark.e2e  # real torch and the toolchain probe, in three processes
 def test_fingerprint_is_the_same_on_any_host_and_names_no_host(tmp_path: Path):
     need("torch")
     outputs = []
@@ -125,3 +127,42 @@ def test_version_is_the_package_version():
 
     r = megacache("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"megacache {__version__}"
+
+
+def test_cli_global_options_go_before_or_after_the_subcommand():
+    from megacache_client.cli import build_parser
+
+    parser = build_parser()
+    after = parser.parse_args(["ls", "--url", "http://a:1", "--token", "t", "--json"])
+    before = parser.parse_args(["--url", "http://a:1", "--token", "t", "ls", "--json"])
+    assert (after.url, after.token) == (before.url, before.token) == ("http://a:1", "t")
+    # one given before is not undone by its absence after
+    assert parser.parse_args(["--url", "http://b:2", "stats"]).url == "http://b:2"
+    assert parser.parse_args(["stats"]).url is None
+
+
+def test_cli_ls_with_url_after_the_subcommand_talks_to_that_server():
+    import subprocess
+    import sys
+
+    from helpers import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGACACHE_")}
+    out = subprocess.run([sys.executable, "-m", "megacache_client.cli", "ls", "--url", url],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 4  # unreachable (exit codes: docs/configuration.md)
+    assert "list entries" in out.stderr and "unrecognized" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("command, options", [
+    ("fingerprint", ("--model", "--code")), ("ls", ("--model", "--json", "--url")),
+    ("stats", ("--json", "--token")), ("push", ("--model", "--code")),
+])
+def test_cli_options_have_help(command: str, options: tuple[str, ...]):
+    from megacache_client.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore
+    helps = {opt: action.help for action in sub._actions for opt in action.option_strings}
+    for option in options:
+        assert helps[option], f"megacache {command} {option} has no help text"

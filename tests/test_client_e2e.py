@@ -23,6 +23,8 @@ from conftest import need
 from helpers import ServerProcess, free_port
 from jobs import TRAIN_JOB, GxxCounter, JobRun, Machine, clean_env, run_job
 
+pytestmark = pytest.mark.e2e
+
 need("torch", "the client end-to-end tests run real torch.compile")
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,6 +26,8 @@ from conftest import need
 from helpers import ServerProcess, free_port
 from jobs import TRAIN_JOB, GxxCounter, JobRun, Machine, run_job
 
+pytestmark = pytest.mark.e2e
+
 need("torch", "the client end-to-end tests run real torch.compile")
 
 HERE = Path(__file__).resolve().parent

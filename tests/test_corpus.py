@@ -29,6 +29,8 @@ JOB = HERE / "corpus_job.py"
 sys.path.insert(0, str(HERE))
 from corpus_job import CORPUS  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 need("torch", "the corpus runs real torch.compile")
 need("transformers", "the corpus is transformers models")
 

@@ -22,6 +22,8 @@ import pytest
 from conftest import environment_missing
 from helpers import free_port, sha256
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 COMPOSE = ROOT / "docker" / "compose.yaml"

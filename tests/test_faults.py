@@ -1,9 +1,9 @@
-"""Faults: crashes, a full disk, storage backends going away, misbehaving servers.
+"""Faults: crashes, a full disk, storage backends going away.
 
 Each test checks the same promise: nothing partial becomes visible, what was written before
 stays intact (`megacache-server fsck` agrees), the service says why it cannot serve, and it
-recovers by itself once the fault is gone. On the client side: the trainer always gets an
-answer within its timeouts, and the circuit breaker stops it hammering a broken server.
+recovers by itself once the fault is gone. The client's side (misbehaving servers, the
+breaker, timeouts): test_breaker.py, test_retry.py, test_transport.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,16 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import BACKENDS, _configured, backend_args, environment_missing, started
-from helpers import ServerProcess, free_port, make_fingerprint, make_manifest, sha256
+from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
 from services import LocalRedis, LocalSeaweedS3
-
-from megacache_client.config import ClientConfig
-from megacache_client.transport import (
-    CircuitBreaker,
-    CircuitOpenError,
-    RemoteCache,
-    TransportError,
-)
 
 
 def populate(url: str, n: int = 3, size: int = 200_000,
@@ -292,72 +283,3 @@ def test_s3_down_is_503_with_reason_and_recovers(tmp_path: Path):
     finally:
         server.stop()
         weed.stop()
-
-
-class BadServer:
-    """A loopback HTTP server that misbehaves on purpose; counts connections."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.connections = 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        with conn:
-            conn.recv(65536)
-            if self.mode == "500":
-                body = b'{"error": {"message": "boom"}}'
-                conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: "
-                             b"application/json\r\nContent-Length: %d\r\nConnection: close"
-                             b"\r\n\r\n%s" % (len(body), body))
-            elif self.mode == "reset":  # promise 1 MB, send 100 KB, hang up
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n"
-                             + b"x" * 100_000)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@pytest.mark.parametrize("mode", ["500", "reset"])
-def test_client_gives_up_quickly_and_the_breaker_stops_the_hammering(mode: str, tmp_path):
-    bad = BadServer(mode)
-    try:
-        cfg = ClientConfig(url=bad.url, retries=2, read_timeout_s=2)
-        breaker = CircuitBreaker(threshold=3, reset_s=60)
-        started = time.monotonic()
-        with RemoteCache(cfg, breaker) as remote:
-            call = (lambda: remote.get_entry("0" * 64)) if mode == "500" else \
-                (lambda: remote.download_blob("0" * 64, 1_000_000, tmp_path / "blob"))
-            with pytest.raises(TransportError):
-                call()
-            seen = bad.connections
-            for _ in range(10):
-                with pytest.raises(CircuitOpenError):
-                    call()
-        assert bad.connections == seen == 3  # the first call's tries, then nothing
-        assert time.monotonic() - started < 20
-        assert not (tmp_path / "blob").exists()
-    finally:
-        bad.close()
-
-
-def test_unused_port_fails_fast():
-    cfg = ClientConfig(url=f"http://127.0.0.1:{free_port()}", retries=0)
-    t = time.monotonic()
-    with RemoteCache(cfg, CircuitBreaker()) as remote, pytest.raises(TransportError):
-        remote.get_entry("0" * 64)
-    assert time.monotonic() - t < 2

@@ -79,6 +79,7 @@ def test_metrics_add_up_across_workers(tmp_path: Path):
         server.stop()
 
 
+@pytest.mark.e2e
 def test_dashboard_shows_what_the_api_says(tmp_path: Path):
     ensure_chromium()
     server = ServerProcess(tmp_path / "data").start()

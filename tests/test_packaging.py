@@ -24,6 +24,8 @@ from conftest import environment_missing
 from megacache_client import __version__
 from megacache_client.exitcodes import ExitCode
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_DISTS = ("fastapi", "starlette", "uvicorn", "redis", "pydantic-settings",
                 "prometheus-client", "boto3", "botocore", "swagger-ui-bundle")

@@ -19,6 +19,8 @@ from conftest import need
 from helpers import ServerProcess
 from jobs import GxxCounter, JobRun, Machine, run_job
 
+pytestmark = pytest.mark.e2e
+
 need("torch", "precompile tests run real torch.compile")
 
 HERE = Path(__file__).resolve().parent

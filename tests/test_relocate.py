@@ -222,6 +222,7 @@ def kernel_names(machine: Machine) -> set[str]:
     return {p.name for p in (machine.root / "inductor").rglob("*.main.so")}
 
 
+@pytest.mark.e2e
 def test_consumer_with_torch_at_another_path_starts_warm_without_thrash(tmp_path):
     gxx = GxxCounter(tmp_path / "bin")
     server = ServerProcess(tmp_path / "data").start()

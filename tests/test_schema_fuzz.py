@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import ServerProcess
+
+pytestmark = pytest.mark.e2e
 
 CHECKS = ",".join((
     "not_a_server_error", "status_code_conformance", "content_type_conformance",

@@ -189,3 +189,15 @@ def test_s3_without_boto3_names_the_extra(tmp_path: Path):
                              timeout=60)
         assert out.returncode == ExitCode.CONFIG, out.stderr
         assert "megacache[server,s3]" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_help_and_bad_settings():
+    out = subprocess.run([sys.executable, "-m", "megacache_server", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for flag in ("--host", "--port", "--data-dir", "--max-blob-size", "--store-budget",
+                 "--workers", "--log-level"):
+        assert flag in out
+    bad = subprocess.run([sys.executable, "-m", "megacache_server", "--port", "99999"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 3  # ExitCode.CONFIG
+    assert "MEGACACHE_PORT" in bad.stderr and "Traceback" not in bad.stderr

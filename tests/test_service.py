@@ -1,11 +1,10 @@
-"""The service as an operator sees it: CLI, settings, health, docs, restarts and crashes."""
+"""The service as an operator sees it: settings, health, docs, restarts and crashes (its
+command line: test_server_cli.py)."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import httpx
@@ -110,15 +109,3 @@ def test_settings_from_environment(tmp_path):
         assert (tmp_path / "from-env" / "index.sqlite3").exists()
     finally:
         server.stop()
-
-
-def test_cli_help_and_bad_settings():
-    out = subprocess.run([sys.executable, "-m", "megacache_server", "--help"],
-                         capture_output=True, text=True, check=True).stdout
-    for flag in ("--host", "--port", "--data-dir", "--max-blob-size", "--store-budget",
-                 "--workers", "--log-level"):
-        assert flag in out
-    bad = subprocess.run([sys.executable, "-m", "megacache_server", "--port", "99999"],
-                         capture_output=True, text=True)
-    assert bad.returncode == 3  # ExitCode.CONFIG
-    assert "MEGACACHE_PORT" in bad.stderr and "Traceback" not in bad.stderr

@@ -31,6 +31,8 @@ MODEL, CODE = "start-mlp", "v1"
 READ_ONLY = {"MEGACACHE_MODE": "read-only"}
 SPLIT = ("tts_import_s", "tts_fetch_s", "tts_load_s", "tts_compile_s", "tts_rest_s")
 
+pytestmark = pytest.mark.e2e
+
 
 # -- the event's time-to-start fields: bounded (the server validates with this model) -------
 

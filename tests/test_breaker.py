@@ -1,0 +1,150 @@
+"""The circuit breaker (megacache_client/breaker.py): opening, half-opening, shared by the
+processes of a node, and stopping the hammering of a misbehaving server."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import free_port
+
+from megacache_client.breaker import CircuitBreaker, breaker_for
+from megacache_client.config import ClientConfig
+from megacache_client.transport import (
+    CircuitOpenError,
+    RemoteCache,
+    TransportError,
+)
+
+
+def test_circuit_breaker_opens_and_half_opens():
+    b = CircuitBreaker(threshold=2, reset_s=0.2)
+    b.check()
+    b.failure()
+    b.check()
+    b.failure()
+    with pytest.raises(CircuitOpenError):
+        b.check()
+    time.sleep(0.25)
+    b.check()  # half-open: one attempt allowed
+    b.failure()  # and it failed again: open at once
+    with pytest.raises(CircuitOpenError):
+        b.check()
+    time.sleep(0.25)
+    b.check()
+    b.success()
+    b.check()
+    assert not b.is_open
+
+
+def test_dead_server_fails_fast_once_the_breaker_opens(tmp_path: Path):
+    cfg = ClientConfig(url=f"http://127.0.0.1:{free_port()}", retries=0, connect_timeout_s=0.5)
+    breaker = CircuitBreaker(threshold=3, reset_s=60)
+    with RemoteCache(cfg, breaker) as remote:
+        for _ in range(3):
+            with pytest.raises(TransportError):
+                remote.get_entry("0" * 64)
+        t = time.monotonic()
+        with pytest.raises(CircuitOpenError):
+            remote.get_entry("0" * 64)
+        assert time.monotonic() - t < 0.05
+
+
+def test_the_breaker_is_shared_by_the_processes_of_a_node(tmp_path: Path):
+    url = "http://127.0.0.1:9"
+    first = CircuitBreaker(threshold=2, reset_s=60, state_file=tmp_path / "b.json")
+    other_rank = CircuitBreaker(threshold=2, reset_s=60, state_file=tmp_path / "b.json")
+    first.failure()
+    other_rank.check()  # one failure: still closed
+    first.failure()
+    with pytest.raises(CircuitOpenError):
+        other_rank.check()
+    other_rank.success()  # a rank that got through closes it for everyone
+    first.check()
+    (tmp_path / "b.json").write_text("garbage")  # unreadable state never raises
+    first.check()
+
+    # Another process of the node finds the same breaker by the server's URL and node dir.
+    import subprocess
+    import sys
+
+    def other_process(then: str) -> str:
+        code = ("import sys; from pathlib import Path; "
+                "from megacache_client.breaker import breaker_for; "
+                "b = breaker_for(sys.argv[1], Path(sys.argv[2])); " + then)
+        return subprocess.run([sys.executable, "-c", code, url, str(tmp_path)], check=True,
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+
+    here = breaker_for(url, tmp_path)
+    assert here.state_file is not None and here.state_file.parent == tmp_path / "breaker"
+    here.check()
+    assert other_process("[b.failure() for _ in range(b.threshold)]; print(b.state_file)") \
+        == str(here.state_file)
+    with pytest.raises(CircuitOpenError):  # opened there, open here
+        here.check()
+    here.success()
+    assert other_process("print(b.is_open)") == "False"  # closed here, closed there
+
+
+class BadServer:
+    """A loopback HTTP server that misbehaves on purpose; counts connections."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.connections = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            if self.mode == "500":
+                body = b'{"error": {"message": "boom"}}'
+                conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: "
+                             b"application/json\r\nContent-Length: %d\r\nConnection: close"
+                             b"\r\n\r\n%s" % (len(body), body))
+            elif self.mode == "reset":  # promise 1 MB, send 100 KB, hang up
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n"
+                             + b"x" * 100_000)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("mode", ["500", "reset"])
+def test_client_gives_up_quickly_and_the_breaker_stops_the_hammering(mode: str, tmp_path):
+    bad = BadServer(mode)
+    try:
+        cfg = ClientConfig(url=bad.url, retries=2, read_timeout_s=2)
+        breaker = CircuitBreaker(threshold=3, reset_s=60)
+        started = time.monotonic()
+        with RemoteCache(cfg, breaker) as remote:
+            call = (lambda: remote.get_entry("0" * 64)) if mode == "500" else \
+                (lambda: remote.download_blob("0" * 64, 1_000_000, tmp_path / "blob"))
+            with pytest.raises(TransportError):
+                call()
+            seen = bad.connections
+            for _ in range(10):
+                with pytest.raises(CircuitOpenError):
+                    call()
+        assert bad.connections == seen == 3  # the first call's tries, then nothing
+        assert time.monotonic() - started < 20
+        assert not (tmp_path / "blob").exists()
+    finally:
+        bad.close()
