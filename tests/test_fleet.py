@@ -21,6 +21,8 @@ import pytest
 from conftest import need
 from helpers import ServerProcess
 
+pytestmark = pytest.mark.e2e
+
 need("torch", "fleet tests load real Mega-Cache bundles into torch")
 
 MODEL, CODE = "fleet-model", "fleet-v1"
