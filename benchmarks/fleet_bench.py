@@ -47,6 +47,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -375,6 +376,8 @@ def start_fleet(fleet: Fleet, n: int, redirect: bool, cold: bool) -> dict[str, A
             raise RuntimeError(f"{tag}: node {i} exited {p.returncode}:\n{err}")
         nodes.append(done[-1])
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    # ~120 MB per node (blobs + unpacked headers): 128 nodes x 2 runs filled the disk
+    shutil.rmtree(fleet.root / tag, ignore_errors=True)
     return summarize(tag, n, redirect, cold, nodes, delta, republished, fleet.load_nodes)
 
 
