@@ -91,3 +91,32 @@ def test_scale_bench_quick_writes_valid_json(tmp_path: Path):
     assert row["blob_bytes_per_entry"] >= 1024 and row["index_bytes_per_entry"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
     assert "exact p50/p99" in run.stdout  # the table
+
+
+def test_fleet_bench_quick_agrees_and_uploads_once(tmp_path: Path):
+    """N = 4, 8 nodes of 2 ranks, proxied and redirected: the JSON has every run, every
+    job's ranks got one resolution, and each cold fleet uploaded the bundle once."""
+    need("torch")
+    out = tmp_path / "fleet.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fleet_bench.py"),
+                          "--quick", "--out", str(out)], capture_output=True, text=True,
+                         timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {(r["nodes"], r["redirect"], r["cold"]): r for r in result["rows"]}
+    assert set(rows) == {(n, redirect, cold) for n in (4, 8) for redirect in (False, True)
+                         for cold in (False, True)}
+    for row in rows.values():
+        assert row["error_count"] == 0 and row["distinct_resolutions"] == 1, row
+        assert row["lookups_per_node"] > 0 and 0 < row["p50_s"] <= row["p99_s"]
+    for (_, redirect, cold), row in rows.items():
+        if cold:
+            assert row["uploads"] == 1 and row["outcomes"] == ["miss"], row
+        else:
+            assert row["outcomes"] == ["hit"] and row["republished"]["new_etag"], row
+            carried = row["store_bytes_per_node" if redirect else "replica_bytes_per_node"]
+            assert carried > 0, row
+            assert row["replica_share"] < 0.01 if redirect else row["replica_share"] == 1.0
+    assert [g["met"] for g in result["goals"]][:3] == [True, True, True]
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "replica MB/node" in run.stdout  # the table
