@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import anyio
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from megacache_server.errors import BadRequest, LengthRequired, PayloadTooLarge, RequestTimeout
+from megacache_server.errors import (
+    BadRequest,
+    LengthRequired,
+    PayloadTooLarge,
+    RequestTimeout,
+    Unprocessable,
+)
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def require_content_length(header: str | None, limit: int, what: str) -> int:
@@ -49,3 +59,21 @@ async def request_body(request: Request) -> AsyncIterator[bytes]:
                          code="truncated") from None
     except TimeoutError:
         raise RequestTimeout(f"upload stalled: no bytes for {idle:g}s") from None
+
+
+async def small_json_body(request: Request, model: type[M], limit: int) -> M:
+    """A small JSON request body as `model`: read with a hard size limit (413 past it), so
+    a client cannot make the server buffer more than a few KiB; 422 with pydantic's
+    findings (never the offending values) when it does not fit the model."""
+    raw = bytearray()
+    async for chunk in request_body(request):
+        raw += chunk
+        if len(raw) > limit:
+            raise PayloadTooLarge(f"body is over {limit} bytes", limit=limit)
+    try:
+        return model.model_validate_json(bytes(raw))
+    except ValidationError as exc:
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+                  for e in exc.errors()]
+        raise Unprocessable("request body is invalid", code="invalid_request",
+                            errors=errors) from None

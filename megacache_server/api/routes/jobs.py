@@ -12,15 +12,15 @@ cache service (`TenantCache.resolve`, `.claim`), which owns the rules.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from megacache_client.manifest import HEX64_PATTERN, NAMESPACE_PATTERN
 from megacache_server.api.deps import Reader, Writer
-from megacache_server.api.validation import request_body
-from megacache_server.errors import NotFound, PayloadTooLarge, Unprocessable, error_responses
+from megacache_server.api.validation import small_json_body
+from megacache_server.errors import NotFound, error_responses
 from megacache_server.service import provenance
 from megacache_server.service.cache import (
     DEFAULT_CLAIM_LEASE_S,
@@ -32,7 +32,6 @@ from megacache_server.service.signing import signature_headers
 router = APIRouter(prefix="/v1/ac", tags=["jobs"],
                    responses=error_responses(400, 401, 403, 413, 422, 431, 503))
 Key = Annotated[str, Path(pattern=HEX64_PATTERN, description="fingerprint key")]
-M = TypeVar("M", bound=BaseModel)
 MAX_BODY = 4096
 """A resolve or claim body is a few dozen bytes; nothing larger is read."""
 
@@ -82,7 +81,7 @@ def _body_of(model: type[BaseModel]) -> dict[str, Any]:
 )
 async def resolve(key: Key, request: Request, cache: Reader) -> Response:
     """The entry for `key` as this job attempt first saw it, or a miss, for every rank."""
-    body = await _parse(request, ResolveRequest)
+    body = await small_json_body(request, ResolveRequest, MAX_BODY)
     rule = FallbackRule(**body.fallback.model_dump()) if body.fallback else None
     done = await cache.resolve(key, job=body.job, attempt=body.attempt, ttl_s=body.ttl_s,
                                fallback=rule)
@@ -106,7 +105,7 @@ async def resolve(key: Key, request: Request, cache: Reader) -> Response:
     **error_responses(409)})
 async def claim(key: Key, request: Request, cache: Writer) -> Response:
     """Claim the publish of `key`: granted unless another holder's lease is live (409)."""
-    body = await _parse(request, ClaimRequest)
+    body = await small_json_body(request, ClaimRequest, MAX_BODY)
     got = await cache.claim(key, holder=body.holder, lease_s=body.lease_s)
     return Response(json.dumps({"granted": True, "holder": got.holder,
                                 "expires_at": got.expires_at, "lease_s": body.lease_s}),
@@ -120,17 +119,3 @@ async def release_claim(key: Key, cache: Writer,
     await cache.release_claim(key, holder=holder)
     return Response(status_code=204)
 
-
-async def _parse(request: Request, model: type[M]) -> M:
-    raw = bytearray()
-    async for chunk in request_body(request):
-        raw += chunk
-        if len(raw) > MAX_BODY:
-            raise PayloadTooLarge(f"body is over {MAX_BODY} bytes", limit=MAX_BODY)
-    try:
-        return model.model_validate_json(bytes(raw))
-    except ValidationError as exc:
-        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
-                  for e in exc.errors()]
-        raise Unprocessable("request body is invalid", code="invalid_request",
-                            errors=errors) from None

@@ -14,21 +14,20 @@ may read (404 otherwise, as GET). Rules live in the cache service (`TenantCache.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from megacache_client.manifest import HEX64_PATTERN
 from megacache_server.api.deps import Reader
-from megacache_server.api.validation import request_body
-from megacache_server.errors import PayloadTooLarge, Unprocessable, error_responses
+from megacache_server.api.validation import small_json_body
+from megacache_server.errors import error_responses
 
 router = APIRouter(tags=["trust"],
                    responses=error_responses(400, 401, 403, 404, 413, 422, 429, 431, 503))
 Digest = Annotated[str, Path(pattern=HEX64_PATTERN, description="sha256 of the blob")]
 Key = Annotated[str, Path(pattern=HEX64_PATTERN, description="fingerprint key")]
-M = TypeVar("M", bound=BaseModel)
 MAX_BODY = 4096
 """A report is a few hundred bytes; nothing larger is read."""
 
@@ -67,7 +66,7 @@ VERDICT: dict[int | str, dict[str, Any]] = {200: {
              responses=VERDICT)
 async def report_blob(digest: Digest, request: Request, cache: Reader) -> Response:
     """Report a blob that failed: re-verified at once; quarantined only if really bad."""
-    body = await _parse(request, BlobReport)
+    body = await small_json_body(request, BlobReport, MAX_BODY)
     verdict = await cache.report_blob(digest, kind=body.kind, entry_key=body.entry_key,
                                       detail=body.detail)
     return Response(json.dumps(verdict), media_type="application/json")
@@ -76,7 +75,7 @@ async def report_blob(digest: Digest, request: Request, cache: Reader) -> Respon
 @router.post("/v1/ac/{key}/report", openapi_extra=_body_of(EntryReport), responses=VERDICT)
 async def report_entry(key: Key, request: Request, cache: Reader) -> Response:
     """Report that torch could not load this entry's bundle (counted per token and job)."""
-    body = await _parse(request, EntryReport)
+    body = await small_json_body(request, EntryReport, MAX_BODY)
     verdict = await cache.report_entry(key, kind=body.kind, detail=body.detail, job=body.job)
     return Response(json.dumps(verdict), media_type="application/json")
 
@@ -88,17 +87,3 @@ async def quarantine(cache: Reader,
     records = await cache.quarantines(limit=limit)
     return Response(json.dumps({"quarantined": records}), media_type="application/json")
 
-
-async def _parse(request: Request, model: type[M]) -> M:
-    raw = bytearray()
-    async for chunk in request_body(request):
-        raw += chunk
-        if len(raw) > MAX_BODY:
-            raise PayloadTooLarge(f"body is over {MAX_BODY} bytes", limit=MAX_BODY)
-    try:
-        return model.model_validate_json(bytes(raw))
-    except ValidationError as exc:
-        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
-                  for e in exc.errors()]
-        raise Unprocessable("request body is invalid", code="invalid_request",
-                            errors=errors) from None
