@@ -152,6 +152,14 @@ HOUR = 3600
 DAY = 24 * HOUR
 
 
+def merged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Two sets of counters added field by field (a rollup plus an event's deltas)."""
+    out = dict(a)
+    for name, value in b.items():
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
 def hour_of(ts: float) -> int:
     return int(ts // HOUR * HOUR)
 

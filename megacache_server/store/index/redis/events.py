@@ -85,14 +85,14 @@ class RedisEvents(RedisConnection, EventLog):
         record = ""
         if event.job_id is None:
             _, deltas = rollups.attempt_update(None, event, model, hour, now)
-            own = _merged(counters, deltas)
+            own = rollups.merged(counters, deltas)
         else:
             record = self.keys.attempt(namespace, event.job_id, event.attempt or 0)
             await pipe.watch(record)
             state, deltas = rollups.attempt_update(
                 _state(await pipe.hgetall(record)), event, model, hour, now)
             if (state.model, state.hour) == (model, hour):
-                own = _merged(counters, deltas)
+                own = rollups.merged(counters, deltas)
             elif deltas:
                 moved = (state, deltas)
         pipe.multi()
@@ -299,11 +299,6 @@ class RedisEvents(RedisConnection, EventLog):
 # The sums below run in a worker thread: at 200 models and a week of hourly rollups they
 # are tens of thousands of fields, milliseconds of Python the serving loop must not wait on.
 
-def _merged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    out = dict(a)
-    for name, value in b.items():
-        out[name] = out.get(name, 0.0) + value
-    return out
 
 
 _STATE_FIELDS = ("model", "hour", "outcome", "tts_s", "compile_s", "reports", "world_size",

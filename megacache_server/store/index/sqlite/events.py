@@ -37,11 +37,11 @@ class SqliteEvents(SqliteConnection, EventLog):
                 own = counters
                 if event.job_id is None:  # a run of its own: its own attempt 0
                     _, deltas = rollups.attempt_update(None, event, model, hour, now)
-                    own = _merged(counters, deltas)
+                    own = rollups.merged(counters, deltas)
                 else:
                     state, deltas = _attempt(c, namespace, event, model, hour, now)
                     if (state.model, state.hour) == (model, hour):
-                        own = _merged(counters, deltas)
+                        own = rollups.merged(counters, deltas)
                     elif deltas:  # a later rank: its attempt's counts stay where they began
                         _add_rollups(c, namespace, state.model, state.hour, deltas)
                 _add_rollups(c, namespace, model, hour, own)
@@ -128,11 +128,6 @@ class SqliteEvents(SqliteConnection, EventLog):
         return await self._run(op)
 
 
-def _merged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    out = dict(a)
-    for name, value in b.items():
-        out[name] = out.get(name, 0.0) + value
-    return out
 
 
 def _add_rollups(c: sqlite3.Connection, namespace: str, model: str, hour: int,
