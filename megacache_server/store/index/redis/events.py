@@ -296,11 +296,6 @@ class RedisEvents(RedisConnection, EventLog):
         return await self._do(op)
 
 
-# The sums below run in a worker thread: at 200 models and a week of hourly rollups they
-# are tens of thousands of fields, milliseconds of Python the serving loop must not wait on.
-
-
-
 _STATE_FIELDS = ("model", "hour", "outcome", "tts_s", "compile_s", "reports", "world_size",
                  "first_seen", "last_seen")
 
@@ -321,6 +316,9 @@ def _state(raw: dict[bytes, bytes]) -> rollups.AttemptState | None:
         reports=int(v["reports"]), world_size=int(v["world_size"]) if v["world_size"] else None,
         first_seen=float(v["first_seen"]), last_seen=float(v["last_seen"]))
 
+
+# The sums below run in a worker thread: at 200 models and a week of hourly rollups they
+# are tens of thousands of fields, milliseconds of Python the serving loop must not wait on.
 
 def _decoded(pairs: Iterable[tuple[bytes, Any]]) -> Sums:
     return {text(name) or "": float(value) for name, value in pairs}
