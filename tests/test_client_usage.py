@@ -160,19 +160,18 @@ def test_hung_server_costs_each_process_the_deadline_once(hung_server, gxx, tmp_
 TORCHRUN_JOB = HERE / "torchrun_job.py"
 
 
-def torchrun(machine: Machine, gxx: GxxCounter, url: str, nproc: int = 4,
-             launcher: tuple[str, ...] = (), env: dict[str, str] | None = None) -> list[dict]:
-    """An `nproc`-rank job on `machine` (one node); the ranks' results, by rank."""
+def torchrun(machine: Machine, gxx: GxxCounter, url: str) -> list[dict]:
+    """A 4-rank job on `machine` (one node); the ranks' results, by rank."""
     results = machine.root / "results"
     results.mkdir()
-    where = launcher or ("--master-addr", "127.0.0.1", "--master-port", str(free_port()))
-    runner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-              *where, str(TORCHRUN_JOB)]
+    runner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+              "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+              str(TORCHRUN_JOB)]
     job = run_job(machine, env={"MEGACACHE_URL": url, "OMP_NUM_THREADS": "1",
-                                "RESULT_DIR": str(results), **(env or {})},
+                                "RESULT_DIR": str(results)},
                   gxx=gxx, runner=runner, timeout=900)
     assert job.returncode == 0, job.stderr[-4000:]
-    ranks = [json.loads((results / f"rank{i}.json").read_text()) for i in range(nproc)]
+    ranks = [json.loads((results / f"rank{i}.json").read_text()) for i in range(4)]
     return [{**r, "gxx_builds": job.gxx_builds} for r in ranks]
 
 
