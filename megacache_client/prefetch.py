@@ -97,8 +97,10 @@ class Prefetcher:
                                         daemon=True)
 
     def start(self) -> Prefetcher:
-        # The env and hw components import parts of torch (ISA detection, the compiler's
-        # facts): done here, on the caller's thread, never beside the trainer's own imports.
+        # The env and hw components and the dirs read torch (versions, ISA, its cache-dir
+        # code): done here, on the caller's thread, never beside the trainer's own imports.
+        # None of it imports Dynamo or Inductor (`torch_env.cpp_compiler`): that would
+        # add ~2 s to every start before the trainer's own set-up even begins.
         try:
             self._components = (torch_env.env_component(), torch_env.hw_component())
             # what the thread's checks and unpacking look up, imported here once

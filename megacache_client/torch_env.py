@@ -9,12 +9,15 @@ can be reasoned about alone.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 import platform
 import shutil
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from megacache_client.manifest import Scalar
@@ -72,40 +75,93 @@ def hw_component() -> dict[str, Scalar]:
     return hw
 
 
-@functools.cache
 def cxx_version() -> str | None:
     """First line of `<compiler> --version` for the compiler Inductor will use."""
-    out = compiler_output("--version")
+    return _version_line(cpp_compiler())
+
+
+@functools.cache
+def _version_line(compiler: str) -> str | None:
+    out = compiler_output("--version", compiler=compiler)
     first = out.strip().splitlines()[0] if out and out.strip() else None
     return first[:200] if first else None
 
 
-def compiler_output(*args: str) -> str | None:
-    """stdout of the C++ compiler Inductor will use, run with `args` (None if it cannot run)."""
+def compiler_output(*args: str, compiler: str | None = None) -> str | None:
+    """stdout of `compiler` (default: the one Inductor will use) run with `args`, or None
+    if it cannot run."""
+    try:
+        run = subprocess.run([compiler or cpp_compiler(), *args], capture_output=True, text=True,
+                             timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return run.stdout
+
+
+def cpp_compiler() -> str:
+    """The C++ compiler Inductor will use, found without importing Inductor if it can be.
+
+    Importing anything under `torch._inductor` imports Dynamo (2 s, the bulk of the
+    client's cost at enable). Until Inductor's config is imported nobody can have changed
+    it, so its defaults decide: `$CXX`, else g++ (clang++ on macOS), the first that runs.
+    The cases the defaults do not cover (Windows, conda's g++, fbcode) ask Inductor itself.
+    """
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is None and sys.platform != "win32" \
+            and not os.environ.get("TORCH_INDUCTOR_INSTALL_GXX"):
+        default = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+        return default if _runs(default) else shutil.which("g++") or "g++"
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
 
-        compiler = get_cpp_compiler()
+        return str(get_cpp_compiler())
     except Exception:
-        compiler = shutil.which("g++") or "g++"
+        return shutil.which("g++") or "g++"
+
+
+def _runs(compiler: str) -> bool:
     try:
-        return subprocess.run([compiler, *args], capture_output=True, text=True,
-                              timeout=10, check=False).stdout
+        return subprocess.run([compiler, "--version"], capture_output=True, timeout=10,
+                              check=False).returncode == 0
     except (OSError, subprocess.SubprocessError):
-        return None
+        return False
 
 
 def inductor_cache_dir() -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir())
+    return Path(_cache_dir_utils().cache_dir())
 
 
 def header_dir() -> Path:
     """Where Inductor keeps precompiled headers (under TMPDIR, not the cache dir)."""
-    from torch._inductor import codecache
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is not None:
+        return Path(codecache._HEADER_DIR)
+    # how codecache names it when it is imported
+    return Path(_cache_dir_utils().default_cache_dir()) / "precompiled_headers"
 
-    return Path(codecache._HEADER_DIR)
+
+@functools.cache
+def _cache_dir_utils() -> ModuleType:
+    """Inductor's cache-dir module, torch's own code, loaded alone when Inductor is not
+    imported yet: importing it as `torch._inductor.…` would import Inductor and Dynamo
+    with it, and the module is written to need neither."""
+    loaded = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if loaded is not None:
+        return loaded
+    origin = Path(torch_module().__file__).parent / "_inductor" / "runtime" / \
+        "cache_dir_utils.py"
+    spec = importlib.util.spec_from_file_location("_megacache_inductor_cache_dir_utils",
+                                                  origin)
+    try:
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {origin}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception:
+        from torch._inductor.runtime import cache_dir_utils
+
+        return cache_dir_utils
 
 
 def compile_seconds() -> float:
