@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megacache_client.signing import SigningError, public_key_bytes
+from megacache_client.writers import WriterPolicy
 
 Mode = Literal["off", "read-only", "read-write", "required"]
 MODES: tuple[Mode, ...] = ("off", "read-only", "read-write", "required")
@@ -66,6 +67,9 @@ class ClientConfig:
     precompile: bool = False  # torch's experimental precompiled Dynamo: MEGACACHE_PRECOMPILE=1
     prefetch: bool = True
     prefetch_wait_s: float = 60.0
+    trusted_writers: str = ""
+    """Whose entries this process runs (`writers.py`): token names, `ci-*`, `scope:admin`;
+    empty runs anyone's."""
 
     @property
     def enabled(self) -> bool:
@@ -74,6 +78,10 @@ class ClientConfig:
     @property
     def may_publish(self) -> bool:
         return self.enabled and self.mode in ("read-write", "required")
+
+    @property
+    def writer_policy(self) -> WriterPolicy | None:
+        return WriterPolicy.parse(self.trusted_writers)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -112,6 +120,10 @@ class ClientConfig:
                 public_key_bytes(self.verify_key)
             except SigningError as exc:
                 raise ConfigError(f"MEGACACHE_VERIFY_KEY: {exc}") from None
+        try:
+            WriterPolicy.parse(self.trusted_writers)
+        except ValueError as exc:
+            raise ConfigError(f"MEGACACHE_TRUSTED_WRITERS: {exc}") from None
         max_raw = self.max_raw_bytes
         if isinstance(max_raw, str):  # a keyword argument may use units too
             max_raw = _coerce("max_raw_bytes", "Bytes", max_raw)

@@ -6,6 +6,46 @@ Everything else that is a `TransportError` means the server could not be used: `
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+FindingKind = Literal["digest", "size", "decompress", "unpack", "load"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Bad bytes this client met, as the server hears of them (`report.send_finding`): the
+    blob that failed (None when torch could not load an entry whose blobs all verified),
+    the entry it came in, and what was wrong. One process pays the cold compile; the
+    server re-verifies and stops serving the rot to the rest of the fleet."""
+
+    kind: FindingKind
+    digest: str | None = None
+    entry_key: str | None = None
+    detail: str = ""
+
+
+class BadArtifact(Exception):
+    """Base of the errors that mean the cache held bad bytes; `finding` names them once
+    known (the raiser, or the step that knew which blob it was reading)."""
+
+    finding: Finding | None = None
+
+
+@contextlib.contextmanager
+def blamed_on(kind: FindingKind, digest: str | None = None,
+              entry_key: str | None = None) -> Iterator[None]:
+    """Name what a `BadArtifact` raised inside was about (the raiser rarely knows which
+    blob it was reading), unless the raiser already did."""
+    try:
+        yield
+    except BadArtifact as exc:
+        if exc.finding is None:
+            exc.finding = Finding(kind, digest, entry_key, str(exc)[:500])
+        raise
+
 
 class TransportError(Exception):
     """The server could not be used for this request; `status` is the HTTP status if any."""
@@ -23,9 +63,23 @@ class DeadlineExceeded(TransportError):
     """The step's total time budget ran out before the server answered."""
 
 
-class CorruptBlobError(TransportError):
+class CorruptBlobError(TransportError, BadArtifact):
     """Downloaded bytes do not hash to their address: never loaded, reported as invalid."""
+
+    def __init__(self, message: str, status: int | None = None,
+                 finding: Finding | None = None) -> None:
+        super().__init__(message, status)
+        self.finding = finding
 
 
 class UntrustedEntryError(CorruptBlobError):
     """A manifest without a valid server signature, when the client requires one."""
+
+
+class UntrustedWriterError(TransportError):
+    """The entry's writer is not one this consumer trusts (`MEGACACHE_TRUSTED_WRITERS`): a
+    miss, never loaded; `etag` is the version seen, which only a trusted writer replaces."""
+
+    def __init__(self, message: str, key: str, etag: str) -> None:
+        super().__init__(message)
+        self.key, self.etag = key, etag

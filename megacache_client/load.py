@@ -16,10 +16,11 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from megacache_client import precompile, relocate, torch_env, vec_isa
 from megacache_client.config import ClientConfig
+from megacache_client.errors import blamed_on
 from megacache_client.fingerprint import COMPONENTS, describe, differing
 from megacache_client.job import RESOLUTION_TTL_S, JobIdentity
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest, component_digest
@@ -31,6 +32,7 @@ from megacache_client.transport import (
     RemoteCache,
     ResolutionUnsupported,
     UntrustedEntryError,
+    UntrustedWriterError,
 )
 
 if TYPE_CHECKING:  # the prefetcher places with this module's helpers
@@ -40,6 +42,7 @@ log = logging.getLogger("megacache")
 
 KERNEL_SUFFIXES = (".so",)
 TOOLCHAIN_SUFFIXES = (".h", ".gch")
+T = TypeVar("T")
 
 
 # -- what the prefetch thread already fetched ----------------------------------------------
@@ -96,6 +99,18 @@ def find_entry(remote: RemoteCache, fp: Fingerprint, result: LoadResult, fallbac
     another compiles holds the whole job at its first collective). A server too old to
     resolve leaves each process to decide alone, as before.
     """
+    try:
+        return _find_entry(remote, fp, result, fallback, prefetched, job)
+    except UntrustedWriterError as exc:
+        result.outcome, result.reason = "miss", f"untrusted writer: {exc}"
+        if exc.key == fp.key():
+            result.untrusted_etag = exc.etag
+        return None
+
+
+def _find_entry(remote: RemoteCache, fp: Fingerprint, result: LoadResult, fallback: bool,
+                prefetched: PrefetchResult | None, job: JobIdentity | None
+                ) -> tuple[Manifest, str] | None:
     if job is not None and job.job_id is not None:
         try:
             return _resolve_for_job(remote, fp, result, fallback, job)
@@ -207,7 +222,10 @@ def place_artifacts(entry: Manifest, paths: dict[str, Path], result: LoadResult,
         if role not in paths or blob is None:
             continue
         count = done.get(blob.digest)
-        result.placed[role] = count if count is not None else place(role, paths[role], cap)
+        if count is None:
+            with blamed_on("unpack", blob.digest, entry.key):
+                count = place(role, paths[role], cap)
+        result.placed[role] = count
     if result.placed.get("kernels"):  # the ISA probe's libraries are on disk now
         vec_isa.probe_in_background()
 
@@ -232,17 +250,30 @@ def load_bundle(entry: Manifest, paths: dict[str, Path], result: LoadResult, cap
     ref = entry.blob("megacache")
     assert ref is not None
     ready = prefetched.bundles.pop(ref.digest, None) if prefetched is not None else None
-    raw = ready if ready is not None else read_bundle(ref, paths["megacache"], cap)
-    artifacts = torch_env.read_artifacts(raw)
-    if artifacts is None:
-        raise PackError("torch refused the bundle (load_cache_artifacts returned None)")
-    artifacts, result.precompile = precompile.for_loading(artifacts, result.outcome, ref)
-    keys = torch_env.populate(artifacts)
+    if ready is None:
+        with blamed_on("decompress", ref.digest, entry.key):
+            ready = read_bundle(ref, paths["megacache"], cap)
+    with blamed_on("load", None, entry.key):  # every blob verified: the entry is at fault
+        artifacts = _torch_loads(torch_env.read_artifacts, ready)
+        if artifacts is None:
+            raise PackError("torch refused the bundle (load_cache_artifacts returned None)")
+        artifacts, result.precompile = precompile.for_loading(artifacts, result.outcome, ref)
+        keys = _torch_loads(torch_env.populate, artifacts)
     if keys.get(precompile.ARTIFACT_TYPE):
         precompile.reserve_ids(ref)
     if result.precompile:
         log.info("megacache: %s", result.precompile)
     result.loaded_keys = {(kind, k) for kind, ks in keys.items() for k in ks}
+
+
+def _torch_loads(step: Callable[[Any], T], arg: Any) -> T:
+    """torch's part of loading a bundle; torch raising there is the bundle's fault
+    (reported as such), not a reason to call the server down."""
+    try:
+        return step(arg)
+    except Exception as exc:
+        raise PackError(f"torch could not load the bundle: {type(exc).__name__}: "
+                        f"{exc}"[:500]) from exc
 
 
 def read_bundle(ref: BlobRef, path: Path, cap: int) -> bytes:

@@ -24,10 +24,12 @@ from typing import IO
 
 import zstandard
 
+from megacache_client.errors import BadArtifact
+
 ZSTD_LEVEL = 3
 
 
-class PackError(ValueError):
+class PackError(ValueError, BadArtifact):
     """A pack or bundle is malformed, unsafe or over its size cap."""
 
 

@@ -28,7 +28,7 @@ from megacache_client.manifest import BlobRef, Fingerprint, Manifest, sha256_fil
 from megacache_client.nodecache import NodeCache
 from megacache_client.packs import PackError, compress_bytes, pack_names, read_index, write_pack
 from megacache_client.results import Snapshot, Track
-from megacache_client.transport import Progress, RemoteCache, TransportError
+from megacache_client.transport import Progress, RemoteCache, TransportError, UntrustedWriterError
 
 log = logging.getLogger("megacache")
 
@@ -153,6 +153,7 @@ def upload(snap: Snapshot, config: ClientConfig, node: NodeCache, first: Track,
     entry this run loaded) needs no claim: its conditional PUT orders it.
     """
     with RemoteCache(config) as remote:
+        _keep_off_untrusted(remote, snap, config)
         claimed = _claim_first_publishes(remote, snap, holder, config.claim_lease_s) \
             if holder else []
         if not snap.tracks:
@@ -165,6 +166,28 @@ def upload(snap: Snapshot, config: ClientConfig, node: NodeCache, first: Track,
                     remote.release_claim(key, holder=holder)
                 except Exception as exc:  # the lease runs out on its own
                     log.debug("megacache: releasing the claim on %s failed: %s", key[:12], exc)
+
+
+def _keep_off_untrusted(remote: RemoteCache, snap: Snapshot, config: ClientConfig) -> None:
+    """A track whose key holds an entry this consumer refused for its writer publishes over
+    it only if this process is itself a trusted writer: else any token could replace a
+    poisoned entry with another of its own, or a trusted one with anything."""
+    refused = [t for t in snap.tracks if t.load.untrusted_etag]
+    policy = config.writer_policy
+    if not refused or policy is None:
+        return
+    try:
+        trusted = policy.trusts(*remote.whoami())
+    except Exception as exc:
+        log.debug("megacache: whoami failed (%s): not publishing over untrusted entries", exc)
+        trusted = False
+    if trusted:
+        return
+    for track in refused:
+        track.publish.key = track.fp.key()
+        track.publish.reason = ("the entry at this key is from an untrusted writer and this "
+                                "process is not a trusted writer: not publishing over it")
+    snap.tracks[:] = [t for t in snap.tracks if t not in refused]
 
 
 def _claim_first_publishes(remote: RemoteCache, snap: Snapshot, holder: str,
@@ -187,7 +210,7 @@ def _claim_first_publishes(remote: RemoteCache, snap: Snapshot, holder: str,
             continue
         if other is None:
             claimed.append(key)
-            if remote.get_entry(key) is None:
+            if track.load.untrusted_etag or _vacant(remote, key):
                 kept.append(track)
             else:  # the claimant before us wrote it and let go: nothing to add blindly
                 track.publish.key = key
@@ -201,6 +224,15 @@ def _claim_first_publishes(remote: RemoteCache, snap: Snapshot, holder: str,
                 "later run that loads the entry adds what it lacks")
     snap.tracks[:] = kept
     return claimed
+
+
+def _vacant(remote: RemoteCache, key: str) -> bool:
+    """No entry at `key` (one refused for its writer counts as taken: it was written
+    meanwhile, and only the writer policy's own publish replaces it)."""
+    try:
+        return remote.get_entry(key) is None
+    except UntrustedWriterError:
+        return False
 
 
 def _upload_and_write(remote: RemoteCache, snap: Snapshot, config: ClientConfig,
@@ -222,9 +254,10 @@ def _put_entry(remote: RemoteCache, track: Track, blobs: list[BlobRef], snap: Sn
                ) -> None:
     res, load = track.publish, track.load
     manifest = build_manifest(track.fp, blobs, snap.counts, snap.compile_s, load.entry)
-    same_key = load.outcome == "hit" and load.etag
-    etag = remote.put_entry(manifest, if_match=load.etag if same_key else None,
-                            if_none_match=None if same_key else "*")
+    # a republish replaces the version it loaded; a trusted writer, the one it refused
+    replaced = load.etag if load.outcome == "hit" and load.etag else load.untrusted_etag
+    etag = remote.put_entry(manifest, if_match=replaced or None,
+                            if_none_match=None if replaced else "*")
     res.key = manifest.key
     if etag is None:
         res.reason = "another producer published this key first"

@@ -9,18 +9,23 @@ so stats never count them twice. A bundle that loaded but served nothing is repo
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from megacache_client import precompile, torch_env
 from megacache_client.config import ClientConfig
+from megacache_client.errors import Finding
 from megacache_client.events import Event
 from megacache_client.job import JobIdentity
-from megacache_client.results import Track
+from megacache_client.results import LoadResult, Track
 from megacache_client.start_clock import TimeToStart
 from megacache_client.transport import Deadline, RemoteCache
 
 log = logging.getLogger("megacache")
+
+REPORT_DEADLINE_S = 5.0
+"""A report of bad bytes gets this long, in its own thread, while the trainer compiles cold."""
 
 
 def events(tracks: Sequence[Track], start_fields: Callable[[], dict[str, Any]],
@@ -108,3 +113,26 @@ def post_events(config: ClientConfig, events: Callable[[], list[Event]]) -> Even
         log.debug("megacache: could not report the run's events: %s", exc)
         again = events()
         return again[0] if again else None
+
+
+def send_finding(config: ClientConfig, finding: Finding, job: JobIdentity | None,
+                 result: LoadResult) -> threading.Thread:
+    """Report bad bytes this load met, in a background thread (the cold compile does not
+    wait for it); `result.reported` gets the server's verdict. The server re-verifies the
+    blob from its own store, so a report about bytes a proxy broke on the way changes
+    nothing there."""
+
+    def send() -> None:
+        deadline = Deadline(min(REPORT_DEADLINE_S, config.load_deadline_s))
+        try:
+            with RemoteCache(config, deadline=deadline) as remote:
+                result.reported = remote.report(finding, job.job_id if job else None)
+            log.info("megacache: reported %s of %s to the server: %s", finding.kind,
+                     (finding.digest or finding.entry_key or "")[:12], result.reported)
+        except Exception as exc:
+            result.reported = f"not reported: {type(exc).__name__}: {exc}"[:300]
+            log.debug("megacache: %s", result.reported)
+
+    thread = threading.Thread(target=send, name="megacache-report", daemon=True)
+    thread.start()
+    return thread

@@ -35,6 +35,12 @@ class LoadResult:
     """Why the entry's precompiled Dynamo output was not loaded ("" when loaded or absent)."""
     job_note: str = ""
     """Why this process of a job decided alone ("" when the job's resolution decided)."""
+    untrusted_etag: str = ""
+    """The version of this key's entry refused for its writer (`MEGACACHE_TRUSTED_WRITERS`):
+    only a trusted writer publishes over it."""
+    reported: str = ""
+    """The server's verdict on the bad bytes this load met and reported (or why the report
+    did not go out); "" when there was nothing to report."""
 
     def timer(self) -> Callable[[str], None]:
         """Returns `mark(name)`: records the seconds since the previous mark under `name`."""

@@ -16,6 +16,7 @@ blobs are stored once (same bytes, same digest) and each key gets its own entry.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -43,8 +44,8 @@ from megacache_client.nodecache import NodeCache
 from megacache_client.packs import PackError
 from megacache_client.prefetch import Prefetcher
 from megacache_client.publish import claim_holder, save_for_shipping, snapshot, upload
+from megacache_client.report import REPORT_DEADLINE_S, post_events, send_finding, start_fields
 from megacache_client.report import events as track_events
-from megacache_client.report import post_events, start_fields
 from megacache_client.results import LoadResult, MegacacheError, PublishResult, Snapshot, Track
 from megacache_client.transport import CorruptBlobError, Deadline, RemoteCache
 
@@ -71,6 +72,8 @@ class Session:
         self._closed = False
         self._warned = False
         self._publisher: threading.Thread | None = None
+        self._reporter: threading.Thread | None = None
+        """Sends the report of bad bytes this process met (one per process is enough)."""
         self._lock = threading.RLock()
         self.clock = start_clock.TimeToStart()
         self.prefetcher: Prefetcher | None = None
@@ -193,6 +196,7 @@ class Session:
                         await_toolchain(self.prefetcher, result.entry, result,
                                         self.config.prefetch_wait_s, prefetched)
             except (CorruptBlobError, PackError) as exc:
+                self._report_bad(exc, result)
                 self._fail(result, "invalid", str(exc))
             except Exception as exc:  # never let the cache break the trainer
                 self._fail(result, "error", failure_reason(self.prefetcher, exc))
@@ -311,6 +315,8 @@ class Session:
                 return None
             self._closed = True
         self.publish(wait=True)
+        if self._reporter is not None:
+            self._reporter.join(REPORT_DEADLINE_S)
         self._forget_precompiled()
         if self.tracks and self._first.load.entry is not None:
             count_toolchain(self.prefetcher, self._first.load, self.config.prefetch_wait_s)
@@ -325,6 +331,16 @@ class Session:
                                     if kind == precompile.ARTIFACT_TYPE)
         except Exception as exc:
             log.debug("megacache: could not clear local precompiled entries: %s", exc)
+
+    def _report_bad(self, exc: CorruptBlobError | PackError, result: LoadResult) -> None:
+        """Tell the server which bytes were bad (in the background), so the fleet stops
+        meeting them; an unsigned manifest or a refusal of our own names no blob."""
+        finding = exc.finding
+        if finding is None or self._reporter is not None:
+            return
+        if finding.entry_key is None and result.entry is not None:
+            finding = dataclasses.replace(finding, entry_key=result.entry.key)
+        self._reporter = send_finding(self.config, finding, self.job, result)
 
     # -- failure policy -----------------------------------------------------------------
     def _fail(self, result: LoadResult, outcome: Outcome, reason: str) -> None:

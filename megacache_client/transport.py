@@ -26,8 +26,10 @@ from megacache_client.errors import (
     CircuitOpenError,
     CorruptBlobError,
     DeadlineExceeded,
+    Finding,
     TransportError,
     UntrustedEntryError,
+    UntrustedWriterError,
 )
 from megacache_client.manifest import Manifest, component_digest, sha256_file
 from megacache_client.retry import Deadline, RetryableStatus, retry_after_s, retryable, retrying
@@ -42,8 +44,7 @@ from megacache_client.signing import (
 
 __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineExceeded",
            "Deadline", "Progress", "RemoteCache", "ResolutionUnsupported", "TransportError",
-           "UntrustedEntryError",
-           "breaker_for", "sha256_file"]
+           "UntrustedEntryError", "UntrustedWriterError", "breaker_for", "sha256_file"]
 
 Progress = Callable[[int, int], None]
 CHUNK = 1024 * 1024
@@ -128,6 +129,7 @@ class RemoteCache:
             return None
         self._expect(r, (200,), "get entry")
         self._check_signature(entry_key, r)
+        self._check_writer(entry_key, r)
         manifest = Manifest.from_json(r.content)
         if manifest.key != entry_key:
             raise UntrustedEntryError(f"asked for entry {entry_key[:12]}…, the server answered "
@@ -155,6 +157,7 @@ class RemoteCache:
                 "decided alone", r.status_code)
         self._expect(r, (200,), "resolve entry")
         self._check_signature(entry_key, r)
+        self._check_writer(entry_key, r)
         manifest = Manifest.from_json(r.content)
         if manifest.key != entry_key and fallback is None:
             raise UntrustedEntryError(f"resolved entry {entry_key[:12]}…, the server answered "
@@ -181,6 +184,24 @@ class RemoteCache:
                                                    params={"holder": holder}, timeout=t),
                        "release claim")
         self._expect(r, (204, 404, 405, 409), "release claim")
+
+    def _check_writer(self, entry_key: str, r: httpx.Response) -> None:
+        """With trusted writers configured, an entry anyone else wrote is refused unread
+        (after the signature check: with a verify key, who wrote it is signed too)."""
+        policy = self.config.writer_policy
+        if policy is None:
+            return
+        why = policy.refusal(r.headers.get(PROVENANCE_HEADER))
+        if why:
+            raise UntrustedWriterError(f"entry {entry_key[:12]}… {why}", entry_key,
+                                       r.headers.get("etag", ""))
+
+    def whoami(self) -> tuple[str, list[str]]:
+        """This client's token name and scopes, as the server knows them."""
+        r = self._call(lambda t: self._http.get("/v1/whoami", timeout=t), "whoami")
+        self._expect(r, (200,), "whoami")
+        data = r.json()
+        return str(data["name"])[:128], [str(s) for s in data["scopes"]][:16]
 
     def _check_signature(self, entry_key: str, r: httpx.Response) -> None:
         """With a verify key, the manifest must be signed by the server for this key and the
@@ -276,10 +297,10 @@ class RemoteCache:
         actual_size = dest.stat().st_size
         actual = sha256_file(dest)
         if actual_size != size or actual != digest:
-            raise CorruptBlobError(
-                f"blob {digest[:12]}… is corrupt: got {actual_size} bytes hashing to "
-                f"{actual[:12]}…, expected {size} bytes"
-            )
+            message = (f"blob {digest[:12]}… is corrupt: got {actual_size} bytes hashing to "
+                       f"{actual[:12]}…, expected {size} bytes")
+            raise CorruptBlobError(message, finding=Finding(
+                "size" if actual_size != size else "digest", digest, detail=message))
 
     def _stream_into(self, f: Any, digest: str, size: int, progress: Progress | None) -> None:
         """One try: GET the blob (the rest of it, after a broken try) and append it to `f`."""
@@ -303,10 +324,34 @@ class RemoteCache:
                 done += len(chunk)
                 self.deadline.credit(len(chunk))
                 if done > size:
-                    raise CorruptBlobError(f"blob {digest[:12]}… is longer than {size} bytes")
+                    message = f"blob {digest[:12]}… is longer than {size} bytes"
+                    raise CorruptBlobError(message, finding=Finding("size", digest,
+                                                                    detail=message))
                 if progress:
                     progress(done, size)
         f.flush()
+
+    # -- reports: bad bytes met ---------------------------------------------------------
+    def report(self, finding: Finding, job: str | None = None) -> str:
+        """Tell the server what this client met; returns its verdict ("ok", "quarantined",
+        "counted", "withdrawn"). A blob is reported by digest (the server re-hashes it);
+        torch failing on a bundle whose blobs all verified, by entry."""
+        detail = finding.detail[:500]
+        if finding.digest is not None:
+            path, what = f"/v1/cas/{finding.digest}/report", "report blob"
+            body: dict[str, Any] = {"kind": finding.kind, "detail": detail,
+                                    "entry_key": finding.entry_key}
+        elif finding.entry_key is not None:
+            path, what = f"/v1/ac/{finding.entry_key}/report", "report entry"
+            body = {"kind": finding.kind, "detail": detail, "job": job}
+        else:
+            raise ValueError("a finding names a blob or an entry")
+        r = self._call(lambda t: self._http.post(path, json=body, timeout=t), what)
+        self._expect(r, (200,), what)
+        try:
+            return str(r.json()["verdict"])[:32]
+        except (ValueError, KeyError, TypeError):
+            return "answered"
 
     # -- events and stats ---------------------------------------------------------------
     def post_event(self, event: dict[str, Any]) -> None:

@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from jobs import GxxCounter, JobRun, Machine, run_job
 from services import LOOPBACK, LocalServer, free_port
 
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
 from megacache_client.schema import parse
 
-__all__ = ["LOOPBACK", "ServerProcess", "free_port", "make_fingerprint", "make_manifest",
-           "raw_http", "sha256"]
+__all__ = ["LOOPBACK", "ServerProcess", "free_port", "functions_job", "make_fingerprint",
+           "make_manifest", "raw_http", "sha256"]
+
+TESTS = Path(__file__).resolve().parent
 
 
 
@@ -213,3 +216,16 @@ class ForwardingProxy:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def functions_job(machine: Machine, gxx: GxxCounter, url: str, functions: str,
+                  precompile: str = "0", env: dict[str, str] | None = None) -> JobRun:
+    """`tests/republish_job.py` on `machine`: compiles some of two small functions under one
+    fingerprint (a real torch.compile, a second or so of g++), publishes, prints its run."""
+    import sys
+
+    run = run_job(machine, functions, runner=[sys.executable, str(TESTS / "republish_job.py")],
+                  env={"MEGACACHE_URL": url, "MEGACACHE_PRECOMPILE": precompile,
+                       **(env or {})}, gxx=gxx, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run

@@ -40,6 +40,7 @@ def main() -> None:
         "reason": event.reason if event else None,
         "published": SESSION.publish_result.published,
         "publish_reason": SESSION.publish_result.reason,
+        "reported": SESSION.load_result.reported,
         "artifact_counts": SESSION.load_result.entry.artifact_counts
         if SESSION.load_result.entry else None,
     }), flush=True)

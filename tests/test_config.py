@@ -39,6 +39,10 @@ def test_config_from_env_and_overrides(tmp_path: Path):
     ("RETRIES", "-1", "MEGACACHE_RETRIES must be 0 or more"),
     ("LOAD_DEADLINE_S", "soon", "MEGACACHE_LOAD_DEADLINE_S='soon' is not a number"),
     ("LOAD_DEADLINE_S", "0", "LOAD_DEADLINE_S must be positive"),
+    ("TRUSTED_WRITERS", "ci main", "MEGACACHE_TRUSTED_WRITERS: 'ci main' is not a token name"),
+    ("TRUSTED_WRITERS", "ci,../x", "MEGACACHE_TRUSTED_WRITERS: '../x' is not"),
+    ("TRUSTED_WRITERS", "scope:adm*", "MEGACACHE_TRUSTED_WRITERS: 'scope:adm*' is not"),
+    ("TRUSTED_WRITERS", "scope:", "MEGACACHE_TRUSTED_WRITERS: 'scope:' is not"),
 ])
 def test_bad_settings_are_refused_with_the_variable_named(name: str, raw: str, message: str):
     with pytest.raises(ConfigError) as err:
@@ -70,3 +74,18 @@ def test_autoload_with_a_bad_setting_warns_and_the_process_runs(tmp_path: Path):
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ran"
     assert "MEGACACHE_FALLBACK='flase' is not a boolean" in out.stderr
+
+
+def test_trusted_writers_read_names_prefixes_and_scopes():
+    policy = ClientConfig.from_env({"MEGACACHE_TRUSTED_WRITERS": " ci-main, nightly-*,scope:admin"}
+                                   ).writer_policy
+    assert policy is not None
+    assert policy.trusts("ci-main", ["read", "write"])
+    assert policy.trusts("nightly-7", ["write"]) and policy.trusts("anyone", ["admin"])
+    assert not policy.trusts("ci-main-2", ["write"]) and not policy.trusts("trainer", ["write"])
+    assert "not a trusted writer" in policy.refusal(
+        '{"writer":"trainer","writer_scopes":["read","write"]}')
+    assert policy.refusal('{"writer":"ci-main","writer_scopes":["write"]}') == ""
+    for unsaid in (None, "", "not json", '{"writer":1,"writer_scopes":[]}', "[]"):
+        assert policy.refusal(unsaid) == "the server did not say who wrote it"
+    assert ClientConfig.from_env({}).writer_policy is None

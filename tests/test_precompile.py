@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from conftest import need
-from helpers import ServerProcess
-from jobs import GxxCounter, JobRun, Machine, run_job
+from helpers import ServerProcess, functions_job
+from jobs import GxxCounter, Machine
 
 pytestmark = pytest.mark.e2e
 
@@ -137,26 +137,17 @@ def cache(tmp_path: Path) -> Iterator[ServerProcess]:
     proc.stop()
 
 
-def republish_run(machine: Machine, gxx: GxxCounter, url: str, functions: str,
-                  precompile: str) -> JobRun:
-    run = run_job(machine, functions, runner=[sys.executable, str(HERE / "republish_job.py")],
-                  env={"MEGACACHE_URL": url, "MEGACACHE_PRECOMPILE": precompile}, gxx=gxx,
-                  timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return run
-
-
 @pytest.mark.parametrize("precompile", ["1", "0"])
 def test_a_republish_keeps_what_it_loaded(cache, gxx, tmp_path, precompile):
     """Machine 1 compiles f; machine 2 loads f, compiles g and republishes; machine 3 only
     runs f: everything comes from the entry, nothing is compiled, nothing is inert."""
-    first = republish_run(Machine(tmp_path / "m1"), gxx, cache.url, "f", precompile)
+    first = functions_job(Machine(tmp_path / "m1"), gxx, cache.url, "f", precompile)
     assert first.result["published"], first.result
-    second = republish_run(Machine(tmp_path / "m2"), gxx, cache.url, "f,g", precompile)
+    second = functions_job(Machine(tmp_path / "m2"), gxx, cache.url, "f,g", precompile)
     assert second.result["outcome"] == "hit", second.result  # f came from the entry
     assert second.result["published"], second.result  # g was new
     assert second.warnings() == [], second.stderr
-    third = republish_run(Machine(tmp_path / "m3"), gxx, cache.url, "f", precompile)
+    third = functions_job(Machine(tmp_path / "m3"), gxx, cache.url, "f", precompile)
     assert third.result["results"]["f"] == first.result["results"]["f"]
     assert third.result["outcome"] == "hit", third.result
     assert third.gxx_builds == 0 and third.warnings() == [], third.stderr

@@ -13,12 +13,22 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
-from conftest import BACKENDS, _configured, backend_args
-from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
+from conftest import BACKENDS, _configured, backend_args, need
+from helpers import ServerProcess, functions_job, make_fingerprint, make_manifest, sha256
+from jobs import GxxCounter, Machine
 from prometheus_client.parser import text_string_to_metric_families
+
+from megacache_client.config import ClientConfig
+from megacache_client.load import find_entry
+from megacache_client.manifest import Fingerprint
+from megacache_client.nodecache import NodeCache
+from megacache_client.publish import upload
+from megacache_client.results import LoadResult, Snapshot, Track
+from megacache_client.transport import RemoteCache
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -334,3 +344,117 @@ def test_hostile_producer_headers_are_refused(team: Team, header: str, value: st
     assert r.status_code == 422, r.text
     assert value not in r.text or len(value) < 20
     assert team.reader.get(f"/v1/ac/{m.key}").status_code == 404
+
+
+
+# -- a consumer chooses whose bundles it runs ---------------------------------------------
+
+def _lookup(server: ServerProcess, token: str, namespace: str, fp: Fingerprint,
+            writers: str) -> tuple[ClientConfig, LoadResult]:
+    config = ClientConfig(url=server.url, token=token, namespace=namespace,
+                          trusted_writers=writers, ship_kernels=False,
+                          ship_toolchain=False).validated()
+    result = LoadResult()
+    with RemoteCache(config) as remote:
+        found = find_entry(remote, fp, result, fallback=True)
+    result.entry, result.etag = found if found is not None else (None, None)
+    return config, result
+
+
+def test_trusted_writers_decide_what_a_consumer_runs_and_who_replaces_it(
+        team: Team, tmp_path: Path):
+    server, ns = team.server, team.namespace
+    trainer = server.token("read,write", namespace=ns, name=f"trainer-w-{ns}")
+    ci = server.token("read,write", namespace=ns, name=f"ci-main-{ns}")
+    fp = make_fingerprint(code="writers", namespace=ns)
+    data = os.urandom(20_000)
+    m = make_manifest({"megacache": data}, fp)
+    with httpx.Client(base_url=server.url, headers=_bearer(trainer), timeout=30) as h:
+        assert h.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+        assert h.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+
+    _, refused = _lookup(server, trainer, ns, fp, "ci-*")
+    assert refused.outcome == "miss" and refused.entry is None, refused
+    assert refused.reason.startswith("untrusted writer: ") and f"trainer-w-{ns}" in refused.reason
+    assert refused.untrusted_etag
+    for anyone in ("", "scope:write", f"trainer-w-{ns}"):
+        assert _lookup(server, trainer, ns, fp, anyone)[1].outcome == "hit", anyone
+    # nor is it a fallback for a neighbouring key of the same model
+    _, neighbour = _lookup(server, trainer, ns, make_fingerprint(code="next", namespace=ns),
+                           "ci-*")
+    assert neighbour.outcome == "miss" and "untrusted writer" in neighbour.reason
+    assert not neighbour.untrusted_etag  # that key is free: its own publish may go ahead
+
+    def publish(token: str) -> Track:
+        config, result = _lookup(server, token, ns, fp, "ci-*")
+        track = Track(fp, result)
+        snap = Snapshot(raw=os.urandom(2_000), counts={}, kernels={}, compile_s=1.0,
+                        tracks=[track])
+        upload(snap, config, NodeCache(tmp_path / "node", 30), track, "holder-1")
+        return track
+
+    untrusted = publish(trainer)  # refused it, is not trusted: leaves it alone
+    assert not untrusted.publish.published
+    assert "not a trusted writer" in untrusted.publish.reason, untrusted.publish
+    assert _provenance(team.reader.get(f"/v1/ac/{m.key}"))["writer"] == f"trainer-w-{ns}"
+    trusted = publish(ci)  # refused it, is trusted: replaces that very version
+    assert trusted.publish.published, trusted.publish
+    after = _lookup(server, trainer, ns, fp, "ci-*")[1]
+    assert after.outcome == "hit" and after.entry is not None
+    assert after.entry.blob("megacache") != m.blob("megacache")
+    provenance = _provenance(team.reader.get(f"/v1/ac/{m.key}"))
+    assert provenance["writer"] == f"ci-main-{ns}" and provenance["replaced"] is True
+
+
+def test_whoami_says_who_the_caller_is(team: Team):
+    me = team.reader.get("/v1/whoami")
+    assert me.status_code == 200
+    assert me.json() == {"name": f"trainer-{team.namespace}", "scopes": ["read"],
+                         "namespace": team.namespace}
+    assert httpx.get(f"{team.server.url}/v1/whoami", timeout=30).status_code == 401
+
+# -- the bit-rot sequence with real clients ----------------------------------------------
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def rotting(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[ServerProcess]:
+    """A server as trainers use it (no auth, default report limits)."""
+    args, env = backend_args(request.param, request)
+    proc = _configured(ServerProcess(tmp_path_factory.mktemp("rot") / "data", *args,
+                                     env=env), request.param, args).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.e2e
+def test_rot_costs_one_process_a_cold_compile_and_the_next_machine_starts_warm(
+        rotting: ServerProcess, tmp_path_factory: pytest.TempPathFactory):
+    """Every stored blob rots. The first new machine warns once, compiles cold and reports
+    the rot; the server quarantines it and the machine's republish replaces the entry; the
+    next new machine starts warm from it. No fsck, no operator."""
+    need("torch", "the sequence loads real bundles into torch")
+    tmp = tmp_path_factory.mktemp("machines")
+    gxx = GxxCounter(tmp / "bin")
+    producer = functions_job(Machine(tmp / "producer"), gxx, rotting.url, "f")
+    assert producer.result["published"], producer.result
+    stored = rotting.blob_names()
+    assert stored
+    for digest in stored:
+        _rot(rotting, digest)
+
+    first = functions_job(Machine(tmp / "first"), gxx, rotting.url, "f")
+    assert first.result["outcome"] == "invalid", first.result
+    assert len(first.warnings()) == 1, first.stderr  # one warning, then a cold compile
+    assert first.gxx_builds > 0 and first.result["counters"]["fxgraph_miss"] > 0
+    assert first.result["reported"] == "quarantined", first.result
+    assert first.result["published"], first.result  # the clean bundle replaces the entry
+    assert first.result["results"] == producer.result["results"]
+
+    second = functions_job(Machine(tmp / "second"), gxx, rotting.url, "f")
+    assert second.result["outcome"] == "hit", second.result
+    assert second.gxx_builds == 0 and second.warnings() == [], second.stderr
+    assert second.result["counters"]["fxgraph_miss"] == 0, second.result
+    assert second.result["results"] == producer.result["results"]
+
+    records = httpx.get(f"{rotting.url}/v1/quarantine", timeout=30).json()["quarantined"]
+    assert {r["digest"] for r in records} & set(stored), records

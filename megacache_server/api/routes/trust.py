@@ -6,6 +6,8 @@
 - `POST /v1/ac/{key}/report`: torch could not load this entry's bundle; enough independent
   reports withdraw the entry.
 - `GET /v1/quarantine`: what was taken out of service, why, when and who found it.
+- `GET /v1/whoami`: the caller's token name, scopes and namespace: what a client with a
+  trusted-writers policy checks before it publishes over an entry it refused.
 
 Reading is enough to report (trainers are read-only); what a caller may report on is what it
 may read (404 otherwise, as GET). Rules live in the cache service (`TenantCache.report_*`).
@@ -87,3 +89,18 @@ async def quarantine(cache: Reader,
     records = await cache.quarantines(limit=limit)
     return Response(json.dumps({"quarantined": records}), media_type="application/json")
 
+
+
+WHOAMI_SCHEMA = {"type": "object", "required": ["name", "scopes", "namespace"], "properties": {
+    "name": {"type": "string"}, "scopes": {"type": "array", "items": {"type": "string"}},
+    "namespace": {"type": ["string", "null"]}}}
+
+
+@router.get("/v1/whoami", responses={200: {"description": "the caller as the server knows it",
+                                           "content": {"application/json": {
+                                               "schema": WHOAMI_SCHEMA}}}})
+async def whoami(cache: Reader) -> Response:
+    """Who the caller is: what provenance would record if it wrote an entry now."""
+    p = cache.principal
+    return Response(json.dumps({"name": p.name, "scopes": sorted(p.scopes),
+                                "namespace": p.namespace}), media_type="application/json")
