@@ -11,6 +11,10 @@ from megacache_client.schema import Doc, Match, Range, Schema, Size
 
 Outcome = Literal["hit", "fallback", "miss", "invalid", "error", "inert"]
 OUTCOMES: tuple[Outcome, ...] = ("hit", "fallback", "miss", "invalid", "error", "inert")
+Replay = Literal["full", "partial", "rebuilt"]
+REPLAYS: tuple[Replay, ...] = ("full", "partial", "rebuilt")
+"""Whether a run replayed the entry's artifacts: all of them (torch compiled nothing anew),
+some, or none (`megacache_client.report.replay` says when each)."""
 
 Seconds = Annotated[float, Range(0, 7 * 24 * 3600)]
 """No run compiles, loads or saves more than a week."""
@@ -70,6 +74,11 @@ class Event(Schema):
     rank: Annotated[Annotated[int, Range(0, 10**6)] | None, Doc("this process's rank")] = None
     world_size: Annotated[Annotated[int, Range(1, 10**6)] | None,
                           Doc("ranks in the job attempt")] = None
+    replay: Annotated[Replay | None, Doc(
+        "full: the run loaded an entry and torch compiled nothing anew (FX graph and "
+        "AOTAutograd cache misses 0, some hit); partial: some hits, some misses; rebuilt: "
+        "no cache hit at all. On the process's first event only; none from older "
+        "clients")] = None
     created_at: datetime = dataclasses.field(default_factory=_now)
 
     def validate(self) -> None:

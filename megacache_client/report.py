@@ -16,7 +16,7 @@ from typing import Any
 from megacache_client import precompile, torch_env
 from megacache_client.config import ClientConfig
 from megacache_client.errors import Finding
-from megacache_client.events import Event
+from megacache_client.events import Event, Outcome, Replay
 from megacache_client.job import JobIdentity
 from megacache_client.results import LoadResult, Track
 from megacache_client.start_clock import TimeToStart
@@ -62,9 +62,9 @@ def _event(track: Track, counters: dict[str, int], compile_s: float | None,
     if res.key is None or res.outcome is None:
         return None
     outcome = res.outcome
+    served = precompile.counters()["served"]
     if outcome in ("hit", "fallback") and counters["fxgraph_miss"] > 0 \
-            and counters["fxgraph_hit"] + counters["aot_hit"] == 0 \
-            and precompile.counters()["served"] == 0:
+            and counters["fxgraph_hit"] + counters["aot_hit"] == 0 and served == 0:
         outcome = "inert"
         res.reason = ("bundle loaded but torch found none of its graphs (FX graph, "
                       "AOTAutograd and precompiled Dynamo cache hits = 0)")
@@ -81,9 +81,35 @@ def _event(track: Track, counters: dict[str, int], compile_s: float | None,
         load_s=round(res.seconds, 3), bytes_down=res.bytes_down,
         bytes_up=track.publish.bytes_up, fxgraph_hit=counters["fxgraph_hit"] if first else 0,
         fxgraph_miss=counters["fxgraph_miss"] if first else 0,
+        replay=replay(outcome, counters, served) if first else None,
         published=track.publish.published, **job,
         **(start_fields() if first else {}),
     )
+
+
+def replay(outcome: Outcome, counters: dict[str, int], served: int) -> Replay:
+    """Whether this process replayed the loaded entry's artifacts, from torch's own counters
+    (`torch_env.cache_counters()`) and the calls precompiled Dynamo output served.
+
+    A hit says a bundle loaded, not that torch used all of it: a graph the bundle lacks
+    (another shape, code the producer never ran) is compiled as on a cold start, and the
+    outcome alone hides that. So: `full` when the run loaded an entry and torch compiled
+    nothing anew (no FX graph or AOTAutograd cache miss, at least one hit of those or of
+    precompiled Dynamo); `partial` when it hit some and compiled others; `rebuilt` when no
+    cache hit helped at all (miss, invalid, error, inert, or a hit nothing was found in).
+    On GPU no autotuning is decided anew in a full replay either: the choices Inductor's
+    autotuning made are part of the compiled graph the FX graph cache stores (the kernels'
+    tuned configs travel in the same bundle), so an FX graph hit benchmarks nothing again.
+    A precompiled Dynamo miss alone does not make a replay partial: Dynamo traces again,
+    which compiles nothing when the graphs it traces hit the FX graph and AOTAutograd
+    caches, the lookups counted here. Only the process's first event carries it (the
+    counters are process-wide)."""
+    if outcome not in ("hit", "fallback"):
+        return "rebuilt"
+    hits = counters["fxgraph_hit"] + counters["aot_hit"] + served
+    if hits == 0:
+        return "rebuilt"
+    return "full" if counters["fxgraph_miss"] + counters["aot_miss"] == 0 else "partial"
 
 
 def start_fields(clock: TimeToStart, precompile_note: str) -> dict[str, Any]:

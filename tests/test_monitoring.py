@@ -90,7 +90,8 @@ def test_every_dashboard_query_names_an_exported_series(tmp_path: Path):
                    "megacache_job_time_to_recover_seconds_bucket",
                    "megacache_job_restarts_total", "megacache_compile_saved_seconds_total",
                    "megacache_runs_total", "megacache_http_requests_total",
-                   "megacache_http_request_duration_seconds_bucket", "megacache_store_bytes"):
+                   "megacache_http_request_duration_seconds_bucket", "megacache_store_bytes",
+                   "megacache_replays_total"):
         assert needed in wanted  # what the dashboard is for
     exported = exported_after_traffic(tmp_path)
     assert wanted <= exported, sorted(wanted - exported)

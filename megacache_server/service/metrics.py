@@ -23,6 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from megacache_client.events import REPLAYS
 from megacache_server import __version__
 from megacache_server.errors import Conflict, NotFound
 from megacache_server.service.auth import Principal
@@ -209,7 +210,25 @@ def _model_families(models: list[ModelStats]) -> list[Any]:
         down.add_metric(key, m.bytes_down)
         tts.add_metric(key, m.tts_s)
         tts_n.add_metric(key, m.tts_n)
-    return [runs, saved, spent, down, tts, tts_n, *_job_families(models)]
+    return [runs, saved, spent, down, tts, tts_n, _replay_family(models),
+            *_job_families(models)]
+
+
+def _replay_family(models: list[ModelStats]) -> Any:
+    """Runs by whether they replayed the entry's artifacts (full, partial, rebuilt), per
+    namespace: the per-model split is on the dashboard and in the stats."""
+    replays = CounterMetricFamily("megacache_replays",
+                                  "Client runs by replay of the entry's artifacts: full (no "
+                                  "compile), partial, rebuilt", labels=["namespace", "replay"])
+    per_namespace: dict[str, dict[str, int]] = {}
+    for m in models:
+        sums = per_namespace.setdefault(m.namespace, dict.fromkeys(REPLAYS, 0))
+        for replay, count in m.replays.items():
+            sums[replay] += count
+    for namespace, sums in sorted(per_namespace.items()):
+        for replay in REPLAYS:
+            replays.add_metric([namespace, replay], sums[replay])
+    return replays
 
 
 JOB_HISTOGRAMS = {

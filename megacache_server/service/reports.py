@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from megacache_client.events import REPLAYS
 from megacache_server.store.index import rollups
 from megacache_server.store.index.base import EntryInfo, Index, JobView, ModelStats
 
@@ -125,6 +126,7 @@ def _total(models: list[ModelStats]) -> dict[str, Any]:
             "bytes_down": sum(m.bytes_down for m in models),
             "bytes_up": sum(m.bytes_up for m in models),
             "mean_tts_s": round(sum(m.tts_s for m in models) / tts_n, 3) if tts_n else None,
+            "replays": {r: sum(m.replays[r] for m in models) for r in REPLAYS},
             **_job_figures({name: sum(m.jobs[name] for m in models)
                             for name in rollups.JOB_COUNTERS})}
 

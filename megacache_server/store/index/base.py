@@ -27,7 +27,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from megacache_client.events import OUTCOMES, Event
+from megacache_client.events import OUTCOMES, REPLAYS, Event
 from megacache_server.errors import PreconditionFailed
 from megacache_server.store.index import rollups
 
@@ -121,6 +121,8 @@ class ModelStats:
     jobs: dict[str, float] = field(default_factory=lambda: dict.fromkeys(rollups.JOB_COUNTERS,
                                                                          0.0))
     """Job attempts, restarts and the job histograms (`rollups.JOB_COUNTERS`)."""
+    replays: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REPLAYS, 0))
+    """Runs by `Event.replay` (full, partial, rebuilt); runs that did not say count in none."""
 
     @property
     def attempts(self) -> int:
@@ -161,6 +163,8 @@ class ModelStats:
         self.tts_n += int(counters.get("tts_n", 0))
         for name in rollups.JOB_COUNTERS:
             self.jobs[name] += counters.get(name, 0.0)
+        for replay in REPLAYS:
+            self.replays[replay] += int(counters.get(rollups.replay_counter(replay), 0))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megacache_client.events import OUTCOMES, Event
+from megacache_client.events import OUTCOMES, REPLAYS, Event
 
 BUCKETS = (1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 240.0,
            300.0, 450.0, 600.0, 900.0, 1200.0, 1800.0, 3600.0)
@@ -37,9 +37,18 @@ JOB_COUNTERS = ("attempts", "restarts", *HISTOGRAM_COUNTERS,
 first), the histograms' bucket counts (not cumulative), counts and sums; and the sums of
 the time-to-start split over the runs that reported one (split_n)."""
 
+
+def replay_counter(replay: str) -> str:
+    return f"replay_{replay}"
+
+
+REPLAY_COUNTERS = tuple(replay_counter(r) for r in REPLAYS)
+"""Runs that replayed the entry's artifacts fully, partly, or rebuilt (`Event.replay`); a
+run whose event does not say (an older client, a process's later tracks) counts in none."""
 COUNTERS = ("runs", *OUTCOMES, "compile_s", "saved_s", "bytes_down", "bytes_up", "tts_s",
-            "tts_n", *JOB_COUNTERS)
-"""What every rollup row adds up. Stored as floats: sums of bounded values never overflow."""
+            "tts_n", *JOB_COUNTERS, *REPLAY_COUNTERS)
+"""What every rollup row adds up. Stored as floats: sums of bounded values never overflow.
+Counters added later go last (an older SQLite file gets them as columns in this order)."""
 
 
 def bucket_of(seconds: float) -> int:
@@ -138,6 +147,8 @@ def event_counters(event: Event) -> dict[str, float]:
     counters.update(runs=1.0, compile_s=event.compile_s, saved_s=event.saved_s,
                     bytes_down=float(event.bytes_down), bytes_up=float(event.bytes_up))
     counters[event.outcome] = 1.0
+    if event.replay is not None:
+        counters[replay_counter(event.replay)] = 1.0
     if tts is not None:
         counters.update(tts_s=float(tts), tts_n=1.0)
     parts = {p: getattr(event, f"tts_{p}_s", None) for p in SPLIT}
