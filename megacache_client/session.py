@@ -229,6 +229,8 @@ class Session:
         Uploads only when this run has something a track's loaded entry lacked, only from
         local rank 0, and never overwrites a newer entry (conditional PUT).
         """
+        if self._reporter is not None:  # its verdict decides whether this run replaces
+            self._reporter.join(REPORT_DEADLINE_S)  # the bad entry (usually long done)
         with self._lock:
             if self._publisher is None and self._may_publish():
                 snap = self._snapshot()
@@ -315,8 +317,6 @@ class Session:
                 return None
             self._closed = True
         self.publish(wait=True)
-        if self._reporter is not None:
-            self._reporter.join(REPORT_DEADLINE_S)
         self._forget_precompiled()
         if self.tracks and self._first.load.entry is not None:
             count_toolchain(self.prefetcher, self._first.load, self.config.prefetch_wait_s)
