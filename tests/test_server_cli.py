@@ -129,12 +129,15 @@ def test_own_metrics_dir_removed_and_a_users_dir_kept(tmp_path: Path):
                            env={"PROMETHEUS_MULTIPROC_DIR": str(users)}).start()
     server.stop()
     assert (users / "keep.txt").read_text() == "theirs"
+    strays = set(Path.cwd().glob("counter_*.db"))  # where an empty setting once wrote
     own = ServerProcess(tmp_path / "b", "--workers", "2",
                         env={"PROMETHEUS_MULTIPROC_DIR": ""}).start()
     own_dir = (tmp_path / "b").resolve() / ".metrics" / str(own.port)
     assert own_dir.is_dir()
+    assert httpx.get(f"{own.url}/metrics", timeout=30).status_code == 200
     own.stop()
     assert not own_dir.exists()
+    assert set(Path.cwd().glob("counter_*.db")) == strays
 
 
 def test_log_level_governs_megacache_logs_in_both_formats(tmp_path: Path):
