@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import socket
@@ -19,8 +20,8 @@ from services import LOOPBACK, LocalServer, free_port
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest
 from megacache_client.schema import parse
 
-__all__ = ["LOOPBACK", "ServerProcess", "free_port", "functions_job", "make_fingerprint",
-           "make_manifest", "raw_http", "sha256"]
+__all__ = ["LOOPBACK", "ServerProcess", "SlowLink", "free_port", "functions_job",
+           "make_fingerprint", "make_manifest", "raw_http", "sha256"]
 
 TESTS = Path(__file__).resolve().parent
 
@@ -212,6 +213,52 @@ class ForwardingProxy:
         self.server.server_close()
 
     def __enter__(self) -> ForwardingProxy:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class SlowLink:
+    """A loopback TCP forwarder to a real server whose uplink crawls: what a client sends
+    goes on at `rate` bytes/s, answers come back at full speed. When either side closes,
+    both connections close, as they would when a process on a slow link dies."""
+
+    def __init__(self, upstream_port: int, rate: int) -> None:
+        self.upstream_port, self.rate = upstream_port, rate
+        self.listener = socket.create_server((LOOPBACK, 0))
+        self.url = f"http://{LOOPBACK}:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection((LOOPBACK, self.upstream_port))
+            for src, dst, rate in ((client, upstream, self.rate), (upstream, client, 0)):
+                threading.Thread(target=self._pump, args=(src, dst, rate), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, rate: int) -> None:
+        try:
+            while data := src.recv(16384):
+                dst.sendall(data)
+                if rate:
+                    time.sleep(len(data) / rate)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def __enter__(self) -> SlowLink:
         return self
 
     def __exit__(self, *_: object) -> None:

@@ -1,6 +1,8 @@
 """The job is the unit: every rank of a job attempt gets the same resolution whatever is
-published between their lookups, a restart (a new attempt) resolves afresh, and a cold
-fleet's publishers upload a key's bundle once.
+published between their lookups, a restart (a new attempt) resolves afresh, a cold
+fleet's publishers upload a key's bundle once, a dead claimant's key is taken over when its
+lease runs out, and a publisher that skipped its upload adds what the claimant's entry
+lacks.
 
 Real client processes (the zero-code path's `enable`, real fingerprinting and loading into
 torch), a real server on loopback, real bundles from torch.compile.
@@ -8,15 +10,19 @@ torch), a real server on loopback, real bundles from torch.compile.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from conftest import need
 from helpers import ServerProcess
@@ -71,9 +77,9 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return made
 
 
-def push(server: ServerProcess, bundle: Path, tmp_path: Path) -> None:
+def push(server: ServerProcess, bundle: Path, tmp_path: Path, model: str = MODEL) -> None:
     out = subprocess.run([str(Path(sys.executable).with_name("megacache")), "push", str(bundle),
-                          "--model", MODEL, "--code", CODE, "--url", server.url],
+                          "--model", model, "--code", CODE, "--url", server.url],
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, "MEGACACHE_NODE_CACHE_DIR": str(tmp_path / "push")})
     assert out.returncode == 0, out.stderr
@@ -137,7 +143,8 @@ def test_ranks_agree_when_the_entry_is_replaced_between_their_lookups(server, bu
 
 def test_a_cold_fleet_uploads_the_bundle_once(server, tmp_path):
     """8 publishers of one new key at once, each with its own node cache: one claims and
-    uploads, the others skip with the reason; the entry is there once."""
+    uploads, the others skip with the reason (then find nothing to add); the entry is there
+    once."""
     from megacache_client.config import ClientConfig
     from megacache_client.fingerprint import compute
     from megacache_client.nodecache import NodeCache
@@ -170,5 +177,185 @@ def test_a_cold_fleet_uploads_the_bundle_once(server, tmp_path):
     assert len(uploaded) == 1 and len(published) == 1, [t.publish for t in tracks]
     skipped = [t.publish.reason for t in tracks if not t.publish.published]
     assert len(skipped) == 7 and all("upload skipped" in r for r in skipped), skipped
+    # each waited for the claimant's entry and found its own bytes there: nothing to add
+    assert all(r.endswith("the claimant's entry already has everything this run compiled")
+               for r in skipped), skipped
     with RemoteCache(ClientConfig.from_env({"MEGACACHE_URL": server.url})) as remote:
         assert remote.get_entry(fp.key()) is not None
+
+
+# -- a claimant that dies, and publishers that add what its entry lacks --------------------
+CLAIMANT = textwrap.dedent("""
+    import json, os, sys
+    from megacache_client.config import ClientConfig
+    from megacache_client.manifest import Fingerprint
+    from megacache_client.nodecache import NodeCache
+    from megacache_client.publish import upload
+    from megacache_client.results import LoadResult, Snapshot, Track
+    from megacache_client.schema import parse
+    config = ClientConfig.from_env()
+    track = Track(parse(Fingerprint, json.loads(sys.argv[1])), LoadResult(outcome="miss"))
+    snap = Snapshot(raw=os.urandom(int(sys.argv[2])), counts={}, kernels={}, compile_s=1.0,
+                    tracks=[track])
+    upload(snap, config, NodeCache(config.node_cache_dir, 60), track, sys.argv[3])
+    print(track.publish)
+""")
+
+
+def publisher(url: str, node: Path, **settings: str) -> tuple[Any, Any]:
+    """A publisher's config and node cache, as a node of its own would have them."""
+    from megacache_client.config import ClientConfig
+    from megacache_client.nodecache import NodeCache
+
+    config = ClientConfig.from_env({"MEGACACHE_URL": url, "MEGACACHE_NODE_CACHE_DIR": str(node),
+                                    "MEGACACHE_SHIP_TOOLCHAIN": "0", **settings})
+    return config, NodeCache(config.node_cache_dir, 60)
+
+
+def publish_now(url: str, node: Path, fp: Any, raw: bytes, **settings: str) -> Any:
+    """One publisher of `raw` under `fp` (a first publish: it claims the key); its result."""
+    from megacache_client.publish import claim_holder, upload
+    from megacache_client.results import LoadResult, Snapshot, Track
+
+    config, cache = publisher(url, node, **settings)
+    track = Track(fp, LoadResult(outcome="miss"))
+    snap = Snapshot(raw=raw, counts={}, kernels={}, compile_s=1.0, tracks=[track])
+    upload(snap, config, cache, track, claim_holder())
+    return track.publish
+
+
+def until(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return got
+
+
+def entry_bundle(url: str, key: str, node: Path) -> tuple[Any, bytes]:
+    """The entry at `key` and its bundle's bytes, downloaded and verified as a load does."""
+    from megacache_client.load import read_bundle
+    from megacache_client.transport import RemoteCache
+
+    config, cache = publisher(url, node)
+    with RemoteCache(config) as remote:
+        got = remote.get_entry(key)
+        assert got is not None, f"no entry at {key}"
+        ref = got[0].blob("megacache")
+        path, _ = cache.fetch(ref.digest, ref.size,
+                              functools.partial(remote.download_blob, ref.digest, ref.size))
+    return got[0], read_bundle(ref, path, config.max_raw_bytes)
+
+
+def test_a_dead_claimants_key_is_taken_over_after_its_lease(tmp_path):
+    """kill -9 of the claimant mid-upload: a publisher right after it skips (the claim is
+    live, held by the dead one); one that waits takes the key over when the lease runs
+    out and publishes; its entry loads, and the store holds only what the entry names."""
+    from helpers import SlowLink, make_fingerprint
+
+    lease = 4.0
+    server = ServerProcess(tmp_path / "data").start()
+    try:
+        fp = make_fingerprint(model="fleet-takeover", code="v1")
+        key, holder = fp.key(), "dying-claimant-1"
+        with SlowLink(server.port, rate=2 << 20) as slow:  # 2 MiB/s: a 32 MiB upload crawls
+            env = {k: v for k, v in os.environ.items() if not k.startswith("MEGACACHE_")}
+            claimant = subprocess.Popen(
+                [sys.executable, "-c", CLAIMANT, json.dumps(fp.to_dict()), str(32 << 20),
+                 holder],
+                env={**env, "MEGACACHE_URL": slow.url, "MEGACACHE_CLAIM_LEASE_S": str(lease),
+                     "MEGACACHE_SHIP_TOOLCHAIN": "0",
+                     "MEGACACHE_NODE_CACHE_DIR": str(tmp_path / "dying")},
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            try:
+                until("the claimant's upload to start", server.temp_files, timeout=30)
+                probe = httpx.post(f"{server.url}/v1/ac/{key}/claim",
+                                   json={"holder": "probe", "lease_s": 60})
+                assert probe.status_code == 409, probe.text  # it holds the claim, uploading
+                held = probe.json()["error"]
+                assert held["holder"] == holder and held["remaining_s"] <= lease, held
+            finally:
+                claimant.kill()
+                out, err = claimant.communicate(timeout=30)
+            assert claimant.returncode == -9 and not out, (out, err[-2000:])
+        # its partial upload is dropped as the connection breaks, never stored
+        until("the killed upload's temp file to go", lambda: not server.temp_files())
+        assert server.blob_names() == []
+
+        skipped = publish_now(server.url, tmp_path / "b", fp, os.urandom(1 << 20),
+                              MEGACACHE_PUBLISH_WAIT_S="0")
+        assert time.time() < held["expires_at"], "the lease ran out before the test looked"
+        assert not skipped.published and skipped.bytes_up == 0, skipped
+        assert f"another publisher ({holder}) is publishing this key: upload skipped" \
+            in skipped.reason and "did not appear within publish_wait_s" in skipped.reason
+
+        raw = os.urandom(1 << 20)
+        taker = publish_now(server.url, tmp_path / "c", fp, raw,
+                            MEGACACHE_PUBLISH_WAIT_S="30")
+        assert time.time() >= held["expires_at"]  # it waited for the lease to run out
+        assert taker.published and taker.bytes_up > 0, taker
+        assert taker.reason.startswith(f"the claim of {holder} lapsed with no entry written: "
+                                       "took the key over and published"), taker.reason
+        entry, bundle = entry_bundle(server.url, key, tmp_path / "reader")
+        assert bundle == raw  # the entry loads: its bundle downloads and verifies
+        # nothing left referenced by nothing: the store holds exactly the entry's blobs
+        assert server.temp_files() == []
+        assert server.blob_names() == sorted(b.digest for b in entry.blobs)
+        assert "deleted 0 blobs" in server.cli("gc")
+        assert server.cli("fsck").splitlines()[-1] == "clean"
+        assert server.blob_names() == sorted(b.digest for b in entry.blobs)
+        assert httpx.post(f"{server.url}/v1/ac/{key}/claim",  # the taker let go of the key
+                          json={"holder": "after", "lease_s": 1}).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_skipped_publisher_adds_what_the_claimants_entry_lacks(server, bundles, tmp_path):
+    """B compiled other graphs than the claimant: it skips the upload, waits for the
+    claimant's entry, then adds its graphs to it (uploading only its merged bundle); a
+    publisher whose graphs the entry already has adds nothing."""
+    from megacache_client import torch_env
+    from megacache_client.fingerprint import compute
+
+    model = "fleet-follow"
+    fp = compute(model=model, code=CODE)
+    key = fp.key()
+    claim = httpx.post(f"{server.url}/v1/ac/{key}/claim",
+                       json={"holder": "test-claimant", "lease_s": 120})
+    assert claim.status_code == 200, claim.text
+    v1, v2 = (torch_env.read_artifacts(b.read_bytes()) for b in bundles)
+    keys = [{(kind, k) for kind, ks in torch_env.keys_of(a).items() for k in ks}
+            for a in (v1, v2)]
+    assert keys[0] and keys[1] and not keys[1] <= keys[0]  # the premise: other graphs
+
+    results: list[Any] = []
+    b = threading.Thread(target=lambda: results.append(publish_now(
+        server.url, tmp_path / "b", fp, bundles[1].read_bytes(),
+        MEGACACHE_PUBLISH_WAIT_S="120")))
+    b.start()
+    time.sleep(1.5)  # B looked, found the claim held and no entry: it waits
+    assert b.is_alive() and not results
+    push(server, bundles[0], tmp_path, model=model)  # the claimant writes its entry
+    b.join(timeout=120)
+    assert not b.is_alive()
+    added = results[0]
+    assert added.published and added.bytes_up > 0, added
+    assert "another publisher (test-claimant) is publishing this key: upload skipped; " \
+        "added to the claimant's entry what this run compiled and it lacked: " \
+        f"{len(keys[1] - keys[0])} artifact(s)" in added.reason, added.reason
+    entry, raw = entry_bundle(server.url, key, tmp_path / "reader")
+    merged = torch_env.read_artifacts(raw)
+    assert merged is not None
+    held = {(kind, k) for kind, ks in torch_env.keys_of(merged).items() for k in ks}
+    assert held == keys[0] | keys[1]
+    assert [b.role for b in entry.blobs] == ["megacache"]
+
+    # the claimant's own graphs: nothing to add, the entry is left as it is
+    etag = httpx.get(f"{server.url}/v1/ac/{key}").headers["etag"]
+    again = publish_now(server.url, tmp_path / "c", fp, bundles[0].read_bytes())
+    assert not again.published and again.bytes_up == 0, again
+    assert again.reason == ("another publisher (test-claimant) is publishing this key: upload "
+                            "skipped; the claimant's entry already has everything this run "
+                            "compiled"), again.reason
+    assert httpx.get(f"{server.url}/v1/ac/{key}").headers["etag"] == etag
+    httpx.delete(f"{server.url}/v1/ac/{key}/claim", params={"holder": "test-claimant"})
