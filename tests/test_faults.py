@@ -23,6 +23,8 @@ from conftest import BACKENDS, _configured, backend_args, environment_missing, s
 from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
 from services import LocalRedis, LocalSeaweedS3
 
+pytestmark = pytest.mark.e2e  # crashes and outages of real server processes and their storage
+
 
 def populate(url: str, n: int = 3, size: int = 200_000,
              name: str = "keep") -> list[tuple[bytes, str]]:

@@ -13,6 +13,8 @@ import pytest
 from conftest import _configured, backend_args
 from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
 
+pytestmark = pytest.mark.e2e  # several server processes sharing one Redis and one S3
+
 
 @pytest.fixture
 def replicas(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
