@@ -359,3 +359,77 @@ def test_a_skipped_publisher_adds_what_the_claimants_entry_lacks(server, bundles
                             "compiled"), again.reason
     assert httpx.get(f"{server.url}/v1/ac/{key}").headers["etag"] == etag
     httpx.delete(f"{server.url}/v1/ac/{key}/claim", params={"holder": "test-claimant"})
+
+
+# -- a real two-node torchrun job ---------------------------------------------------------
+
+TWO_NODE_JOB = Path(__file__).resolve().parent / "two_node_job.py"
+
+
+def two_nodes(server: ServerProcess, tmp_path: Path, model: str,
+              between: Callable[[], None]) -> list[dict]:
+    """A real two-node job on loopback: two `torchrun --nnodes 2 --nproc-per-node 2`
+    launches meeting at one c10d rendezvous, gloo, each node with its own node cache and
+    torch caches. Node B's ranks look up only after `between()` ran, which the test calls
+    once both of node A's ranks have looked. Returns the four ranks' results."""
+    from helpers import free_port
+
+    job, port = f"two-nodes-{model}", free_port()
+    results, flag = tmp_path / "results", tmp_path / "node-a-looked"
+    results.mkdir()
+
+    def launch(node: str) -> subprocess.Popen[str]:
+        root = tmp_path / node
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("MEGACACHE_", "TORCHELASTIC_", "SLURM_"))}
+        env.update({"MEGACACHE_URL": server.url, "MEGACACHE_NODE_CACHE_DIR": str(root / "mc"),
+                    "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "OMP_NUM_THREADS": "1",
+                    "JOB_MODEL": model, "JOB_CODE": CODE, "RESULT_DIR": str(results),
+                    "NODE_NAME": node, **({"WAIT_FOR": str(flag)} if node == "b" else {})})
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+             "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
+             "--rdzv-conf", f"is_host={int(node == 'a')}", str(TWO_NODE_JOB)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    nodes = [launch("a"), launch("b")]
+    try:
+        until("node A's ranks to look up", lambda: len([
+            p for p in results.glob("rank*.json")
+            if json.loads(p.read_text())["node"] == "a"]) == 2 or None, timeout=300)
+        between()
+        flag.touch()
+        outs = [n.communicate(timeout=300) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    for n, (_, err) in zip(nodes, outs, strict=True):
+        assert n.returncode == 0, err[-4000:]
+    ranks = [json.loads(p.read_text()) for p in sorted(results.glob("rank*.json"))]
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3], ranks
+    return ranks
+
+
+def test_two_torchrun_nodes_agree_when_an_entry_appears_between_their_lookups(
+        server, bundles, tmp_path):
+    model = "two-nodes-appears"
+    ranks = two_nodes(server, tmp_path, model, lambda: push(server, bundles[0], tmp_path,
+                                                             model=model))
+    assert {(r["outcome"], r["bundle"]) for r in ranks} == {("miss", None)}, ranks
+    assert all("attempt 0" in r["reason"] for r in ranks), ranks
+
+
+def test_two_torchrun_nodes_agree_when_the_entry_is_replaced_between_their_lookups(
+        server, bundles, tmp_path):
+    model = "two-nodes-replaced"
+    push(server, bundles[0], tmp_path, model=model)
+    ranks = two_nodes(server, tmp_path, model, lambda: push(server, bundles[1], tmp_path,
+                                                             model=model))
+    # one answer for the job: the version node A got (an exact hit, or the same entry as a
+    # fallback: torchrun's ranks fingerprint their compile config a little differently from
+    # `megacache push`), never node B's newer one
+    answers = {(r["outcome"], r["bundle"]) for r in ranks}
+    assert len(answers) == 1, ranks
+    answer = answers.pop()
+    assert answer[0] in ("hit", "fallback") and answer[1] == digest_of(bundles[0]), ranks
