@@ -533,12 +533,17 @@ def thrash_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
             for r in rows if r["scenario"] == OTHER_PATH and r.get("then_original_gxx")]
 
 
+SECTION_TITLES = {"compile": "Compile benchmark results",
+                  "compile-eager": "Time to start against eager (compile benchmark)"}
+"""RESULTS.md sections this script writes whose title is not the time-to-start one."""
+
+
 def write_results_md(report: dict[str, Any], chart: Path | None,
                      section: str = "compile") -> None:
     """Regenerate one section of RESULTS.md from one run (other sections stay)."""
     m, rows = report["machine"], report["summary"]
-    title = "Compile benchmark results" if section == "compile" else \
-        "Time to start: precompiled Dynamo and prefetch (compile benchmark)"
+    title = SECTION_TITLES.get(section, "Time to start: precompiled Dynamo and prefetch "
+                                        "(compile benchmark)")
     lines = [
         f"# {title}",
         "",
