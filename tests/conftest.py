@@ -162,6 +162,20 @@ def limited_server(request: pytest.FixtureRequest,
     assert "Traceback" not in proc.log(), proc.log()
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def events_server(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server with auth on and events unthrottled: tenants post many runs in a test."""
+    args, env = backend_args(request.param, request)
+    proc = _configured(ServerProcess(
+        tmp_path_factory.mktemp("events") / "data", *args, "--auth",
+        env={**env, "MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_EVENT_RATE": "1000",
+             "MEGACACHE_EVENT_BURST": "1000"}), request.param, args).start()
+    yield proc
+    proc.stop()
+    assert "Traceback" not in proc.log(), proc.log()
+
+
 @pytest.fixture
 def client(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=30) as c:

@@ -300,3 +300,11 @@ def functions_job(machine: Machine, gxx: GxxCounter, url: str, functions: str,
                        **(env or {})}, gxx=gxx, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return run
+
+
+def token_client(server: ServerProcess, scopes: str, namespace: str = "default"
+                 ) -> httpx.Client:
+    """An HTTP client of `server` holding a new token of `scopes` in `namespace`."""
+    token = server.token(scopes, namespace=namespace, name=f"{namespace}-{scopes}")
+    return httpx.Client(base_url=server.url, timeout=30,
+                        headers={"authorization": f"Bearer {token}"})

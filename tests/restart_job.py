@@ -15,19 +15,9 @@ import os
 from pathlib import Path
 
 import torch
-from torch import nn
+from torchrun_job import TinyNet  # the same model as the other torchrun job
 
 import megacache_client
-
-
-class TinyNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def main() -> None:

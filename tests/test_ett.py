@@ -6,35 +6,14 @@ another's jobs."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import BACKENDS, _configured, backend_args
-from helpers import ServerProcess
+from helpers import ServerProcess, token_client
 from prometheus_client.parser import text_string_to_metric_families
 
 HISTOGRAMS = ("megacache_job_time_to_start_seconds", "megacache_job_time_to_recover_seconds",
               "megacache_job_compile_seconds")
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def ett_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-               ) -> Iterator[ServerProcess]:
-    args, env = backend_args(request.param, request)
-    proc = _configured(ServerProcess(
-        tmp_path_factory.mktemp("ett") / "data", *args, "--auth",
-        env={**env, "MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_EVENT_RATE": "1000",
-             "MEGACACHE_EVENT_BURST": "1000"}), request.param, args).start()
-    yield proc
-    proc.stop()
-    assert "Traceback" not in proc.log(), proc.log()
-
-
-def client(server: ServerProcess, scopes: str, namespace: str = "default") -> httpx.Client:
-    token = server.token(scopes, namespace=namespace, name=f"{namespace}-{scopes}")
-    return httpx.Client(base_url=server.url, timeout=30,
-                        headers={"authorization": f"Bearer {token}"})
 
 
 def event(model: str, **fields: object) -> dict[str, object]:
@@ -63,10 +42,10 @@ def histograms(text: str) -> dict[tuple[str, str, str], dict[str, float]]:
     return out
 
 
-def test_job_attempts_in_metrics_stats_jobs_and_dashboard(ett_server: ServerProcess):
-    team_a = client(ett_server, "read,write", "team-a")
-    team_b = client(ett_server, "read,write", "team-b")
-    prometheus = client(ett_server, "metrics")
+def test_job_attempts_in_metrics_stats_jobs_and_dashboard(events_server: ServerProcess):
+    team_a = token_client(events_server, "read,write", "team-a")
+    team_b = token_client(events_server, "read,write", "team-b")
+    prometheus = token_client(events_server, "metrics")
     # team A: job j1 starts on 4 ranks (slowest 95 s) and recovers twice; job j2 starts
     # warm; one run without a job; team B: one job with the same id
     post_job(team_a, "llm", "j1", 0, [30.0, 95.0, 40.0, 20.0])
@@ -139,8 +118,8 @@ def test_job_attempts_in_metrics_stats_jobs_and_dashboard(ett_server: ServerProc
     {"world_size": 0}, {"job_id": "../etc"}, {"job_id": "x" * 129}, {"job_id": ""},
     {"rank": 5, "world_size": 2}, {"tts_s": 1e300},
 ])
-def test_bad_job_fields_are_refused(ett_server: ServerProcess, bad: dict[str, object]):
-    with client(ett_server, "read,write", "team-c") as c:
+def test_bad_job_fields_are_refused(events_server: ServerProcess, bad: dict[str, object]):
+    with token_client(events_server, "read,write", "team-c") as c:
         good = event("m", job_id="ok-1", attempt=10**6, rank=1, world_size=2, tts_s=1.0)
         assert c.post("/v1/events", json=good).status_code == 202
         body = httpx.Request("POST", "/", json=event("m", **{"job_id": "j", **bad})).content \

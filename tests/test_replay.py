@@ -8,15 +8,13 @@ import asyncio
 import re
 import sqlite3
 import time
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 import pytest
-from conftest import BACKENDS, _configured, backend_args
-from helpers import ServerProcess, make_fingerprint, make_manifest
+from helpers import ServerProcess, make_fingerprint, make_manifest, token_client
 from prometheus_client.parser import text_string_to_metric_families
 
 from megacache_client import precompile, report, torch_env
@@ -124,25 +122,6 @@ def test_an_older_sqlite_index_gains_the_replay_counts(tmp_path: Path):
     assert asyncio.run(read()) == [(2, replays(1, 0, 0))] * 2
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def replay_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-                  ) -> Iterator[ServerProcess]:
-    args, env = backend_args(request.param, request)
-    proc = _configured(ServerProcess(
-        tmp_path_factory.mktemp("replay") / "data", *args, "--auth",
-        env={**env, "MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_EVENT_RATE": "1000",
-             "MEGACACHE_EVENT_BURST": "1000"}), request.param, args).start()
-    yield proc
-    proc.stop()
-    assert "Traceback" not in proc.log(), proc.log()
-
-
-def client(server: ServerProcess, scopes: str, namespace: str = "default") -> httpx.Client:
-    token = server.token(scopes, namespace=namespace, name=f"{namespace}-{scopes}")
-    return httpx.Client(base_url=server.url, timeout=30,
-                        headers={"authorization": f"Bearer {token}"})
-
-
 def post(c: httpx.Client, model: str, outcome: str, replay: str | None, n: int = 1,
          **fields: object) -> None:
     body: dict[str, object] = {"key": "c" * 64, "model": model, "outcome": outcome,
@@ -165,9 +144,9 @@ def replay_samples(text: str) -> dict[tuple[str, str], float]:
             for s in f.samples if s.name == "megacache_replays_total"}
 
 
-def test_replays_in_stats_dashboard_and_metrics(replay_server: ServerProcess):
-    team_a = client(replay_server, "read,write", "replay-a")
-    team_b = client(replay_server, "read,write", "replay-b")
+def test_replays_in_stats_dashboard_and_metrics(events_server: ServerProcess):
+    team_a = token_client(events_server, "read,write", "replay-a")
+    team_b = token_client(events_server, "read,write", "replay-b")
     three_days_ago = (datetime.now(timezone.utc) - timedelta(days=3)).isoformat()
     post(team_a, "llm", "hit", "full", 3)
     post(team_a, "llm", "fallback", "partial")
@@ -200,7 +179,7 @@ def test_replays_in_stats_dashboard_and_metrics(replay_server: ServerProcess):
         {"llm": replays(3, 1, 1), "vit": replays(0, 2, 1)}
 
     # the operator's scrape: every namespace, summed over its models
-    scraped = replay_samples(client(replay_server, "metrics").get("/metrics").text)
+    scraped = replay_samples(token_client(events_server, "metrics").get("/metrics").text)
     assert {k: v for k, v in scraped.items() if k[0].startswith("replay-")} == {
         ("replay-a", "full"): 3, ("replay-a", "partial"): 3, ("replay-a", "rebuilt"): 3,
         ("replay-b", "full"): 5, ("replay-b", "partial"): 0, ("replay-b", "rebuilt"): 0}
