@@ -87,9 +87,11 @@ class Prefetcher:
         """An earlier prefetch of this process (the zero-code hook's, before an explicit
         enable() named the model): this one continues it instead of fetching twice."""
         self.deadline: Deadline = (previous.deadline if previous is not None
-                                   else Deadline(config.load_deadline_s))
-        """The load step's budget, counted from the first enable: a continued prefetch
-        shares it, so a hung server costs the process one deadline, not one per prefetch."""
+                                   and previous.troubled() else Deadline(config.load_deadline_s))
+        """The load step's budget. A prefetch that continues one still running or failed
+        shares its budget, so a hung server costs the process one deadline, not one per
+        prefetch; after one that went well (the trainer may have spent minutes setting up
+        since), it gets its own."""
         self.result = PrefetchResult()
         self._fetched = threading.Event()
         self._done = threading.Event()
@@ -113,6 +115,10 @@ class Prefetcher:
             return self
         self._thread.start()
         return self
+
+    def troubled(self) -> bool:
+        """Still fetching, or it failed: what an earlier prefetch shares its deadline for."""
+        return not self._fetched.is_set() or bool(self.result.error)
 
     def wait(self, timeout: float) -> PrefetchResult | None:
         """The result once the downloads have finished, or None if they are still running."""

@@ -117,7 +117,11 @@ def retrying(attempt: Callable[[], T], *, what: str, retries: int, breaker: Circ
             break
         time.sleep(wait)
     if out_of_time or deadline.expired():
-        breaker.trip()
+        # The server was asked and did not answer in time: mark it down for the node. A
+        # budget spent before the first try (on the trainer's own set-up, say) says nothing
+        # about the server, and must not mark it down for every rank of the node.
+        if last is not None:
+            breaker.trip()
         raise DeadlineExceeded(
             f"{what}: no usable answer within the {deadline.seconds:g}s load deadline "
             f"(last: {_describe(last)}); MEGACACHE_LOAD_DEADLINE_S sets it"

@@ -414,8 +414,14 @@ def two_nodes(server: ServerProcess, tmp_path: Path, model: str,
 def test_two_torchrun_nodes_agree_when_an_entry_appears_between_their_lookups(
         server, bundles, tmp_path):
     model = "two-nodes-appears"
-    ranks = two_nodes(server, tmp_path, model, lambda: push(server, bundles[0], tmp_path,
-                                                             model=model))
+
+    def publish_then_wait() -> None:
+        push(server, bundles[0], tmp_path, model=model)
+        # node B's ranks enabled megacache at `import torch` (zero-code) and look up only
+        # now, longer after it than the 10 s load deadline: as after a long trainer set-up
+        time.sleep(11)
+
+    ranks = two_nodes(server, tmp_path, model, publish_then_wait)
     assert {(r["outcome"], r["bundle"]) for r in ranks} == {("miss", None)}, ranks
     assert all("attempt 0" in r["reason"] for r in ranks), ranks
 

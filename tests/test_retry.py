@@ -125,3 +125,19 @@ def test_hanging_server_is_bounded_by_the_read_timeout():
             assert time.monotonic() - t < 5
     finally:
         listener.close()
+
+
+def test_a_deadline_spent_before_the_first_try_does_not_mark_the_server_down(scripted):
+    """The budget ran out while the trainer was busy (a prefetch continued long after
+    import): nothing was asked, so the server is not marked down for the node's ranks."""
+    cfg = ClientConfig(url=scripted.url, retries=2)  # type: ignore[attr-defined]
+    scripted.script.append((404, {}, b"{}"))
+    breaker = CircuitBreaker()
+    spent = Deadline(0.01)
+    time.sleep(0.05)
+    with RemoteCache(cfg, breaker, spent) as remote, \
+            pytest.raises(TransportError, match="no attempt made"):
+        remote.get_entry("0" * 64)
+    assert not breaker.is_open
+    with RemoteCache(cfg, breaker, Deadline(10)) as remote:  # the next step asks, and is heard
+        assert remote.get_entry("0" * 64) is None
