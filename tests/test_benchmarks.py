@@ -120,3 +120,18 @@ def test_fleet_bench_quick_agrees_and_uploads_once(tmp_path: Path):
     assert [g["met"] for g in result["goals"]][:3] == [True, True, True]
     assert out.with_suffix(".png").stat().st_size > 0
     assert "replica MB/node" in run.stdout  # the table
+
+
+def test_scrub_bench_quick_measures_both_phases(tmp_path: Path):
+    out = tmp_path / "scrub.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scrub_bench.py"),
+                          "--quick", "--out", str(out)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {r["scrub"]: r for r in result["rows"]}
+    assert set(rows) == {"off", "on"}
+    for row in rows.values():
+        assert row["lookups"] == 200 and 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
+        assert all(v is not None for v in row["oldest_unverified_s"]), row
+    assert result["p99_ratio"] > 0 and "p99 with the scrub on / off" in run.stdout
