@@ -118,6 +118,11 @@ def node_main(spec_path: Path) -> int:
 
         torch_env.torch_module()
         relocate.build_facts()
+        # a trainer's torch.compile imports Inductor on its main thread before the load;
+        # here the load runs in rank threads, so import what it needs here first
+        from torch.compiler._cache import CacheArtifactManager
+
+        CacheArtifactManager._ensure_cache_artifacts_registered()
     else:
         _stand_in_for_torch(spec["producer"])
     from megacache_client.config import ClientConfig
