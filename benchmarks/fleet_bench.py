@@ -176,11 +176,6 @@ def _stand_in_for_torch(producer: dict[str, Any]) -> None:
     vec_isa.probe_in_background = lambda: None  # type: ignore[assignment]  # torch's probe
 
 
-TORCH_LOAD = threading.Lock()
-"""A real node's ranks are processes, each with its own torch; here they are threads
-sharing one, and torch's first load imports Inductor: two threads importing it at once
-can meet a half-initialised module (torch then refuses the bundle). One load at a time."""
-
 
 def _rank(spec: dict[str, Any], fp: Any, raw: bytes, job: Any, config: Any,
           record: dict[str, Any], go: float, out_lock: threading.Lock) -> None:
@@ -227,8 +222,7 @@ def _rank(spec: dict[str, Any], fp: Any, raw: bytes, job: Any, config: Any,
     record["blob_bytes"] = by
     if spec["torch"] and paths:  # the torch-loading node: the bundle into torch too
         started = time.monotonic()
-        with TORCH_LOAD:
-            load.load_bundle(result.entry, paths, result, cap)
+        load.load_bundle(result.entry, paths, result, cap)
         record["torch_loaded_keys"] = len(result.loaded_keys)
         record["torch_load_s"] = round(time.monotonic() - started, 3)
 

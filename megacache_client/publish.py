@@ -391,10 +391,11 @@ def _add_lacking(f: _Follow, track: Track, other: str, entry: Manifest, etag: st
         return True
     extra = _extra_blobs(f, entry, kernels)
     artifacts = torch_env.merged(theirs, new) if any(new.values()) else None
-    bundle = _merged_bundle(f.node, ref, theirs, artifacts) if artifacts is not None else ref
-    blobs = [bundle, *(b for b in entry.blobs if b.role != "megacache"), *extra]
     counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()} \
         if artifacts is not None else dict(entry.artifact_counts)
+    bundle = _merged_bundle(f.node, ref, theirs, artifacts, counts) \
+        if artifacts is not None else ref
+    blobs = [bundle, *(b for b in entry.blobs if b.role != "megacache"), *extra]
     ours = [b for b in (bundle, *extra) if b is not ref]
     sent = upload_blobs(f.remote, f.node, ours)
     res.bytes_up += sent
@@ -438,10 +439,9 @@ def _lacking(theirs: torch_env.Artifacts, ours: torch_env.Artifacts) -> torch_en
 
 
 def _merged_bundle(node: NodeCache, ref: BlobRef, theirs: torch_env.Artifacts,
-                   artifacts: torch_env.Artifacts) -> BlobRef:
-    """The merged artifacts as a bundle blob; its precompile meta is the claimant's when
-    the precompiled entries are theirs (`_lacking`), else this process's."""
-    counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()}
+                   artifacts: torch_env.Artifacts, counts: dict[str, int]) -> BlobRef:
+    """The merged artifacts (`counts` of each type) as a bundle blob; its precompile meta
+    is the claimant's when the precompiled entries are theirs (`_lacking`), else ours."""
     meta = dict(ref.meta) if theirs.get(precompile.ARTIFACT_TYPE) \
         else precompile.producer_meta(counts)
     return bundle_blob(node, torch_env.to_bytes(artifacts), meta)

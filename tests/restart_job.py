@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import torch
-from torchrun_job import TinyNet  # the same model as the other torchrun job
+from torchrun_job import TinyNet, train_step  # the same model as the other torchrun job
 
 import megacache_client
 
@@ -28,11 +28,7 @@ def main() -> None:
     compiled = torch.compile(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 10 + step))
-        loss = compiled(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        train_step(compiled, opt, rank, step)
         if step == 0:
             lr = session.load_result
             result = {"rank": rank, "attempt": attempt, "key": lr.key, "outcome": lr.outcome,

@@ -28,6 +28,15 @@ class TinyNet(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+def train_step(compiled: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
+    """One step on this rank's own batch (seeded by rank and step: reruns see the same)."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 10 + step))
+    loss = compiled(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def main() -> None:
     session = megacache_client.enable()
     dist.init_process_group("gloo")
@@ -37,11 +46,7 @@ def main() -> None:
     compiled = torch.compile(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 10 + step))
-        loss = compiled(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        train_step(compiled, opt, rank, step)
     dist.barrier()
     session.close()
     lr, pr = session.load_result, session.publish_result
