@@ -16,6 +16,10 @@ grows: the next size adds to the last), then measured:
   `megacache-server fsck` (no --verify), each in its own process;
 - bytes on disk per entry: index and blobs.
 
+Before the first size is timed, `--jobs` jobs (default 1,000) report through POST /v1/events
+as their ranks would, a quarter of them with a restart, so the job views of the dashboard
+read the history of a busy fleet (they stay for the larger sizes).
+
 How the store is filled (not through HTTP: a million PUTs would measure the fill, not the
 store): every entry is a real, valid manifest naming its own 1 KiB blob (random bytes,
 addressed by their sha256), 200 models x 5 env variants, plus 10 client events per entry
@@ -549,6 +553,41 @@ def post_event(client: httpx.Client, entry: Entry, n: int) -> None:
         raise RuntimeError(f"POST /v1/events: {r.status_code} {r.text[:300]}")
 
 
+JOB_RANKS, RESTART_EVERY = 4, 4
+"""Each seeded job's ranks, and every how many jobs one crashed and ran a second attempt."""
+
+
+def job_events(job: int, entry: Entry) -> list[str]:
+    """Job `job`'s rank reports: attempt 0, and attempt 1 for every RESTART_EVERY-th job."""
+    attempts = 2 if job % RESTART_EVERY == 0 else 1
+    template = TEMPLATES[job % len(TEMPLATES)].to_dict()
+    template.update(key=entry.key, model=entry.model, tts_s=30.0 + job % 17)
+    return [json.dumps({**template, "job_id": f"scale-job-{job:06d}", "attempt": attempt,
+                        "rank": rank, "world_size": JOB_RANKS})
+            for attempt in range(attempts) for rank in range(JOB_RANKS)]
+
+
+def seed_jobs(server: LocalServer, sample: list[Entry], first: int, count: int) -> float:
+    """Give the store `count` more jobs of history, through the server's own event route
+    (as ranks report them), so the dashboard's and /v1/jobs' job views read a history of
+    the size a busy fleet keeps; the seconds it took."""
+    t = time.perf_counter()
+    reports = [raw for job in range(first, first + count)
+               for raw in job_events(job, sample[job % len(sample)])]
+
+    def post(chunk: list[str]) -> None:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            for raw in chunk:
+                r = client.post("/v1/events", content=raw,
+                                headers={"content-type": "application/json"})
+                if r.status_code != 202:
+                    raise RuntimeError(f"POST /v1/events: {r.status_code} {r.text[:300]}")
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(post, [reports[i::4] for i in range(4)]))
+    return time.perf_counter() - t
+
+
 def route_call(client: httpx.Client, method: str, url: Callable[[Entry], str],
                rng: random.Random, sample: list[Entry], i: int, reporting: bool) -> float:
     """One timed call of a route on a random entry, after an untimed event if `reporting`."""
@@ -743,6 +782,7 @@ class Args:
     out: Path
     chart: Path | None
     write_results: bool
+    jobs: int = 0
     from_json: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -751,7 +791,7 @@ def run_backend(kind: str, args: Args, root: Path) -> list[dict[str, Any]]:
     backend: Backend = SqliteFs(root) if kind == "sqlite+fs" else RedisS3(root)
     rows = []
     t0 = time.time() - 30 * 86400
-    filled, alive = 0, 0
+    filled, alive, seeded = 0, 0, 0
     try:
         for size in args.sizes:
             if kind == "redis+s3" and size > args.redis_max:
@@ -785,6 +825,12 @@ def run_backend(kind: str, args: Args, root: Path) -> list[dict[str, Any]]:
             row["fsck"] = cli(backend, "fsck")
             log(f"{kind} {size}: fsck {row['fsck']}")
             with LocalServer(backend.data_dir, "--workers", "1", env=backend.env()) as server:
+                if seeded < args.jobs:
+                    took = seed_jobs(server, sample, seeded, args.jobs - seeded)
+                    log(f"{kind} {size}: {args.jobs - seeded} jobs of history reported "
+                        f"in {took:.0f}s")
+                    seeded = args.jobs
+                row["jobs"] = seeded
                 row["latency"] = latencies(server, sample, args.n_fast, args.n_slow)
                 log(f"{kind} {size}: latency {json.dumps(row['latency'])}")
                 row["concurrent"] = concurrent(server, sample, args.repeats)
@@ -892,6 +938,15 @@ def chart(rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+def _jobs_line(rows: list[dict[str, Any]]) -> str:
+    jobs = max((r.get("jobs", 0) for r in rows), default=0)
+    if not jobs:
+        return "no job history"
+    return (f"{jobs:,} jobs of history before the routes are timed ({JOB_RANKS} ranks "
+            f"each, 1 in {RESTART_EVERY} with a second attempt, reported through "
+            "POST /v1/events)")
+
+
 def markdown(result: dict[str, Any], command: str) -> str:
     m = result["machine"]
     missed = result["goals_missed"]
@@ -905,7 +960,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
         "- fill: bulk, through the storage layer (SQLite rows in bulk transactions and blob "
         "files written in place; Redis through the index's own bulk_load, blobs put "
         "straight into SeaweedFS); each entry a valid manifest with its own 1 KiB blob, "
-        "200 models x 5 env variants, 10 events per entry over 13 days",
+        "200 models x 5 env variants, 10 events per entry over 13 days; "
+        f"{_jobs_line(result['rows'])}",
         "- server: one worker; latencies from one client, requests in turn "
         f"({result['n_fast']} per lookup route, {result['n_slow']} per stats/metrics/"
         "dashboard); GC evicts 10% (budget 90% of stored, low water 1.0) in the server's "
@@ -950,6 +1006,9 @@ def parse(argv: list[str] | None = None) -> Args:
     p.add_argument("--redis-max", type=int, default=1_000_000,
                    help="largest size filled on redis+s3 (its fill is slower)")
     p.add_argument("--quick", action="store_true", help="2k entries, few samples")
+    p.add_argument("--jobs", type=int, default=1000,
+                   help="jobs of history the store holds (reported by their ranks, 1 in "
+                        f"{RESTART_EVERY} with a restart) before the routes are timed")
     p.add_argument("--workdir", type=Path, help="keep the stores here (default: a temp dir)")
     p.add_argument("--out", type=Path, default=RESULTS / "scale.json")
     p.add_argument("--from-json", type=Path, nargs="+",
@@ -964,7 +1023,8 @@ def parse(argv: list[str] | None = None) -> Args:
                 n_fast=100 if a.quick else 500, n_slow=20 if a.quick else 50,
                 repeats=3 if a.quick else 10, workdir=a.workdir, out=a.out,
                 chart=RESULTS / "scale.png" if a.write_results else a.out.with_suffix(".png"),
-                write_results=a.write_results, from_json=a.from_json or [], notes=a.note)
+                write_results=a.write_results, jobs=min(20, a.jobs) if a.quick else a.jobs,
+                from_json=a.from_json or [], notes=a.note)
 
 
 def main(argv: list[str] | None = None) -> int:

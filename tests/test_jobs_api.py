@@ -159,8 +159,12 @@ def test_gc_keeps_the_blobs_of_a_live_resolution(fleet: ServerProcess):
     with as_team(fleet) as c:
         old, new, stray = os.urandom(3000), os.urandom(3000), os.urandom(3000)
         v1 = publish(c, "gc-held", old)
-        # long enough for two `gc` runs (each a new process) on a loaded 2-core machine
-        assert resolve(c, v1.key, "job-gc", ttl_s=15).status_code == 200
+        # the hold must outlive a `gc` run (a new process): three times what one takes on
+        # this machine now, however loaded it is
+        t = time.monotonic()
+        fleet.cli("gc")
+        ttl_s = 3 * (time.monotonic() - t) + 1
+        assert resolve(c, v1.key, "job-gc", ttl_s=ttl_s).status_code == 200
         publish(c, "gc-held", new)  # replaces v1: `old` is named by no entry now
         c.put(f"/v1/cas/{sha256(stray)}", content=stray)  # named by nothing, held by nothing
         out = fleet.cli("gc")
@@ -168,7 +172,7 @@ def test_gc_keeps_the_blobs_of_a_live_resolution(fleet: ServerProcess):
         stored = fleet.blob_names()
         assert sha256(old) in stored and sha256(stray) not in stored
         # every rank of the job still downloads what it was given
-        r = resolve(c, v1.key, "job-gc", ttl_s=15)
+        r = resolve(c, v1.key, "job-gc", ttl_s=ttl_s)
         assert r.status_code == 200 and r.json()["blobs"][0]["digest"] == sha256(old)
         assert c.get(f"/v1/cas/{sha256(old)}").content == old
         # the job is gone: no rank asked for longer than its resolution lives

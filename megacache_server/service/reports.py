@@ -8,7 +8,7 @@ so a report costs the same whatever the history. A new dashboard tile is a field
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 from megacache_client.events import REPLAYS
@@ -83,9 +83,11 @@ async def dashboard(index: Index, *, scope: str | None, budget: int | None,
 
 
 def _model_row(m: ModelStats) -> dict[str, Any]:
-    row = asdict(m)
-    del row["jobs"]
-    row.update(hit_rate=round(m.hit_rate, 4), compile_s=round(m.compile_s, 3),
+    # fields read one level deep, not `asdict`: it would deep-copy the ~90 job counters of
+    # every model (up to MAX_MODELS rows per report) only for them to be dropped
+    row = {f.name: getattr(m, f.name) for f in fields(m) if f.name != "jobs"}
+    row.update(outcomes=dict(m.outcomes), replays=dict(m.replays),
+               hit_rate=round(m.hit_rate, 4), compile_s=round(m.compile_s, 3),
                saved_s=round(m.saved_s, 3), mean_tts_s=_round(m.mean_tts_s))
     row.update(_job_figures(m.jobs))
     return row
@@ -95,14 +97,12 @@ def _job_figures(jobs: dict[str, float]) -> dict[str, Any]:
     """Per job attempt (its slowest rank): time to start and to recover, median and p90,
     interpolated within the histogram buckets (rollups.BUCKETS) as Prometheus's
     histogram_quantile does; restarts; compile seconds on the critical path per attempt."""
-    def buckets(h: str) -> list[float]:
-        return [jobs[rollups.bucket_counter(h, i)] for i in range(len(rollups.BUCKETS) + 1)]
-
     out: dict[str, Any] = {"attempts": int(jobs["attempts"]), "restarts": int(jobs["restarts"])}
     for h, name in (("start", "tts"), ("recover", "ttr")):
         out[f"{name}_n"] = int(jobs[f"{h}_count"])
-        out[f"{name}_p50_s"] = _round(rollups.quantile(buckets(h), 0.5))
-        out[f"{name}_p90_s"] = _round(rollups.quantile(buckets(h), 0.9))
+        counts = rollups.bucket_counts(jobs, h)
+        out[f"{name}_p50_s"] = _round(rollups.quantile(counts, 0.5))
+        out[f"{name}_p90_s"] = _round(rollups.quantile(counts, 0.9))
     n = jobs["compile_count"]
     out["compile_per_job_s"] = round(jobs["compile_sum"] / n, 3) if n else None
     split_n = jobs["split_n"]

@@ -134,8 +134,7 @@ class ModelStats:
 
     def buckets(self, histogram: str) -> list[float]:
         """A job histogram's bucket counts, not cumulative; the last is +Inf's."""
-        return [self.jobs[rollups.bucket_counter(histogram, i)]
-                for i in range(len(rollups.BUCKETS) + 1)]
+        return rollups.bucket_counts(self.jobs, histogram)
 
     def quantile(self, histogram: str, q: float) -> float | None:
         return rollups.quantile(self.buckets(histogram), q)
@@ -161,8 +160,9 @@ class ModelStats:
         self.bytes_up += int(counters.get("bytes_up", 0))
         self.tts_s += counters.get("tts_s", 0.0)
         self.tts_n += int(counters.get("tts_n", 0))
+        jobs = self.jobs
         for name in rollups.JOB_COUNTERS:
-            self.jobs[name] += counters.get(name, 0.0)
+            jobs[name] += counters.get(name, 0.0)
         for replay in REPLAYS:
             self.replays[replay] += int(counters.get(rollups.replay_counter(replay), 0))
 

@@ -8,6 +8,7 @@ the hourly ones. What a tenant can invent (model names, reasons) is bounded per 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from megacache_client.events import OUTCOMES, REPLAYS, Event
@@ -25,10 +26,16 @@ def bucket_counter(histogram: str, index: int) -> str:
     return f"{histogram}_b{index:02d}"
 
 
-HISTOGRAM_COUNTERS = tuple(
-    name for h in HISTOGRAMS
-    for name in (*(bucket_counter(h, i) for i in range(len(BUCKETS) + 1)), f"{h}_count",
-                 f"{h}_sum"))
+BUCKET_COUNTERS = {h: tuple(bucket_counter(h, i) for i in range(len(BUCKETS) + 1))
+                   for h in HISTOGRAMS}
+"""Each histogram's bucket counter names, the +Inf bucket's last."""
+HISTOGRAM_COUNTERS = tuple(name for h in HISTOGRAMS
+                           for name in (*BUCKET_COUNTERS[h], f"{h}_count", f"{h}_sum"))
+
+
+def bucket_counts(counters: Mapping[str, float], histogram: str) -> list[float]:
+    """A histogram's bucket counts (not cumulative, +Inf's last) out of summed counters."""
+    return [counters[name] for name in BUCKET_COUNTERS[histogram]]
 SPLIT = ("import", "fetch", "load", "compile", "rest")
 """The parts of a run's time to start clients report (`Event.tts_{part}_s`)."""
 JOB_COUNTERS = ("attempts", "restarts", *HISTOGRAM_COUNTERS,
