@@ -180,8 +180,9 @@ def _stand_in_for_torch(producer: dict[str, Any]) -> None:
 def _rank(spec: dict[str, Any], fp: Any, raw: bytes, job: Any, config: Any,
           record: dict[str, Any], go: float, out_lock: threading.Lock) -> None:
     from megacache_client import load
+    from megacache_client.claims import claim_holder
     from megacache_client.nodecache import NodeCache
-    from megacache_client.publish import claim_holder, upload
+    from megacache_client.publish import upload
     from megacache_client.results import LoadResult, Snapshot, Track
     from megacache_client.transport import RemoteCache
 

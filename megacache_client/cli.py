@@ -120,7 +120,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_push(args: argparse.Namespace) -> int:
     from megacache_client.fingerprint import compute
-    from megacache_client.publish import build_manifest, bundle_blob, upload_blobs
+    from megacache_client.shipping import build_manifest, bundle_blob, upload_blobs
 
     config = _config(args, model=args.model, code=args.code)
     node = NodeCache(config.node_cache_dir, config.lock_timeout_s)

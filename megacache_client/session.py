@@ -5,8 +5,9 @@ may hurt the trainer. Any failure is caught, logged as one clear warning, and th
 compiles cold; only `mode="required"` turns a failure into an exception. The load step has a
 total deadline (`load_deadline_s`), so a server that accepts connections and never answers
 costs seconds, not minutes. What each step does lives beside it: `load.py` (find, fetch,
-place, load into torch), `publish.py` (snapshot, pack, upload, write the entries) and
-`report.py` (the events); they raise, and the session decides what a failure costs.
+place, load into torch), `publish.py` (snapshot, claim, upload, write the entries; with
+`shipping.py` and `claims.py`) and `report.py` (the events); they raise, and the session
+decides what a failure costs.
 
 A process may compile several things (a model and its loss, a trainer and its EMA copy):
 each distinct fingerprint is a `Track` with its own entry, load and publish. Torch keeps one
@@ -24,6 +25,7 @@ import time
 from typing import Any
 
 from megacache_client import precompile, start_clock, torch_env
+from megacache_client.claims import claim_holder
 from megacache_client.config import ClientConfig
 from megacache_client.events import Event, Outcome
 from megacache_client.fingerprint import compute as compute_fingerprint
@@ -43,7 +45,7 @@ from megacache_client.manifest import Fingerprint
 from megacache_client.nodecache import NodeCache
 from megacache_client.packs import PackError
 from megacache_client.prefetch import Prefetcher
-from megacache_client.publish import claim_holder, save_for_shipping, snapshot, upload
+from megacache_client.publish import save_for_shipping, snapshot, upload
 from megacache_client.report import REPORT_DEADLINE_S, post_events, send_finding, start_fields
 from megacache_client.report import events as track_events
 from megacache_client.results import LoadResult, MegacacheError, PublishResult, Snapshot, Track

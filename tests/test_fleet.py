@@ -145,10 +145,11 @@ def test_a_cold_fleet_uploads_the_bundle_once(server, tmp_path):
     """8 publishers of one new key at once, each with its own node cache: one claims and
     uploads, the others skip with the reason (then find nothing to add); the entry is there
     once."""
+    from megacache_client.claims import claim_holder
     from megacache_client.config import ClientConfig
     from megacache_client.fingerprint import compute
     from megacache_client.nodecache import NodeCache
-    from megacache_client.publish import claim_holder, upload
+    from megacache_client.publish import upload
     from megacache_client.results import LoadResult, Snapshot, Track
     from megacache_client.transport import RemoteCache
 
@@ -214,7 +215,8 @@ def publisher(url: str, node: Path, **settings: str) -> tuple[Any, Any]:
 
 def publish_now(url: str, node: Path, fp: Any, raw: bytes, **settings: str) -> Any:
     """One publisher of `raw` under `fp` (a first publish: it claims the key); its result."""
-    from megacache_client.publish import claim_holder, upload
+    from megacache_client.claims import claim_holder
+    from megacache_client.publish import upload
     from megacache_client.results import LoadResult, Snapshot, Track
 
     config, cache = publisher(url, node, **settings)

@@ -1,0 +1,154 @@
+"""The blobs a publish ships and the entries that name them.
+
+A bundle, a kernels pack and a toolchain pack are written to the node cache first (the
+upload streams from disk, and a later run on this node finds them there), uploaded when the
+server lacks them, then named by one entry per fingerprint. `bundle_blob`, `build_manifest`
+and `upload_blobs` also serve `megacache push`, which ships a bundle made elsewhere without
+a session.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+from megacache_client import precompile, relocate, torch_env
+from megacache_client._version import __version__
+from megacache_client.config import ClientConfig
+from megacache_client.load import TOOLCHAIN_SUFFIXES
+from megacache_client.manifest import BlobRef, Fingerprint, Manifest, sha256_file, sha256_hex
+from megacache_client.nodecache import NodeCache
+from megacache_client.packs import compress_bytes, write_pack
+from megacache_client.results import Snapshot, Track
+from megacache_client.transport import Progress, RemoteCache
+
+log = logging.getLogger("megacache")
+
+
+def upload_and_write(remote: RemoteCache, snap: Snapshot, config: ClientConfig,
+                      node: NodeCache, first: Track) -> None:
+    blobs = [bundle_blob(node, snap.raw, precompile.producer_meta(snap.counts))]
+    if config.ship_kernels and snap.kernels:
+        blobs.append(pack_blob(node, "kernels", snap.kernels,
+                                relocate.recorder().ids_for(snap.kernels)))
+    if config.ship_toolchain:
+        toolchain = toolchain_blob(remote, node, first)
+        if toolchain is not None:
+            blobs.append(toolchain)
+    snap.tracks[0].publish.bytes_up += upload_blobs(remote, node, blobs)
+    for track in snap.tracks:
+        _put_entry(remote, track, blobs, snap)
+
+
+def _put_entry(remote: RemoteCache, track: Track, blobs: list[BlobRef], snap: Snapshot
+               ) -> None:
+    res, load = track.publish, track.load
+    manifest = build_manifest(track.fp, blobs, snap.counts, snap.compile_s, load.entry)
+    # a republish replaces the version it loaded; a trusted writer, the one it refused
+    replaced = load.etag if load.outcome == "hit" and load.etag else load.untrusted_etag
+    etag = remote.put_entry(manifest, if_match=replaced or None,
+                            if_none_match=None if replaced else "*")
+    res.key = manifest.key
+    if etag is None:
+        res.reason = "another producer published this key first"
+    else:
+        res.published, res.reason = True, f"published {len(blobs)} blob(s)"
+        log.info("megacache: published %s for %s (%d bytes uploaded)", manifest.key[:12],
+                 track.fp.model, res.bytes_up)
+
+
+
+def bundle_blob(node: NodeCache, raw: bytes, meta: dict[str, str] | None = None) -> BlobRef:
+    """The Mega-Cache bundle `raw` compressed into the node cache, as the blob to upload."""
+    data = compress_bytes(raw)
+    digest = sha256_hex(data)
+    tmp = node.blob_dir / f".{uuid.uuid4().hex}.new"
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_bytes(data)
+    node.add(digest, tmp)
+    return BlobRef(digest=digest, size=len(data), role="megacache", compression="zstd",
+                   raw_size=len(raw), raw_sha256=sha256_hex(raw), meta=meta or {})
+
+
+def pack_blob(node: NodeCache, role: str, files: dict[str, Path], ids: dict[str, str],
+               contents: str | None = None) -> BlobRef:
+    """A pack of compiled files with its identity index; its meta says what build made
+    it (the consumer's check), never where torch was installed."""
+    tmp = node.blob_dir / f".{uuid.uuid4().hex}.new"
+    raw_size, size = write_pack(files.items(), tmp, index=relocate.index_bytes(ids))
+    digest = sha256_file(tmp)
+    node.add(digest, tmp)
+    meta = {**relocate.build_meta(), "files": str(len(files))}
+    if contents is not None:
+        meta["contents"] = contents
+    return BlobRef(digest=digest, size=size, role=role, compression="zstd",
+                   raw_size=raw_size, meta=meta)
+
+
+def toolchain_blob(remote: RemoteCache, node: NodeCache, first: Track) -> BlobRef | None:
+    """The precompiled header pack, reusing one already stored when it holds our files.
+
+    The header is model-independent but g++ does not write it byte-identically twice, so
+    content addressing alone would store a new ~21 MB copy per cold producer. Its
+    path-free content (identities of header text + flags) is recorded in the blob's
+    meta: a stored pack with the same contents and build facts is the same toolchain,
+    wherever its producer's torch was installed.
+    """
+    files = find_files(torch_env.header_dir(), TOOLCHAIN_SUFFIXES, exclude=("locks",))
+    if not files:
+        return None
+    ids = relocate.recorder().ids_for(files)
+    files = relocate.dedupe(files, ids)
+    contents = sha256_hex(",".join(sorted(relocate.content_ids(files, ids))).encode())
+    loaded = [first.load.entry] if first.load.entry is not None else []
+    try:
+        stored = remote.list_entries(env=first.fp.env, hw=first.fp.hw, limit=20)
+    except Exception:
+        stored = []
+    for entry in loaded + stored:
+        blob = entry.blob("toolchain")
+        if blob is not None and blob.meta.get("contents") == contents \
+                and not relocate.refusal(blob.meta):
+            return blob
+    return pack_blob(node, "toolchain", files, ids, contents=contents)
+
+
+def build_manifest(fp: Fingerprint, blobs: list[BlobRef], counts: dict[str, int],
+                   compile_s: float, loaded: Manifest | None = None) -> Manifest:
+    """cold_compile_s stays the cold time: a partly warm run only raises it, never lowers."""
+    cold = compile_s if loaded is None else max(compile_s, loaded.cold_compile_s)
+    return Manifest(
+        key=fp.key(), blobs=blobs, fingerprint=fp,
+        torch_version=torch_env.torch_version(), triton_version=torch_env.triton_version(),
+        artifact_counts=counts, cold_compile_s=round(cold, 3),
+        created_at=datetime.now(timezone.utc),
+        producer={"client": f"megacache {__version__}", "rank": os.environ.get("RANK", "0")},
+    )
+
+
+def upload_blobs(remote: RemoteCache, node: NodeCache, blobs: list[BlobRef],
+                 progress: Progress | None = None) -> int:
+    """Upload the blobs the server lacks (HEAD before PUT); returns the bytes sent."""
+    sent = 0
+    for blob in blobs:
+        if not remote.has_blob(blob.digest):
+            remote.upload_blob(node.path(blob.digest), blob.digest, progress)
+            sent += blob.size
+    return sent
+
+
+def find_files(root: Path, suffixes: tuple[str, ...], exclude: tuple[str, ...]) -> dict[str, Path]:
+    if not root.is_dir():
+        return {}
+    found = {}
+    for path in root.rglob("*"):
+        rel = path.relative_to(root)
+        if rel.parts[0] in exclude or not path.is_file() or path.name.startswith("."):
+            continue
+        if path.name.endswith(suffixes):
+            found[rel.as_posix()] = path
+    return found
+
