@@ -12,11 +12,15 @@ thread, so a blob fetched early and one fetched by the load are checked and unpa
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from filelock import FileLock, Timeout
 
 from megacache_client import precompile, relocate, torch_env, vec_isa
 from megacache_client.config import ClientConfig
@@ -25,7 +29,7 @@ from megacache_client.fingerprint import COMPONENTS, describe, differing
 from megacache_client.job import RESOLUTION_TTL_S, JobIdentity
 from megacache_client.manifest import BlobRef, Fingerprint, Manifest, component_digest
 from megacache_client.nodecache import NodeCache
-from megacache_client.packs import PackError, decompress_bytes, read_index, unpack
+from megacache_client.packs import PackError, decompress_bytes, read_index, safe_name, unpack
 from megacache_client.results import LoadResult
 from megacache_client.transport import (
     CircuitOpenError,
@@ -238,9 +242,58 @@ def place(role: str, pack: Path, cap: int) -> int:
         return 0
     root, suffixes = roots[role]
     ids = relocate.parse_index(read_index(pack))
-    placed = unpack(pack, root, suffixes=suffixes, cap=cap)
+    placed = _unpack_once(pack, root, suffixes, cap)
     relocate.recorder().learn(root, ids)  # torch finds them under its own local names
-    return len(placed)
+    return placed
+
+
+PLACE_LOCK_TIMEOUT_S = 300.0
+"""How long a rank waits for another of its node to finish placing a pack before placing
+it alongside (every file is written atomically, so two placers only cost time)."""
+
+
+def _unpack_once(pack: Path, root: Path, suffixes: tuple[str, ...], cap: int) -> int:
+    """Unpack `pack` into `root` once per node; the number of its files there.
+
+    The local ranks of a node start together and would each decompress and write the same
+    files (a toolchain pack is ~20 MB packed, several times that unpacked): the first to
+    take the pack's lock unpacks it and leaves the list of its files beside them; the others
+    find the list, check those files are still there, and unpack nothing.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    mark = root / f".megacache-placed-{pack.name}"
+    lock = FileLock(str(root / f".megacache-placing-{pack.name}.lock"),
+                    timeout=PLACE_LOCK_TIMEOUT_S)
+    try:
+        lock.acquire()
+    except Timeout:  # a rank stuck while placing: place alongside it
+        log.debug("megacache: placing %s alongside a rank that holds its lock", pack.name)
+    try:
+        names = _placed_names(mark, root)
+        if names is None:
+            present: set[str] = set()
+            unpack(pack, root, suffixes=suffixes, cap=cap, present=present)
+            names = sorted(present)
+            tmp = mark.with_name(f"{mark.name}.{os.getpid()}.part")
+            tmp.write_text(json.dumps(names))
+            os.replace(tmp, mark)
+        return len(names)
+    finally:
+        if lock.is_locked:
+            lock.release()
+
+
+def _placed_names(mark: Path, root: Path) -> list[str] | None:
+    """The files a placing of this pack left in `root`, if every one is still there (a
+    cleaner may have emptied TMPDIR since: then it is placed again)."""
+    try:
+        names = json.loads(mark.read_text())
+        if isinstance(names, list) and all(
+                isinstance(n, str) and (root / safe_name(n)).is_file() for n in names):
+            return names
+    except (OSError, ValueError):  # a list mangled since (or a name unsafe: PackError)
+        pass
+    return None
 
 
 # -- verify and hot-load the Mega-Cache bundle --------------------------------------------

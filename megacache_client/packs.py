@@ -123,17 +123,20 @@ def read_index(pack: Path) -> bytes | None:
         raise PackError(f"pack is malformed: {exc}") from None
 
 
-def unpack(pack: Path, into: Path, *, suffixes: tuple[str, ...], cap: int) -> list[str]:
+def unpack(pack: Path, into: Path, *, suffixes: tuple[str, ...], cap: int,
+           present: set[str] | None = None) -> list[str]:
     """Extract a pack's allowed files into `into`, skipping files already present.
 
-    Returns the names written. Raises PackError on an unsafe or oversized pack; files
-    written before the error stay (each is complete and content-keyed by torch).
+    Returns the names written; `present`, when given, gets the name of every file of the
+    pack now in `into` (written or found). Raises PackError on an unsafe or oversized pack;
+    files written before the error stay (each is complete and content-keyed by torch).
     """
-    return [m.name for m in _members(pack, cap, suffixes=suffixes, into=into)]
+    return [m.name for m in _members(pack, cap, suffixes=suffixes, into=into,
+                                     present=present)]
 
 
 def _members(pack: Path, cap: int, *, suffixes: tuple[str, ...] | None,
-             into: Path | None) -> list[tarfile.TarInfo]:
+             into: Path | None, present: set[str] | None = None) -> list[tarfile.TarInfo]:
     seen: list[tarfile.TarInfo] = []
     total = 0
     names: set[str] = set()
@@ -167,6 +170,8 @@ def _members(pack: Path, cap: int, *, suffixes: tuple[str, ...] | None,
                             raise PackError(f"pack entry {name!r} clashes with a file or "
                                             f"folder already in {into}") from None
                         seen.append(member)
+                    if present is not None:
+                        present.add(name)
                 else:
                     seen.append(member)
     except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:

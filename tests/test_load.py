@@ -1,42 +1,67 @@
-"""A short run of the load test: concurrent mixed traffic, zero errors, no write lost, also
-while a hostile tenant attacks the server beside the well-behaved one."""
+"""Placing packs (megacache_client/load.py): once per node, however many local ranks ask."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import os
+import threading
 from pathlib import Path
 
-import pytest
+from filelock import FileLock
 
-pytestmark = pytest.mark.e2e
+from megacache_client.load import _unpack_once
+from megacache_client.packs import PackError, write_pack
 
-ROOT = Path(__file__).resolve().parent.parent
+
+def _pack(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "a.so").write_bytes(os.urandom(3000))
+    (src / "b.so").write_bytes(os.urandom(2000))
+    pack = tmp_path / "blobs" / ("ab" * 32)  # the node cache names a blob by its digest
+    pack.parent.mkdir()
+    write_pack([("sub/a.so", src / "sub" / "a.so"), ("b.so", src / "b.so")], pack)
+    return pack
 
 
-def test_short_load_run_loses_nothing(tmp_path: Path):
-    out = tmp_path / "load.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_test.py"),
-                          "--clients", "30", "--seconds", "5", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["errors"] == 0, result["error_kinds"]
-    assert result["writes_acknowledged"] > 0
-    assert result["writes_lost_or_corrupt"] == []
-    assert set(result["by_op"]) == {"lookup", "download", "publish"}
-    assert set(result["phases"]) == {"calm", "hostile"}
-    assert result["phases"]["hostile"]["errors"] == 0
-    assert result["phases"]["hostile"]["writes_acknowledged"] > 0
-    hostile = result["hostile"]
-    # 1,100 idle sockets against 2 x 512 descriptors: the server shed some to make room
-    assert hostile["idle_closed_by_server"] > 0
-    # the header line was cut long before 150 MiB, answered 431 or closed
-    assert hostile["header_bytes_sent_max"] < 32 * 1024 * 1024
-    verdicts = {"oversized header: 431", "oversized header: closed"}
-    assert {k for k in hostile["outcomes"] if k.startswith("oversized")} <= verdicts | {
-        "oversized header: unfinished at the end of the run"}
-    assert sum(hostile["outcomes"].get(k, 0) for k in verdicts) > 0
-    assert any(k.startswith("event: ") for k in hostile["outcomes"])
-    assert any(k.startswith("non-finite manifest: ") for k in hostile["outcomes"])
+def test_a_pack_placed_once_is_not_unpacked_again_until_its_files_go(tmp_path: Path):
+    pack, root = _pack(tmp_path), tmp_path / "root"
+    assert _unpack_once(pack, root, (".so",), cap=10**6) == 2
+    assert (root / "sub" / "a.so").is_file() and (root / "b.so").is_file()
+    good = pack.read_bytes()
+    pack.write_bytes(b"not a pack")  # a second placing that read it would fail
+    assert _unpack_once(pack, root, (".so",), cap=10**6) == 2
+    (root / "b.so").unlink()  # a TMPDIR cleaner: the next placing unpacks again
+    try:
+        _unpack_once(pack, root, (".so",), cap=10**6)
+        raise AssertionError("a placing whose files are gone must unpack the pack again")
+    except PackError:
+        pass
+    pack.write_bytes(good)
+    assert _unpack_once(pack, root, (".so",), cap=10**6) == 2
+    assert (root / "b.so").is_file()
+
+
+def test_a_mangled_list_of_placed_files_means_placing_again(tmp_path: Path):
+    pack, root = _pack(tmp_path), tmp_path / "root"
+    _unpack_once(pack, root, (".so",), cap=10**6)
+    mark = root / f".megacache-placed-{pack.name}"
+    for text in ('["../../etc/passwd"]', "{", '{"b.so": 1}', "[1]"):
+        mark.write_text(text)
+        assert _unpack_once(pack, root, (".so",), cap=10**6) == 2
+        assert mark.read_text() == '["b.so", "sub/a.so"]'
+
+
+def test_a_rank_waits_for_the_rank_placing_the_same_pack(tmp_path: Path):
+    pack, root = _pack(tmp_path), tmp_path / "root"
+    root.mkdir()
+    holder = FileLock(str(root / f".megacache-placing-{pack.name}.lock"))
+    holder.acquire()  # another rank of this node is placing it
+    counts: list[int] = []
+    waiter = threading.Thread(target=lambda: counts.append(
+        _unpack_once(pack, root, (".so",), cap=10**6)))
+    waiter.start()
+    waiter.join(timeout=1.0)
+    assert waiter.is_alive() and not (root / "b.so").exists()  # waiting, not unpacking
+    holder.release()
+    waiter.join(timeout=30)
+    assert counts == [2] and (root / "b.so").is_file()
