@@ -27,6 +27,7 @@ from typing import Any
 from megacache_client import __version__, exitcodes
 from megacache_client.breaker import CircuitBreaker
 from megacache_client.config import ClientConfig, ConfigError
+from megacache_client.events import REPLAYS
 from megacache_client.exitcodes import ExitCode
 from megacache_client.manifest import is_hex64
 from megacache_client.nodecache import NodeCache
@@ -146,13 +147,27 @@ def cmd_stats(args: argparse.Namespace) -> int:
         o = m["outcomes"]
         rows.append((m["model"], m["runs"], o["hit"], o["fallback"], o["miss"],
                      o["invalid"] + o["error"] + o["inert"], f"{m['hit_rate']:.0%}",
-                     f"{m['saved_s'] / 3600:.2f}", f"{m['bytes_down'] / 1e6:.0f}"))
+                     *_job_cells(m), f"{m['saved_s'] / 3600:.2f}",
+                     f"{m['bytes_down'] / 1e6:.0f}"))
     t = stats["total"]
-    rows.append(("TOTAL", t["runs"], "", "", "", "", f"{t['hit_rate']:.0%}",
+    rows.append(("TOTAL", t["runs"], "", "", "", "", f"{t['hit_rate']:.0%}", *_job_cells(t),
                  f"{t['saved_hours']:.2f}", f"{t['bytes_down'] / 1e6:.0f}"))
-    _table(("model", "runs", "hit", "fallback", "miss", "failed", "hit rate", "hours saved",
-            "MB down"), rows)
+    _table(("model", "runs", "hit", "fallback", "miss", "failed", "hit rate",
+            "replayed full/part/rebuilt", "start p50 s", "recover p50 s", "restarts",
+            "hours saved", "MB down"), rows)
     return 0
+
+
+def _job_cells(row: dict[str, Any]) -> tuple[str, str, str, str]:
+    """Replays, and the job figures (from a server that reports them; else blanks)."""
+    replays = row.get("replays") or {}
+    replayed = "/".join(str(replays.get(k, 0)) for k in REPLAYS)
+
+    def seconds(name: str) -> str:
+        value = row.get(name)
+        return f"{value:.1f}" if isinstance(value, (int, float)) else "-"
+
+    return replayed, seconds("tts_p50_s"), seconds("ttr_p50_s"), str(row.get("restarts", "-"))
 
 
 def cmd_autoload(args: argparse.Namespace) -> int:

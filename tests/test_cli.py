@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import need
 from helpers import ServerProcess, free_port
@@ -75,8 +76,14 @@ def test_push_ls_show_pull_stats(server: ServerProcess, tmp_path: Path):
     assert (tmp_path / "other-node" / "blobs" / digest).stat().st_size == shown["blobs"][0]["size"]
     again = megacache("pull", key, env=env)
     assert "already on node" in again.stdout
+    run = {"key": key, "model": "cli-model", "outcome": "hit", "replay": "full",
+           "tts_s": 12.0, "job_id": "cli-job", "attempt": 0, "rank": 0, "world_size": 1}
+    assert httpx.post(f"{server.url}/v1/events", json=run, timeout=30).status_code == 202
     stats = megacache("stats", env=env)
     assert stats.returncode == 0 and "hit rate" in stats.stdout and "TOTAL" in stats.stdout
+    assert "replayed full/part/rebuilt" in stats.stdout and "start p50 s" in stats.stdout
+    row = next(line for line in stats.stdout.splitlines() if line.startswith("cli-model"))
+    assert "1/0/0" in row.split(), row
 
 
 def test_cli_errors_are_clear(tmp_path: Path):
