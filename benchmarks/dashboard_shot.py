@@ -36,6 +36,9 @@ REASONS = {
 }
 
 
+REPLAY_OF = {"hit": "full", "fallback": "partial", "miss": "rebuilt"}
+
+
 def seed(url: str, seed_value: int = 7, headers: dict[str, str] | None = None) -> None:
     """Entries for three models and an event every three hours for a week."""
     rng = random.Random(seed_value)
@@ -68,6 +71,8 @@ def seed(url: str, seed_value: int = 7, headers: dict[str, str] | None = None) -
                          # every six hours a job starts, and three hours later restarts
                          "job_id": f"{model}-{h // 6}", "attempt": 1 - h % 6 // 3,
                          "rank": 0, "world_size": 1}
+                if outcome in REPLAY_OF:  # the run said how much of the entry it replayed
+                    event["replay"] = REPLAY_OF[outcome]
                 c.post("/v1/events", json=event).raise_for_status()
 
 
