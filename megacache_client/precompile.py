@@ -385,7 +385,46 @@ def tolerate_unsaveable_guards() -> bool:
 
         return init_or_bypass
 
-    return _patch_once(CheckFunctionManager, "__init__", tolerant)
+    return _patch_once(CheckFunctionManager, "__init__", tolerant) \
+        and tolerate_local_types_in_guards()
+
+
+LOCAL_TYPE_ERROR = "cannot be saved into torch.compile() package"
+"""What torch 2.13 says (a TypeError) when a guard checks an object of a class defined in a
+local scope."""
+
+
+def tolerate_local_types_in_guards() -> bool:
+    """Make a frame whose guards check an object of a locally defined class a bypassed
+    entry, not a crash.
+
+    torch 2.13 bypasses the package entry of a frame with a guard it cannot save (it raises
+    PackageError, which `CheckFunctionManager.__init__` catches), except for a type check on
+    a class defined in a function: that raises TypeError, out of the cold trainer's first
+    step (transformers 5.25's Llama builds such a class in `_create_func_module`). Raising
+    it as the PackageError it stands for lets torch bypass the entry as it means to.
+    Returns whether the patch is in place.
+    """
+    try:
+        from torch._dynamo.exc import PackageError
+        from torch._dynamo.guards import CheckFunctionManager
+    except Exception:
+        return False
+    if not hasattr(CheckFunctionManager, "serialize_guards"):
+        return False
+
+    def tolerant(serialize: Callable[..., bytes]) -> Callable[..., bytes]:
+        def serialize_or_bypass(self: Any, *args: Any, **kwargs: Any) -> bytes:
+            try:
+                return serialize(self, *args, **kwargs)
+            except TypeError as exc:
+                if LOCAL_TYPE_ERROR not in str(exc):
+                    raise
+                raise PackageError(str(exc)) from exc
+
+        return serialize_or_bypass
+
+    return _patch_once(CheckFunctionManager, "serialize_guards", tolerant)
 
 
 def stabilize_autograd_keys() -> bool:

@@ -49,7 +49,12 @@ from megacache_client.publish import save_for_shipping, snapshot, upload
 from megacache_client.report import REPORT_DEADLINE_S, post_events, send_finding, start_fields
 from megacache_client.report import events as track_events
 from megacache_client.results import LoadResult, MegacacheError, PublishResult, Snapshot, Track
-from megacache_client.transport import CorruptBlobError, Deadline, RemoteCache
+from megacache_client.transport import (
+    CorruptBlobError,
+    Deadline,
+    DeadlineExceeded,
+    RemoteCache,
+)
 
 __all__ = ["LoadResult", "MegacacheError", "PublishResult", "Session", "Snapshot", "Track"]
 
@@ -181,7 +186,7 @@ class Session:
                                             result, self._warn)
                 step("prefetch")
                 cap = self.config.max_raw_bytes
-                deadline = Deadline(self.config.load_deadline_s)
+                deadline = self._load_deadline()
                 with RemoteCache(self.config, deadline=deadline) as remote:
                     found = find_entry(remote, fp, result, self.config.fallback, prefetched,
                                        self.job)
@@ -213,6 +218,16 @@ class Session:
                          (result.entry.key[:12] if result.entry else ""), fp.model,
                          result.seconds, result.reason)
             return result
+
+    def _load_deadline(self) -> Deadline:
+        """The load step's budget: the prefetch's, when the prefetch ran out of it (the
+        server did not answer in time: a hung server costs a process one deadline, not one
+        for the prefetch and another for the load); else a fresh one."""
+        done = self.prefetcher.wait(0) if self.prefetcher is not None else None
+        if self.prefetcher is not None and done is not None \
+                and done.error.startswith(DeadlineExceeded.__name__):
+            return self.prefetcher.deadline
+        return Deadline(self.config.load_deadline_s)
 
     def fingerprint(self, target: Any = None, options: dict[str, Any] | None = None
                     ) -> Fingerprint:
