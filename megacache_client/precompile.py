@@ -76,7 +76,7 @@ def turn_on(config: ClientConfig) -> str:
         return (f"torch {torch_env.torch_version()}: its precompile package cannot be made "
                 "to skip frames it cannot name, which would crash the trainer")
     if not (record_module_aliases() and record_installed_globals() and count_served_graphs()
-            and tolerate_unsaveable_guards()):
+            and tolerate_unsaveable_guards() and tolerate_local_types_in_guards()):
         return (f"torch {torch_env.torch_version()}: its precompile package cannot be made "
                 "to record the globals its bytecode loads, which would crash a new machine")
     torch_env.torch_module()._dynamo.config.caching_precompile = True
@@ -385,8 +385,7 @@ def tolerate_unsaveable_guards() -> bool:
 
         return init_or_bypass
 
-    return _patch_once(CheckFunctionManager, "__init__", tolerant) \
-        and tolerate_local_types_in_guards()
+    return _patch_once(CheckFunctionManager, "__init__", tolerant)
 
 
 LOCAL_TYPE_ERROR = "cannot be saved into torch.compile() package"
