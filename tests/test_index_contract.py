@@ -267,6 +267,32 @@ def test_blob_ledger_batches_for_gc(make_index: Callable[[], Index]):
     run(make_index, body)
 
 
+def test_eviction_facts_count_entries_holds_and_sizes(make_index: Callable[[], Index]):
+    """What a GC plan learns of each blob the entries it evicts name, in one read: the
+    entries naming it, one more while a live job resolution holds it, and its size (None
+    unrecorded); more digests than one batch."""
+    async def body(ix: Index) -> None:
+        now = time.time()
+        digests = [f"e{i:04d}" for i in range(450)]
+        for i, d in enumerate(digests):
+            await ix.record_blob(d, 10 + i, "ns")
+        await ix.put(entry("a", digests=("e0001", "e0002")), Precondition())
+        await ix.put(entry("b", digests=("e0002", "unrecorded")), Precondition())
+        held = await _stored(ix, "c", digests=("e0002", "e0003"))
+        assert (await ix.resolve("ns", "job", 0, "c", held, 600, now)).hit
+        assert await ix.delete("c")  # its blobs stay held by the job's resolution
+        asked = [*digests, "unrecorded", "nope"]
+        facts = await ix.eviction_facts(asked, now + 1)
+        assert set(facts) == set(asked)
+        assert facts["e0001"] == (1, 11) and facts["e0002"] == (3, 12)
+        assert facts["e0003"] == (1, 13) and facts["e0449"] == (0, 459)
+        assert facts["unrecorded"] == (1, None) and facts["nope"] == (0, None)
+        later = await ix.eviction_facts(["e0002", "e0003"], now + 10**6)  # the hold expired
+        assert later == {"e0002": (2, 12), "e0003": (0, 13)}
+
+    run(make_index, body)
+
+
 def test_redis_gc_reads_only_blobs_that_may_be_unreferenced(redis_service: LocalRedis):
     """Redis keeps the blobs that may have lost their last reference (`unref`): a plan reads
     those, not every blob, and what it finds named again leaves the set. A store written

@@ -155,13 +155,12 @@ class _Lru:
         return taken, freed
 
     async def _learn(self, digests: set[str]) -> None:
-        """Reference counts and sizes of blobs first met on this page."""
+        """Reference counts (holds included) and sizes of blobs first met on this page."""
         new = sorted(digests - self.refcount.keys())
-        self.refcount.update(await self.index.reference_counts(new))
-        for digest in await self.index.held_blobs(new, self.now):
-            self.refcount[digest] += 1
-        self.sizes.update((d, rec.size)
-                          for d, rec in (await self.index.blob_records_of(new)).items())
+        for digest, (names, size) in (await self.index.eviction_facts(new, self.now)).items():
+            self.refcount[digest] = names
+            if size is not None:
+                self.sizes[digest] = size
 
 
 async def apply(storage: Storage, gc_plan: GcPlan) -> GcResult:

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 from anyio import to_thread
 
 from megacache_server.errors import ServiceUnavailable
@@ -32,6 +33,12 @@ PART_SIZE = 16 * 1024 * 1024
 """Multipart part size: above S3's 5 MiB minimum, large enough for throughput."""
 
 STALE_UPLOAD_AGE_S = 3600
+
+LISTING_BOUNDS = "123456789abcdef"
+"""Where the listing's key ranges split (after `cas/`): sixteen ranges of hex digests."""
+LISTING_CONCURRENCY = 4
+"""Ranges listed at once: enough to keep the store's listing busy while this process reads
+the last page, few enough not to crowd a small store."""
 
 
 class S3BlobStore(BlobStore):
@@ -50,6 +57,7 @@ class S3BlobStore(BlobStore):
         self.create_bucket = create_bucket
         self.presign_ttl_s = presign_ttl_s
         self._s3: Any = None
+        self.listing_page_size = 1000  # S3's most; tests make it small to cross pages
 
     @classmethod
     def from_settings(cls, settings: Settings) -> S3BlobStore:
@@ -247,17 +255,43 @@ class S3BlobStore(BlobStore):
         return failed
 
     async def digests(self) -> AsyncIterator[tuple[str, int]]:
-        def scan() -> list[tuple[str, int]]:
-            found = []
-            pages = self._s3.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=f"{self.prefix}cas/")
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    found.append((obj["Key"].rsplit("/", 1)[-1], int(obj["Size"])))
-            return found
+        """Listed in LISTING_SHARDS key ranges, LISTING_CONCURRENCY at a time: one listing
+        is a thousand keys a round trip, each waiting on the store's own listing, so a
+        million blobs listed in one sequence spent most of fsck waiting. The ranges cover
+        every key under `cas/` exactly once, whatever its name."""
+        base = f"{self.prefix}cas/"
+        bounds: list[str | None] = [None, *(base + c for c in LISTING_BOUNDS), None]
+        parts: list[list[tuple[str, int]]] = [[] for _ in range(len(bounds) - 1)]
+        limiter = anyio.CapacityLimiter(LISTING_CONCURRENCY)
 
-        for item in await self._call(scan):
-            yield item
+        async def shard(i: int) -> None:
+            parts[i] = await to_thread.run_sync(
+                self._guard, lambda: self._list_range(base, bounds[i], bounds[i + 1]),
+                limiter=limiter)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(parts)):
+                tg.start_soon(shard, i)
+        for part in parts:
+            for item in part:
+                yield item
+
+    def _list_range(self, base: str, after: str | None, upto: str | None
+                    ) -> list[tuple[str, int]]:
+        """(digest, size) of every key under `base` in (after, upto]; None: unbounded."""
+        found: list[tuple[str, int]] = []
+        params = {"Bucket": self.bucket, "Prefix": base}
+        if after is not None:
+            params["StartAfter"] = after
+        pages = self._s3.get_paginator("list_objects_v2").paginate(
+            **params, PaginationConfig={"PageSize": self.listing_page_size})
+        for page in pages:
+            for obj in page.get("Contents", []):
+                key = obj["Key"]
+                if upto is not None and key > upto:  # S3 lists in UTF-8 byte order: str order
+                    return found
+                found.append((key.rsplit("/", 1)[-1], int(obj["Size"])))
+        return found
 
     async def ping(self) -> None:
         await self._call(lambda: self._s3.head_bucket(Bucket=self.bucket))

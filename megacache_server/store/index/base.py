@@ -543,6 +543,20 @@ class Index(EntryStore, BlobLedger, TokenStore, EventLog, LockStore, JobStore, C
     async def ping(self, *, write: bool = False) -> None:
         """Raise if the index cannot serve requests; `write` also proves it can still write."""
 
+    async def eviction_facts(self, digests: list[str], now: float
+                             ) -> dict[str, tuple[int, int | None]]:
+        """What eviction must know of each of `digests`: its names (the entries naming
+        it, plus one when a live job resolution holds it) and its recorded size (None when
+        the index has no record). From three reads; a backend that can answer in one round
+        trip per batch overrides it (GC asks this of every blob the entries it evicts name).
+        """
+        names = await self.reference_counts(digests)
+        for digest in await self.held_blobs(digests, now):
+            names[digest] = names.get(digest, 0) + 1
+        records = await self.blob_records_of(digests)
+        return {d: (names.get(d, 0), rec.size if (rec := records.get(d)) else None)
+                for d in digests}
+
 
 def check_precondition(condition: Precondition, current_etag: str | None) -> None:
     """Shared by every backend so they agree on conditional-write semantics."""

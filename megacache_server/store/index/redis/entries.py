@@ -131,15 +131,19 @@ class RedisEntries(RedisConnection, EntryStore):
             pipe.sadd(self.keys.unref(), d)
 
     async def _infos(self, keys: list[str]) -> list[EntryInfo]:
-        """The entries' columns without their manifests, skipping keys with no entry."""
-        if not keys:
-            return []
-        async with self.r.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.hmget(self.keys.entry(key), _INFO_FIELDS)
-            rows = await pipe.execute()
-        return [_stored(key, data) for key, row in zip(keys, rows, strict=True)
-                if (data := dict(zip(_INFO_FIELDS, row, strict=True))).get(b"model") is not None]
+        """The entries' columns without their manifests, skipping keys with no entry: one
+        script per SCRIPT_BATCH keys, whose one flat reply decodes in a fraction of the time
+        redis-py spends packing and parsing an HMGET per entry (GC reads 100,000 at 1M)."""
+        found: list[EntryInfo] = []
+        width = len(_INFO_FIELDS)
+        for i in range(0, len(keys), SCRIPT_BATCH):
+            part = keys[i:i + SCRIPT_BATCH]
+            flat = await self._run_script("infos", [str(width), *_INFO_FIELDS, *part])
+            for j, key in enumerate(part):
+                data = dict(zip(_INFO_FIELDS, flat[j * width:(j + 1) * width], strict=True))
+                if data.get(b"model") is not None:
+                    found.append(_stored(key, data))
+        return found
 
     async def list_entries(self, *, namespace: str | None = None, model: str | None = None,
                            env_digest: str | None = None, hw_digest: str | None = None,
