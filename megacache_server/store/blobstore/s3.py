@@ -111,8 +111,8 @@ class S3BlobStore(BlobStore):
         except BotoCoreError as exc:
             raise ServiceUnavailable(f"S3 unreachable: {exc}", code="store_unavailable") from exc
 
-    async def _call(self, fn: Any) -> Any:
-        return await to_thread.run_sync(self._guard, fn)
+    async def _call(self, fn: Any, *, limiter: anyio.CapacityLimiter | None = None) -> Any:
+        return await to_thread.run_sync(self._guard, fn, limiter=limiter)
 
     async def stat(self, digest: str) -> int | None:
         from botocore.exceptions import ClientError
@@ -255,19 +255,18 @@ class S3BlobStore(BlobStore):
         return failed
 
     async def digests(self) -> AsyncIterator[tuple[str, int]]:
-        """Listed in LISTING_SHARDS key ranges, LISTING_CONCURRENCY at a time: one listing
-        is a thousand keys a round trip, each waiting on the store's own listing, so a
-        million blobs listed in one sequence spent most of fsck waiting. The ranges cover
-        every key under `cas/` exactly once, whatever its name."""
+        """Listed in sixteen key ranges (split at LISTING_BOUNDS), LISTING_CONCURRENCY at a
+        time: one listing is a thousand keys a round trip, each waiting on the store's own
+        listing, so a million blobs listed in one sequence spent most of fsck waiting. The
+        ranges cover every key under `cas/` exactly once, whatever its name."""
         base = f"{self.prefix}cas/"
         bounds: list[str | None] = [None, *(base + c for c in LISTING_BOUNDS), None]
         parts: list[list[tuple[str, int]]] = [[] for _ in range(len(bounds) - 1)]
         limiter = anyio.CapacityLimiter(LISTING_CONCURRENCY)
 
         async def shard(i: int) -> None:
-            parts[i] = await to_thread.run_sync(
-                self._guard, lambda: self._list_range(base, bounds[i], bounds[i + 1]),
-                limiter=limiter)
+            parts[i] = await self._call(
+                lambda: self._list_range(base, bounds[i], bounds[i + 1]), limiter=limiter)
 
         async with anyio.create_task_group() as tg:
             for i in range(len(parts)):

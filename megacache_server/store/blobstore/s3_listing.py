@@ -23,7 +23,6 @@ EVENT = "before-parse.s3.ListObjectsV2"
 _S3_XMLNS = b'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
 _EMPTY = b'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"/>'
 _ROOT = re.compile(rb"\A\s*(?:<\?xml[^>]*\?>\s*)?<ListBucketResult(\s[^>]*)?>")
-_END = re.compile(rb"</ListBucketResult>\s*\Z")
 _COMMON_PREFIXES = re.compile(rb"<CommonPrefixes>.*?</CommonPrefixes>", re.S)
 _TOP = {name: re.compile(rb"<%s(?:/>|>([^<]*)</%s>)" % (name.encode(), name.encode()))
         for name in ("NextContinuationToken", "ContinuationToken", "Prefix", "Name",
@@ -84,7 +83,8 @@ def parse_listing(body: bytes) -> dict[str, Any] | None:
     Objects are cut out with `bytes.find`, a thousand to a page: a regular expression
     scanning for each object's end cost more than ElementTree's whole parse."""
     root = _ROOT.match(body)
-    if root is None or _S3_XMLNS not in (root.group(1) or b"") or not _END.search(body) \
+    if root is None or _S3_XMLNS not in (root.group(1) or b"") \
+            or not body.rstrip().endswith(b"</ListBucketResult>") \
             or b"<![CDATA[" in body or b"<!--" in body:
         return None
     head, *objects = body.split(b"<Contents>")
