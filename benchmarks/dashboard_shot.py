@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 from services import LocalServer
 
-from megacache_client.manifest import BlobRef, Fingerprint, Manifest
+from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 
 ROOT = Path(__file__).resolve().parent
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu",

@@ -91,7 +91,8 @@ NODE_TIMEOUT_S = 900.0
 
 PRODUCER = """
 import json, sys, tempfile, torch, megacache_client
-from megacache_client import relocate, torch_env
+from megacache_client.torch import relocate
+from megacache_client.torch import env as torch_env
 session = megacache_client.enable(model=sys.argv[1], code="v1")
 model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -114,7 +115,8 @@ def node_main(spec_path: Path) -> int:
     """One node: R rank threads through the client's load (or publish) path."""
     spec = json.loads(spec_path.read_text())
     if spec["torch"]:  # as a trainer has, before its job starts
-        from megacache_client import relocate, torch_env
+        from megacache_client.torch import env as torch_env
+        from megacache_client.torch import relocate
 
         torch_env.torch_module()
         relocate.build_facts()
@@ -127,8 +129,8 @@ def node_main(spec_path: Path) -> int:
         _stand_in_for_torch(spec["producer"])
     from megacache_client.config import ClientConfig
     from megacache_client.job import JobIdentity
-    from megacache_client.manifest import Fingerprint
-    from megacache_client.schema import parse
+    from megacache_client.wire.manifest import Fingerprint
+    from megacache_client.wire.schema import parse
 
     fp = parse(Fingerprint, spec["fingerprint"])
     raw = Path(spec["bundle"]).read_bytes() + spec["nonce"].encode() if spec["cold"] else b""
@@ -167,7 +169,8 @@ def _stand_in_for_torch(producer: dict[str, Any]) -> None:
     """The producer's answers to what the client asks torch while placing and publishing
     (see the module docstring): build facts, where Inductor keeps kernels and headers, the
     version. The Inductor dir is TORCHINDUCTOR_CACHE_DIR, as torch would read it."""
-    from megacache_client import relocate, torch_env, vec_isa
+    from megacache_client.torch import env as torch_env
+    from megacache_client.torch import relocate, vec_isa
 
     facts = dict(producer["facts"])
     headers = Path(os.environ["TMPDIR"]) / producer["header_rel"]
@@ -181,12 +184,12 @@ def _stand_in_for_torch(producer: dict[str, Any]) -> None:
 
 def _rank(spec: dict[str, Any], fp: Any, raw: bytes, job: Any, config: Any,
           record: dict[str, Any], go: float, out_lock: threading.Lock) -> None:
-    from megacache_client import load
-    from megacache_client.claims import claim_holder
-    from megacache_client.nodecache import NodeCache
-    from megacache_client.publish import upload
     from megacache_client.results import LoadResult, Snapshot, Track
-    from megacache_client.transport import RemoteCache
+    from megacache_client.steps import load
+    from megacache_client.steps.claims import claim_holder
+    from megacache_client.steps.nodecache import NodeCache
+    from megacache_client.steps.publish import upload
+    from megacache_client.transport.client import RemoteCache
 
     responses: list[httpx.Response] = []
     result = LoadResult(key=fp.key())
@@ -391,15 +394,15 @@ def start_fleet(fleet: Fleet, n: int, redirect: bool, cold: bool) -> dict[str, A
 
 
 def parse_fp_key(fp: dict[str, Any]) -> str:
-    from megacache_client.manifest import Fingerprint
-    from megacache_client.schema import parse
+    from megacache_client.wire.manifest import Fingerprint
+    from megacache_client.wire.schema import parse
 
     return parse(Fingerprint, fp).key()
 
 
 def republish(fleet: Fleet, key: str) -> dict[str, Any]:
     """A new version of the entry (another producer record), written through replica 1."""
-    from megacache_client.manifest import Manifest
+    from megacache_client.wire.manifest import Manifest
 
     url = fleet.cluster.replicas[1 % len(fleet.cluster.replicas)].url
     with httpx.Client(base_url=url, timeout=60) as http:
@@ -624,10 +627,10 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 def fetch_entry(url: str, root: Path) -> tuple[dict[str, Any], Path]:
     """The producer's entry and its bundle, decompressed (what a cold node "compiles")."""
     from megacache_client.config import ClientConfig
-    from megacache_client.load import read_bundle
-    from megacache_client.manifest import Fingerprint
-    from megacache_client.schema import parse
-    from megacache_client.transport import RemoteCache
+    from megacache_client.steps.load import read_bundle
+    from megacache_client.transport.client import RemoteCache
+    from megacache_client.wire.manifest import Fingerprint
+    from megacache_client.wire.schema import parse
 
     with RemoteCache(ClientConfig.from_env({"MEGACACHE_URL": url})) as remote:
         [m] = remote.list_entries(model=MODEL, limit=5)

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from megacache_client.manifest import BlobRef, Fingerprint, Manifest
+from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 
 HUGE_HEADER = 150 * 1024 * 1024
 CHUNK = 64 * 1024

@@ -35,7 +35,7 @@ RANK = """
 import json, sys
 import megacache_client
 from megacache_client.config import ClientConfig
-from megacache_client.session import Session
+from megacache_client.lifecycle import Session
 session = Session(ClientConfig.from_env())
 r = session.load()
 print(json.dumps({"outcome": r.outcome, "reason": r.reason,

@@ -39,7 +39,7 @@ import httpx
 from benchlib import percentile  # benchmarks/benchlib.py, next to this script
 from services import LocalServer
 
-from megacache_client.manifest import BlobRef, Fingerprint, Manifest
+from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 
 ROOT = Path(__file__).resolve().parent
 

@@ -82,8 +82,8 @@ from services import (  # benchmarks/services.py
     redis_server_exe,
 )
 
-from megacache_client.events import Event
-from megacache_client.manifest import (
+from megacache_client.wire.events import Event
+from megacache_client.wire.manifest import (
     BlobRef,
     Fingerprint,
     Manifest,

@@ -41,8 +41,8 @@ from benchlib import (
 from results_md import write_section
 from services import LocalServer
 
-from megacache_client.manifest import BlobRef, Fingerprint, Manifest
-from megacache_client.schema import parse
+from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
+from megacache_client.wire.schema import parse
 
 BENCH_DIR = Path(__file__).resolve().parent
 

@@ -97,7 +97,8 @@ def main() -> int:
 
     from torch._dynamo.utils import counters
 
-    from megacache_client import torch_env, vec_isa
+    from megacache_client.torch import env as torch_env
+    from megacache_client.torch import vec_isa
 
     result = {
         "model": args.model,
@@ -119,7 +120,7 @@ def main() -> int:
         if saved:
             args.save_bundle.write_bytes(saved[0])
     if args.megacache == "env":
-        from megacache_client import hook
+        from megacache_client.torch import hook
 
         session = hook.active_session()
     if session is not None:

@@ -5,13 +5,33 @@
 
 or set MEGACACHE_URL (and optionally MEGACACHE_MODEL, MEGACACHE_CODE, ...) and let the
 autoload hook do it in every process, `torchrun` workers included.
+
+The names below are imported on first use, not with the package: the server imports
+`megacache_client.wire` (the wire contract) and must not load the trainer's side with it.
 """
 
-from megacache_client import httpx_import  # noqa: F401  (first: httpx without its CLI)
-from megacache_client._version import __version__
-from megacache_client.api import cached, disable, enable, session
-from megacache_client.config import ClientConfig
-from megacache_client.session import MegacacheError, Session
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megacache_client.api import cached, disable, enable, session
+    from megacache_client.config import ClientConfig
+    from megacache_client.lifecycle import MegacacheError, Session
+    from megacache_client.wire.version import __version__
+
+_WHERE = {"cached": "api", "disable": "api", "enable": "api", "session": "api",
+          "ClientConfig": "config", "MegacacheError": "lifecycle", "Session": "lifecycle",
+          "__version__": "wire.version"}
 
 __all__ = ["ClientConfig", "MegacacheError", "Session", "cached", "disable", "enable",
            "session", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'megacache_client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"megacache_client.{_WHERE[name]}"), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value

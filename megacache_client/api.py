@@ -8,10 +8,10 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from megacache_client import hook
 from megacache_client.config import ClientConfig
-from megacache_client.prefetch import Prefetcher
-from megacache_client.session import Session
+from megacache_client.lifecycle import Session
+from megacache_client.steps.prefetch import Prefetcher
+from megacache_client.torch import hook
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -24,14 +24,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megacache_client import __version__, exitcodes
-from megacache_client.breaker import CircuitBreaker
+from megacache_client import __version__
 from megacache_client.config import ClientConfig, ConfigError
-from megacache_client.events import REPLAYS
-from megacache_client.exitcodes import ExitCode
-from megacache_client.manifest import is_hex64
-from megacache_client.nodecache import NodeCache
-from megacache_client.transport import RemoteCache, TransportError
+from megacache_client.steps.nodecache import NodeCache
+from megacache_client.transport.breaker import CircuitBreaker
+from megacache_client.transport.client import RemoteCache, TransportError
+from megacache_client.wire import exitcodes
+from megacache_client.wire.events import REPLAYS
+from megacache_client.wire.exitcodes import ExitCode
+from megacache_client.wire.manifest import is_hex64
 
 
 class ProgressBar:
@@ -70,7 +71,7 @@ def _remote(config: ClientConfig) -> RemoteCache:
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
-    from megacache_client.fingerprint import compute
+    from megacache_client.steps.fingerprint import compute
 
     options = {"mode": args.compile_mode} if args.compile_mode else None
     config = ClientConfig.from_env(model=args.model, code=args.code)  # no server needed
@@ -120,8 +121,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from megacache_client.fingerprint import compute
-    from megacache_client.shipping import build_manifest, bundle_blob, upload_blobs
+    from megacache_client.steps.fingerprint import compute
+    from megacache_client.steps.shipping import build_manifest, bundle_blob, upload_blobs
 
     config = _config(args, model=args.model, code=args.code)
     node = NodeCache(config.node_cache_dir, config.lock_timeout_s)
@@ -279,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def exit_code(exc: Exception) -> ExitCode:
-    """The documented exit code of a failure (megacache_client.exitcodes)."""
+    """The documented exit code of a failure (megacache_client.wire.exitcodes)."""
     if isinstance(exc, UsageError):
         return ExitCode.USAGE
     if isinstance(exc, ConfigError):

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from megacache_client.signing import SigningError, public_key_bytes
-from megacache_client.writers import WriterPolicy
+from megacache_client.steps.verify import WriterPolicy
+from megacache_client.wire.signing import SigningError, public_key_bytes
 
 Mode = Literal["off", "read-only", "read-write", "required"]
 MODES: tuple[Mode, ...] = ("off", "read-only", "read-write", "required")
@@ -68,7 +68,7 @@ class ClientConfig:
     prefetch: bool = True
     prefetch_wait_s: float = 60.0
     trusted_writers: str = ""
-    """Whose entries this process runs (`writers.py`): token names, `ci-*`, `scope:admin`;
+    """Whose entries this process runs (`steps/verify.py`): token names, `ci-*`, `scope:admin`;
     empty runs anyone's."""
 
     @property

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megacache_client.events import Outcome
-from megacache_client.manifest import Fingerprint, Manifest
+from megacache_client.wire.events import Outcome
+from megacache_client.wire.manifest import Fingerprint, Manifest
 
 
 class MegacacheError(RuntimeError):

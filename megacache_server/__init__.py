@@ -2,7 +2,7 @@
 
 import os
 
-from megacache_client._version import __version__
+from megacache_client.wire.version import __version__
 
 # An empty PROMETHEUS_MULTIPROC_DIR means "not set" here (the server then makes its own
 # dir under the data dir), but prometheus_client, imported with it, takes any value as set

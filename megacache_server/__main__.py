@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from megacache_client.exitcodes import ExitCode
+from megacache_client.wire.exitcodes import ExitCode
 
 #: top-level modules of the [server] extra
 SERVER_MODULES = ("fastapi", "starlette", "uvicorn", "redis", "pydantic_settings",

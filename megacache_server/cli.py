@@ -31,10 +31,11 @@ from pathlib import Path
 
 from pydantic import ByteSize, ValidationError
 
-from megacache_client import exitcodes
-from megacache_client.exitcodes import ExitCode
-from megacache_client.manifest import is_hex64
-from megacache_client.signing import SigningError
+from megacache_client.wire import exitcodes
+from megacache_client.wire.environment import client_variables
+from megacache_client.wire.exitcodes import ExitCode
+from megacache_client.wire.manifest import is_hex64
+from megacache_client.wire.signing import SigningError
 from megacache_server import __version__
 from megacache_server.api import supervisor
 from megacache_server.api.logs import configure_logging
@@ -188,12 +189,8 @@ def unknown_environment(environ: Mapping[str, str]) -> list[str]:
     pydantic-settings ignores them silently, so a typo (`MEGACACHE_STORE_BUGDET`) would
     otherwise leave a setting at its default with nothing said.
     """
-    from dataclasses import fields as dataclass_fields
-
-    from megacache_client.config import ClientConfig
-
     known = {"MEGACACHE_" + n.upper() for n in Settings.model_fields}
-    known |= {"MEGACACHE_" + f.name.upper() for f in dataclass_fields(ClientConfig)}
+    known |= client_variables()
     known |= {supervisor.SUPERVISOR_ENV}
     warnings = []
     for name in sorted(environ):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import megacache_client
-from megacache_client import torch_env
+from megacache_client.torch import env as torch_env
 
 SESSION = megacache_client.enable()  # before the decorator below runs, as autoload would be
 

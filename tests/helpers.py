@@ -17,8 +17,8 @@ import httpx
 from jobs import GxxCounter, JobRun, Machine, run_job
 from services import LOOPBACK, LocalServer, free_port
 
-from megacache_client.manifest import BlobRef, Fingerprint, Manifest
-from megacache_client.schema import parse
+from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
+from megacache_client.wire.schema import parse
 
 __all__ = ["LOOPBACK", "ServerProcess", "SlowLink", "free_port", "functions_job",
            "make_fingerprint", "make_manifest", "raw_http", "sha256"]

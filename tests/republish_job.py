@@ -15,7 +15,8 @@ import sys
 import torch
 
 import megacache_client
-from megacache_client import precompile, torch_env
+from megacache_client.torch import env as torch_env
+from megacache_client.torch import precompile
 
 SESSION = megacache_client.enable(model="republish", code="c1")
 

@@ -1,4 +1,4 @@
-"""The circuit breaker (megacache_client/breaker.py): opening, half-opening, shared by the
+"""The circuit breaker (megacache_client/transport/breaker.py): opening, half-opening, shared by the
 processes of a node, and stopping the hammering of a misbehaving server."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from helpers import free_port
 
-from megacache_client.breaker import CircuitBreaker, breaker_for
 from megacache_client.config import ClientConfig
-from megacache_client.transport import (
+from megacache_client.transport.breaker import CircuitBreaker, breaker_for
+from megacache_client.transport.client import (
     CircuitOpenError,
     RemoteCache,
     TransportError,
@@ -73,7 +73,7 @@ def test_the_breaker_is_shared_by_the_processes_of_a_node(tmp_path: Path):
 
     def other_process(then: str) -> str:
         code = ("import sys; from pathlib import Path; "
-                "from megacache_client.breaker import breaker_for; "
+                "from megacache_client.transport.breaker import breaker_for; "
                 "b = breaker_for(sys.argv[1], Path(sys.argv[2])); " + then)
         return subprocess.run([sys.executable, "-c", code, url, str(tmp_path)], check=True,
                               capture_output=True, text=True, timeout=60).stdout.strip()

@@ -14,7 +14,7 @@ import pytest
 from conftest import need
 from helpers import ServerProcess, free_port
 
-from megacache_client.exitcodes import ExitCode
+from megacache_client.wire.exitcodes import ExitCode
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,7 +87,7 @@ def test_push_ls_show_pull_stats(server: ServerProcess, tmp_path: Path):
 
 
 def test_cli_errors_are_clear(tmp_path: Path):
-    """Each failure has its documented exit code (megacache_client.exitcodes)."""
+    """Each failure has its documented exit code (megacache_client.wire.exitcodes)."""
     r = megacache("ls")
     assert r.returncode == ExitCode.CONFIG and "MEGACACHE_URL" in r.stderr
     r = megacache("show", "not-a-key", "--help")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
 
-from megacache_client.manifest import component_digest
+from megacache_client.wire.manifest import component_digest
 
 
 def _upload(client: httpx.Client, *blobs: bytes) -> None:

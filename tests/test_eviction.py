@@ -16,7 +16,7 @@ import pytest
 from conftest import BACKENDS, backend_args
 from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
 
-from megacache_client.manifest import Manifest, component_digest
+from megacache_client.wire.manifest import Manifest, component_digest
 from megacache_server.service import eviction
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import NewEntry, Precondition

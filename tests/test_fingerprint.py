@@ -1,4 +1,5 @@
-"""Model identity and the fingerprint (megacache_client/fingerprint.py), without torch.compile."""
+"""Model identity and the fingerprint (megacache_client/steps/fingerprint.py), without
+torch.compile."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from conftest import need
 
 def test_identity_sees_through_bound_methods_partials_and_decorators():
     torch = need("torch")
-    from megacache_client.fingerprint import identity
+    from megacache_client.steps.fingerprint import identity
 
     class Encoder(torch.nn.Module):
         def __init__(self) -> None:
@@ -58,7 +59,7 @@ def test_identity_sees_through_bound_methods_partials_and_decorators():
 
 def test_fingerprint_config_takes_compile_options_and_ignores_defaults():
     need("torch")
-    from megacache_client.fingerprint import compute, describe, differing
+    from megacache_client.steps.fingerprint import compute, describe, differing
 
     plain = compute(model="m", code="c")
     spelled_out = compute(model="m", code="c", options={"fullgraph": False, "dynamic": None,
@@ -74,7 +75,8 @@ def test_fingerprint_config_takes_compile_options_and_ignores_defaults():
 ENABLE_FACTS = r"""
 import json, os, sys
 import torch
-from megacache_client import relocate, torch_env
+from megacache_client.torch import relocate
+from megacache_client.torch import env as torch_env
 cheap = {"hw": torch_env.hw_component(), "cache": str(torch_env.inductor_cache_dir()),
          "headers": str(torch_env.header_dir()), "facts": relocate.build_facts()}
 loaded = sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules)

@@ -35,7 +35,7 @@ MODEL, CODE = "fleet-model", "fleet-v1"
 
 BUNDLE = textwrap.dedent("""
     import sys, torch
-    from megacache_client import torch_env
+    from megacache_client.torch import env as torch_env
     scale = float(sys.argv[2])
     torch.compile(lambda x: (x * scale).sin())(torch.ones(4))
     raw, _ = torch_env.save_bundle()
@@ -101,7 +101,7 @@ def rank(server: ServerProcess, tmp_path: Path, name: str, **job: str) -> dict:
 def digest_of(bundle: Path) -> str:
     import hashlib
 
-    from megacache_client.packs import compress_bytes
+    from megacache_client.torch.packs import compress_bytes
 
     return hashlib.sha256(compress_bytes(bundle.read_bytes())).hexdigest()
 
@@ -145,13 +145,13 @@ def test_a_cold_fleet_uploads_the_bundle_once(server, tmp_path):
     """8 publishers of one new key at once, each with its own node cache: one claims and
     uploads, the others skip with the reason (then find nothing to add); the entry is there
     once."""
-    from megacache_client.claims import claim_holder
     from megacache_client.config import ClientConfig
-    from megacache_client.fingerprint import compute
-    from megacache_client.nodecache import NodeCache
-    from megacache_client.publish import upload
     from megacache_client.results import LoadResult, Snapshot, Track
-    from megacache_client.transport import RemoteCache
+    from megacache_client.steps.claims import claim_holder
+    from megacache_client.steps.fingerprint import compute
+    from megacache_client.steps.nodecache import NodeCache
+    from megacache_client.steps.publish import upload
+    from megacache_client.transport.client import RemoteCache
 
     raw = os.urandom(4 << 20)  # bytes the server has never seen (nothing is loaded here)
     fp = compute(model="fleet-cold", code="v1")
@@ -189,11 +189,11 @@ def test_a_cold_fleet_uploads_the_bundle_once(server, tmp_path):
 CLAIMANT = textwrap.dedent("""
     import json, os, sys
     from megacache_client.config import ClientConfig
-    from megacache_client.manifest import Fingerprint
-    from megacache_client.nodecache import NodeCache
-    from megacache_client.publish import upload
+    from megacache_client.wire.manifest import Fingerprint
+    from megacache_client.steps.nodecache import NodeCache
+    from megacache_client.steps.publish import upload
     from megacache_client.results import LoadResult, Snapshot, Track
-    from megacache_client.schema import parse
+    from megacache_client.wire.schema import parse
     config = ClientConfig.from_env()
     track = Track(parse(Fingerprint, json.loads(sys.argv[1])), LoadResult(outcome="miss"))
     snap = Snapshot(raw=os.urandom(int(sys.argv[2])), counts={}, kernels={}, compile_s=1.0,
@@ -206,7 +206,7 @@ CLAIMANT = textwrap.dedent("""
 def publisher(url: str, node: Path, **settings: str) -> tuple[Any, Any]:
     """A publisher's config and node cache, as a node of its own would have them."""
     from megacache_client.config import ClientConfig
-    from megacache_client.nodecache import NodeCache
+    from megacache_client.steps.nodecache import NodeCache
 
     config = ClientConfig.from_env({"MEGACACHE_URL": url, "MEGACACHE_NODE_CACHE_DIR": str(node),
                                     "MEGACACHE_SHIP_TOOLCHAIN": "0", **settings})
@@ -215,9 +215,9 @@ def publisher(url: str, node: Path, **settings: str) -> tuple[Any, Any]:
 
 def publish_now(url: str, node: Path, fp: Any, raw: bytes, **settings: str) -> Any:
     """One publisher of `raw` under `fp` (a first publish: it claims the key); its result."""
-    from megacache_client.claims import claim_holder
-    from megacache_client.publish import upload
     from megacache_client.results import LoadResult, Snapshot, Track
+    from megacache_client.steps.claims import claim_holder
+    from megacache_client.steps.publish import upload
 
     config, cache = publisher(url, node, **settings)
     track = Track(fp, LoadResult(outcome="miss"))
@@ -236,8 +236,8 @@ def until(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
 
 def entry_bundle(url: str, key: str, node: Path) -> tuple[Any, bytes]:
     """The entry at `key` and its bundle's bytes, downloaded and verified as a load does."""
-    from megacache_client.load import read_bundle
-    from megacache_client.transport import RemoteCache
+    from megacache_client.steps.load import read_bundle
+    from megacache_client.transport.client import RemoteCache
 
     config, cache = publisher(url, node)
     with RemoteCache(config) as remote:
@@ -316,8 +316,8 @@ def test_a_skipped_publisher_adds_what_the_claimants_entry_lacks(server, bundles
     """B compiled other graphs than the claimant: it skips the upload, waits for the
     claimant's entry, then adds its graphs to it (uploading only its merged bundle); a
     publisher whose graphs the entry already has adds nothing."""
-    from megacache_client import torch_env
-    from megacache_client.fingerprint import compute
+    from megacache_client.steps.fingerprint import compute
+    from megacache_client.torch import env as torch_env
 
     model = "fleet-follow"
     fp = compute(model=model, code=CODE)

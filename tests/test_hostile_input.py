@@ -117,7 +117,7 @@ def test_an_encoded_answer_is_refused_before_it_is_decoded(zstd_bomb_server: str
     import resource
 
     from megacache_client.config import ClientConfig
-    from megacache_client.transport import RemoteCache, TransportError
+    from megacache_client.transport.client import RemoteCache, TransportError
 
     cfg = ClientConfig.from_env({"MEGACACHE_URL": zstd_bomb_server, "MEGACACHE_RETRIES": "0",
                                  "MEGACACHE_NODE_CACHE_DIR": str(tmp_path / "node")})
@@ -137,7 +137,7 @@ def test_a_frame_that_declares_more_than_the_manifest_is_refused_unread():
 
     import zstandard
 
-    from megacache_client.packs import PackError, decompress_bytes
+    from megacache_client.torch.packs import PackError, decompress_bytes
 
     data = zstandard.ZstdCompressor(write_content_size=True).compress(b"\0" * GiB)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -163,7 +163,7 @@ def _pack(path, members: list[tuple[str, bytes]]):
 
 
 def test_a_pack_of_too_many_members_is_refused(tmp_path):
-    from megacache_client.packs import MAX_MEMBERS, PackError, unpack
+    from megacache_client.torch.packs import MAX_MEMBERS, PackError, unpack
 
     pack = _pack(tmp_path / "many", [(f"k{i}.so", b"") for i in range(MAX_MEMBERS + 4000)])
     with pytest.raises(PackError, match=f"more than {MAX_MEMBERS} files"):
@@ -173,7 +173,7 @@ def test_a_pack_of_too_many_members_is_refused(tmp_path):
 @pytest.mark.parametrize("names", [["a.so", "a.so/b.so"], ["a.so/b.so", "a.so"],
                                    ["a.so", "a.so"]])
 def test_members_that_clash_are_a_pack_error(tmp_path, names: list[str]):
-    from megacache_client.packs import PackError, unpack
+    from megacache_client.torch.packs import PackError, unpack
 
     pack = _pack(tmp_path / "clash", [(n, b"k") for n in names])
     with pytest.raises(PackError, match="clashes"):
@@ -183,8 +183,8 @@ def test_members_that_clash_are_a_pack_error(tmp_path, names: list[str]):
 def test_a_pack_index_cannot_point_outside_the_pack(tmp_path):
     import json
 
-    from megacache_client import relocate
-    from megacache_client.packs import PackError
+    from megacache_client.torch import relocate
+    from megacache_client.torch.packs import PackError
 
     outside = tmp_path / "secret.txt"
     outside.write_text("not a kernel")

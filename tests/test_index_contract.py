@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from services import LocalRedis
 
-from megacache_client.events import Event
-from megacache_client.schema import parse_json
+from megacache_client.wire.events import Event
+from megacache_client.wire.schema import parse_json
 from megacache_server.errors import PreconditionFailed
 from megacache_server.store.index.base import (
     MAX_CLAIM_LEASE_S,

@@ -11,8 +11,8 @@ import time
 import pytest
 from test_index_contract import make_index, run  # noqa: F401 - the fixture, both backends
 
-from megacache_client.events import Event
-from megacache_client.schema import SchemaError, parse_json
+from megacache_client.wire.events import Event
+from megacache_client.wire.schema import SchemaError, parse_json
 from megacache_server.store.index import rollups
 from megacache_server.store.index.base import Index
 

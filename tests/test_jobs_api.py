@@ -18,7 +18,7 @@ import pytest
 from conftest import BACKENDS, _configured, backend_args
 from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
 
-from megacache_client.manifest import Manifest
+from megacache_client.wire.manifest import Manifest
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -287,7 +287,7 @@ def test_the_fallback_is_chosen_once_per_attempt(fleet: ServerProcess):
     """A key without an entry resolves to the model's newest compatible entry, chosen by the
     first rank: an entry for the exact key published meanwhile changes nothing for the
     attempt's other ranks (they would have listed entries at their own moments)."""
-    from megacache_client.manifest import component_digest
+    from megacache_client.wire.manifest import component_digest
 
     with as_team(fleet) as c:
         older = publish(c, "fallback-v1", os.urandom(1024))

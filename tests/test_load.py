@@ -1,4 +1,4 @@
-"""Placing packs (megacache_client/load.py): once per node, however many local ranks ask."""
+"""Placing packs (megacache_client/steps/load.py): once per node, however many local ranks ask."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from megacache_client.load import _unpack_once
-from megacache_client.packs import PackError, write_pack
+from megacache_client.steps.load import _unpack_once
+from megacache_client.torch.packs import PackError, write_pack
 
 
 def _pack(tmp_path: Path) -> Path:

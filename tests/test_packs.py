@@ -1,4 +1,5 @@
-"""Kernel packs and bundles (megacache_client/packs.py): deterministic, safe to unpack, capped."""
+"""Kernel packs and bundles (megacache_client/torch/packs.py): deterministic, safe to unpack,
+capped."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import zstandard
 from helpers import sha256
 
-from megacache_client.packs import (
+from megacache_client.torch.packs import (
     PackError,
     compress_bytes,
     decompress_bytes,

@@ -32,7 +32,8 @@ PRODUCER = textwrap.dedent("""
     import json, os, sys
     from collections import OrderedDict
     import torch
-    from megacache_client import precompile, torch_env
+    from megacache_client.torch import precompile
+    from megacache_client.torch import env as torch_env
 
     torch._dynamo.config.caching_precompile = True
     precompile.record_installed_globals()
@@ -57,8 +58,9 @@ CONSUMER = textwrap.dedent("""
     import json, sys
     from collections import OrderedDict
     import torch
-    from megacache_client import precompile, torch_env
-    from megacache_client.manifest import BlobRef
+    from megacache_client.torch import precompile
+    from megacache_client.torch import env as torch_env
+    from megacache_client.wire.manifest import BlobRef
 
     torch._dynamo.config.caching_precompile = True
     artifacts = torch_env.read_artifacts(open(sys.argv[1], "rb").read())
@@ -98,7 +100,7 @@ def test_a_script_aliased_as_mp_main_is_still_its_own_home():
     file): the names torch restores into `__main__` count for its code."""
     import types
 
-    from megacache_client.precompile import _defining_module
+    from megacache_client.torch.precompile import _defining_module
 
     script = types.ModuleType("__main__")
     script.__file__ = "/job/train.py"

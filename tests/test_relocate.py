@@ -1,4 +1,4 @@
-"""Compiled kernels at any torch install path (megacache_client/relocate.py).
+"""Compiled kernels at any torch install path (megacache_client/torch/relocate.py).
 
 Unit tests of identities, pack indexes, placement and the build check; then one end-to-end
 run: a real producer publishes, a consumer whose torch is imported from another path
@@ -19,11 +19,18 @@ from conftest import need
 from helpers import ServerProcess
 from jobs import GxxCounter, JobRun, Machine, run_job
 
-from megacache_client import relocate
 from megacache_client.config import ClientConfig
-from megacache_client.load import skip_reason
-from megacache_client.manifest import BlobRef
-from megacache_client.packs import INDEX_NAME, PackError, pack_names, read_index, unpack, write_pack
+from megacache_client.steps.fetch import skip_reason
+from megacache_client.torch import relocate
+from megacache_client.torch.packs import (
+    INDEX_NAME,
+    PackError,
+    pack_names,
+    read_index,
+    unpack,
+    write_pack,
+)
+from megacache_client.wire.manifest import BlobRef
 
 torch = need("torch", "kernel relocation compiles with torch")
 
@@ -93,7 +100,7 @@ def test_pack_from_another_build_is_refused_with_a_reason(fact):
 
 
 def test_session_skips_a_foreign_kernel_pack_before_downloading_it(tmp_path):
-    from megacache_client.session import Session
+    from megacache_client.lifecycle import Session
 
     session = Session(ClientConfig(url="http://127.0.0.1:9", node_cache_dir=tmp_path))
     meta = {**relocate.build_meta(), "build.isa": "avx2-from-another-host", "files": "3"}
@@ -106,7 +113,7 @@ def test_session_skips_a_foreign_kernel_pack_before_downloading_it(tmp_path):
 
 
 def test_pack_of_an_older_client_is_used_only_at_its_torch_path():
-    from megacache_client.torch_env import torch_prefix
+    from megacache_client.torch.env import torch_prefix
 
     assert relocate.refusal({"torch_prefix": torch_prefix()}) == ""
     assert "/elsewhere/torch" in relocate.refusal({"torch_prefix": "/elsewhere/torch"})

@@ -17,10 +17,12 @@ import pytest
 from helpers import ServerProcess, make_fingerprint, make_manifest, token_client
 from prometheus_client.parser import text_string_to_metric_families
 
-from megacache_client import precompile, report, torch_env
-from megacache_client.events import Event
 from megacache_client.results import LoadResult, Track
-from megacache_client.schema import parse_json
+from megacache_client.steps import report
+from megacache_client.torch import env as torch_env
+from megacache_client.torch import precompile
+from megacache_client.wire.events import Event
+from megacache_client.wire.schema import parse_json
 from megacache_server.store.index import rollups
 from megacache_server.store.index.sqlite import SqliteIndex
 

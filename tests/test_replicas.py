@@ -102,7 +102,7 @@ def test_presigned_redirect_lets_reads_bypass_the_server(request, tmp_path):
             assert r.status_code == 307
             assert r.headers["location"].startswith(server.s3_endpoint)
         from megacache_client.config import ClientConfig
-        from megacache_client.transport import RemoteCache
+        from megacache_client.transport.client import RemoteCache
 
         with RemoteCache(ClientConfig(url=server.url)) as remote:  # follows, verifies
             remote.download_blob(digest, len(data), tmp_path / "got")

@@ -1,5 +1,5 @@
-"""The retry loop (megacache_client/retry.py): backoff, Retry-After, the deadline, and hung servers
-bounded by the deadline and the read timeout."""
+"""The retry loop (megacache_client/transport/retry.py): backoff, Retry-After, the deadline,
+and hung servers bounded by the deadline and the read timeout."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from megacache_client.breaker import CircuitBreaker
 from megacache_client.config import ClientConfig
-from megacache_client.retry import Deadline, retry_after_s
-from megacache_client.transport import (
+from megacache_client.transport.breaker import CircuitBreaker
+from megacache_client.transport.client import (
     CircuitOpenError,
     DeadlineExceeded,
     RemoteCache,
     TransportError,
 )
+from megacache_client.transport.retry import Deadline, retry_after_s
 
 
 class Scripted(BaseHTTPRequestHandler):

@@ -1,5 +1,5 @@
 """The shared schema has two validators: the standard library one the client runs on its
-start path (`megacache_client.schema`) and pydantic's reading of the same declaration (the
+start path (`megacache_client.wire.schema`) and pydantic's reading of the same declaration (the
 OpenAPI document). They must agree on what is valid, and the start path must not import
 pydantic at all (the reason the first one exists)."""
 
@@ -18,9 +18,9 @@ import pytest
 from helpers import make_fingerprint
 from pydantic import TypeAdapter, ValidationError
 
-from megacache_client.events import Event
-from megacache_client.manifest import BlobRef, Fingerprint, Manifest
-from megacache_client.schema import SchemaError, parse, parse_json
+from megacache_client.wire.events import Event
+from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
+from megacache_client.wire.schema import SchemaError, parse, parse_json
 
 Doc = dict[str, Any]
 
@@ -221,8 +221,9 @@ def test_openapi_documents_the_rules() -> None:
 def test_the_client_start_path_imports_neither_pydantic_nor_httpx_cli() -> None:
     """What a trainer pays after `import torch`: the client, ready to load (the schema, the
     transport), without pydantic (~150 ms) or httpx's command-line client (click, rich)."""
-    code = ("import sys, megacache_client, megacache_client.manifest, megacache_client.events; "
-            "import megacache_client.transport, megacache_client.prefetch; "
+    code = ("import sys, megacache_client, megacache_client.wire.manifest, "
+            "megacache_client.wire.events; "
+            "import megacache_client.transport.client, megacache_client.steps.prefetch; "
             "print(sorted(m for m in ('pydantic', 'httpx._main', 'rich', 'fastapi') "
             "if m in sys.modules)); import httpx._main")  # and the CLI still imports later
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGACACHE_")}

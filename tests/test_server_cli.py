@@ -19,7 +19,7 @@ import pytest
 from helpers import LOOPBACK, ServerProcess, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from megacache_client.exitcodes import ExitCode
+from megacache_client.wire.exitcodes import ExitCode
 from megacache_server.settings import Settings
 
 

@@ -1,14 +1,16 @@
 """The server's layers, as the folders show them: `api` → `service` → `store`, never back.
 
 `errors` and `settings` sit below all three; `cli` and `__main__` above them. The server may
-import the client's shared definitions (the wire schema and the rest of `CLIENT_SHARED`),
-never the other way round, and no module imports itself back through others at import
-time.
+import the client's wire contract (`megacache_client/wire/`) and nothing else of the client,
+the wire contract imports nothing else of the client, the client never imports the server,
+and no module imports itself back through others at import time.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,11 +20,9 @@ CLIENT = ROOT / "megacache_client"
 RANK = {"errors": 0, "settings": 0, "store": 1, "service": 2, "api": 3, "cli": 4,
         "__main__": 4, "": 4}
 """A module may import from its own rank or below."""
-CLIENT_SHARED = {"manifest", "events", "schema", "signing", "exitcodes", "_version", "config"}
-"""What the server takes from the client: the wire schema (manifest, events and the field
-rules of `schema` they are checked with), the signature scheme, the exit codes and version
-both commands share, and the client's setting names (so unknown MEGACACHE_* variables can
-be named)."""
+CLIENT_SHARED = {"wire"}
+"""What the server takes from the client: the wire contract (`megacache_client/wire/`), and
+nothing else of the client, so a change to the trainer's side cannot break the server."""
 
 
 def _module(path: Path, root: Path) -> str:
@@ -73,6 +73,36 @@ def test_the_client_never_imports_the_server():
              for name in _imports(p, top_level_only=False)
              if name.split(".")[0] == "megacache_server"]
     assert not found, "\n".join(found)
+
+
+def test_the_wire_contract_imports_nothing_else_of_the_client():
+    wire = CLIENT / "wire"
+    found = [f"{_module(p, CLIENT)} imports {name}" for p in sorted(wire.rglob("*.py"))
+             for name in _imports(p, top_level_only=False)
+             if name.split(".")[0] == "megacache_client"
+             and not name.startswith("megacache_client.wire.")]
+    assert not found, "\n".join(found)
+
+
+def test_importing_the_wire_contract_loads_no_other_client_module():
+    """The package root is lazy: `import megacache_client.wire` (what every server module
+    does) runs no module of the trainer's side, so none of them can break the server."""
+    code = ("import sys, megacache_client.wire.manifest, megacache_client.wire.events, "
+            "megacache_client.wire.signing, megacache_client.wire.routes; "
+            "print(sorted(m for m in sys.modules if m.startswith('megacache_client.') "
+            "and not m.startswith('megacache_client.wire')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True)
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_the_client_settings_the_server_knows_are_the_client_config():
+    from dataclasses import fields
+
+    from megacache_client.config import ClientConfig
+    from megacache_client.wire.environment import CLIENT_SETTINGS
+
+    assert tuple(f.name for f in fields(ClientConfig)) == CLIENT_SETTINGS
 
 
 def test_no_import_cycles():

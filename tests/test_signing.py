@@ -24,15 +24,13 @@ from helpers import (
 )
 
 from megacache_client.config import ClientConfig, ConfigError
-from megacache_client.session import Session
-from megacache_client.signing import (
-    PROVENANCE_HEADER,
-    PROVENANCE_SIGNATURE_HEADER,
-    SIGNATURE_HEADER,
+from megacache_client.lifecycle import Session
+from megacache_client.transport.client import RemoteCache, UntrustedEntryError
+from megacache_client.wire import headers
+from megacache_client.wire.signing import (
     Signer,
     signature_valid,
 )
-from megacache_client.transport import RemoteCache, UntrustedEntryError
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -69,7 +67,7 @@ def publish(server: ServerProcess, code: str, namespace: str = "default",
         assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
         r = c.put(f"/v1/ac/{m.key}", content=m.to_json())
         assert r.status_code == 201
-        assert r.headers.get(SIGNATURE_HEADER, "").startswith("ed25519=") == signed
+        assert r.headers.get(headers.SIGNATURE, "").startswith("ed25519=") == signed
     return m.key
 
 
@@ -100,7 +98,7 @@ def test_signed_entry_verifies_with_the_public_key_only(signing: ServerProcess,
 def test_signature_covers_key_and_namespace(signing: ServerProcess, keys: tuple[Path, str]):
     key = publish(signing, "bound", namespace="team-a")
     r = httpx.get(f"{signing.url}/v1/ac/{key}")
-    sig = r.headers[SIGNATURE_HEADER]
+    sig = r.headers[headers.SIGNATURE]
     assert signature_valid(keys[1], key, "team-a", r.content, sig)
     assert not signature_valid(keys[1], key, "team-b", r.content, sig)
     assert not signature_valid(keys[1], "0" * 64, "team-a", r.content, sig)
@@ -182,17 +180,17 @@ def test_the_provenance_signature_covers_who_wrote_the_entry(signing: ServerProc
                      headers={"x-megacache-job": "ci-7"}).status_code == 201
         r = c.get(f"/v1/ac/{m.key}")
         resolved = c.post(f"/v1/ac/{m.key}/resolve", json={"job": "j"})
-    provenance = r.headers[PROVENANCE_HEADER]
+    provenance = r.headers[headers.PROVENANCE]
     assert '"job":"ci-7"' in provenance
     for answer in (r, resolved):
-        sig = answer.headers[PROVENANCE_SIGNATURE_HEADER]
+        sig = answer.headers[headers.PROVENANCE_SIGNATURE]
         assert signature_valid(keys[1], m.key, "team-a", answer.content, sig, provenance)
         forged = provenance.replace('"job":"ci-7"', '"job":"ci-8"')
         assert not signature_valid(keys[1], m.key, "team-a", answer.content, sig, forged)
         assert not signature_valid(keys[1], m.key, "team-a", answer.content, sig)
         # the manifest-only signature still verifies as it always did
         assert signature_valid(keys[1], m.key, "team-a", answer.content,
-                               answer.headers[SIGNATURE_HEADER])
+                               answer.headers[headers.SIGNATURE])
     # the client checks both signatures of an entry served with its provenance
     with RemoteCache(ClientConfig(url=signing.url, namespace="team-a",
                                   verify_key=keys[1])) as remote:

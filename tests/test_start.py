@@ -24,8 +24,8 @@ from conftest import need
 from helpers import ForwardingProxy, ServerProcess
 from jobs import GxxCounter, JobRun, Machine, run_job
 
-from megacache_client.events import Event
-from megacache_client.schema import SchemaError, parse, parse_json
+from megacache_client.wire.events import Event
+from megacache_client.wire.schema import SchemaError, parse, parse_json
 
 MODEL, CODE = "start-mlp", "v1"
 READ_ONLY = {"MEGACACHE_MODE": "read-only"}
@@ -248,8 +248,8 @@ def test_stuck_prefetch_never_blocks_the_first_compile(producer, gxx, hanging_se
 
 def test_precompile_is_off_by_default_and_says_so(tmp_path: Path) -> None:
     torch = need("torch")
-    from megacache_client import precompile
     from megacache_client.config import ClientConfig
+    from megacache_client.torch import precompile
 
     before = torch._dynamo.config.caching_precompile
     try:
@@ -272,8 +272,8 @@ def test_precompile_is_loaded_only_from_an_exact_hit_of_the_same_torch() -> None
     torch = need("torch")
     import platform
 
-    from megacache_client import precompile
-    from megacache_client.manifest import BlobRef
+    from megacache_client.torch import precompile
+    from megacache_client.wire.manifest import BlobRef
 
     def bundle(**meta: str) -> BlobRef:
         good = {precompile.META_TORCH: torch.__version__,

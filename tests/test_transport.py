@@ -1,5 +1,5 @@
-"""RemoteCache over the wire (megacache_client/transport.py): one TLS context per process, verified
-and resumed downloads, an unused port failing fast."""
+"""RemoteCache over the wire (megacache_client/transport/client.py): one TLS context per
+process, verified and resumed downloads, an unused port failing fast."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import httpx
 import pytest
 from helpers import ServerProcess, free_port, sha256
 
-from megacache_client.breaker import CircuitBreaker
 from megacache_client.config import ClientConfig
-from megacache_client.transport import (
+from megacache_client.transport.breaker import CircuitBreaker
+from megacache_client.transport.client import (
     CorruptBlobError,
     RemoteCache,
     TransportError,
@@ -26,7 +26,7 @@ def test_clients_share_one_tls_context(monkeypatch: pytest.MonkeyPatch, tmp_path
     as httpx reads it."""
     import ssl
 
-    from megacache_client import transport
+    from megacache_client.transport import client as transport
 
     made: list[object] = []
     real = ssl.create_default_context

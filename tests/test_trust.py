@@ -23,12 +23,12 @@ from jobs import GxxCounter, Machine
 from prometheus_client.parser import text_string_to_metric_families
 
 from megacache_client.config import ClientConfig
-from megacache_client.load import find_entry
-from megacache_client.manifest import Fingerprint
-from megacache_client.nodecache import NodeCache
-from megacache_client.publish import upload
 from megacache_client.results import LoadResult, Snapshot, Track
-from megacache_client.transport import RemoteCache
+from megacache_client.steps.fetch import find_entry
+from megacache_client.steps.nodecache import NodeCache
+from megacache_client.steps.publish import upload
+from megacache_client.transport.client import RemoteCache
+from megacache_client.wire.manifest import Fingerprint
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

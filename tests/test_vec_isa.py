@@ -1,4 +1,4 @@
-"""Torch's CPU vector-ISA probe run in the background (megacache_client.vec_isa).
+"""Torch's CPU vector-ISA probe run in the background (megacache_client.torch.vec_isa).
 
 The probe itself is torch's; what is ours is that it runs once, off the trainer's thread, and
 that the trainer's first call waits for it instead of probing again. The probe is replaced
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from conftest import need
 
-from megacache_client import vec_isa
+from megacache_client.torch import vec_isa
 
 cpu_vec_isa = need("torch._inductor.cpu_vec_isa", "the ISA probe is torch's")
 

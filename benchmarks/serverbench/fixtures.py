@@ -14,7 +14,7 @@ from typing import Any
 from benchlib import MiB
 from services import LocalServer
 
-from megacache_client.manifest import BlobRef, Fingerprint, Manifest
+from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 
 from .wire import connect, put_head, read_response, send_file
 

@@ -14,12 +14,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from megacache_client.events import Event
-from megacache_client.manifest import Manifest
+from megacache_client.wire.events import Event
+from megacache_client.wire.manifest import Manifest
 from megacache_server import __version__
 from megacache_server.api import supervisor
 from megacache_server.api.docs import add_offline_docs
@@ -27,6 +26,7 @@ from megacache_server.api.logs import configure_logging
 from megacache_server.api.middleware import HeaderLimit, LocalOnly
 from megacache_server.api.redact import redact_access_log
 from megacache_server.api.request_metrics import RequestMetrics
+from megacache_server.api.route_table import allowed_methods
 from megacache_server.api.routes.ac import router as ac_router
 from megacache_server.api.routes.cas import router as cas_router
 from megacache_server.api.routes.events import router as events_router
@@ -168,20 +168,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         headers = {k: v for k, v in (exc.headers or {}).items()
                    if not (exc.status_code == 405 and k.lower() == "allow")}
         if exc.status_code == 405:  # list every method the path supports, not one route's
-            headers["allow"] = ", ".join(_allowed_methods(app, request))
+            headers["allow"] = ", ".join(allowed_methods(app.router.routes, request.url.path))
         body = error_body(exc.status_code, "http_error", str(exc.detail))
         return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
 HEX_PARAMS = ("digest", "key", "env", "hw")
-
-
-def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
-    methods: set[str] = set()
-    for route in app.router.routes:
-        if isinstance(route, APIRoute) and route.path_regex.match(request.url.path):
-            methods |= route.methods or set()
-    return sorted(methods)
 
 
 def _openapi_with_models(app: FastAPI) -> None:
@@ -198,7 +190,7 @@ def _openapi_with_models(app: FastAPI) -> None:
             return app.openapi_schema
         schema = base()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (Manifest, Event):  # pydantic reads the rules of megacache_client.schema
+        for model in (Manifest, Event):  # pydantic reads the rules of megacache_client.wire.schema
             spec = TypeAdapter(model).json_schema(ref_template="#/components/schemas/{model}")
             components.update(spec.pop("$defs", {}))
             components[model.__name__] = spec

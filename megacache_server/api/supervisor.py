@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from megacache_client.exitcodes import ExitCode
+from megacache_client.wire.exitcodes import ExitCode
 
 log = logging.getLogger("megacache.server")
 

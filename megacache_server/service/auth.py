@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from megacache_client.manifest import NAMESPACE_PATTERN
+from megacache_client.wire.manifest import NAMESPACE_PATTERN
 from megacache_server.errors import Forbidden, Unauthorized
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import TokenRecord, TokenStore

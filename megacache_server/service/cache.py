@@ -27,9 +27,9 @@ from typing import Any, Protocol
 
 from anyio import to_thread
 
-from megacache_client.events import Event
-from megacache_client.manifest import Manifest, component_digest
-from megacache_client.schema import SchemaError, parse_json
+from megacache_client.wire.events import Event
+from megacache_client.wire.manifest import Manifest, component_digest
+from megacache_client.wire.schema import SchemaError, parse_json
 from megacache_server.errors import (
     ApiError,
     Conflict,

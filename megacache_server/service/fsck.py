@@ -22,8 +22,8 @@ import contextlib
 import hashlib
 from dataclasses import dataclass, field
 
-from megacache_client.manifest import Manifest
-from megacache_client.schema import SchemaError
+from megacache_client.wire.manifest import Manifest
+from megacache_client.wire.schema import SchemaError
 from megacache_server.store.index.base import entry_etag
 from megacache_server.store.storage import Storage
 

@@ -23,7 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from megacache_client.events import REPLAYS
+from megacache_client.wire.events import REPLAYS
 from megacache_server import __version__
 from megacache_server.errors import Conflict, NotFound
 from megacache_server.service.auth import Principal

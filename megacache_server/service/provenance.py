@@ -7,7 +7,7 @@ namespace, when, and whether the write replaced an earlier version) and records 
 producer says of itself (client version, job id and attempt; strictly validated, 422
 otherwise). It is kept as one canonical JSON string (sorted keys, no spaces, ASCII), served
 as `x-megacache-provenance` with the manifest and, when the server signs, covered by the
-signature (`megacache_client.signing.signed_message`).
+signature (`megacache_client.wire.signing.signed_message`).
 """
 
 from __future__ import annotations
@@ -16,15 +16,9 @@ import json
 import re
 from dataclasses import dataclass
 
+from megacache_client.wire import headers as wire_headers
 from megacache_server.errors import Unprocessable
 from megacache_server.service.auth import Principal
-
-PROVENANCE_HEADER = "x-megacache-provenance"
-WRITER_HEADER = "x-megacache-writer"
-WRITER_SCOPES_HEADER = "x-megacache-writer-scopes"
-CLIENT_VERSION_HEADER = "x-megacache-client-version"
-JOB_HEADER = "x-megacache-job"
-ATTEMPT_HEADER = "x-megacache-attempt"
 
 VERSION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}")
 JOB_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # cache.ID_PATTERN's rule
@@ -46,15 +40,15 @@ class ProducerClaims:
         """Strictly validated: a value of another shape is refused (422) naming the rule,
         never echoed back whole nor stored."""
         if client_version is not None and not VERSION_PATTERN.fullmatch(client_version):
-            raise Unprocessable(f"{CLIENT_VERSION_HEADER} must be 1-64 of A-Z a-z 0-9 . + _ -",
-                                code="invalid_client_version")
+            raise Unprocessable(f"{wire_headers.CLIENT_VERSION} must be 1-64 of A-Z a-z 0-9 "
+                                ". + _ -", code="invalid_client_version")
         if job is not None and not JOB_PATTERN.fullmatch(job):
-            raise Unprocessable(f"{JOB_HEADER} must be 1-128 of A-Z a-z 0-9 . _ -, starting "
+            raise Unprocessable(f"{wire_headers.JOB} must be 1-128 of A-Z a-z 0-9 . _ -, starting "
                                 "with a letter or digit", code="invalid_job")
         number = None
         if attempt is not None:
             if not ATTEMPT_PATTERN.fullmatch(attempt) or int(attempt) > MAX_ATTEMPT:
-                raise Unprocessable(f"{ATTEMPT_HEADER} must be an integer from 0 to "
+                raise Unprocessable(f"{wire_headers.ATTEMPT} must be an integer from 0 to "
                                     f"{MAX_ATTEMPT}", code="invalid_attempt")
             number = int(attempt)
         return cls(client_version, job, number)
@@ -82,10 +76,10 @@ def headers(provenance: str) -> dict[str, str]:
     if not provenance:
         return {}
     data = json.loads(provenance)
-    found = {PROVENANCE_HEADER: provenance,
-             WRITER_SCOPES_HEADER: ",".join(data["writer_scopes"])}
+    found = {wire_headers.PROVENANCE: provenance,
+             wire_headers.WRITER_SCOPES: ",".join(data["writer_scopes"])}
     if SAFE_NAME.fullmatch(data["writer"]):  # else only inside the (escaped) JSON
-        found[WRITER_HEADER] = data["writer"]
+        found[wire_headers.WRITER] = data["writer"]
     return found
 
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, fields
 from typing import Any
 
-from megacache_client.events import REPLAYS
+from megacache_client.wire.events import REPLAYS
 from megacache_server.store.index import rollups
 from megacache_server.store.index.base import EntryInfo, Index, JobView, ModelStats
 

@@ -1,6 +1,6 @@
 """The server side of manifest signatures: load the Ed25519 private key once, sign on serve.
 
-The scheme (what is signed, the header format) lives in megacache_client.signing so both
+The scheme (what is signed, the header format) lives in megacache_client.wire.signing so both
 ends share one definition.
 """
 
@@ -10,9 +10,8 @@ import functools
 import os
 from pathlib import Path
 
-from megacache_client.signing import (
-    PROVENANCE_SIGNATURE_HEADER,
-    SIGNATURE_HEADER,
+from megacache_client.wire import headers as wire_headers
+from megacache_client.wire.signing import (
     Signer,
     SigningError,
     generate_private_key_pem,
@@ -34,9 +33,9 @@ def signature_headers(settings: Settings, key: str, namespace: str,
     if settings.signing_key_file is None:
         return {}
     signer = signer_for(settings.signing_key_file)
-    found = {SIGNATURE_HEADER: signer.sign(key, namespace, manifest_json)}
+    found = {wire_headers.SIGNATURE: signer.sign(key, namespace, manifest_json)}
     if provenance:  # a second signature, so verifiers of the first work as before
-        found[PROVENANCE_SIGNATURE_HEADER] = signer.sign(key, namespace, manifest_json,
+        found[wire_headers.PROVENANCE_SIGNATURE] = signer.sign(key, namespace, manifest_json,
                                                          provenance)
     return found
 

@@ -6,7 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, Response
 
-from megacache_client.manifest import HEX64_PATTERN
+from megacache_client.wire import headers as wire_headers
+from megacache_client.wire.manifest import HEX64_PATTERN
 from megacache_server.api.deps import Admin, Reader, Writer
 from megacache_server.api.validation import request_body, require_content_length
 from megacache_server.errors import PayloadTooLarge, error_responses
@@ -49,9 +50,9 @@ async def put_entry(key: Key, request: Request, cache: Writer) -> Response:
     require_content_length(request.headers.get("content-length"), limit, "manifest")
     body = await _read_limited(request, limit)
     claims = provenance.ProducerClaims.from_headers(
-        request.headers.get(provenance.CLIENT_VERSION_HEADER),
-        request.headers.get(provenance.JOB_HEADER),
-        request.headers.get(provenance.ATTEMPT_HEADER))
+        request.headers.get(wire_headers.CLIENT_VERSION),
+        request.headers.get(wire_headers.JOB),
+        request.headers.get(wire_headers.ATTEMPT))
     done = await cache.put_entry(key, body, Precondition(
         if_match=request.headers.get("if-match"),
         if_none_match=request.headers.get("if-none-match")), claims=claims)

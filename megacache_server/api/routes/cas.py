@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
-from megacache_client.manifest import HEX64_PATTERN
+from megacache_client.wire.manifest import HEX64_PATTERN
 from megacache_server.api.deps import Reader, Writer
 from megacache_server.api.ranges import parse_range
 from megacache_server.api.validation import request_body, require_content_length

@@ -17,7 +17,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from megacache_client.manifest import HEX64_PATTERN, NAMESPACE_PATTERN
+from megacache_client.wire import headers as wire_headers
+from megacache_client.wire.manifest import HEX64_PATTERN, NAMESPACE_PATTERN
 from megacache_server.api.deps import Reader, Writer
 from megacache_server.api.validation import small_json_body
 from megacache_server.errors import NotFound, error_responses
@@ -85,9 +86,9 @@ async def resolve(key: Key, request: Request, cache: Reader) -> Response:
     rule = FallbackRule(**body.fallback.model_dump()) if body.fallback else None
     done = await cache.resolve(key, job=body.job, attempt=body.attempt, ttl_s=body.ttl_s,
                                fallback=rule)
-    headers = {"x-megacache-resolution": "hit" if done.hit else "miss",
-               "x-megacache-resolved-at": f"{done.resolved_at:.6f}",
-               "x-megacache-expires-at": f"{done.expires_at:.6f}"}
+    headers = {wire_headers.RESOLUTION: "hit" if done.hit else "miss",
+               wire_headers.RESOLVED_AT: f"{done.resolved_at:.6f}",
+               wire_headers.EXPIRES_AT: f"{done.expires_at:.6f}"}
     if not done.hit:
         raise NotFound(
             f"job {done.job!r} attempt {done.attempt} resolved key {key} to a miss: every "

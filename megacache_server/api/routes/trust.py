@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from megacache_client.manifest import HEX64_PATTERN
+from megacache_client.wire.manifest import HEX64_PATTERN
 from megacache_server.api.deps import Reader
 from megacache_server.api.validation import small_json_body
 from megacache_server.errors import error_responses

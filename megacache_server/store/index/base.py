@@ -27,7 +27,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from megacache_client.events import OUTCOMES, REPLAYS, Event
+from megacache_client.wire.events import OUTCOMES, REPLAYS, Event
 from megacache_server.errors import PreconditionFailed
 from megacache_server.store.index import rollups
 

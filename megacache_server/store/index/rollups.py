@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from megacache_client.events import OUTCOMES, REPLAYS, Event
+from megacache_client.wire.events import OUTCOMES, REPLAYS, Event
 
 BUCKETS = (1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 240.0,
            300.0, 450.0, 600.0, 900.0, 1200.0, 1800.0, 3600.0)

@@ -14,7 +14,7 @@ from typing import Any
 from anyio import to_thread
 from redis.exceptions import WatchError
 
-from megacache_client.events import Event
+from megacache_client.wire.events import Event
 from megacache_server.store.index import rollups
 from megacache_server.store.index.base import (
     MAX_VIEW_ATTEMPTS,

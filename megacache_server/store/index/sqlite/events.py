@@ -8,7 +8,7 @@ import sqlite3
 import time
 from typing import Any
 
-from megacache_client.events import Event
+from megacache_client.wire.events import Event
 from megacache_server.store.index import rollups
 from megacache_server.store.index.base import (
     MAX_VIEW_ATTEMPTS,

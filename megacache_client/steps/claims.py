@@ -18,14 +18,11 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from megacache_client import precompile, relocate, torch_env
 from megacache_client.config import ClientConfig
-from megacache_client.load import read_bundle
-from megacache_client.manifest import BlobRef, Manifest, sha256_hex
-from megacache_client.nodecache import NodeCache
-from megacache_client.packs import PackError
 from megacache_client.results import Snapshot, Track
-from megacache_client.shipping import (
+from megacache_client.steps.load import read_bundle
+from megacache_client.steps.nodecache import NodeCache
+from megacache_client.steps.shipping import (
     build_manifest,
     bundle_blob,
     pack_blob,
@@ -33,7 +30,11 @@ from megacache_client.shipping import (
     upload_and_write,
     upload_blobs,
 )
-from megacache_client.transport import RemoteCache, TransportError, UntrustedWriterError
+from megacache_client.torch import env as torch_env
+from megacache_client.torch import precompile, relocate
+from megacache_client.torch.packs import PackError
+from megacache_client.transport.client import RemoteCache, TransportError, UntrustedWriterError
+from megacache_client.wire.manifest import BlobRef, Manifest, sha256_hex
 
 log = logging.getLogger("megacache")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from megacache_client.manifest import sha256_file
+from megacache_client.wire.manifest import sha256_file
 
 
 class NodeCache:

@@ -38,12 +38,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megacache_client import relocate, torch_env
 from megacache_client.config import ClientConfig
-from megacache_client.load import place, read_bundle, skip_reason
-from megacache_client.manifest import BlobRef, Manifest, Scalar
-from megacache_client.nodecache import NodeCache
-from megacache_client.transport import Deadline, RemoteCache
+from megacache_client.steps.fetch import skip_reason
+from megacache_client.steps.load import place, read_bundle
+from megacache_client.steps.nodecache import NodeCache
+from megacache_client.torch import env as torch_env
+from megacache_client.torch import relocate
+from megacache_client.transport.client import Deadline, RemoteCache
+from megacache_client.wire.manifest import BlobRef, Manifest, Scalar
 
 log = logging.getLogger("megacache")
 

@@ -17,7 +17,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megacache_client.session import Session
+    from megacache_client.lifecycle import Session
 
 log = logging.getLogger("megacache")
 

@@ -18,13 +18,10 @@ import binascii
 from pathlib import Path
 from typing import Any
 
-SIGNATURE_HEADER = "x-megacache-signature"
 SIGNATURE_PREFIX = "ed25519="
 PUBLIC_KEY_PREFIX = "ed25519:"
 _DOMAIN = b"megacache-manifest-v1"
 _DOMAIN_V2 = b"megacache-manifest-v2"
-PROVENANCE_HEADER = "x-megacache-provenance"
-PROVENANCE_SIGNATURE_HEADER = "x-megacache-provenance-signature"
 
 
 class SigningError(ValueError):

@@ -13,14 +13,15 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megacache_client import precompile, torch_env
 from megacache_client.config import ClientConfig
 from megacache_client.errors import Finding
-from megacache_client.events import Event, Outcome, Replay
 from megacache_client.job import JobIdentity
 from megacache_client.results import LoadResult, Track
-from megacache_client.start_clock import TimeToStart
-from megacache_client.transport import Deadline, RemoteCache
+from megacache_client.torch import env as torch_env
+from megacache_client.torch import precompile
+from megacache_client.torch.start_clock import TimeToStart
+from megacache_client.transport.client import Deadline, RemoteCache
+from megacache_client.wire.events import Event, Outcome, Replay
 
 log = logging.getLogger("megacache")
 

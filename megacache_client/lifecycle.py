@@ -4,10 +4,10 @@
 may hurt the trainer. Any failure is caught, logged as one clear warning, and the run
 compiles cold; only `mode="required"` turns a failure into an exception. The load step has a
 total deadline (`load_deadline_s`), so a server that accepts connections and never answers
-costs seconds, not minutes. What each step does lives beside it: `load.py` (find, fetch,
-place, load into torch), `publish.py` (snapshot, claim, upload, write the entries; with
-`shipping.py` and `claims.py`) and `report.py` (the events); they raise, and the session
-decides what a failure costs.
+costs seconds, not minutes. What each step does lives in `steps/`: `fetch.py` (find the
+entry, fetch its blobs), `load.py` (place the packs, load into torch), `publish.py`
+(snapshot, claim, upload, write the entries; with `shipping.py` and `claims.py`) and
+`report.py` (the events); they raise, and the session decides what a failure costs.
 
 A process may compile several things (a model and its loss, a trainer and its EMA copy):
 each distinct fingerprint is a `Track` with its own entry, load and publish. Torch keeps one
@@ -24,37 +24,35 @@ import threading
 import time
 from typing import Any
 
-from megacache_client import precompile, start_clock, torch_env
-from megacache_client.claims import claim_holder
 from megacache_client.config import ClientConfig
-from megacache_client.events import Event, Outcome
-from megacache_client.fingerprint import compute as compute_fingerprint
 from megacache_client.job import JobIdentity
-from megacache_client.load import (
-    await_prefetch,
+from megacache_client.results import LoadResult, MegacacheError, PublishResult, Snapshot, Track
+from megacache_client.steps.claims import claim_holder
+from megacache_client.steps.fetch import await_prefetch, failure_reason, fetch_blobs, find_entry
+from megacache_client.steps.fingerprint import compute as compute_fingerprint
+from megacache_client.steps.load import (
     await_toolchain,
     count_toolchain,
-    failure_reason,
-    fetch_blobs,
-    find_entry,
     load_bundle,
     place_artifacts,
     watch_kernel_keys,
 )
-from megacache_client.manifest import Fingerprint
-from megacache_client.nodecache import NodeCache
-from megacache_client.packs import PackError
-from megacache_client.prefetch import Prefetcher
-from megacache_client.publish import save_for_shipping, snapshot, upload
-from megacache_client.report import REPORT_DEADLINE_S, post_events, send_finding, start_fields
-from megacache_client.report import events as track_events
-from megacache_client.results import LoadResult, MegacacheError, PublishResult, Snapshot, Track
-from megacache_client.transport import (
+from megacache_client.steps.nodecache import NodeCache
+from megacache_client.steps.prefetch import Prefetcher
+from megacache_client.steps.publish import save_for_shipping, snapshot, upload
+from megacache_client.steps.report import REPORT_DEADLINE_S, post_events, send_finding, start_fields
+from megacache_client.steps.report import events as track_events
+from megacache_client.torch import env as torch_env
+from megacache_client.torch import precompile, start_clock
+from megacache_client.torch.packs import PackError
+from megacache_client.transport.client import (
     CorruptBlobError,
     Deadline,
     DeadlineExceeded,
     RemoteCache,
 )
+from megacache_client.wire.events import Event, Outcome
+from megacache_client.wire.manifest import Fingerprint
 
 __all__ = ["LoadResult", "MegacacheError", "PublishResult", "Session", "Snapshot", "Track"]
 

@@ -6,15 +6,15 @@ import dataclasses
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
-from megacache_client.manifest import Hex64
-from megacache_client.schema import Doc, Match, Range, Schema, Size
+from megacache_client.wire.manifest import Hex64
+from megacache_client.wire.schema import Doc, Match, Range, Schema, Size
 
 Outcome = Literal["hit", "fallback", "miss", "invalid", "error", "inert"]
 OUTCOMES: tuple[Outcome, ...] = ("hit", "fallback", "miss", "invalid", "error", "inert")
 Replay = Literal["full", "partial", "rebuilt"]
 REPLAYS: tuple[Replay, ...] = ("full", "partial", "rebuilt")
 """Whether a run replayed the entry's artifacts: all of them (torch compiled nothing anew),
-some, or none (`megacache_client.report.replay` says when each)."""
+some, or none (`megacache_client.steps.report.replay` says when each)."""
 
 Seconds = Annotated[float, Range(0, 7 * 24 * 3600)]
 """No run compiles, loads or saves more than a week."""

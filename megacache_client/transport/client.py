@@ -19,8 +19,6 @@ from typing import Any
 
 import httpx
 
-from megacache_client._version import __version__
-from megacache_client.breaker import CircuitBreaker, breaker_for
 from megacache_client.config import ClientConfig
 from megacache_client.errors import (
     CircuitOpenError,
@@ -31,16 +29,21 @@ from megacache_client.errors import (
     UntrustedEntryError,
     UntrustedWriterError,
 )
-from megacache_client.manifest import Manifest, component_digest, sha256_file
-from megacache_client.retry import Deadline, RetryableStatus, retry_after_s, retryable, retrying
-from megacache_client.schema import parse
-from megacache_client.signing import (
-    PROVENANCE_HEADER,
-    PROVENANCE_SIGNATURE_HEADER,
-    SIGNATURE_HEADER,
-    SigningError,
-    signature_valid,
+from megacache_client.job import JobIdentity
+from megacache_client.transport.breaker import CircuitBreaker, breaker_for
+from megacache_client.transport.retry import (
+    Deadline,
+    RetryableStatus,
+    retry_after_s,
+    retryable,
+    retrying,
 )
+from megacache_client.wire import headers as wire_headers
+from megacache_client.wire import routes
+from megacache_client.wire.manifest import Manifest, component_digest, sha256_file
+from megacache_client.wire.schema import parse
+from megacache_client.wire.signing import SigningError, signature_valid
+from megacache_client.wire.version import __version__
 
 __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineExceeded",
            "Deadline", "Progress", "RemoteCache", "ResolutionUnsupported", "TransportError",
@@ -69,7 +72,7 @@ class RemoteCache:
             # identity only: blobs are compressed already, and a body a server or proxy
             # encodes anyway is refused before it is read (`_refuse_encoded`)
             headers = {"user-agent": f"megacache-client/{__version__}",
-                       "accept-encoding": "identity"}
+                       "accept-encoding": "identity", **producer_headers()}
             if self.config.token:
                 headers["authorization"] = f"Bearer {self.config.token}"
             self._client = httpx.Client(
@@ -124,7 +127,8 @@ class RemoteCache:
 
     # -- entries ------------------------------------------------------------------------
     def get_entry(self, entry_key: str) -> tuple[Manifest, str] | None:
-        r = self._call(lambda t: self._http.get(f"/v1/ac/{entry_key}", timeout=t), "get entry")
+        url = routes.GET_ENTRY.url(key=entry_key)
+        r = self._call(lambda t: self._http.get(url, timeout=t), "get entry")
         if r.status_code == 404:
             return None
         self._expect(r, (200,), "get entry")
@@ -147,9 +151,9 @@ class RemoteCache:
         body: dict[str, Any] = {"job": job, "attempt": attempt, "ttl_s": ttl_s}
         if fallback is not None:
             body["fallback"] = fallback
-        r = self._call(lambda t: self._http.post(f"/v1/ac/{entry_key}/resolve", json=body,
+        r = self._call(lambda t: self._http.post(routes.RESOLVE_ENTRY.url(key=entry_key), json=body,
                                                  timeout=t), "resolve entry")
-        if r.status_code == 404 and r.headers.get("x-megacache-resolution") == "miss":
+        if r.status_code == 404 and r.headers.get(wire_headers.RESOLUTION) == "miss":
             return None
         if r.status_code in (404, 405):  # a server from before job resolutions
             raise ResolutionUnsupported(
@@ -167,7 +171,7 @@ class RemoteCache:
     def claim(self, entry_key: str, *, holder: str, lease_s: float) -> str | None:
         """Claim the publish of `entry_key`: None when granted, else who holds it."""
         r = self._call(lambda t: self._http.post(
-            f"/v1/ac/{entry_key}/claim", json={"holder": holder, "lease_s": lease_s},
+            routes.CLAIM_PUBLISH.url(key=entry_key), json={"holder": holder, "lease_s": lease_s},
             timeout=t), "claim publish")
         if r.status_code == 409:
             try:
@@ -180,7 +184,7 @@ class RemoteCache:
         return None
 
     def release_claim(self, entry_key: str, *, holder: str) -> None:
-        r = self._call(lambda t: self._http.delete(f"/v1/ac/{entry_key}/claim",
+        r = self._call(lambda t: self._http.delete(routes.RELEASE_CLAIM.url(key=entry_key),
                                                    params={"holder": holder}, timeout=t),
                        "release claim")
         self._expect(r, (204, 404, 405, 409), "release claim")
@@ -191,14 +195,14 @@ class RemoteCache:
         policy = self.config.writer_policy
         if policy is None:
             return
-        why = policy.refusal(r.headers.get(PROVENANCE_HEADER))
+        why = policy.refusal(r.headers.get(wire_headers.PROVENANCE))
         if why:
             raise UntrustedWriterError(f"entry {entry_key[:12]}… {why}", entry_key,
                                        r.headers.get("etag", ""))
 
     def whoami(self) -> tuple[str, list[str]]:
         """This client's token name and scopes, as the server knows them."""
-        r = self._call(lambda t: self._http.get("/v1/whoami", timeout=t), "whoami")
+        r = self._call(lambda t: self._http.get(routes.WHOAMI.url(), timeout=t), "whoami")
         self._expect(r, (200,), "whoami")
         data = r.json()
         return str(data["name"])[:128], [str(s) for s in data["scopes"]][:16]
@@ -211,11 +215,11 @@ class RemoteCache:
             return
         try:
             ok = signature_valid(public_key, entry_key, self.config.namespace, r.content,
-                                 r.headers.get(SIGNATURE_HEADER))
-            provenance = r.headers.get(PROVENANCE_HEADER)
+                                 r.headers.get(wire_headers.SIGNATURE))
+            provenance = r.headers.get(wire_headers.PROVENANCE)
             if ok and provenance:  # who wrote it, when said, must be what the server signed
                 ok = signature_valid(public_key, entry_key, self.config.namespace, r.content,
-                                     r.headers.get(PROVENANCE_SIGNATURE_HEADER), provenance)
+                                     r.headers.get(wire_headers.PROVENANCE_SIGNATURE), provenance)
         except SigningError as exc:
             raise UntrustedEntryError(f"cannot verify entry {entry_key[:12]}…: {exc}") from None
         if not ok:
@@ -232,8 +236,8 @@ class RemoteCache:
             params["env"] = component_digest(env)
         if hw is not None:
             params["hw"] = component_digest(hw)
-        r = self._call(lambda t: self._http.get("/v1/ac", params=params, timeout=t),
-                       "list entries")
+        url = routes.LIST_ENTRIES.url()
+        r = self._call(lambda t: self._http.get(url, params=params, timeout=t), "list entries")
         self._expect(r, (200,), "list entries")
         return [parse(Manifest, e) for e in r.json()["entries"]]
 
@@ -246,8 +250,9 @@ class RemoteCache:
         if if_none_match:
             headers["if-none-match"] = if_none_match
         body = manifest.to_json()
-        r = self._call(lambda t: self._http.put(f"/v1/ac/{manifest.key}", content=body,
-                                                headers=headers, timeout=t), "put entry")
+        url = routes.PUT_ENTRY.url(key=manifest.key)
+        r = self._call(lambda t: self._http.put(url, content=body, headers=headers, timeout=t),
+                       "put entry")
         if r.status_code == 412:
             return None
         self._expect(r, (200, 201), "put entry")
@@ -255,7 +260,8 @@ class RemoteCache:
 
     # -- blobs --------------------------------------------------------------------------
     def has_blob(self, digest: str) -> bool:
-        r = self._call(lambda t: self._http.head(f"/v1/cas/{digest}", timeout=t), "head blob")
+        url = routes.HEAD_BLOB.url(digest=digest)
+        r = self._call(lambda t: self._http.head(url, timeout=t), "head blob")
         if r.status_code == 404:
             return False
         self._expect(r, (200,), "head blob")
@@ -266,7 +272,8 @@ class RemoteCache:
         size = path.stat().st_size
 
         def send(timeout: httpx.Timeout) -> httpx.Response:
-            return self._http.put(f"/v1/cas/{digest}", content=_file_chunks(path, progress),
+            return self._http.put(routes.PUT_BLOB.url(digest=digest),
+                                  content=_file_chunks(path, progress),
                                   headers={"content-length": str(size),
                                            "content-type": "application/octet-stream"},
                                   timeout=timeout)
@@ -307,7 +314,7 @@ class RemoteCache:
         done = f.tell()
         headers = {"range": f"bytes={done}-"} if done else {}
         what = f"download {digest[:12]}"
-        with self._http.stream("GET", f"/v1/cas/{digest}", headers=headers,
+        with self._http.stream("GET", routes.GET_BLOB.url(digest=digest), headers=headers,
                                timeout=self._timeout()) as r:
             if r.status_code == 200 and done:
                 f.seek(0)
@@ -338,11 +345,11 @@ class RemoteCache:
         torch failing on a bundle whose blobs all verified, by entry."""
         detail = finding.detail[:500]
         if finding.digest is not None:
-            path, what = f"/v1/cas/{finding.digest}/report", "report blob"
+            path, what = routes.REPORT_BLOB.url(digest=finding.digest), "report blob"
             body: dict[str, Any] = {"kind": finding.kind, "detail": detail,
                                     "entry_key": finding.entry_key}
         elif finding.entry_key is not None:
-            path, what = f"/v1/ac/{finding.entry_key}/report", "report entry"
+            path, what = routes.REPORT_ENTRY.url(key=finding.entry_key), "report entry"
             body = {"kind": finding.kind, "detail": detail, "job": job}
         else:
             raise ValueError("a finding names a blob or an entry")
@@ -355,12 +362,12 @@ class RemoteCache:
 
     # -- events and stats ---------------------------------------------------------------
     def post_event(self, event: dict[str, Any]) -> None:
-        r = self._call(lambda t: self._http.post("/v1/events", json=event, timeout=t),
+        r = self._call(lambda t: self._http.post(routes.POST_EVENTS.url(), json=event, timeout=t),
                        "post event")
         self._expect(r, (200, 201, 202), "post event")
 
     def stats(self) -> dict[str, Any]:
-        r = self._call(lambda t: self._http.get("/v1/stats", timeout=t), "stats")
+        r = self._call(lambda t: self._http.get(routes.STATS.url(), timeout=t), "stats")
         self._expect(r, (200,), "stats")
         return dict(r.json())
 
@@ -389,6 +396,18 @@ def tls_context() -> ssl.SSLContext:
                     pass
             _tls = ssl.create_default_context(cafile=cafile, capath=capath)
         return _tls
+
+
+def producer_headers() -> dict[str, str]:
+    """Who is asking, as the server records it in the provenance of an entry this process
+    writes: the client's version, and the job and attempt it belongs to (when launched in
+    one; the server refuses malformed values, and `JobIdentity` reads only well-formed ones)."""
+    job = JobIdentity.of_process()[0]
+    found = {wire_headers.CLIENT_VERSION: __version__}
+    if job.job_id is not None:
+        found[wire_headers.JOB] = job.job_id
+        found[wire_headers.ATTEMPT] = str(job.attempt)
+    return found
 
 
 def _file_chunks(path: Path, progress: Progress | None) -> Iterator[bytes]:

@@ -20,8 +20,8 @@ from typing import TypeVar
 
 import httpx
 
-from megacache_client.breaker import CircuitBreaker
 from megacache_client.errors import DeadlineExceeded, TransportError
+from megacache_client.transport.breaker import CircuitBreaker
 
 T = TypeVar("T")
 

@@ -15,15 +15,16 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
-from megacache_client import precompile, relocate, torch_env
-from megacache_client._version import __version__
 from megacache_client.config import ClientConfig
-from megacache_client.load import TOOLCHAIN_SUFFIXES
-from megacache_client.manifest import BlobRef, Fingerprint, Manifest, sha256_file, sha256_hex
-from megacache_client.nodecache import NodeCache
-from megacache_client.packs import compress_bytes, write_pack
 from megacache_client.results import Snapshot, Track
-from megacache_client.transport import Progress, RemoteCache
+from megacache_client.steps.load import TOOLCHAIN_SUFFIXES
+from megacache_client.steps.nodecache import NodeCache
+from megacache_client.torch import env as torch_env
+from megacache_client.torch import precompile, relocate
+from megacache_client.torch.packs import compress_bytes, write_pack
+from megacache_client.transport.client import Progress, RemoteCache
+from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest, sha256_file, sha256_hex
+from megacache_client.wire.version import __version__
 
 log = logging.getLogger("megacache")
 

@@ -1,6 +1,6 @@
 """The manifest: the small JSON document an index entry maps a fingerprint key to.
 
-It lives in the client package (base install, standard library only: see `schema.py`) so
+It lives in the wire contract (base install, standard library only: see `schema.py`) so
 the server and the trainer-side client validate exactly the same schema without the
 client importing FastAPI or pydantic.
 """
@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from megacache_client.schema import Doc, Finite, Match, Range, Schema, Size, parse_json
+from megacache_client.wire.schema import Doc, Finite, Match, Range, Schema, Size, parse_json
 
 MANIFEST_FORMAT: Literal[1] = 1
 """Bump when the manifest or the fingerprint recipe changes incompatibly; it is hashed into keys."""

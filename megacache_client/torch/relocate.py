@@ -54,7 +54,7 @@ def build_facts() -> dict[str, str]:
     """
     import torch
 
-    from megacache_client import torch_env
+    from megacache_client.torch import env as torch_env
 
     return {
         "arch": platform.machine(),
@@ -81,7 +81,7 @@ def refusal(meta: Mapping[str, str], ours: Mapping[str, str] | None = None) -> s
     theirs = {k[len(BUILD_META_PREFIX):]: v for k, v in meta.items()
               if k.startswith(BUILD_META_PREFIX)}
     if not theirs:
-        from megacache_client.torch_env import torch_prefix
+        from megacache_client.torch.env import torch_prefix
 
         prefix = meta.get("torch_prefix")
         if prefix and prefix != torch_prefix():
@@ -98,7 +98,7 @@ def refusal(meta: Mapping[str, str], ours: Mapping[str, str] | None = None) -> s
 
 @functools.cache
 def _native_march() -> str | None:
-    from megacache_client.torch_env import compiler_output
+    from megacache_client.torch.env import compiler_output
 
     out = compiler_output("-march=native", "-Q", "--help=target") or ""
     found = re.search(r"^\s*-march=\s+(\S+)", out, re.MULTILINE)
@@ -178,7 +178,7 @@ def index_bytes(ids: Mapping[str, str]) -> bytes:
 
 def parse_index(raw: bytes | None) -> dict[str, str]:
     """Shipped name -> identity from a pack index (empty for a pack without one)."""
-    from megacache_client.packs import PackError, safe_name
+    from megacache_client.torch.packs import PackError, safe_name
 
     if raw is None:
         return {}

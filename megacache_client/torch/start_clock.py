@@ -144,7 +144,7 @@ def _first_output(output: Any, clock: TimeToStart) -> None:
         import torch
         from torch.utils._pytree import tree_leaves
 
-        from megacache_client import torch_env
+        from megacache_client.torch import env as torch_env
 
         clock.forward_done(torch_env.compile_seconds())
         if not torch.is_grad_enabled():

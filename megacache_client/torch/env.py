@@ -1,6 +1,6 @@
 """Everything the client asks of torch, in one place, imported only once torch is in use.
 
-Fingerprint facts (versions, ISA, compiler; `fingerprint.py` combines them), where torch
+Fingerprint facts (versions, ISA, compiler; `steps/fingerprint.py` combines them), where torch
 keeps its caches, its compile metrics and hit counters, and the Mega-Cache save/load calls.
 Keeping torch behind this module means the rest of the client imports without torch and
 can be reasoned about alone.
@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from megacache_client.manifest import Scalar
+from megacache_client.wire.manifest import Scalar
 
 
 def torch_module() -> Any:

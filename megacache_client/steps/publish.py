@@ -14,14 +14,16 @@ import logging
 import time
 from collections.abc import Sequence
 
-from megacache_client import claims, precompile, relocate, shipping, torch_env
 from megacache_client.config import ClientConfig
-from megacache_client.load import KERNEL_SUFFIXES, read_bundle
-from megacache_client.manifest import BlobRef, Manifest
-from megacache_client.nodecache import NodeCache
-from megacache_client.packs import PackError, pack_names, read_index
 from megacache_client.results import Snapshot, Track
-from megacache_client.transport import RemoteCache
+from megacache_client.steps import claims, shipping
+from megacache_client.steps.load import KERNEL_SUFFIXES, read_bundle
+from megacache_client.steps.nodecache import NodeCache
+from megacache_client.torch import env as torch_env
+from megacache_client.torch import precompile, relocate
+from megacache_client.torch.packs import PackError, pack_names, read_index
+from megacache_client.transport.client import RemoteCache
+from megacache_client.wire.manifest import BlobRef, Manifest
 
 log = logging.getLogger("megacache")
 

@@ -25,7 +25,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from megacache_client.manifest import Fingerprint, Scalar, canonical_json
+from megacache_client.wire.manifest import Fingerprint, Scalar, canonical_json
 
 COMPONENTS = ("namespace", "model", "code", "env", "hw", "config")
 CALL_METHODS = ("_call_impl", "__call__", "_wrapped_call_impl")
@@ -44,7 +44,7 @@ def compute(*, namespace: str = "default", target: Any = None,
             options: dict[str, Any] | None = None, model: str | None = None,
             code: str | None = None) -> Fingerprint:
     """The fingerprint of compiling `target` with `options` (names given by the user win)."""
-    from megacache_client import torch_env
+    from megacache_client.torch import env as torch_env
 
     derived = identity(target) if target is not None and not (model and code) else None
     return Fingerprint(
@@ -89,7 +89,7 @@ def module_code(module: Any) -> str:
 
 def config_component(options: dict[str, Any] | None) -> dict[str, Scalar]:
     """Compile-relevant settings: torch.compile arguments, threads, torch's cache tag."""
-    from megacache_client import torch_env
+    from megacache_client.torch import env as torch_env
 
     torch = torch_env.torch_module()
     defaults = _compile_defaults()
