@@ -185,7 +185,7 @@ def _stand_in_for_torch(producer: dict[str, Any]) -> None:
 def _rank(spec: dict[str, Any], fp: Any, raw: bytes, job: Any, config: Any,
           record: dict[str, Any], go: float, out_lock: threading.Lock) -> None:
     from megacache_client.results import LoadResult, Snapshot, Track
-    from megacache_client.steps import load
+    from megacache_client.steps import fetch, load
     from megacache_client.steps.claims import claim_holder
     from megacache_client.steps.nodecache import NodeCache
     from megacache_client.steps.publish import upload
@@ -198,16 +198,16 @@ def _rank(spec: dict[str, Any], fp: Any, raw: bytes, job: Any, config: Any,
     with RemoteCache(config) as remote:
         # count what this rank receives, and from whom (a replica or the object store)
         remote._http.event_hooks["response"].append(responses.append)
-        found = load.find_entry(remote, fp, result, config.fallback, None, job)
+        found = fetch.find_entry(remote, fp, result, config.fallback, None, job)
         record["outcome"] = result.outcome
-        record["resolution"] = None if found is None else f"{found[0].key[:16]}/{found[1]}"
+        record["resolution"] = None if found is None else f"{found.key[:16]}/{found.etag}"
         with out_lock:
             print("resolved", flush=True)
-        paths: dict[str, Path] = {}
+        admitted: dict[str, Any] = {}
         if found is not None and not spec["cold"]:
-            result.entry, result.etag = found
-            paths = load.fetch_blobs(remote, config, node, result.entry, result)
-            load.place_artifacts(result.entry, paths, result, cap)
+            result.served = found
+            admitted = fetch.fetch_blobs(remote, config, node, found, result)
+            load.place_artifacts(admitted, result, cap)
             record["done_s"] = time.time() - go
             record["placed"], record["skipped"] = result.placed, result.skipped
         elif spec["cold"]:
@@ -226,9 +226,9 @@ def _rank(spec: dict[str, Any], fp: Any, raw: bytes, job: Any, config: Any,
             by["store" if r.url.port == spec["s3_port"] else "replica"] += \
                 r.num_bytes_downloaded
     record["blob_bytes"] = by
-    if spec["torch"] and paths:  # the torch-loading node: the bundle into torch too
+    if spec["torch"] and admitted:  # the torch-loading node: the bundle into torch too
         started = time.monotonic()
-        load.load_bundle(result.entry, paths, result, cap)
+        load.load_bundle(admitted["megacache"], result, cap)
         record["torch_loaded_keys"] = len(result.loaded_keys)
         record["torch_load_s"] = round(time.monotonic() - started, 3)
 
@@ -627,7 +627,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 def fetch_entry(url: str, root: Path) -> tuple[dict[str, Any], Path]:
     """The producer's entry and its bundle, decompressed (what a cold node "compiles")."""
     from megacache_client.config import ClientConfig
-    from megacache_client.steps.load import read_bundle
+    from megacache_client.torch.packs import decompress_bytes
     from megacache_client.transport.client import RemoteCache
     from megacache_client.wire.manifest import Fingerprint
     from megacache_client.wire.schema import parse
@@ -637,7 +637,9 @@ def fetch_entry(url: str, root: Path) -> tuple[dict[str, Any], Path]:
         ref = m.blob("megacache")
         assert ref is not None
         remote.download_blob(ref.digest, ref.size, root / "bundle.zst")
-    raw = read_bundle(ref, root / "bundle.zst", 1 << 32)
+    assert ref.raw_size is not None
+    raw = decompress_bytes((root / "bundle.zst").read_bytes(), ref.raw_size, ref.raw_sha256,
+                           1 << 32)
     (root / "bundle.raw").write_bytes(raw)
     fp = m.fingerprint.to_dict()
     assert parse(Fingerprint, fp).key() == m.key

@@ -100,7 +100,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if found is None:
         print(f"megacache: no entry {args.key}", file=sys.stderr)
         return 1
-    print(json.dumps(json.loads(found[0].to_json()), indent=2))
+    print(json.dumps(json.loads(found.manifest.to_json()), indent=2))
     return 0
 
 
@@ -112,7 +112,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         if found is None:
             print(f"megacache: no entry {args.key}", file=sys.stderr)
             return 1
-        for blob in found[0].blobs:
+        for blob in found.manifest.blobs:
             download = functools.partial(remote.download_blob, blob.digest, blob.size,
                                          progress=ProgressBar(f"{blob.role} {blob.digest[:8]}"))
             path, got = node.fetch(blob.digest, blob.size, download)

@@ -190,13 +190,14 @@ class Session:
                                        self.job)
                     step("find")
                     if found is not None:
-                        result.entry, result.etag = found
-                        paths = fetch_blobs(remote, self.config, self.node, result.entry,
-                                            result, prefetched)
+                        result.served = found
+                        admitted = fetch_blobs(remote, self.config, self.node, found, result,
+                                               prefetched)
+                        result.bundle = admitted["megacache"]
                         step("fetch")
-                        place_artifacts(result.entry, paths, result, cap, prefetched)
+                        place_artifacts(admitted, result, cap, prefetched)
                         step("place")
-                        load_bundle(result.entry, paths, result, cap, prefetched)
+                        load_bundle(admitted["megacache"], result, cap, prefetched)
                         step("load")
                         await_toolchain(self.prefetcher, result.entry, result,
                                         self.config.prefetch_wait_s, prefetched)
@@ -360,7 +361,7 @@ class Session:
     # -- failure policy -----------------------------------------------------------------
     def _fail(self, result: LoadResult, outcome: Outcome, reason: str) -> None:
         result.outcome, result.reason = outcome, reason
-        result.entry = None
+        result.served = result.bundle = None
         self._warn(f"{outcome}: {reason}; compiling cold")
         if self.config.mode == "required":
             raise MegacacheError(f"megacache {outcome}: {reason}")

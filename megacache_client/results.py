@@ -8,9 +8,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megacache_client.wire.events import Outcome
 from megacache_client.wire.manifest import Fingerprint, Manifest
+
+if TYPE_CHECKING:
+    from megacache_client.steps.verify import Admitted, ServedEntry
 
 
 class MegacacheError(RuntimeError):
@@ -21,8 +25,10 @@ class MegacacheError(RuntimeError):
 class LoadResult:
     outcome: Outcome | None = None
     key: str | None = None
-    entry: Manifest | None = None
-    etag: str | None = None
+    served: ServedEntry | None = None
+    """The entry chosen for this fingerprint, as the gate let it through."""
+    bundle: Admitted | None = None
+    """Its Mega-Cache bundle as the gate admitted it (a republish reads it again)."""
     differing: list[str] = field(default_factory=list)
     reason: str = ""
     bytes_down: int = 0
@@ -41,6 +47,14 @@ class LoadResult:
     reported: str = ""
     """The server's verdict on the bad bytes this load met and reported (or why the report
     did not go out); "" when there was nothing to report."""
+
+    @property
+    def entry(self) -> Manifest | None:
+        return self.served.manifest if self.served is not None else None
+
+    @property
+    def etag(self) -> str | None:
+        return self.served.etag if self.served is not None else None
 
     def timer(self) -> Callable[[str], None]:
         """Returns `mark(name)`: records the seconds since the previous mark under `name`."""

@@ -10,7 +10,6 @@ torch), a real server on loopback, real bundles from torch.compile.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -236,6 +235,7 @@ def until(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
 
 def entry_bundle(url: str, key: str, node: Path) -> tuple[Any, bytes]:
     """The entry at `key` and its bundle's bytes, downloaded and verified as a load does."""
+    from megacache_client.steps.fetch import fetch_blob
     from megacache_client.steps.load import read_bundle
     from megacache_client.transport.client import RemoteCache
 
@@ -243,10 +243,11 @@ def entry_bundle(url: str, key: str, node: Path) -> tuple[Any, bytes]:
     with RemoteCache(config) as remote:
         got = remote.get_entry(key)
         assert got is not None, f"no entry at {key}"
-        ref = got[0].blob("megacache")
-        path, _ = cache.fetch(ref.digest, ref.size,
-                              functools.partial(remote.download_blob, ref.digest, ref.size))
-    return got[0], read_bundle(ref, path, config.max_raw_bytes)
+        ref = got.manifest.blob("megacache")
+        assert ref is not None
+        path, _ = fetch_blob(remote, cache, ref)
+        bundle = remote.gate.admit(got, "megacache", path)
+    return got.manifest, read_bundle(bundle, config.max_raw_bytes)
 
 
 def test_a_dead_claimants_key_is_taken_over_after_its_lease(tmp_path):

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from megacache_client.results import LoadResult, Track
 from megacache_client.steps import report
+from megacache_client.steps.verify import ServedEntry
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import precompile
 from megacache_client.wire.events import Event
@@ -55,7 +56,8 @@ def test_replay_rule(outcome: Any, seen: dict[str, int], served: int, expected: 
 def track(model: str, outcome: Any) -> Track:
     fp = make_fingerprint(model=model)
     entry = make_manifest({"megacache": b"x"}, fp, cold_compile_s=30.0)
-    return Track(fp=fp, load=LoadResult(outcome=outcome, key=fp.key(), entry=entry))
+    served = ServedEntry(entry, etag='"e"', provenance=None, asked=entry.key)
+    return Track(fp=fp, load=LoadResult(outcome=outcome, key=fp.key(), served=served))
 
 
 @pytest.mark.parametrize(("seen", "served", "outcome", "expected"), [

@@ -87,7 +87,8 @@ def test_signed_entry_verifies_with_the_public_key_only(signing: ServerProcess,
                                                          keys: tuple[Path, str]):
     key = publish(signing, "signed")
     with RemoteCache(ClientConfig(url=signing.url, verify_key=keys[1])) as remote:
-        assert remote.get_entry(key)[0].key == key
+        got = remote.get_entry(key)
+        assert got is not None and got.key == key
     # the public key of another pair does not verify
     stranger = Signer.from_file(_new_key(keys[0].parent / "other.pem")).public_key
     with RemoteCache(ClientConfig(url=signing.url, verify_key=stranger)) as remote, \
@@ -194,4 +195,5 @@ def test_the_provenance_signature_covers_who_wrote_the_entry(signing: ServerProc
     # the client checks both signatures of an entry served with its provenance
     with RemoteCache(ClientConfig(url=signing.url, namespace="team-a",
                                   verify_key=keys[1])) as remote:
-        assert remote.get_entry(m.key)[0].key == m.key
+        got = remote.get_entry(m.key)
+        assert got is not None and got.key == m.key

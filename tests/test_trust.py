@@ -357,7 +357,7 @@ def _lookup(server: ServerProcess, token: str, namespace: str, fp: Fingerprint,
     result = LoadResult()
     with RemoteCache(config) as remote:
         found = find_entry(remote, fp, result, fallback=True)
-    result.entry, result.etag = found if found is not None else (None, None)
+    result.served = found
     return config, result
 
 

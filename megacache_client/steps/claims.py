@@ -9,7 +9,6 @@ entry written (the claimant died).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import random
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 
 from megacache_client.config import ClientConfig
 from megacache_client.results import Snapshot, Track
+from megacache_client.steps.fetch import fetch_blob
 from megacache_client.steps.load import read_bundle
 from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.shipping import (
@@ -30,6 +30,7 @@ from megacache_client.steps.shipping import (
     upload_and_write,
     upload_blobs,
 )
+from megacache_client.steps.verify import ServedEntry
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import precompile, relocate
 from megacache_client.torch.packs import PackError
@@ -175,7 +176,7 @@ def _follow_step(f: Follow, track: Track, other: str) -> bool:
     key = track.fp.key()
     got = f.remote.get_entry(key)
     if got is not None:
-        return _add_lacking(f, track, other, *got)
+        return _add_lacking(f, track, other, got)
     if f.remote.claim(key, holder=f.holder, lease_s=f.config.claim_lease_s) is not None:
         return False
     try:
@@ -193,17 +194,17 @@ def _follow_step(f: Follow, track: Track, other: str) -> bool:
     return True
 
 
-def _add_lacking(f: Follow, track: Track, other: str, entry: Manifest, etag: str) -> bool:
+def _add_lacking(f: Follow, track: Track, other: str, served: ServedEntry) -> bool:
     """Write over the entry read (If-Match) a merged bundle: its artifacts and those of
     ours it lacks, its other blobs kept; upload only our new blobs. True when done
     (written, or nothing to add); False when another writer changed it meanwhile."""
-    res = track.publish
+    res, entry, etag = track.publish, served.manifest, served.etag
     res.key = entry.key
     ref = entry.blob("megacache")
     if ref is None:
         raise PackError("the claimant's entry has no megacache bundle")
     same = ref.raw_sha256 is not None and ref.raw_sha256 == sha256_hex(f.snap.raw)
-    theirs = {} if same else _bundle_artifacts(f, ref)
+    theirs = {} if same else _bundle_artifacts(f, served, ref)
     new = {} if same else _lacking(theirs, _artifacts_of(f.snap.raw))
     kernels = f.config.ship_kernels and bool(f.snap.kernels) and entry.blob("kernels") is None
     if not any(new.values()) and not kernels:
@@ -233,12 +234,13 @@ def _add_lacking(f: Follow, track: Track, other: str, entry: Manifest, etag: str
     return True
 
 
-def _bundle_artifacts(f: Follow, ref: BlobRef) -> torch_env.Artifacts:
+def _bundle_artifacts(f: Follow, entry: ServedEntry, ref: BlobRef) -> torch_env.Artifacts:
     """The entry's bundle as torch's artifacts: fetched into the node cache (verified
-    against its digest, once per node) and read as the load reads it."""
-    path, _ = f.node.fetch(ref.digest, ref.size,
-                           functools.partial(f.remote.download_blob, ref.digest, ref.size))
-    return _artifacts_of(read_bundle(ref, path, f.config.max_raw_bytes))
+    against its digest, once per node), admitted by the gate and read as the load reads
+    it (torch deserialises it: it is the claimant's code)."""
+    path, _ = fetch_blob(f.remote, f.node, ref)
+    admitted = f.remote.gate.admit(entry, "megacache", path)
+    return _artifacts_of(read_bundle(admitted, f.config.max_raw_bytes))
 
 
 def _artifacts_of(raw: bytes) -> torch_env.Artifacts:

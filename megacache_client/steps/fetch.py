@@ -19,6 +19,7 @@ from megacache_client.job import RESOLUTION_TTL_S, JobIdentity
 from megacache_client.results import LoadResult
 from megacache_client.steps.fingerprint import COMPONENTS, describe, differing
 from megacache_client.steps.nodecache import NodeCache
+from megacache_client.steps.verify import Admitted, ServedEntry
 from megacache_client.torch import relocate
 from megacache_client.torch.packs import PackError
 from megacache_client.transport.client import (
@@ -71,7 +72,7 @@ def failure_reason(prefetcher: Prefetcher | None, exc: Exception) -> str:
 # -- find the entry (exact, else the nearest of the same model) ----------------------------
 def find_entry(remote: RemoteCache, fp: Fingerprint, result: LoadResult, fallback: bool,
                prefetched: PrefetchResult | None = None, job: JobIdentity | None = None
-               ) -> tuple[Manifest, str] | None:
+               ) -> ServedEntry | None:
     """The entry (and its etag) to load for `fp`; `result` says which and why.
 
     A process of a job asks the server for the job attempt's resolution: every rank gets
@@ -90,16 +91,16 @@ def find_entry(remote: RemoteCache, fp: Fingerprint, result: LoadResult, fallbac
 
 def _find_entry(remote: RemoteCache, fp: Fingerprint, result: LoadResult, fallback: bool,
                 prefetched: PrefetchResult | None, job: JobIdentity | None
-                ) -> tuple[Manifest, str] | None:
+                ) -> ServedEntry | None:
     if job is not None and job.job_id is not None:
         try:
             return _resolve_for_job(remote, fp, result, fallback, job)
         except ResolutionUnsupported as exc:
             result.job_note = str(exc)
     exact = prefetched.entry if prefetched is not None and prefetched.entry is not None \
-        and prefetched.entry[0].key == fp.key() else remote.get_entry(fp.key())
+        and prefetched.entry.key == fp.key() else remote.get_entry(fp.key())
     if exact is not None:
-        _require_match(exact[0], fp, COMPONENTS)
+        _require_match(exact.manifest, fp, COMPONENTS)
         result.outcome, result.reason = "hit", "exact fingerprint"
         return exact
     candidates = [m for m in remote.list_entries(model=fp.model, limit=50)
@@ -120,7 +121,7 @@ def _find_entry(remote: RemoteCache, fp: Fingerprint, result: LoadResult, fallba
         # must still be of this namespace and model, with the same env and hw
         got = remote.get_entry(nearest.key)
         if got is not None:
-            _require_match(got[0], fp, ("namespace", "model", "env", "hw"))
+            _require_match(got.manifest, fp, ("namespace", "model", "env", "hw"))
         return got
     result.differing = differing(candidates[0].fingerprint, fp)
     result.outcome = "miss"
@@ -130,7 +131,7 @@ def _find_entry(remote: RemoteCache, fp: Fingerprint, result: LoadResult, fallba
 
 
 def _resolve_for_job(remote: RemoteCache, fp: Fingerprint, result: LoadResult,
-                     fallback: bool, job: JobIdentity) -> tuple[Manifest, str] | None:
+                     fallback: bool, job: JobIdentity) -> ServedEntry | None:
     assert job.job_id is not None
     rule = {"namespace": fp.namespace, "model": fp.model, "env": component_digest(fp.env),
             "hw": component_digest(fp.hw)} if fallback else None
@@ -141,12 +142,12 @@ def _resolve_for_job(remote: RemoteCache, fp: Fingerprint, result: LoadResult,
         result.outcome = "miss"
         result.reason = f"no entry for this fingerprint when {whose} first looked"
         return None
-    if got[0].key == fp.key():
-        _require_match(got[0], fp, COMPONENTS)
+    if got.key == fp.key():
+        _require_match(got.manifest, fp, COMPONENTS)
         result.outcome, result.reason = "hit", f"exact fingerprint ({whose})"
         return got
-    _require_match(got[0], fp, ("namespace", "model", "env", "hw"))
-    result.differing = differing(got[0].fingerprint, fp)
+    _require_match(got.manifest, fp, ("namespace", "model", "env", "hw"))
+    result.differing = differing(got.manifest.fingerprint, fp)
     result.outcome = "fallback"
     result.reason = (f"exact key missed; using the newest entry of {fp.model!r} with the "
                      f"same env and hw when {whose} first looked (differs in "
@@ -154,31 +155,35 @@ def _resolve_for_job(remote: RemoteCache, fp: Fingerprint, result: LoadResult,
     return got
 
 
-# -- fetch each blob once per node, verified ----------------------------------------------
-def fetch_blobs(remote: RemoteCache, config: ClientConfig, node: NodeCache, entry: Manifest,
-                result: LoadResult, prefetched: PrefetchResult | None = None
-                ) -> dict[str, Path]:
-    """role -> verified local path of each blob of `entry` that can help here."""
-    paths: dict[str, Path] = {}
+# -- fetch each blob once per node, verified, admitted by the gate ------------------------
+def fetch_blobs(remote: RemoteCache, config: ClientConfig, node: NodeCache,
+                entry: ServedEntry, result: LoadResult,
+                prefetched: PrefetchResult | None = None) -> dict[str, Admitted]:
+    """role -> each blob of `entry` that can help here, on local disk and admitted by the
+    gate (`verify.Gate.admit`: what the placing functions take)."""
+    admitted: dict[str, Admitted] = {}
     ready = prefetched.paths if prefetched is not None else {}
-    for blob in entry.blobs:
+    for blob in entry.manifest.blobs:
         skip = skip_reason(config, blob)
         if skip:
             result.skipped[blob.role] = skip
             continue
         if prefetched is not None and blob.digest == prefetched.toolchain:
             continue  # the prefetch thread is fetching and placing it (await_toolchain)
-        if blob.digest in ready and _has_size(ready[blob.digest], blob.size):
-            paths[blob.role] = ready[blob.digest]  # verified by the prefetch thread
-            continue
-        path, downloaded = node.fetch(
-            blob.digest, blob.size,
-            functools.partial(remote.download_blob, blob.digest, blob.size))
-        result.bytes_down += downloaded
-        paths[blob.role] = path
-    if "megacache" not in paths:
+        path = ready.get(blob.digest)
+        if path is None or not NodeCache.was_verified(path, blob.digest, blob.size):
+            path, downloaded = fetch_blob(remote, node, blob)
+            result.bytes_down += downloaded
+        admitted[blob.role] = remote.gate.admit(entry, blob.role, path)
+    if "megacache" not in admitted:
         raise PackError("entry has no megacache bundle blob")
-    return paths
+    return admitted
+
+
+def fetch_blob(remote: RemoteCache, node: NodeCache, blob: BlobRef) -> tuple[Path, int]:
+    """One blob into the node cache, once per node, verified; the bytes downloaded."""
+    return node.fetch(blob.digest, blob.size,
+                      functools.partial(remote.download_blob, blob.digest, blob.size))
 
 
 def skip_reason(config: ClientConfig, blob: BlobRef) -> str:
@@ -200,9 +205,3 @@ def _require_match(entry: Manifest, fp: Fingerprint, components: tuple[str, ...]
         raise UntrustedEntryError(f"entry {entry.key[:12]}… differs from this job in "
                                   f"{', '.join(dict.fromkeys(names))}: refusing it")
 
-
-def _has_size(path: Path, size: int) -> bool:
-    try:
-        return path.stat().st_size == size
-    except OSError:
-        return False

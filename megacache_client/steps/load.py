@@ -21,10 +21,11 @@ from filelock import FileLock, Timeout
 
 from megacache_client.errors import blamed_on
 from megacache_client.results import LoadResult
+from megacache_client.steps.verify import Admitted
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import precompile, relocate, vec_isa
 from megacache_client.torch.packs import PackError, decompress_bytes, read_index, safe_name, unpack
-from megacache_client.wire.manifest import BlobRef, Manifest
+from megacache_client.wire.manifest import Manifest
 
 if TYPE_CHECKING:  # the prefetcher places with this module's helpers
     from megacache_client.steps.prefetch import Prefetcher, PrefetchResult
@@ -47,30 +48,32 @@ def watch_kernel_keys() -> str:
 
 
 # -- place compiled artifacts where torch looks for them ----------------------------------
-def place_artifacts(entry: Manifest, paths: dict[str, Path], result: LoadResult, cap: int,
+def place_artifacts(admitted: dict[str, Admitted], result: LoadResult, cap: int,
                     prefetched: PrefetchResult | None = None) -> None:
     """Unpack the entry's kernels and toolchain packs (unless the prefetch did)."""
     done = prefetched.placed if prefetched is not None else {}
     for role in ("kernels", "toolchain"):
-        blob = entry.blob(role)
-        if role not in paths or blob is None:
+        if role not in admitted:
             continue
+        blob = admitted[role].ref
         count = done.get(blob.digest)
         if count is None:
-            with blamed_on("unpack", blob.digest, entry.key):
-                count = place(role, paths[role], cap)
+            with blamed_on("unpack", blob.digest, admitted[role].entry.key):
+                count = place(admitted[role], cap)
         result.placed[role] = count
     if result.placed.get("kernels"):  # the ISA probe's libraries are on disk now
         vec_isa.probe_in_background()
 
 
-def place(role: str, pack: Path, cap: int) -> int:
-    """Unpack a kernels or toolchain pack where torch looks for those files; files written."""
+def place(admitted: Admitted, cap: int) -> int:
+    """Unpack an admitted kernels or toolchain pack where torch looks for those files;
+    the number of its files there. The only way a pack reaches torch's folders."""
     roots = {"kernels": (torch_env.inductor_cache_dir(), KERNEL_SUFFIXES),
              "toolchain": (torch_env.header_dir(), TOOLCHAIN_SUFFIXES)}
-    if role not in roots:
+    if admitted.ref.role not in roots:
         return 0
-    root, suffixes = roots[role]
+    root, suffixes = roots[admitted.ref.role]
+    pack = admitted.path
     ids = relocate.parse_index(read_index(pack))
     placed = _unpack_once(pack, root, suffixes, cap)
     relocate.recorder().learn(root, ids)  # torch finds them under its own local names
@@ -127,15 +130,15 @@ def _placed_names(mark: Path, root: Path) -> list[str] | None:
 
 
 # -- verify and hot-load the Mega-Cache bundle --------------------------------------------
-def load_bundle(entry: Manifest, paths: dict[str, Path], result: LoadResult, cap: int,
+def load_bundle(bundle: Admitted, result: LoadResult, cap: int,
                 prefetched: PrefetchResult | None = None) -> None:
-    """Hand the entry's bundle to torch; `result` records the keys torch took from it."""
-    ref = entry.blob("megacache")
-    assert ref is not None
+    """Hand an admitted bundle to torch; `result` records the keys torch took from it.
+    The only way a bundle reaches torch's caches."""
+    ref, entry = bundle.ref, bundle.entry
     ready = prefetched.bundles.pop(ref.digest, None) if prefetched is not None else None
     if ready is None:
         with blamed_on("decompress", ref.digest, entry.key):
-            ready = read_bundle(ref, paths["megacache"], cap)
+            ready = read_bundle(bundle, cap)
     with blamed_on("load", None, entry.key):  # every blob verified: the entry is at fault
         artifacts = _torch_loads(torch_env.read_artifacts, ready)
         if artifacts is None:
@@ -159,10 +162,11 @@ def _torch_loads(step: Callable[[Any], T], arg: Any) -> T:
                         f"{exc}"[:500]) from exc
 
 
-def read_bundle(ref: BlobRef, path: Path, cap: int) -> bytes:
-    """A downloaded (verified) bundle blob as the bytes torch loads: decompressed with a size
-    cap and checked against the manifest's raw size and digest."""
-    data = path.read_bytes()
+def read_bundle(bundle: Admitted, cap: int) -> bytes:
+    """An admitted bundle blob as the bytes torch loads: decompressed with a size cap and
+    checked against the manifest's raw size and digest."""
+    ref = bundle.ref
+    data = bundle.path.read_bytes()
     if ref.compression != "zstd":
         return data
     if ref.raw_size is None:

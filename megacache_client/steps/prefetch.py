@@ -31,7 +31,6 @@ thread imports it too broke a real job; what it needs is imported on the enablin
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -39,15 +38,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megacache_client.config import ClientConfig
-from megacache_client.steps.fetch import skip_reason
+from megacache_client.errors import UntrustedEntryError, UntrustedWriterError
+from megacache_client.steps.fetch import fetch_blob, skip_reason
 from megacache_client.steps.load import place, read_bundle
 from megacache_client.steps.nodecache import NodeCache
+from megacache_client.steps.verify import ServedEntry
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import relocate
 from megacache_client.transport.client import Deadline, RemoteCache
 from megacache_client.wire.manifest import BlobRef, Manifest, Scalar
 
 log = logging.getLogger("megacache")
+
+Wanted = tuple[ServedEntry, BlobRef]
+"""A blob to fetch, with the admitted entry that names it (what the gate admits it by)."""
+TOOLCHAIN_NOMINEES = 3
+"""Entries of the listing whose toolchain pack is tried, each read by key."""
 
 
 @dataclass
@@ -67,10 +73,10 @@ class PrefetchResult:
     seconds: float = 0.0
     error: str = ""
     entry_key: str | None = None
-    entry: tuple[Manifest, str] | None = None
-    """The configured model's newest entry and its etag, read by key as the load reads an
-    exact hit (signature checked, access recorded): a load whose fingerprint is this key
-    uses it instead of asking again."""
+    entry: ServedEntry | None = None
+    """The configured model's newest entry, read by key as the load reads an exact hit
+    (through the gate, access recorded): a load whose fingerprint is this key uses it
+    instead of asking again."""
     toolchain: str | None = None
     """Digest of the toolchain pack this prefetch downloads and places *after* the rest is
     ready (`Prefetcher.wait`): the first compile loads the bundle and graphs while ~150 MB
@@ -132,7 +138,7 @@ class Prefetcher:
 
     def _run(self) -> None:
         started = time.monotonic()
-        toolchain: BlobRef | None = None
+        toolchain: Wanted | None = None
         try:
             toolchain = self._prefetch()
         except Exception as exc:  # the session fetches on its own
@@ -168,66 +174,65 @@ class Prefetcher:
                                       if d != done.toolchain)
             self.result.bytes_down += done.bytes_down
 
-    def _take_toolchain(self, toolchain: BlobRef) -> int:
+    def _take_toolchain(self, toolchain: Wanted) -> int:
         """Fetch and place the toolchain pack, or take it from the earlier prefetch that is
         already fetching it; returns the bytes downloaded."""
-        previous = self.previous
-        if previous is not None and previous.result.toolchain == toolchain.digest and \
+        previous, digest = self.previous, toolchain[1].digest
+        if previous is not None and previous.result.toolchain == digest and \
                 previous.wait_toolchain(self.deadline.cap(self.config.load_deadline_s)):
             done = previous.result
-            if toolchain.digest in done.placed:
-                self.result.paths[toolchain.digest] = done.paths[toolchain.digest]
-                self.result.placed[toolchain.digest] = done.placed[toolchain.digest]
+            if digest in done.placed:
+                self.result.paths[digest] = done.paths[digest]
+                self.result.placed[digest] = done.placed[digest]
                 return done.toolchain_bytes
         return self._fetch_and_place([toolchain])  # none on the way, or it failed
 
-    def _prefetch(self) -> BlobRef | None:
+    def _prefetch(self) -> Wanted | None:
         """Fetch and place all but the toolchain pack; returns that, for afterwards."""
         self._continue_previous()
         env, hw = self._components
         # the load step's deadline bounds the prefetch too: a hung server costs it no more
         # than it costs the load, and the node's breaker then spares the load the wait
         with RemoteCache(self.config, deadline=self.deadline) as remote:
-            blobs: list[BlobRef] = []
+            wanted: list[Wanted] = []
             if self.config.model:
                 newest = self._newest_of_model(remote, env, hw)
                 found = remote.get_entry(newest.key) if newest is not None else None
                 if found is not None:
-                    self.result.entry, self.result.entry_key = found, found[0].key
-                    blobs += [b for b in found[0].blobs if not skip_reason(self.config, b)]
-            if not any(b.role == "toolchain" for b in blobs) and self.config.ship_toolchain:
+                    self.result.entry, self.result.entry_key = found, found.key
+                    wanted += [(found, b) for b in found.manifest.blobs
+                               if not skip_reason(self.config, b)]
+            if self.config.ship_toolchain and not any(b.role == "toolchain"
+                                                      for _, b in wanted):
                 toolchain = self._toolchain(remote, env, hw)
                 if toolchain is not None:
-                    blobs.append(toolchain)
-            blobs = [b for b in blobs if b.digest not in self.result.paths]
-            toolchain = next((b for b in blobs if b.role == "toolchain"), None)
+                    wanted.append(toolchain)
+            wanted = [w for w in wanted if w[1].digest not in self.result.paths]
+            last = next((w for w in wanted if w[1].role == "toolchain"), None)
             self.result.bytes_down += self._fetch_and_place(
-                [b for b in blobs if b is not toolchain], remote)
-            if toolchain is not None:
-                self.result.toolchain = toolchain.digest
-            return toolchain
+                [w for w in wanted if w is not last], remote)
+            if last is not None:
+                self.result.toolchain = last[1].digest
+            return last
 
-    def _fetch_and_place(self, blobs: list[BlobRef], remote: RemoteCache | None = None) -> int:
-        """Download `blobs` into the node cache, then unpack the packs where torch looks;
-        returns the bytes downloaded."""
+    def _fetch_and_place(self, wanted: list[Wanted], remote: RemoteCache | None = None) -> int:
+        """Download the blobs into the node cache, then, each admitted by the gate, unpack
+        the packs where torch looks and read the bundle; returns the bytes downloaded."""
         if remote is None:
             with RemoteCache(self.config, deadline=self.deadline) as own:
-                return self._fetch_and_place(blobs, own)
+                return self._fetch_and_place(wanted, own)
         downloaded = 0
-        for blob in blobs:
-            path, n = self.node.fetch(
-                blob.digest, blob.size,
-                functools.partial(remote.download_blob, blob.digest, blob.size))
+        for _, blob in wanted:
+            path, n = fetch_blob(remote, self.node, blob)
             self.result.paths[blob.digest] = path
             downloaded += n
-        for blob in blobs:
-            path = self.result.paths[blob.digest]
+        cap = self.config.max_raw_bytes
+        for entry, blob in wanted:
+            admitted = remote.gate.admit(entry, blob.role, self.result.paths[blob.digest])
             if blob.role in ("kernels", "toolchain"):
-                self.result.placed[blob.digest] = place(blob.role, path,
-                                                        self.config.max_raw_bytes)
+                self.result.placed[blob.digest] = place(admitted, cap)
             elif blob.role == "megacache":
-                self.result.bundles[blob.digest] = read_bundle(blob, path,
-                                                               self.config.max_raw_bytes)
+                self.result.bundles[blob.digest] = read_bundle(admitted, cap)
         return downloaded
 
     def _newest_of_model(self, remote: RemoteCache, env: dict[str, Scalar],
@@ -241,11 +246,26 @@ class Prefetcher:
         return chosen[0] if chosen else None
 
     def _toolchain(self, remote: RemoteCache, env: dict[str, Scalar],
-                   hw: dict[str, Scalar]) -> BlobRef | None:
-        """A toolchain pack any model of this env and hw published (they are model-free)."""
-        for entry in remote.list_entries(env=env, hw=hw, limit=20):
-            blob = entry.blob("toolchain")
-            if blob is not None and not skip_reason(self.config, blob):
-                return blob
+                   hw: dict[str, Scalar]) -> Wanted | None:
+        """A toolchain pack any model of this env and hw published (they are model-free).
+
+        The listing only nominates (it is not signed, and names any writer of the
+        namespace): the pack is taken from the nominee's entry read by key through the gate,
+        and only when that entry is of this namespace, env and hw."""
+        nominees = [m for m in remote.list_entries(env=env, hw=hw, limit=20)
+                    if (b := m.blob("toolchain")) is not None
+                    and not skip_reason(self.config, b)]
+        for nominee in nominees[:TOOLCHAIN_NOMINEES]:
+            try:
+                served = remote.get_entry(nominee.key)
+            except (UntrustedEntryError, UntrustedWriterError) as exc:
+                log.debug("megacache: toolchain of %s refused: %s", nominee.key[:12], exc)
+                continue
+            fp = served.manifest.fingerprint if served is not None else None
+            blob = served.manifest.blob("toolchain") if served is not None else None
+            if served is not None and fp is not None and blob is not None \
+                    and (fp.namespace, fp.env, fp.hw) == (self.config.namespace, env, hw) \
+                    and not skip_reason(self.config, blob):
+                return served, blob
         return None
 

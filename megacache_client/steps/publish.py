@@ -77,15 +77,14 @@ def _loaded_artifacts(tracks: Sequence[Track], node: NodeCache, cap: int
     out: torch_env.Artifacts = {}
     seen: set[str] = set()
     for track in tracks:
-        load = track.load
-        ref = load.entry.blob("megacache") if load.entry is not None else None
-        if load.outcome != "hit" or ref is None or ref.digest in seen:
+        bundle = track.load.bundle
+        if track.load.outcome != "hit" or bundle is None or bundle.ref.digest in seen:
             continue
+        ref = bundle.ref
         seen.add(ref.digest)
-        path = node.path(ref.digest)
-        if not NodeCache.verified(path, ref.digest, ref.size):
-            continue
-        artifacts = torch_env.read_artifacts(read_bundle(ref, path, cap)) or {}
+        if not NodeCache.was_verified(bundle.path, ref.digest, ref.size):
+            continue  # changed on disk since it was admitted
+        artifacts = torch_env.read_artifacts(read_bundle(bundle, cap)) or {}
         loaded = _loaded_with(tracks, ref)
         out = torch_env.merged(out, {
             kind: [a for a in items if (kind, a.key) in loaded]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -104,17 +105,32 @@ def toolchain_blob(remote: RemoteCache, node: NodeCache, first: Track) -> BlobRe
     ids = relocate.recorder().ids_for(files)
     files = relocate.dedupe(files, ids)
     contents = sha256_hex(",".join(sorted(relocate.content_ids(files, ids))).encode())
-    loaded = [first.load.entry] if first.load.entry is not None else []
-    try:
-        stored = remote.list_entries(env=first.fp.env, hw=first.fp.hw, limit=20)
-    except Exception:
-        stored = []
-    for entry in loaded + stored:
+    for entry in _toolchain_sources(remote, first):
         blob = entry.blob("toolchain")
         if blob is not None and blob.meta.get("contents") == contents \
                 and not relocate.refusal(blob.meta):
             return blob
     return pack_blob(node, "toolchain", files, ids, contents=contents)
+
+
+def _toolchain_sources(remote: RemoteCache, first: Track) -> Iterator[Manifest]:
+    """Entries whose toolchain pack this publish may name instead of its own: the one it
+    loaded, then entries of its env and hw the listing nominates, each read by key through
+    the gate (an entry names only packs its consumers would admit: never one of a writer
+    they do not trust, which the unsigned listing may name)."""
+    if first.load.entry is not None:
+        yield first.load.entry
+    try:
+        listed = remote.list_entries(env=first.fp.env, hw=first.fp.hw, limit=20)
+    except Exception:
+        return
+    for nominee in [m for m in listed if m.blob("toolchain") is not None][:3]:
+        try:
+            served = remote.get_entry(nominee.key)
+        except Exception:
+            continue
+        if served is not None:
+            yield served.manifest
 
 
 def build_manifest(fp: Fingerprint, blobs: list[BlobRef], counts: dict[str, int],

@@ -1,19 +1,23 @@
 """HTTP to the megacache server, with the manners a trainer needs.
 
-Every request has connect and read timeouts and goes through one retry loop (`retry.py`):
-transient failures (connection errors, 5xx, 429) are retried with jittered backoff or after
-the server's `Retry-After`, every try is counted by a circuit breaker the node's ranks
-share, and an optional deadline bounds the whole step the requests belong to. A blob
-download is a request like any other: a 5xx there is retried, and a broken stream resumes
-with a Range request.
+Every request goes through one exchange (`RemoteCache._exchange`): its URL comes from the
+route table (`wire.routes`), it is retried with jittered backoff or after the server's
+`Retry-After` (`retry.py`), counted by a circuit breaker the node's ranks share, bounded by
+the step's deadline and by a wall clock of its own, and its answer is read by the one
+reader (`reader.py`: a size cap per endpoint, no encodings, no redirects but a blob's). A
+blob download is a request like any other: a 5xx there is retried, and a broken stream
+resumes with a Range request. Entries are handed out only through the gate
+(`steps.verify.Gate`): signature, writer policy, key, rollback.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import ssl
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,8 @@ from megacache_client.errors import (
     UntrustedWriterError,
 )
 from megacache_client.job import JobIdentity
+from megacache_client.steps.verify import Gate, ServedEntry
+from megacache_client.transport import reader
 from megacache_client.transport.breaker import CircuitBreaker, breaker_for
 from megacache_client.transport.retry import (
     Deadline,
@@ -41,49 +47,68 @@ from megacache_client.transport.retry import (
 from megacache_client.wire import headers as wire_headers
 from megacache_client.wire import routes
 from megacache_client.wire.manifest import Manifest, component_digest, sha256_file
+from megacache_client.wire.routes import Route
 from megacache_client.wire.schema import parse
-from megacache_client.wire.signing import SigningError, signature_valid
 from megacache_client.wire.version import __version__
 
 __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineExceeded",
-           "Deadline", "Progress", "RemoteCache", "ResolutionUnsupported", "TransportError",
-           "UntrustedEntryError", "UntrustedWriterError", "breaker_for", "sha256_file"]
+           "Deadline", "Progress", "RemoteCache", "ResolutionUnsupported", "ServedEntry",
+           "TransportError", "UntrustedEntryError", "UntrustedWriterError", "breaker_for",
+           "sha256_file"]
 
 Progress = Callable[[int, int], None]
 CHUNK = 1024 * 1024
+MAX_REDIRECTS = 3
+"""A blob download may be redirected (to a presigned object-store URL); nothing else is."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A response read whole by the reader: status, headers and the (capped) body."""
+
+    status: int
+    headers: httpx.Headers
+    body: bytes
+
+    def json(self) -> Any:
+        import json
+
+        return json.loads(self.body)
 
 
 class RemoteCache:
-    """The v1 HTTP API as Python calls. Raises TransportError; never hangs past its timeouts."""
+    """The v1 HTTP API as Python calls. Raises TransportError; never hangs past its
+    deadline, and never holds more of an answer in memory than its endpoint's cap."""
 
     def __init__(self, config: ClientConfig, breaker: CircuitBreaker | None = None,
-                 deadline: Deadline | None = None) -> None:
+                 deadline: Deadline | None = None, gate: Gate | None = None) -> None:
         self.config = config
         self.breaker = breaker or breaker_for(config.url, config.node_cache_dir,
                                               config.breaker_reset_s)
         self.deadline = deadline or Deadline(None)
+        self.gate = gate or Gate(config)
         self._client: httpx.Client | None = None
 
     @property
     def _http(self) -> httpx.Client:
         """Made on first use (a rank that finds the breaker open makes none), with the
-        process's one TLS context."""
+        process's one TLS context and the reader's wall clock under every connection."""
         if self._client is None:
             # identity only: blobs are compressed already, and a body a server or proxy
-            # encodes anyway is refused before it is read (`_refuse_encoded`)
+            # encodes anyway is refused before it is read (`reader.refuse_encoded`)
             headers = {"user-agent": f"megacache-client/{__version__}",
                        "accept-encoding": "identity", **producer_headers()}
             if self.config.token:
                 headers["authorization"] = f"Bearer {self.config.token}"
-            self._client = httpx.Client(
+            self._client = reader.install_wall_clock(httpx.Client(
                 base_url=self.config.url,
                 headers=headers,
                 timeout=httpx.Timeout(self.config.read_timeout_s,
                                       connect=self.config.connect_timeout_s),
-                follow_redirects=True,
+                follow_redirects=False,
+                max_redirects=MAX_REDIRECTS,
                 verify=tls_context(),
-                event_hooks={"response": [_refuse_encoded]},
-            )
+            ))
         return self._client
 
     def close(self) -> None:
@@ -96,16 +121,32 @@ class RemoteCache:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    # -- plumbing -----------------------------------------------------------------------
-    def _call(self, fn: Callable[[httpx.Timeout], httpx.Response], what: str
-              ) -> httpx.Response:
-        """One request through the retry loop; a 4xx answer is returned as is."""
+    # -- the one exchange ---------------------------------------------------------------
+    def _exchange(self, route: Route, what: str, *, cap: int = reader.SMALL_JSON,
+                  params: dict[str, Any] | None = None, json: Any = None,
+                  content: Any = None, headers: dict[str, str] | None = None,
+                  clock: Deadline | None = None, **path: str) -> Answer:
+        """One request through the retry loop, its answer read whole within `cap` bytes;
+        a 4xx answer is returned as is. `clock` bounds each try besides the step's
+        deadline (by default: the read timeout, for the whole answer, not per read).
+        `content` may be a callable that makes the body afresh for each try (a stream)."""
+        url = route.url(**path)
 
-        def attempt() -> httpx.Response:
-            response = fn(self._timeout())
-            if retryable(response.status_code):
-                raise _retryable(response, what)
-            return response
+        def attempt() -> Answer:
+            own = clock or Deadline(self.config.read_timeout_s)
+            body_out = content() if callable(content) else content
+            with reader.operation(self.deadline, own), self._http.stream(
+                    route.method, url, params=params, json=json, content=body_out,
+                    headers=headers, timeout=self._timeout()) as r:
+                body = reader.read_capped(r, cap if r.status_code < 300 else
+                                          reader.SMALL_JSON, what)
+            answer = Answer(r.status_code, r.headers, body)
+            if retryable(r.status_code):
+                raise _retryable(answer, what)
+            if 300 <= r.status_code < 400:
+                raise TransportError(f"{what}: the server redirected ({r.status_code}) a "
+                                     "request that is never redirected", r.status_code)
+            return answer
 
         return self._retrying(attempt, what)
 
@@ -118,30 +159,25 @@ class RemoteCache:
         return httpx.Timeout(self.deadline.cap(self.config.read_timeout_s),
                              connect=self.deadline.cap(self.config.connect_timeout_s))
 
-    def _expect(self, response: httpx.Response, ok: tuple[int, ...], what: str) -> None:
-        if response.status_code not in ok:
+    @staticmethod
+    def _expect(answer: Answer, ok: tuple[int, ...], what: str) -> None:
+        if answer.status not in ok:
             raise TransportError(
-                f"{what}: HTTP {response.status_code} {_error_message(response)}",
-                response.status_code,
-            )
+                f"{what}: HTTP {answer.status} {reader.error_message(answer.body)}",
+                answer.status)
 
     # -- entries ------------------------------------------------------------------------
-    def get_entry(self, entry_key: str) -> tuple[Manifest, str] | None:
-        url = routes.GET_ENTRY.url(key=entry_key)
-        r = self._call(lambda t: self._http.get(url, timeout=t), "get entry")
-        if r.status_code == 404:
+    def get_entry(self, entry_key: str) -> ServedEntry | None:
+        """The entry at `entry_key`, through the gate; None when there is none."""
+        a = self._exchange(routes.GET_ENTRY, "get entry", cap=reader.MANIFEST_JSON,
+                           key=entry_key)
+        if a.status == 404:
             return None
-        self._expect(r, (200,), "get entry")
-        self._check_signature(entry_key, r)
-        self._check_writer(entry_key, r)
-        manifest = Manifest.from_json(r.content)
-        if manifest.key != entry_key:
-            raise UntrustedEntryError(f"asked for entry {entry_key[:12]}…, the server answered "
-                                      f"with the manifest of {manifest.key[:12]}…: refusing it")
-        return manifest, r.headers.get("etag", "")
+        self._expect(a, (200,), "get entry")
+        return self.gate.entry(entry_key, a.body, a.headers)
 
     def resolve_entry(self, entry_key: str, *, job: str, attempt: int, ttl_s: float,
-                      fallback: dict[str, str] | None = None) -> tuple[Manifest, str] | None:
+                      fallback: dict[str, str] | None = None) -> ServedEntry | None:
         """The entry `entry_key` means for this job attempt (None: the attempt resolved it
         to a miss), the same for every rank whatever is published meanwhile.
 
@@ -151,84 +187,47 @@ class RemoteCache:
         body: dict[str, Any] = {"job": job, "attempt": attempt, "ttl_s": ttl_s}
         if fallback is not None:
             body["fallback"] = fallback
-        r = self._call(lambda t: self._http.post(routes.RESOLVE_ENTRY.url(key=entry_key), json=body,
-                                                 timeout=t), "resolve entry")
-        if r.status_code == 404 and r.headers.get(wire_headers.RESOLUTION) == "miss":
+        a = self._exchange(routes.RESOLVE_ENTRY, "resolve entry", cap=reader.MANIFEST_JSON,
+                           json=body, key=entry_key)
+        if a.status == 404 and a.headers.get(wire_headers.RESOLUTION) == "miss":
             return None
-        if r.status_code in (404, 405):  # a server from before job resolutions
+        if a.status in (404, 405):  # a server from before job resolutions
             raise ResolutionUnsupported(
                 "the server does not resolve job attempts (an older version): each process "
-                "decided alone", r.status_code)
-        self._expect(r, (200,), "resolve entry")
-        self._check_signature(entry_key, r)
-        self._check_writer(entry_key, r)
-        manifest = Manifest.from_json(r.content)
-        if manifest.key != entry_key and fallback is None:
-            raise UntrustedEntryError(f"resolved entry {entry_key[:12]}…, the server answered "
-                                      f"with the manifest of {manifest.key[:12]}…: refusing it")
-        return manifest, r.headers.get("etag", "")
+                "decided alone", a.status)
+        self._expect(a, (200,), "resolve entry")
+        return self.gate.entry(entry_key, a.body, a.headers, fallback=fallback is not None)
 
     def claim(self, entry_key: str, *, holder: str, lease_s: float) -> str | None:
         """Claim the publish of `entry_key`: None when granted, else who holds it."""
-        r = self._call(lambda t: self._http.post(
-            routes.CLAIM_PUBLISH.url(key=entry_key), json={"holder": holder, "lease_s": lease_s},
-            timeout=t), "claim publish")
-        if r.status_code == 409:
+        a = self._exchange(routes.CLAIM_PUBLISH, "claim publish", key=entry_key,
+                           json={"holder": holder, "lease_s": lease_s})
+        if a.status == 409:
             try:
-                return str(r.json()["error"]["holder"])[:128]
+                return str(a.json()["error"]["holder"])[:128]
             except (ValueError, KeyError, TypeError):
                 return "another publisher"
-        if r.status_code in (404, 405):  # a server from before claims: publish as before
+        if a.status in (404, 405):  # a server from before claims: publish as before
             return None
-        self._expect(r, (200,), "claim publish")
+        self._expect(a, (200,), "claim publish")
         return None
 
     def release_claim(self, entry_key: str, *, holder: str) -> None:
-        r = self._call(lambda t: self._http.delete(routes.RELEASE_CLAIM.url(key=entry_key),
-                                                   params={"holder": holder}, timeout=t),
-                       "release claim")
-        self._expect(r, (204, 404, 405, 409), "release claim")
-
-    def _check_writer(self, entry_key: str, r: httpx.Response) -> None:
-        """With trusted writers configured, an entry anyone else wrote is refused unread
-        (after the signature check: with a verify key, who wrote it is signed too)."""
-        policy = self.config.writer_policy
-        if policy is None:
-            return
-        why = policy.refusal(r.headers.get(wire_headers.PROVENANCE))
-        if why:
-            raise UntrustedWriterError(f"entry {entry_key[:12]}… {why}", entry_key,
-                                       r.headers.get("etag", ""))
+        a = self._exchange(routes.RELEASE_CLAIM, "release claim", key=entry_key,
+                           params={"holder": holder})
+        self._expect(a, (204, 404, 405, 409), "release claim")
 
     def whoami(self) -> tuple[str, list[str]]:
         """This client's token name and scopes, as the server knows them."""
-        r = self._call(lambda t: self._http.get(routes.WHOAMI.url(), timeout=t), "whoami")
-        self._expect(r, (200,), "whoami")
-        data = r.json()
+        a = self._exchange(routes.WHOAMI, "whoami")
+        self._expect(a, (200,), "whoami")
+        data = a.json()
         return str(data["name"])[:128], [str(s) for s in data["scopes"]][:16]
-
-    def _check_signature(self, entry_key: str, r: httpx.Response) -> None:
-        """With a verify key, the manifest must be signed by the server for this key and the
-        client's namespace (a signature of another entry, replayed here, does not verify)."""
-        public_key = self.config.verify_key
-        if not public_key:
-            return
-        try:
-            ok = signature_valid(public_key, entry_key, self.config.namespace, r.content,
-                                 r.headers.get(wire_headers.SIGNATURE))
-            provenance = r.headers.get(wire_headers.PROVENANCE)
-            if ok and provenance:  # who wrote it, when said, must be what the server signed
-                ok = signature_valid(public_key, entry_key, self.config.namespace, r.content,
-                                     r.headers.get(wire_headers.PROVENANCE_SIGNATURE), provenance)
-        except SigningError as exc:
-            raise UntrustedEntryError(f"cannot verify entry {entry_key[:12]}…: {exc}") from None
-        if not ok:
-            raise UntrustedEntryError(f"entry {entry_key[:12]}… has no valid signature for "
-                                      f"this key and namespace {self.config.namespace!r}: "
-                                      "refusing to load a manifest the server did not sign")
 
     def list_entries(self, *, model: str | None = None, env: dict[str, Any] | None = None,
                      hw: dict[str, Any] | None = None, limit: int = 20) -> list[Manifest]:
+        """Entries of the namespace, newest first: nominations only. A listing is not
+        signed; what is loaded is fetched again by key, through the gate."""
         params: dict[str, Any] = {"limit": limit}
         if model is not None:
             params["model"] = model
@@ -236,10 +235,12 @@ class RemoteCache:
             params["env"] = component_digest(env)
         if hw is not None:
             params["hw"] = component_digest(hw)
-        url = routes.LIST_ENTRIES.url()
-        r = self._call(lambda t: self._http.get(url, params=params, timeout=t), "list entries")
-        self._expect(r, (200,), "list entries")
-        return [parse(Manifest, e) for e in r.json()["entries"]]
+        if self.config.trusted_writers:
+            params["writers"] = self.config.trusted_writers
+        a = self._exchange(routes.LIST_ENTRIES, "list entries", cap=reader.LISTING_JSON,
+                           params=params)
+        self._expect(a, (200,), "list entries")
+        return [parse(Manifest, e) for e in a.json()["entries"]]
 
     def put_entry(self, manifest: Manifest, *, if_match: str | None = None,
                   if_none_match: str | None = None) -> str | None:
@@ -249,87 +250,101 @@ class RemoteCache:
             headers["if-match"] = if_match
         if if_none_match:
             headers["if-none-match"] = if_none_match
-        body = manifest.to_json()
-        url = routes.PUT_ENTRY.url(key=manifest.key)
-        r = self._call(lambda t: self._http.put(url, content=body, headers=headers, timeout=t),
-                       "put entry")
-        if r.status_code == 412:
+        a = self._exchange(routes.PUT_ENTRY, "put entry", cap=reader.MANIFEST_JSON,
+                           content=manifest.to_json(), headers=headers, key=manifest.key)
+        if a.status == 412:
             return None
-        self._expect(r, (200, 201), "put entry")
-        return r.headers.get("etag", "")
+        self._expect(a, (200, 201), "put entry")
+        return a.headers.get("etag", "")
 
     # -- blobs --------------------------------------------------------------------------
     def has_blob(self, digest: str) -> bool:
-        url = routes.HEAD_BLOB.url(digest=digest)
-        r = self._call(lambda t: self._http.head(url, timeout=t), "head blob")
-        if r.status_code == 404:
+        a = self._exchange(routes.HEAD_BLOB, "head blob", digest=digest)
+        if a.status == 404:
             return False
-        self._expect(r, (200,), "head blob")
+        self._expect(a, (200,), "head blob")
         return True
 
     def upload_blob(self, path: Path, digest: str, progress: Progress | None = None) -> bool:
-        """PUT a file's bytes under `digest`, streamed. True when the server did not have it."""
+        """PUT a file's bytes under `digest`, streamed. True when the server did not have it.
+
+        The upload's clock starts at the read timeout and earns a second per MiB sent, so
+        a big blob at a useful rate is never cut off and a stalled one is."""
         size = path.stat().st_size
-
-        def send(timeout: httpx.Timeout) -> httpx.Response:
-            return self._http.put(routes.PUT_BLOB.url(digest=digest),
-                                  content=_file_chunks(path, progress),
-                                  headers={"content-length": str(size),
-                                           "content-type": "application/octet-stream"},
-                                  timeout=timeout)
-
-        r = self._call(send, "upload blob")
-        self._expect(r, (200, 201), "upload blob")
-        return r.status_code == 201
+        clock = Deadline(self.config.read_timeout_s)
+        a = self._exchange(routes.PUT_BLOB, "upload blob", clock=clock, digest=digest,
+                           content=lambda: _file_chunks(path, progress, clock),
+                           headers={"content-length": str(size),
+                                    "content-type": "application/octet-stream"})
+        self._expect(a, (200, 201), "upload blob")
+        return a.status == 201
 
     def download_blob(self, digest: str, size: int, dest: Path,
-                      progress: Progress | None = None) -> None:
-        """Stream a blob into `dest`, resuming with Range after a broken connection.
+                      progress: Progress | None = None) -> str:
+        """Stream a blob into `dest`, resuming with Range after a broken connection; returns
+        its sha256, computed while it was written.
 
         The file is checked against `digest` and `size` before this returns; on mismatch it
         is deleted and CorruptBlobError raised.
         """
         dest.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._download_to(digest, size, dest, progress)
+            return self._download_to(digest, size, dest, progress)
         except BaseException:
             dest.unlink(missing_ok=True)
             raise
 
     def _download_to(self, digest: str, size: int, dest: Path,
-                     progress: Progress | None) -> None:
+                     progress: Progress | None) -> str:
+        hashing = _Hashing()
         with open(dest, "wb") as f:
-            self._retrying(lambda: self._stream_into(f, digest, size, progress),
+            self._retrying(lambda: self._stream_into(f, hashing, digest, size, progress),
                            f"download {digest[:12]}")
         actual_size = dest.stat().st_size
-        actual = sha256_file(dest)
+        actual = hashing.sha.hexdigest()
         if actual_size != size or actual != digest:
             message = (f"blob {digest[:12]}… is corrupt: got {actual_size} bytes hashing to "
                        f"{actual[:12]}…, expected {size} bytes")
             raise CorruptBlobError(message, finding=Finding(
                 "size" if actual_size != size else "digest", digest, detail=message))
+        return actual
 
-    def _stream_into(self, f: Any, digest: str, size: int, progress: Progress | None) -> None:
-        """One try: GET the blob (the rest of it, after a broken try) and append it to `f`."""
+    def _stream_into(self, f: Any, hashing: _Hashing, digest: str, size: int,
+                     progress: Progress | None) -> None:
+        """One try: GET the blob (the rest of it, after a broken try) and append it to `f`
+        (and to its hash), within its clock: the read timeout, earning a second per MiB."""
         done = f.tell()
         headers = {"range": f"bytes={done}-"} if done else {}
         what = f"download {digest[:12]}"
-        with self._http.stream("GET", routes.GET_BLOB.url(digest=digest), headers=headers,
-                               timeout=self._timeout()) as r:
-            if r.status_code == 200 and done:
+        clock = Deadline(self.config.read_timeout_s)
+        with reader.operation(self.deadline, clock), self._http.stream(
+                "GET", routes.GET_BLOB.url(digest=digest), headers=headers,
+                timeout=self._timeout(), follow_redirects=True) as r:
+            reader.refuse_encoded(r)
+            if r.status_code == 200 and done:  # the server sent it whole: start over
                 f.seek(0)
                 f.truncate()
+                hashing.sha = hashlib.sha256()
                 done = 0
-            elif retryable(r.status_code):
-                raise _retryable(r, what)
             elif r.status_code not in (200, 206):
-                r.read()
-                raise TransportError(f"{what}: HTTP {r.status_code} {_error_message(r)}",
-                                     r.status_code)
-            for chunk in r.iter_bytes(CHUNK):
+                answer = Answer(r.status_code, r.headers,
+                                reader.read_capped(r, reader.SMALL_JSON, what))
+                if retryable(r.status_code):
+                    raise _retryable(answer, what)
+                raise TransportError(f"{what}: HTTP {r.status_code} "
+                                     f"{reader.error_message(answer.body)}", r.status_code)
+            declared = reader.declared_length(r)
+            if declared is not None and done + declared > size:
+                message = (f"blob {digest[:12]}… is declared {done + declared} bytes long, "
+                           f"the manifest says {size}")
+                raise CorruptBlobError(message, finding=Finding("size", digest,
+                                                                detail=message))
+            for chunk in r.iter_raw(CHUNK):
                 f.write(chunk)
+                hashing.sha.update(chunk)
                 done += len(chunk)
                 self.deadline.credit(len(chunk))
+                clock.credit(len(chunk))
                 if done > size:
                     message = f"blob {digest[:12]}… is longer than {size} bytes"
                     raise CorruptBlobError(message, finding=Finding("size", digest,
@@ -345,31 +360,43 @@ class RemoteCache:
         torch failing on a bundle whose blobs all verified, by entry."""
         detail = finding.detail[:500]
         if finding.digest is not None:
-            path, what = routes.REPORT_BLOB.url(digest=finding.digest), "report blob"
-            body: dict[str, Any] = {"kind": finding.kind, "detail": detail,
-                                    "entry_key": finding.entry_key}
+            what = "report blob"
+            a = self._exchange(routes.REPORT_BLOB, what, digest=finding.digest, json={
+                "kind": finding.kind, "detail": detail, "entry_key": finding.entry_key})
         elif finding.entry_key is not None:
-            path, what = routes.REPORT_ENTRY.url(key=finding.entry_key), "report entry"
-            body = {"kind": finding.kind, "detail": detail, "job": job}
+            what = "report entry"
+            a = self._exchange(routes.REPORT_ENTRY, what, key=finding.entry_key, json={
+                "kind": finding.kind, "detail": detail, "job": job})
         else:
             raise ValueError("a finding names a blob or an entry")
-        r = self._call(lambda t: self._http.post(path, json=body, timeout=t), what)
-        self._expect(r, (200,), what)
+        self._expect(a, (200,), what)
         try:
-            return str(r.json()["verdict"])[:32]
+            return str(a.json()["verdict"])[:32]
         except (ValueError, KeyError, TypeError):
             return "answered"
 
     # -- events and stats ---------------------------------------------------------------
     def post_event(self, event: dict[str, Any]) -> None:
-        r = self._call(lambda t: self._http.post(routes.POST_EVENTS.url(), json=event, timeout=t),
-                       "post event")
-        self._expect(r, (200, 201, 202), "post event")
+        a = self._exchange(routes.POST_EVENTS, "post event", json=event)
+        self._expect(a, (200, 201, 202), "post event")
 
     def stats(self) -> dict[str, Any]:
-        r = self._call(lambda t: self._http.get(routes.STATS.url(), timeout=t), "stats")
-        self._expect(r, (200,), "stats")
-        return dict(r.json())
+        a = self._exchange(routes.STATS, "stats", cap=reader.LISTING_JSON)
+        self._expect(a, (200,), "stats")
+        return dict(a.json())
+
+
+def producer_headers() -> dict[str, str]:
+    """Who is asking, as the server records it in the provenance of an entry this process
+    writes: the client's version, and the job and attempt it belongs to (when launched in
+    one; the server refuses malformed values, and `JobIdentity` reads only well-formed
+    ones)."""
+    job = JobIdentity.of_process()[0]
+    found = {wire_headers.CLIENT_VERSION: __version__}
+    if job.job_id is not None:
+        found[wire_headers.JOB] = job.job_id
+        found[wire_headers.ATTEMPT] = str(job.attempt)
+    return found
 
 
 _tls: ssl.SSLContext | None = None
@@ -398,56 +425,30 @@ def tls_context() -> ssl.SSLContext:
         return _tls
 
 
-def producer_headers() -> dict[str, str]:
-    """Who is asking, as the server records it in the provenance of an entry this process
-    writes: the client's version, and the job and attempt it belongs to (when launched in
-    one; the server refuses malformed values, and `JobIdentity` reads only well-formed ones)."""
-    job = JobIdentity.of_process()[0]
-    found = {wire_headers.CLIENT_VERSION: __version__}
-    if job.job_id is not None:
-        found[wire_headers.JOB] = job.job_id
-        found[wire_headers.ATTEMPT] = str(job.attempt)
-    return found
-
-
-def _file_chunks(path: Path, progress: Progress | None) -> Iterator[bytes]:
+def _file_chunks(path: Path, progress: Progress | None, clock: Deadline) -> Iterator[bytes]:
     total = path.stat().st_size
     done = 0
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             done += len(chunk)
+            clock.credit(len(chunk))
             if progress:
                 progress(done, total)
             yield chunk
+
+
+class _Hashing:
+    """The sha256 of a download so far (a try that starts over starts it over)."""
+
+    def __init__(self) -> None:
+        self.sha = hashlib.sha256()
 
 
 class ResolutionUnsupported(TransportError):
     """The server has no job resolutions: the process decides alone."""
 
 
-def _refuse_encoded(response: httpx.Response) -> None:
-    """An answer in a Content-Encoding the client did not ask for is refused unread.
-
-    httpx decodes gzip, brotli and zstd bodies whatever was asked, a whole chunk at a time:
-    a hostile server's 32 KiB of zstd became gigabytes in memory before any size, digest or
-    signature check could run.
-    """
-    encoding = response.headers.get("content-encoding", "").strip().lower()
-    if encoding not in ("", "identity"):
-        raise TransportError(
-            f"{response.request.method} {response.request.url.path}: the server answered "
-            f"with Content-Encoding {encoding[:40]!r} though the client asked for identity; "
-            "refusing to decode it", response.status_code)
-
-
-def _retryable(response: httpx.Response, what: str) -> RetryableStatus:
-    return RetryableStatus(f"{what}: HTTP {response.status_code} {_error_message(response)}",
-                           response.status_code, retry_after_s(response.headers.get("retry-after")))
-
-
-def _error_message(response: httpx.Response) -> str:
-    try:
-        response.read()
-        return str(response.json()["error"]["message"])
-    except Exception:
-        return response.text[:200] if hasattr(response, "text") else ""
+def _retryable(answer: Answer, what: str) -> RetryableStatus:
+    return RetryableStatus(
+        f"{what}: HTTP {answer.status} {reader.error_message(answer.body)}", answer.status,
+        retry_after_s(answer.headers.get("retry-after")))
