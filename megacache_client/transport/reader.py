@@ -155,6 +155,8 @@ def declared_length(response: httpx.Response) -> int | None:
 def read_capped(response: httpx.Response, cap: int, what: str) -> bytes:
     """The whole body of a streamed response, refused past `cap` bytes (declared or sent)."""
     refuse_encoded(response)
+    if response.request.method == "HEAD" or response.status_code in (204, 304):
+        return b""  # no body, whatever length it declares (HEAD: the resource's)
     declared = declared_length(response)
     if declared is not None and declared > cap:
         raise TransportError(f"{what}: the server declared a {declared}-byte answer, over "
