@@ -82,6 +82,8 @@ class Events:
         return {**found, "quarantine": await self.quarantine.quarantines(principal, limit=20)}
 
     async def figures(self, principal: Principal) -> Figures:
+        """The numbers /metrics shows this caller: its namespace's, and the store's as a
+        whole only to the operator (every namespace)."""
         scope = principal.namespace
         models = await self.index.stats(namespace=scope)
         entries, entry_bytes = await self.index.usage(scope)

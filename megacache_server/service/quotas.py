@@ -118,7 +118,7 @@ class Quotas:
 
     # -- requests ------------------------------------------------------------------------
     def admit_event(self, principal: Principal) -> None:
-        """Per token; auth off has none to key on, and is not limited."""
+        """Per token name; auth off has no token to key on, and is not limited."""
         if principal.namespace is not None:
             _admit(self.event_limiter, principal.name, "events", principal)
 
