@@ -130,12 +130,16 @@ class Settings(BaseSettings):
                 "MEGACACHE_AUTH=true (and create tokens with `megacache-server token create`), "
                 "bind 127.0.0.1, or pass --insecure if this network is trusted")
 
+    def budget(self) -> int | None:
+        """The store budget in bytes; None: the store is bound by its disk only."""
+        return int(self.store_budget) if self.store_budget is not None else None
+
     def pending_cap(self) -> int | None:
         """Bytes of unreferenced uploads one namespace may hold at once."""
         if self.namespace_pending_bytes is not None:
             return int(self.namespace_pending_bytes)
-        if self.store_budget is not None:
-            budget = int(self.store_budget)
+        budget = self.budget()
+        if budget is not None:
             return min(budget, max(budget // 4, 2 * int(self.max_blob_size)))
         return None
 

@@ -36,8 +36,12 @@ from megacache_server.api.routes.observability import router as observe_router
 from megacache_server.api.routes.trust import router as trust_router
 from megacache_server.errors import ApiError, BadRequest, error_body
 from megacache_server.service.cache import Cache
-from megacache_server.service.collector import SubprocessCollector
-from megacache_server.service.metrics import MeteredCache
+from megacache_server.service.collector import (
+    Collector,
+    LocalCollector,
+    SubprocessCollector,
+)
+from megacache_server.service.metered import MeteredCollector, MeteredTenantCache
 from megacache_server.service.signing import check_signing_key
 from megacache_server.service.trust import Scrubber
 from megacache_server.settings import Settings
@@ -61,9 +65,12 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     check_signing_key(settings)
     # A storage handed in is collected in place; the server's own storage is collected by a
     # child process (collector.py) that opens it from the same settings.
-    collector = SubprocessCollector(settings) if storage is None else None
-    storage = storage or build_storage(settings)
-    cache = MeteredCache(settings, storage, collector=collector)
+    if storage is None:
+        storage = build_storage(settings)
+        collector: Collector = SubprocessCollector(settings, storage.index)
+    else:
+        collector = LocalCollector(settings, storage)
+    cache = Cache(settings, storage, MeteredCollector(collector), wrap=MeteredTenantCache)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

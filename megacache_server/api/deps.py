@@ -8,7 +8,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from megacache_server.service.auth import Scope
-from megacache_server.service.cache import Cache, TenantCache
+from megacache_server.service.cache import Cache
+from megacache_server.service.tenant import TenantCache
 
 
 def cache_of(request: Request) -> Cache:

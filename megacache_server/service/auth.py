@@ -35,10 +35,35 @@ SCOPES: tuple[Scope, ...] = ("read", "write", "admin", "metrics")
 
 @dataclass(frozen=True)
 class Principal:
+    """Who a request acts as, and the one place namespace visibility is decided: a token of
+    namespace B reads, lists, counts and reports only within B; auth off sees them all."""
+
     name: str
     scopes: frozenset[str]
     namespace: str | None  # None: every namespace (auth off)
     token_id: str = ""  # "" with auth off
+
+    @property
+    def home(self) -> str:
+        """The namespace this caller's writes (blobs, events, job records) belong to."""
+        return self.namespace or "default"
+
+    @property
+    def caller_id(self) -> str:
+        """What limits and report counts key on: the token (the name with auth off, where
+        there is one caller)."""
+        return self.token_id or self.name
+
+    def sees(self, namespace: str) -> bool:
+        return self.namespace is None or self.namespace == namespace
+
+    def confined(self, namespace: str | None, verb: str) -> str | None:
+        """The namespace a read or write asks for, this caller's own when it names none
+        (None: all, auth off); 403 for one it may not `verb`."""
+        if namespace is None or self.sees(namespace):
+            return namespace if namespace is not None else self.namespace
+        raise Forbidden(f"token {self.name!r} {verb} namespace {self.namespace!r}, "
+                        f"not {namespace!r}", code="namespace_mismatch")
 
 
 ANONYMOUS = Principal("anonymous", frozenset(SCOPES), None)

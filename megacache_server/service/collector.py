@@ -1,4 +1,5 @@
-"""Garbage collection out of the serving process: `megacache-server gc --json` in a child.
+"""Where a garbage collection runs: here (`LocalCollector`), or in a child process
+(`SubprocessCollector`, the server's).
 
 A collection over a large store reads hundreds of thousands of index rows into Python
 objects and makes thousands of store calls. In the serving process, on the event loop or in
@@ -7,8 +8,7 @@ the plan parsed on the loop, CPython's full garbage collections over the plan's 
 single C calls over 100k items (sorting, freeing the plan), each tens to hundreds of
 milliseconds on a large store. A child process shares no GIL and no heap with the server:
 the server only waits for its answer. The child is the `gc` command, so the rules are the
-cache's own (`Cache.collect`), with this process's settings handed over as MEGACACHE_*
-variables.
+`LocalCollector`'s, with this process's settings handed over as MEGACACHE_* variables.
 """
 
 from __future__ import annotations
@@ -20,13 +20,21 @@ import logging
 import os
 import signal
 import sys
+import time
+from typing import Protocol
 
 from megacache_server.errors import ServiceUnavailable
-from megacache_server.service.eviction import GcResult
+from megacache_server.service import eviction
+from megacache_server.service.eviction import GcPlan, GcResult
 from megacache_server.settings import Settings
+from megacache_server.store.index.base import Index
+from megacache_server.store.storage import Storage
 
 log = logging.getLogger("megacache.gc")
 
+GC_LOCK = "gc"
+GC_LOCK_TTL_S = 600.0
+"""Longer than any collect takes; a replica that dies holding it blocks GC this long."""
 GC_NICE = 19
 """The child's lower CPU priority (`gc --nice`), the lowest: a collection has no deadline
 and on a small host it would otherwise take a core the lookups need, descheduling the
@@ -38,14 +46,61 @@ STOP_WAIT_S = 30.0
 """How long a collection interrupted by shutdown gets to release the GC lock and exit."""
 
 
+class Collector(Protocol):
+    """Runs one collection: entries evicted over `budget` (None: the configured one) and
+    unreferenced blobs deleted. None when another collector holds the GC lock."""
+
+    async def collect(self, budget: int | None) -> GcResult | None: ...
+
+
+class LocalCollector:
+    """Collects in this process, one collector at a time across every process and replica
+    (the GC lock): what `megacache-server gc` runs, and so what a child collects with."""
+
+    def __init__(self, settings: Settings, storage: Storage) -> None:
+        self.settings = settings
+        self.storage = storage
+
+    async def plan(self, *, budget: int | None = None) -> GcPlan:
+        return await eviction.plan(self.storage, budget=budget if budget is not None
+                                   else self.settings.budget(),
+                                   grace_s=self.settings.gc_grace_s,
+                                   low_water=self.settings.gc_low_water)
+
+    async def collect(self, budget: int | None = None, *,
+                      gc_plan: GcPlan | None = None) -> GcResult | None:
+        """Evict and delete as `gc_plan` says (made now when not given), then prune old
+        events and expired job records."""
+        index = self.storage.index
+        if not await index.acquire_lock(GC_LOCK, ttl_s=GC_LOCK_TTL_S):
+            return None
+        try:
+            gc_plan = gc_plan or await self.plan(budget=budget)
+            done = GcResult()
+            if gc_plan.evict or gc_plan.delete:
+                done = await eviction.apply(self.storage, gc_plan)
+            now = time.time()
+            await index.prune_events(
+                raw_before=now - self.settings.event_retention_days * 86400,
+                rollups_before=now - self.settings.rollup_retention_days * 86400)
+            await index.prune_jobs(now)
+            return done
+        finally:
+            await index.release_lock(GC_LOCK)
+
+
 class SubprocessCollector:
     """`collect(budget)` runs one collection in a child process and returns what it did."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, index: Index) -> None:
         self.settings = settings
+        self.index = index
 
     async def collect(self, budget: int | None) -> GcResult | None:
-        """What the child collected; None when another collector held the GC lock."""
+        """What the child collected; None when another collector held the GC lock. The
+        access times this process buffers are written first, so its LRU order is the one
+        the child's plan reads."""
+        await self.index.flush_access()
         env = {**os.environ, **self.settings.environment()}
         if budget is not None:
             env["MEGACACHE_STORE_BUDGET"] = str(budget)

@@ -21,7 +21,7 @@ from megacache_server.errors import Unprocessable
 from megacache_server.service.auth import Principal
 
 VERSION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}")
-JOB_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # cache.ID_PATTERN's rule
+JOB_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # jobs.ID_PATTERN's rule
 ATTEMPT_PATTERN = re.compile(r"0|[1-9][0-9]{0,6}")
 MAX_ATTEMPT = 1_000_000
 

@@ -6,7 +6,7 @@
 - claim: one publisher per key across the fleet; the others skip the upload.
 
 Bodies are small JSON objects read with a hard size limit; their values are checked by the
-cache service (`TenantCache.resolve`, `.claim`), which owns the rules.
+cache service (`service.jobs`), which owns the rules.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from megacache_server.api.deps import Reader, Writer
 from megacache_server.api.validation import small_json_body
 from megacache_server.errors import NotFound, error_responses
 from megacache_server.service import provenance
-from megacache_server.service.cache import (
+from megacache_server.service.jobs import (
     DEFAULT_CLAIM_LEASE_S,
     DEFAULT_RESOLUTION_TTL_S,
     FallbackRule,
@@ -39,7 +39,7 @@ MAX_BODY = 4096
 
 class FallbackRequest(BaseModel):
     """The client's fallback rule, applied once for the whole job attempt (see
-    `TenantCache.resolve`): the newest entry of this model with these component digests."""
+    `Jobs.resolve`): the newest entry of this model with these component digests."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     namespace: Annotated[str, Field(pattern=NAMESPACE_PATTERN)]

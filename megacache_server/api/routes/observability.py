@@ -11,8 +11,8 @@ from fastapi.responses import HTMLResponse, Response
 from megacache_server.api.deps import Reader, tenant
 from megacache_server.api.request_metrics import CONTENT_TYPE_LATEST, render_process_metrics
 from megacache_server.errors import error_responses
-from megacache_server.service.cache import TenantCache
 from megacache_server.service.metrics import cache_metrics
+from megacache_server.service.tenant import TenantCache
 
 router = APIRouter(tags=["observability"])
 

@@ -1,23 +1,9 @@
-"""What the service keeps besides blob bytes, as seven small storage protocols.
+"""What the service keeps besides blob bytes, as small storage protocols, each declared and
+documented here and nowhere else: a backend's modules say how they store, not what.
 
-- `EntryStore`: fingerprint key -> manifest (the action cache), with what eviction, quotas and
-  listings need already in columns (namespace, model, blob digests, size): nobody re-parses
-  manifests to learn them.
-- `BlobLedger`: which blobs the CAS holds, their sizes, last touch and owning namespaces.
-- `TokenStore`: bearer tokens, hashed.
-- `EventLog`: client runs, folded into rollups as they arrive (running totals that never go
-  down, hourly buckets, miss reasons), with raw events kept for a bounded time only; runs of
-  a job are also folded per (job, attempt), each attempt counted once (its slowest rank).
-- `LockStore`: named locks shared by every replica.
-- `JobStore`: one resolution of a fingerprint key per (namespace, job, attempt), fixed by
-  the first rank that asks and held (with its blobs, against GC) while ranks keep asking.
-- `ClaimStore`: publish claims, a lease per (namespace, key): one uploader across a fleet.
-- `TrustStore`: what keeps bad bytes from being served again: quarantined blobs (why, when,
-  who reported), reports of entries torch could not load, and when each blob was last
-  re-hashed (the scrub's order).
-
-`Index` is all eight; each backend (SQLite, Redis) implements it in one class. Only the cache
-service (`megacache_server.service.cache`) calls these: routes never do.
+`Index` is every protocol at once; a backend (`sqlite/`, `redis/`) implements each protocol
+in a module of its own and `Index` as the class made of them. Only the cache service
+(`megacache_server.service`) calls these: routes never do.
 """
 
 from __future__ import annotations
@@ -214,6 +200,10 @@ MAX_VIEW_ATTEMPTS = 20
 
 
 class EntryStore(ABC):
+    """Fingerprint key -> manifest (the action cache), with what eviction, quotas and
+    listings need already in columns (namespace, model, blob digests, size): nobody re-parses
+    manifests to learn them."""
+
     @abstractmethod
     async def get(self, key: str, *, touch: bool = True) -> StoredEntry | None:
         """The entry for `key`; `touch` records the access for LRU eviction."""
@@ -274,6 +264,8 @@ class EntryStore(ABC):
 
 
 class BlobLedger(ABC):
+    """Which blobs the CAS holds, their sizes, last touch and owning namespaces."""
+
     @abstractmethod
     async def record_blob(self, digest: str, size: int, namespace: str) -> bool:
         """Note a blob committed to the CAS for `namespace`; True if new to that namespace."""
@@ -328,6 +320,8 @@ class BlobLedger(ABC):
 
 
 class TokenStore(ABC):
+    """Bearer tokens, hashed."""
+
     @abstractmethod
     async def put_token(self, token: TokenRecord) -> None:
         """Store a new token record."""
@@ -346,6 +340,10 @@ class TokenStore(ABC):
 
 
 class EventLog(ABC):
+    """Client runs, folded into rollups as they arrive (running totals that never go down,
+    hourly buckets, miss reasons), with raw events kept for a bounded time only; runs of a
+    job are also folded per (job, attempt), each attempt counted once (its slowest rank)."""
+
     @abstractmethod
     async def add_event(self, namespace: str, event: Event) -> None:
         """Record one run: its raw event, and its counters in every rollup."""
@@ -376,6 +374,8 @@ class EventLog(ABC):
 
 
 class LockStore(ABC):
+    """Named locks shared by every replica."""
+
     @abstractmethod
     async def acquire_lock(self, name: str, ttl_s: float) -> bool:
         """Take a named lock shared by every replica (True if taken); it expires after ttl."""
@@ -422,6 +422,9 @@ class Claim:
 
 
 class JobStore(ABC):
+    """One resolution of a fingerprint key per (namespace, job, attempt), fixed by the first
+    rank that asks and held (with its blobs, against GC) while ranks keep asking."""
+
     @abstractmethod
     async def resolve(self, namespace: str, job: str, attempt: int, key: str,
                       candidate: StoredEntry | None, ttl_s: float, now: float) -> Resolution:
@@ -443,6 +446,8 @@ class JobStore(ABC):
 
 
 class ClaimStore(ABC):
+    """Publish claims, a lease per (namespace, key): one uploader across a fleet."""
+
     @abstractmethod
     async def claim(self, namespace: str, key: str, holder: str, lease_s: float,
                     now: float) -> Claim:
@@ -485,6 +490,10 @@ MAX_QUARANTINE_RECORDS = 10_000
 
 
 class TrustStore(ABC):
+    """What keeps bad bytes from being served again: quarantined blobs (why, when, who
+    reported), reports of entries torch could not load, and when each blob was last
+    re-hashed (the scrub's order)."""
+
     @abstractmethod
     async def entries_naming(self, digest: str) -> list[str]:
         """The keys of every entry that names the blob."""
@@ -531,6 +540,8 @@ class TrustStore(ABC):
 
 class Index(EntryStore, BlobLedger, TokenStore, EventLog, LockStore, JobStore, ClaimStore,
             TrustStore):
+    """Every protocol above, with the calls that span them and the index's lifecycle."""
+
     name: str = "abstract"
 
     async def open(self) -> None:  # noqa: B027 - optional hook

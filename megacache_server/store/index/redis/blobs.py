@@ -1,6 +1,6 @@
-"""BlobLedger on Redis: sizes and touch times of committed blobs, their owning namespaces,
-the entries naming each, and `unref`, the blobs that may have lost their last reference:
-what GC reads instead of every blob."""
+"""BlobLedger on Redis: a hash of sizes, a zset of touch times, a set of owners per blob and
+of entries naming it (`keys.py`), and `unref`, the blobs that may have lost their last
+reference: what GC reads instead of every blob."""
 
 from __future__ import annotations
 
@@ -109,19 +109,6 @@ class RedisBlobs(RedisConnection, BlobLedger):
             return found
 
         return await self._do(op)
-
-    async def eviction_facts(self, digests: list[str], now: float
-                             ) -> dict[str, tuple[int, int | None]]:
-        """One script per SCRIPT_BATCH digests, not three pipelines of a command per blob:
-        redis-py's packing and parsing of those was most of a GC plan at a million entries."""
-        facts: dict[str, tuple[int, int | None]] = {}
-        for i in range(0, len(digests), SCRIPT_BATCH):
-            part = digests[i:i + SCRIPT_BATCH]
-            flat = await self._run_script("eviction_facts", [repr(now), *part])
-            facts.update((d, (int(flat[2 * j]), None if flat[2 * j + 1] is None
-                              else int(flat[2 * j + 1])))
-                         for j, d in enumerate(part))
-        return facts
 
     async def unreferenced_blobs(self) -> list[BlobRecord]:
         """From the `unref` candidates, not every blob: the cost follows what was uploaded

@@ -1,6 +1,6 @@
-"""TrustStore on Redis: quarantine records (a capped list), counts by reason, the set of
-quarantined digests, load reports (a set per entry version, expiring) and each blob's last
-verification (the `blob_verified` zset, longest ago first)."""
+"""TrustStore on Redis: a capped list of records, a hash of counts, a set of digests, a set
+of reporters per entry version (expiring) and the `blob_verified` zset, longest ago first
+(`keys.py` names them)."""
 
 from __future__ import annotations
 

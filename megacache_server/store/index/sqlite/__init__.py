@@ -1,9 +1,7 @@
 """Index in SQLite (WAL): the embedded default, safe across several uvicorn workers.
 
-One module per storage protocol (`entries`, `blobs`, `tokens`, `events`, `locks`, `jobs`: job
-resolutions and publish claims), each a
-class on the shared connections of `connection.py`; the tables are in `schema.py`.
-`SqliteIndex` is all of them.
+One module per storage protocol of `base.py`, each a class on the shared connections of
+`connection.py`; the tables are in `schema.py`. `SqliteIndex` is made of those classes.
 """
 
 from __future__ import annotations

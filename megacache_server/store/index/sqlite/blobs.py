@@ -1,6 +1,6 @@
-"""BlobLedger on SQLite: a row per committed blob with its size and last touch, its owning
-namespaces in `blob_owners`, and how many entries name it kept by triggers (`schema.py`), so
-GC reads the unreferenced blobs from an index of just those."""
+"""BlobLedger on SQLite: a row per blob, a row per (namespace, blob) in `blob_owners`, and
+each blob's reference count kept by triggers (`schema.py`), so GC reads the unreferenced
+blobs from an index of just those."""
 
 from __future__ import annotations
 

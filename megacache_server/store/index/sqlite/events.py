@@ -1,6 +1,6 @@
-"""EventLog on SQLite: raw events for a bounded time, folded as they arrive into a running
-total per (namespace, model), hourly and daily rollups and miss-reason counts
-(`rollups.py` says how); reports read the rollups, never the raw events."""
+"""EventLog on SQLite: a row per raw event, and rollup tables (`rollup_total`, hourly and
+daily, miss reasons, `job_attempts`) updated in the transaction that adds the event
+(`rollups.py` says how an event folds into them)."""
 
 from __future__ import annotations
 

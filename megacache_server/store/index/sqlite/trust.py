@@ -1,5 +1,5 @@
-"""TrustStore on SQLite: quarantine records and counts, the quarantined digests, reports of
-entries torch could not load, and each blob's last verification (`blobs.verified_at`)."""
+"""TrustStore on SQLite: tables `quarantine`, `quarantine_counts`, `quarantined_blobs` and
+`load_reports`; a blob's last verification is a column of its row (`blobs.verified_at`)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,101 @@
+"""Client runs in, and what they add up to out, each within the caller's namespace: an event
+is recorded in the namespace of the token that sent it (never one the body names), and
+stats, jobs, the dashboard and /metrics read only the caller's namespace (all, auth off)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from megacache_client.wire.events import Event
+from megacache_client.wire.schema import SchemaError, parse_json
+from megacache_server.errors import Unprocessable
+from megacache_server.service import reports
+from megacache_server.service.auth import Principal
+from megacache_server.service.quarantine import Quarantine
+from megacache_server.service.quotas import Quotas
+from megacache_server.settings import Settings
+from megacache_server.store.index.base import MAX_QUARANTINE_RECORDS, ModelStats
+from megacache_server.store.storage import Storage
+
+
+@dataclass(frozen=True)
+class StoreFigures:
+    """What only the operator (every namespace) sees of the store as a whole."""
+
+    stored_bytes: int
+    budget: int | None
+    quarantine_records: int
+    unverified_for_s: float
+    """Since the longest-unverified blob was last hashed: how far the scrub is behind."""
+
+
+@dataclass(frozen=True)
+class Figures:
+    """The cache's own numbers for one reader, read at scrape time (`metrics` renders them)."""
+
+    index: str
+    blobs: str
+    models: list[ModelStats]
+    entries: int
+    entry_bytes: int
+    quarantined: dict[str, int]
+    """Quarantines by reason (shared by every replica: from the index)."""
+    store: StoreFigures | None
+    """None for a reader confined to a namespace."""
+
+
+class Events:
+    """Recording client runs, and the reports made of them."""
+
+    def __init__(self, settings: Settings, storage: Storage, quotas: Quotas,
+                 quarantine: Quarantine) -> None:
+        self.settings = settings
+        self.storage = storage
+        self.index = storage.index
+        self.quotas = quotas
+        self.quarantine = quarantine
+
+    async def add_event(self, principal: Principal, body: bytes) -> None:
+        """Record one run in the caller's namespace."""
+        self.quotas.admit_event(principal)
+        try:
+            event = parse_json(Event, body)
+        except SchemaError as exc:
+            raise Unprocessable("event does not match the schema", code="invalid_event",
+                                errors=exc.errors) from None
+        await self.index.add_event(principal.home, event)
+
+    async def stats(self, principal: Principal, *, since: float | None) -> dict[str, Any]:
+        found = await reports.stats(self.index, scope=principal.namespace, since=since)
+        return {**found, "quarantine": await self.quarantine.quarantine_summary(principal)}
+
+    async def jobs(self, principal: Principal, *, limit: int) -> list[dict[str, Any]]:
+        """The caller's jobs that reported last, with their attempts."""
+        return await reports.jobs(self.index, scope=principal.namespace, limit=limit)
+
+    async def dashboard(self, principal: Principal, *, hours: float) -> dict[str, Any]:
+        """Everything the dashboard shows, from rollups: cost independent of history."""
+        found = await reports.dashboard(self.index, scope=principal.namespace,
+                                        budget=self.settings.budget(), hours=hours)
+        return {**found, "quarantine": await self.quarantine.quarantines(principal, limit=20)}
+
+    async def figures(self, principal: Principal) -> Figures:
+        """The numbers /metrics shows this caller: its namespace's, and the store's as a
+        whole only to the operator (every namespace)."""
+        scope = principal.namespace
+        models = await self.index.stats(namespace=scope)
+        entries, entry_bytes = await self.index.usage(scope)
+        store = None
+        if scope is None:
+            oldest = await self.index.least_verified(1)
+            store = StoreFigures(
+                stored_bytes=await self.index.stored_bytes(), budget=self.settings.budget(),
+                quarantine_records=len(await self.index.quarantines(
+                    namespace=None, limit=MAX_QUARANTINE_RECORDS)),
+                unverified_for_s=max(0.0, time.time() - oldest[0][1]) if oldest else 0.0)
+        summary = await self.quarantine.quarantine_summary(principal)
+        return Figures(index=self.index.name, blobs=self.storage.blobs.name, models=models,
+                       entries=entries, entry_bytes=entry_bytes,
+                       quarantined=summary["by_reason"], store=store)

@@ -1,0 +1,136 @@
+"""How much one caller may use: the bytes it holds and the requests it makes.
+
+Every limit a caller can run into is decided here, so each kind of limit has one place to
+change: the pending quota (uploads no manifest names yet), a namespace's quota of entries
+and bytes, the store budget, and the rates of events and reports per token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+from megacache_server.errors import InsufficientStorage, TooManyRequests
+from megacache_server.service.auth import Principal
+from megacache_server.service.collector import Collector
+from megacache_server.service.ratelimit import RateLimiter
+from megacache_server.settings import Settings
+from megacache_server.store.index.base import Index
+
+log = logging.getLogger("megacache.cache")
+
+
+class Quotas:
+    """The limits of every caller of this process, and the state they are kept with."""
+
+    def __init__(self, settings: Settings, index: Index, collector: Collector) -> None:
+        self.settings = settings
+        self.index = index
+        self.collector = collector
+        """What makes room in the store when an upload would pass its budget."""
+        self.event_limiter = RateLimiter(rate=settings.event_rate, burst=settings.event_burst)
+        self.report_limiter = RateLimiter(rate=settings.report_rate,
+                                          burst=settings.report_burst)
+        self.uploading: dict[str, int] = {}
+        """Bytes of uploads in flight in this process, per namespace: counted against the
+        pending quota with what the index holds, so N connections cannot each pass it."""
+
+    # -- bytes ---------------------------------------------------------------------------
+    async def reserve_pending(self, namespace: str, size: int
+                              ) -> contextlib.AbstractContextManager[None]:
+        """Hold `size` bytes of the namespace's pending quota until the upload is recorded.
+
+        Blobs no manifest names yet are capped per namespace: one tenant's unreferenced
+        uploads can fill neither the store nor force out another tenant's entries. Uploads
+        still streaming count too (checked and reserved with no await in between), so the
+        cap holds however many connections a tenant opens to this process.
+        """
+        cap = self.settings.pending_cap()
+        if cap is None or size == 0:
+            return contextlib.nullcontext()
+        pending = await self.index.pending_bytes(namespace)
+        uploading = self.uploading.get(namespace, 0)
+        if pending + uploading + size > cap:
+            raise InsufficientStorage(
+                f"namespace {namespace!r} holds {pending} bytes of blobs no entry names and "
+                f"{uploading} bytes in uploads; {size} more would pass its limit of {cap}: "
+                "write the manifests that name them first", code="pending_quota",
+                pending=pending + uploading, limit=cap)
+        self.uploading[namespace] = uploading + size
+        return self._release_pending(namespace, size)
+
+    @contextlib.contextmanager
+    def _release_pending(self, namespace: str, size: int) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            left = self.uploading.get(namespace, 0) - size
+            if left > 0:
+                self.uploading[namespace] = left
+            else:
+                self.uploading.pop(namespace, None)
+
+    async def make_room(self, size: int) -> None:
+        """Refuse an upload that would crowd others out; evict LRU entries for one that fits."""
+        budget = self.settings.budget()
+        if budget is None:
+            return
+        used = await self.index.stored_bytes()
+        if used + size <= budget:
+            return
+        await self.collector.collect(max(0, budget - size))
+        used = await self.index.stored_bytes()
+        if used + size > budget:
+            raise InsufficientStorage(
+                f"store budget {budget} bytes: {used} used, {size} more do not fit even after "
+                "evicting unpinned entries", code="store_full", used=used, budget=budget)
+
+    async def fit_entry(self, namespace: str, key: str, size: int) -> None:
+        """Over its quota, a namespace evicts its own least recently used entries, never
+        another's; when its pinned entries alone fill it, the write is refused."""
+        max_entries = self.settings.namespace_quota_entries
+        max_bytes = self.settings.namespace_quota_bytes
+        if max_entries is None and max_bytes is None:
+            return
+        entries, used = await self.index.usage(namespace)
+        existing = await self.index.get(key, touch=False)
+        if existing is not None:
+            entries, used = entries - 1, used - existing.size
+
+        def over(n: int, b: int) -> bool:
+            return ((max_entries is not None and n + 1 > max_entries)
+                    or (max_bytes is not None and b + size > int(max_bytes)))
+
+        if not over(entries, used):
+            return
+        for victim in await self.index.lru_entries(256, namespace=namespace):
+            if victim.key == key:
+                continue
+            if await self.index.delete(victim.key):
+                entries, used = entries - 1, used - victim.size
+                log.info("quota: evicted %s of namespace %s", victim.key, namespace)
+            if not over(entries, used):
+                return
+        raise InsufficientStorage(
+            f"namespace {namespace!r} is at its quota ({entries} entries, {used} bytes) with "
+            "nothing left to evict", code="namespace_quota", entries=entries, used=used)
+
+    # -- requests ------------------------------------------------------------------------
+    def admit_event(self, principal: Principal) -> None:
+        """Per token name; auth off has no token to key on, and is not limited."""
+        if principal.namespace is not None:
+            _admit(self.event_limiter, principal.name, "events", principal)
+
+    def admit_report(self, principal: Principal) -> None:
+        """Per token (per caller name with auth off, where there is one caller)."""
+        _admit(self.report_limiter, principal.caller_id, "reports", principal)
+
+
+def _admit(limiter: RateLimiter, key: str, what: str, principal: Principal) -> None:
+    """Take one request of `key`'s allowance, or 429 with when to retry."""
+    wait = limiter.take(key)
+    if wait > 0:
+        raise TooManyRequests(
+            f"more than {limiter.rate:g} {what}/s from {principal.name!r}; "
+            f"retry in {wait:.1f}s", headers={"retry-after": str(max(1, round(wait)))})

@@ -1,0 +1,190 @@
+"""The cache as one caller sees it: `TenantCache`, the one object a route calls.
+
+Routes translate HTTP to calls on a `TenantCache` and back, and know nothing of how it is
+made. `BoundCache` makes one from the cache's parts (each in its own module, owning its
+rules and documenting them) and the caller's principal, which decides what the caller may
+see (`auth.Principal`); in the server each is wrapped in `metered.MeteredTenantCache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from megacache_server.service.auth import Principal
+from megacache_server.service.blobs import Blobs
+from megacache_server.service.collector import Collector
+from megacache_server.service.entries import Entries, EntryWrite
+from megacache_server.service.events import Events, Figures
+from megacache_server.service.jobs import (
+    DEFAULT_CLAIM_LEASE_S,
+    DEFAULT_RESOLUTION_TTL_S,
+    FallbackRule,
+    Jobs,
+)
+from megacache_server.service.provenance import ProducerClaims
+from megacache_server.service.quarantine import Quarantine
+from megacache_server.service.quotas import Quotas
+from megacache_server.settings import Settings
+from megacache_server.store.index.base import Claim, Precondition, Resolution, StoredEntry
+from megacache_server.store.storage import Storage
+
+__all__ = ["BoundCache", "Parts", "Precondition", "StoredEntry", "TenantCache"]
+
+
+class TenantCache(Protocol):
+    """Every call a route makes, as one caller. Each is the method of the same name on the
+    part that owns it (`Blobs`, `Entries`, `Jobs`, `Quarantine`, `Events`), where its rules
+    are documented, with the caller's principal added."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def principal(self) -> Principal: ...
+
+    async def put_blob(self, digest: str, size: int, body: AsyncIterator[bytes]) -> bool: ...
+    async def blob_size(self, digest: str) -> int | None: ...
+    async def recorded_blob_size(self, digest: str) -> int | None: ...
+    def read_blob(self, digest: str, start: int, end: int) -> AsyncIterator[bytes]: ...
+    def presigned_url(self, digest: str) -> str | None: ...
+
+    async def put_entry(self, key: str, body: bytes, condition: Precondition, *,
+                        claims: ProducerClaims | None = None) -> EntryWrite: ...
+    async def get_entry(self, key: str, *, touch: bool = True) -> StoredEntry: ...
+    async def list_entries(self, *, namespace: str | None, model: str | None,
+                           env: str | None, hw: str | None,
+                           limit: int) -> list[StoredEntry]: ...
+    async def delete_entry(self, key: str) -> None: ...
+    async def set_pinned(self, key: str, pinned: bool) -> None: ...
+
+    async def resolve(self, key: str, *, job: str, attempt: int,
+                      ttl_s: float = DEFAULT_RESOLUTION_TTL_S,
+                      fallback: FallbackRule | None = None) -> Resolution: ...
+    async def resolution_provenance(self, done: Resolution) -> str: ...
+    async def claim(self, key: str, *, holder: str,
+                    lease_s: float = DEFAULT_CLAIM_LEASE_S) -> Claim: ...
+    async def release_claim(self, key: str, *, holder: str) -> None: ...
+
+    async def report_blob(self, digest: str, *, kind: str, entry_key: str | None,
+                          detail: str) -> dict[str, Any]: ...
+    async def report_entry(self, key: str, *, kind: str, detail: str,
+                           job: str | None) -> dict[str, Any]: ...
+    async def quarantines(self, *, limit: int = 100) -> list[dict[str, Any]]: ...
+
+    async def add_event(self, body: bytes) -> None: ...
+    async def stats(self, *, since: float | None) -> dict[str, Any]: ...
+    async def jobs(self, *, limit: int) -> list[dict[str, Any]]: ...
+    async def dashboard(self, *, hours: float) -> dict[str, Any]: ...
+    async def figures(self) -> Figures: ...
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The cache's parts, one of each per process: what every caller's cache is made of.
+    Each part reaches the others it needs directly, never through a caller's cache."""
+
+    settings: Settings
+    blobs: Blobs
+    entries: Entries
+    jobs: Jobs
+    quarantine: Quarantine
+    events: Events
+
+    @classmethod
+    def build(cls, settings: Settings, storage: Storage, collector: Collector) -> Parts:
+        quotas = Quotas(settings, storage.index, collector)
+        blobs = Blobs(settings, storage, quotas)
+        entries = Entries(storage.index, blobs, quotas)
+        quarantine = Quarantine(settings, storage, blobs, entries, quotas)
+        return cls(settings, blobs, entries, Jobs(storage.index, entries), quarantine,
+                   Events(settings, storage, quotas, quarantine))
+
+
+class BoundCache:
+    """A `TenantCache`: the parts, bound to one principal. Made per request; holds nothing
+    else."""
+
+    def __init__(self, parts: Parts, principal: Principal) -> None:
+        self.parts = parts
+        self.settings = parts.settings
+        self.principal = principal
+
+    async def put_blob(self, digest: str, size: int, body: AsyncIterator[bytes]) -> bool:
+        return await self.parts.blobs.put_blob(self.principal, digest, size, body)
+
+    async def blob_size(self, digest: str) -> int | None:
+        return await self.parts.blobs.blob_size(self.principal, digest)
+
+    async def recorded_blob_size(self, digest: str) -> int | None:
+        return await self.parts.blobs.recorded_blob_size(self.principal, digest)
+
+    def read_blob(self, digest: str, start: int, end: int) -> AsyncIterator[bytes]:
+        return self.parts.blobs.read_blob(digest, start, end)
+
+    def presigned_url(self, digest: str) -> str | None:
+        return self.parts.blobs.presigned_url(digest)
+
+    async def put_entry(self, key: str, body: bytes, condition: Precondition, *,
+                        claims: ProducerClaims | None = None) -> EntryWrite:
+        return await self.parts.entries.put_entry(self.principal, key, body, condition,
+                                                  claims=claims)
+
+    async def get_entry(self, key: str, *, touch: bool = True) -> StoredEntry:
+        return await self.parts.entries.get_entry(self.principal, key, touch=touch)
+
+    async def list_entries(self, *, namespace: str | None, model: str | None,
+                           env: str | None, hw: str | None,
+                           limit: int) -> list[StoredEntry]:
+        return await self.parts.entries.list_entries(
+            self.principal, namespace=namespace, model=model, env=env, hw=hw, limit=limit)
+
+    async def delete_entry(self, key: str) -> None:
+        await self.parts.entries.delete_entry(self.principal, key)
+
+    async def set_pinned(self, key: str, pinned: bool) -> None:
+        await self.parts.entries.set_pinned(self.principal, key, pinned)
+
+    async def resolve(self, key: str, *, job: str, attempt: int,
+                      ttl_s: float = DEFAULT_RESOLUTION_TTL_S,
+                      fallback: FallbackRule | None = None) -> Resolution:
+        return await self.parts.jobs.resolve(self.principal, key, job=job, attempt=attempt,
+                                             ttl_s=ttl_s, fallback=fallback)
+
+    async def resolution_provenance(self, done: Resolution) -> str:
+        return await self.parts.jobs.resolution_provenance(done)
+
+    async def claim(self, key: str, *, holder: str,
+                    lease_s: float = DEFAULT_CLAIM_LEASE_S) -> Claim:
+        return await self.parts.jobs.claim(self.principal, key, holder=holder, lease_s=lease_s)
+
+    async def release_claim(self, key: str, *, holder: str) -> None:
+        await self.parts.jobs.release_claim(self.principal, key, holder=holder)
+
+    async def report_blob(self, digest: str, *, kind: str, entry_key: str | None,
+                          detail: str) -> dict[str, Any]:
+        return await self.parts.quarantine.report_blob(self.principal, digest, kind=kind,
+                                                       entry_key=entry_key, detail=detail)
+
+    async def report_entry(self, key: str, *, kind: str, detail: str,
+                           job: str | None) -> dict[str, Any]:
+        return await self.parts.quarantine.report_entry(self.principal, key, kind=kind,
+                                                        detail=detail, job=job)
+
+    async def quarantines(self, *, limit: int = 100) -> list[dict[str, Any]]:
+        return await self.parts.quarantine.quarantines(self.principal, limit=limit)
+
+    async def add_event(self, body: bytes) -> None:
+        await self.parts.events.add_event(self.principal, body)
+
+    async def stats(self, *, since: float | None) -> dict[str, Any]:
+        return await self.parts.events.stats(self.principal, since=since)
+
+    async def jobs(self, *, limit: int) -> list[dict[str, Any]]:
+        return await self.parts.events.jobs(self.principal, limit=limit)
+
+    async def dashboard(self, *, hours: float) -> dict[str, Any]:
+        return await self.parts.events.dashboard(self.principal, hours=hours)
+
+    async def figures(self) -> Figures:
+        return await self.parts.events.figures(self.principal)
