@@ -107,7 +107,8 @@ class Jobs:
         now = time.time()
         got = await self.index.claim(principal.home, key, holder, lease_s, now)
         if not got.granted:
-            remaining = max(0.0, got.expires_at - now)
+            # now again: the holder's lease was granted at its own `now`, maybe after ours
+            remaining = max(0.0, got.expires_at - time.time())
             raise Conflict(
                 f"key {key} is being published by {got.holder!r} (lease runs out in "
                 f"{remaining:.0f}s): skip the upload; add what the entry lacks once it is "
