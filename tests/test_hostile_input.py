@@ -170,6 +170,28 @@ def test_a_pack_of_too_many_members_is_refused(tmp_path):
         unpack(pack, tmp_path / "out", suffixes=(".so",), cap=10**9)
 
 
+def test_a_pack_of_too_many_folders_is_refused_before_they_are_made(tmp_path):
+    """Members are capped, and so are the folders they lie in: 120,000 empty files each in
+    a folder of its own would cost as many inodes and no bytes."""
+    from megacache_client.torch.packs import MAX_FOLDERS, PackError, unpack
+
+    pack = _pack(tmp_path / "folders", [(f"d{i}/k.so", b"") for i in range(MAX_FOLDERS + 500)])
+    with pytest.raises(PackError, match=f"more than {MAX_FOLDERS} folders"):
+        unpack(pack, tmp_path / "out", suffixes=(".so",), cap=10**9)
+    made = sum(1 for p in (tmp_path / "out").rglob("*") if p.is_dir())
+    assert made <= MAX_FOLDERS
+
+
+@pytest.mark.parametrize("name", ["/".join(["d"] * 40) + "/k.so", "d/" + "k" * 2000 + ".so"])
+def test_a_member_too_deep_or_too_long_is_refused(tmp_path, name: str):
+    from megacache_client.torch.packs import PackError, unpack
+
+    pack = _pack(tmp_path / "deep", [(name, b"x")])
+    with pytest.raises(PackError, match="deep"):
+        unpack(pack, tmp_path / "out", suffixes=(".so",), cap=10**9)
+    assert not (tmp_path / "out" / "d").exists()
+
+
 @pytest.mark.parametrize("names", [["a.so", "a.so/b.so"], ["a.so/b.so", "a.so"],
                                    ["a.so", "a.so"]])
 def test_members_that_clash_are_a_pack_error(tmp_path, names: list[str]):

@@ -159,17 +159,21 @@ class Gate:
                          provenance: str | None) -> None:
         """With a verify key, the manifest must be signed by the server for this key and the
         client's namespace (a signature of another entry, replayed here, does not verify),
-        and so must be who wrote it, when the server says."""
+        and so must its provenance: who wrote it and which version it is (a proxy that
+        strips the provenance to replay an older version is refused here)."""
         public_key = self.config.verify_key
         if not public_key:
             return
         namespace = self.config.namespace
+        if not provenance:  # who wrote it and which version: signed, or a replay could hide
+            raise UntrustedEntryError(f"entry {asked[:12]}… came without its signed "
+                                      "provenance: refusing a manifest whose writer and "
+                                      "version cannot be checked")
         try:
             ok = signature_valid(public_key, asked, namespace, body,
-                                 headers.get(wire_headers.SIGNATURE))
-            if ok and provenance:
-                ok = signature_valid(public_key, asked, namespace, body,
-                                     headers.get(wire_headers.PROVENANCE_SIGNATURE), provenance)
+                                 headers.get(wire_headers.SIGNATURE)) \
+                and signature_valid(public_key, asked, namespace, body,
+                                    headers.get(wire_headers.PROVENANCE_SIGNATURE), provenance)
         except SigningError as exc:
             raise UntrustedEntryError(f"cannot verify entry {asked[:12]}…: {exc}") from None
         if not ok:

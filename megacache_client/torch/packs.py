@@ -61,6 +61,13 @@ def decompress_bytes(data: bytes, raw_size: int, raw_sha256: str | None, cap: in
 MAX_MEMBERS = 16_384
 """Files a pack may hold: a large model's kernels are a few thousand; past this a pack is
 refused, not unpacked in full (empty members cost no bytes against the cap)."""
+MAX_FOLDERS = 4_096
+"""Distinct folders a pack's files may lie in: Inductor's caches fan out by a two-character
+prefix (a few hundred folders); a 78 KB pack of empty files in as many folders once made
+120,000 directories, each costing an inode and no bytes against the cap."""
+MAX_NAME = 1_024
+MAX_DEPTH = 32
+"""A member's name: its length and how many folders deep it goes."""
 MEMBER_COST = 512
 """What each member counts against the byte cap besides its size: its tar header."""
 
@@ -138,7 +145,7 @@ def unpack(pack: Path, into: Path, *, suffixes: tuple[str, ...], cap: int,
 def _members(pack: Path, cap: int, *, suffixes: tuple[str, ...] | None,
              into: Path | None, present: set[str] | None = None) -> list[tarfile.TarInfo]:
     seen: list[tarfile.TarInfo] = []
-    total = 0
+    total = folders = 0
     names: set[str] = set()
     try:
         with open(pack, "rb") as raw, \
@@ -150,7 +157,9 @@ def _members(pack: Path, cap: int, *, suffixes: tuple[str, ...] | None,
                 if not member.isfile():
                     raise PackError(f"pack entry {member.name!r} is not a regular file")
                 name = safe_name(member.name)
-                _require_no_clash(name, names)
+                folders += _require_no_clash(name, names)
+                if folders > MAX_FOLDERS:
+                    raise PackError(f"pack's files lie in more than {MAX_FOLDERS} folders")
                 total += member.size + MEMBER_COST
                 if total > cap:
                     raise PackError(f"pack expands past the cap of {cap} bytes")
@@ -179,14 +188,17 @@ def _members(pack: Path, cap: int, *, suffixes: tuple[str, ...] | None,
     return seen
 
 
-def _require_no_clash(name: str, names: set[str]) -> None:
+def _require_no_clash(name: str, names: set[str]) -> int:
     """Each member names a new file, never one already in the pack nor a folder of one
-    (`a.so` then `a.so/b.so`): two members that clash are a malformed pack."""
+    (`a.so` then `a.so/b.so`): two members that clash are a malformed pack. Returns how
+    many folders this member adds."""
     parents = {str(p) for p in PurePosixPath(name).parents if str(p) != "."}
     if name in names or f"{name}/" in names or parents & names:
         raise PackError(f"pack entry {name!r} clashes with an earlier entry")
     names.add(name)  # files by name, folders with a trailing slash
-    names.update(f"{p}/" for p in parents)
+    new = {f"{p}/" for p in parents} - names
+    names.update(new)
+    return len(new)
 
 
 def safe_name(name: str) -> str:
@@ -195,6 +207,9 @@ def safe_name(name: str) -> str:
     if path.is_absolute() or ".." in path.parts or not path.parts or "\\" in name \
             or any(p in ("", ".") for p in path.parts):
         raise PackError(f"unsafe file name in pack: {name!r}")
+    if len(name) > MAX_NAME or len(path.parts) > MAX_DEPTH:
+        raise PackError(f"pack entry name is over {MAX_NAME} characters or {MAX_DEPTH} "
+                        f"folders deep: {name[:80]!r}")
     return str(path)
 
 
