@@ -198,7 +198,7 @@ for run in cold warm; do
     "$python" benchmarks/train_job.py --model mlp --steps 2 --megacache env \
       --result "$work/$run.json" >"$work/$run.log" 2>&1 \
     || { tail -n 30 "$work/$run.log" >&2; fail "the $run trainer failed"; }
-  declare "${run}_s=$(since "$started")"
+  if [ "$run" = cold ]; then cold_s="$(since "$started")"; else warm_s="$(since "$started")"; fi
 done
 [ "$(field "$work/cold.json" outcome)" = miss ] || fail "the cold trainer's outcome: $(field "$work/cold.json" outcome)"
 [ "$(field "$work/cold.json" published)" = True ] || fail "the cold trainer did not publish: $(field "$work/cold.json" publish_reason)"

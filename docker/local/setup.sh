@@ -14,7 +14,6 @@
 # packages and to build the base (debootstrap, chroot). Progress goes to stderr.
 set -euo pipefail
 export PATH="$PATH:/usr/sbin:/sbin"
-here="$(cd "$(dirname "$0")" && pwd)"
 base="${MEGACACHE_BASE_IMAGE:-localhost/megacache-base:bookworm}"
 suite="${MEGACACHE_DEBIAN_SUITE:-bookworm}"
 state="${MEGACACHE_LOCAL_STATE:-/var/tmp/megacache-local}"
