@@ -387,6 +387,20 @@ def project_leftovers(podman: Podman, project: str) -> list[str]:
     return left + volumes
 
 
+def engine_processes(project: str) -> list[str]:
+    """podman's helper processes (conmon) still attached to a project's containers."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        name = args[args.index(b"-n") + 1] if b"-n" in args[:-1] else b""
+        if name.decode(errors="replace").startswith(project + "-"):
+            found.append(f"{proc.name}: {b' '.join(args[:3]).decode(errors='replace')}")
+    return found
+
+
 def test_smoke_sh_local(podman: Podman, server_image: Image, tmp_path: Path):
     """docker/smoke.sh as an operator runs it here: the image alone, then the compose scale
     stack (Redis, SeaweedFS, two replicas, nginx; images built by compose from
@@ -411,8 +425,15 @@ def test_smoke_sh_local(podman: Podman, server_image: Image, tmp_path: Path):
         raise AssertionError(f"smoke.sh took over 540 s:\n{out}") from None
     finally:
         left = project_leftovers(podman, project)
+        deadline = time.monotonic() + 15  # a removed container's conmon exits in a moment
+        while engine_processes(project) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        lingering = engine_processes(project)
+        for line in lingering:
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
     assert proc.returncode == 0, out
     assert not left, f"smoke.sh left {left}"
+    assert not lingering, f"processes of smoke.sh's containers still running: {lingering}"
     figures = json.loads(report.read_text())
     print(f"\nsmoke.sh --local: {figures}")
     assert figures["entries"] >= 1 and figures["blobs"] >= 1, figures
