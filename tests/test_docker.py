@@ -1,7 +1,7 @@
-"""The Docker image and compose file, checked without a container engine (none runs here).
-
-hadolint lints the Dockerfile, docker-compose validates the compose file, and the image's
-own ENTRYPOINT + CMD + ENV run locally, with its HEALTHCHECK command as the probe.
+"""The Docker files checked as text, without a container engine: hadolint lints the
+Dockerfiles, docker-compose validates the compose file and its local override, and the
+image's own ENTRYPOINT + CMD + ENV run locally, with its HEALTHCHECK command as the probe.
+tests/test_container.py builds and runs the images for real (podman).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 COMPOSE = ROOT / "docker" / "compose.yaml"
+LOCAL = ROOT / "docker" / "compose.local.yaml"
+LOCAL_DOCKERFILES = sorted((ROOT / "docker" / "local").glob("*.Dockerfile"))
 
 
 def tool(name: str) -> str:
@@ -36,9 +38,12 @@ def tool(name: str) -> str:
     return path
 
 
-def test_dockerfile_passes_hadolint():
-    r = subprocess.run([tool("hadolint"), str(DOCKERFILE)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
+def test_dockerfiles_pass_hadolint():
+    assert [p.name for p in LOCAL_DOCKERFILES] == [
+        "nginx.Dockerfile", "redis.Dockerfile", "seaweedfs.Dockerfile"]
+    for path in (DOCKERFILE, *LOCAL_DOCKERFILES):
+        r = subprocess.run([tool("hadolint"), str(path)], capture_output=True, text=True)
+        assert r.returncode == 0 and not r.stdout.strip(), f"{path.name}: {r.stdout}{r.stderr}"
 
 
 def test_dockerfile_shape():
@@ -146,3 +151,68 @@ def test_the_image_entrypoint_runs_with_the_image_settings(tmp_path: Path):
         proc.terminate()
         out = proc.communicate(timeout=20)[0].decode()
     assert "workers=2" in out
+
+
+LOCAL_PORTS = ["PORT", "LB_PORT", "REPLICA_1_PORT", "REPLICA_2_PORT", "REDIS_PORT", "S3_PORT",
+               "WEED_MASTER_PORT", "WEED_MASTER_GRPC_PORT", "WEED_VOLUME_PORT",
+               "WEED_VOLUME_GRPC_PORT", "WEED_FILER_PORT", "WEED_FILER_GRPC_PORT",
+               "WEED_S3_GRPC_PORT"]
+"""compose.local.yaml's port variables (MEGACACHE_ + each), as docker/smoke.sh sets them."""
+
+
+@pytest.mark.parametrize("profile", ["single", "scale"])
+def test_the_local_override_keeps_every_service_on_loopback(profile: str):
+    """compose.local.yaml (no Docker Hub): every service is built here, on the host network,
+    listening on 127.0.0.1 at the port its variable names, and nginx's rewrite covers every
+    listener and upstream of docker/nginx.conf: a new upstream there cannot be missed."""
+    ports = {f"MEGACACHE_{name}": str(20000 + i) for i, name in enumerate(LOCAL_PORTS)}
+    cmd = [tool("docker-compose"), "-f", str(COMPOSE), "-f", str(LOCAL), "--profile", profile]
+    env = {**os.environ, **ports, "MEGACACHE_BASE_IMAGE": "localhost/base:test"}
+    r = subprocess.run(cmd + ["config", "--format", "json"], env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    services = json.loads(r.stdout)["services"]
+    for name, service in services.items():
+        assert service["network_mode"] == "host", name
+        assert not service.get("ports"), name
+        assert service["build"]["network"] == "host", name
+        assert service["build"]["args"]["BASE_IMAGE"] == "localhost/base:test", name
+        assert service["image"].startswith(("localhost/", "megacache-server:")), name
+    if profile == "single":
+        env_ = services["megacache"]["environment"]
+        assert (env_["MEGACACHE_HOST"], env_["MEGACACHE_PORT"]) == \
+            ("127.0.0.1", ports["MEGACACHE_PORT"])
+        return
+    for n in (1, 2):
+        env_ = services[f"replica-{n}"]["environment"]
+        assert env_["MEGACACHE_HOST"] == "127.0.0.1"
+        assert env_["MEGACACHE_PORT"] == ports[f"MEGACACHE_REPLICA_{n}_PORT"]
+        assert env_["MEGACACHE_INDEX"] == f"redis://127.0.0.1:{ports['MEGACACHE_REDIS_PORT']}/0"
+        assert env_["MEGACACHE_S3_ENDPOINT"] == f"http://127.0.0.1:{ports['MEGACACHE_S3_PORT']}"
+    redis = services["redis"]["command"]
+    assert redis[redis.index("--bind") + 1] == "127.0.0.1"
+    assert redis[redis.index("--port") + 1] == ports["MEGACACHE_REDIS_PORT"]
+    weed = services["seaweedfs"]["command"]
+    assert {"-ip.bind=127.0.0.1", "-master.telemetry=false", "-s3.port.iceberg=0",
+            "-s3.port.lance=0"} <= set(weed)
+    listeners = {arg.split("=")[1] for arg in weed if re.match(r"-\w+\.port(\.grpc)?=", arg)}
+    assert listeners == {v for k, v in ports.items() if "WEED" in k or "S3_PORT" in k}
+    conf = (ROOT / "docker" / "nginx.conf").read_text()
+    wanted = {f"listen {p};" for p in re.findall(r"^\s*listen (\S+);", conf, re.M)} | \
+        set(re.findall(r"^\s*server (\S+) ", conf, re.M))
+    rewrite = dict(line.split(" => ") for line in
+                   services["lb"]["environment"]["MEGACACHE_NGINX_REWRITE"].splitlines())
+    assert set(rewrite) == wanted
+    assert rewrite["listen 8080;"] == f"listen 127.0.0.1:{ports['MEGACACHE_LB_PORT']};"
+    assert rewrite["replica-1:8787"] == f"127.0.0.1:{ports['MEGACACHE_REPLICA_1_PORT']}"
+    assert rewrite["replica-2:8787"] == f"127.0.0.1:{ports['MEGACACHE_REPLICA_2_PORT']}"
+
+
+def test_smoke_sets_every_local_port():
+    """docker/smoke.sh --local picks a free port for each variable compose.local.yaml reads."""
+    smoke = (ROOT / "docker" / "smoke.sh").read_text()
+    block = re.search(r"for var in (.*?); do", smoke, re.S)
+    assert block
+    named = {f"{v}_PORT" for v in block.group(1).replace("\\\n", " ").split()}
+    used = set(re.findall(r"\$\{MEGACACHE_(\w+_PORT):-", LOCAL.read_text()))
+    assert named == used - {"PORT"}  # MEGACACHE_PORT: the single profile, not smoke's stack
