@@ -119,21 +119,27 @@ def test_no_byte_of_an_untrusted_writer_lands_by_any_client_path(
     digests, consumer = poisoned
     gxx = GxxCounter(tmp_path / "bin")
     trusted = {"MEGACACHE_TRUSTED_WRITERS": "ci-*"}
-    # 1. the fallback path: no entry of its own code, the model's newest is the writer's
+    # 1. a model nobody published: the prefetch looks for any toolchain pack of this env
+    #    and hw, and the listing nominates the writer's; the publish looks for one to reuse
+    fresh = Machine(tmp_path / "fresh")
+    run_fresh = _job(fresh, gxx, server, consumer, "v1", MEGACACHE_MODEL="fresh-model",
+                     **trusted)
+    assert run_fresh.mc["outcome"] == "miss", run_fresh.mc
+    # 2. the fallback path: no entry of its own code, the model's newest is the writer's
     a = Machine(tmp_path / "a")
     run_a = _job(a, gxx, server, consumer, "v2", **trusted)
     assert run_a.mc["outcome"] == "miss", run_a.mc
-    # 2. a job attempt's resolution of the exact key the writer holds (then a fallback to
+    # 3. a job attempt's resolution of the exact key the writer holds (then a fallback to
     #    the consumer's own v2 entry); its publish replaces the writer's entry
     b = Machine(tmp_path / "b")
     run_b = _job(b, gxx, server, consumer, "v1", MEGACACHE_JOB_ID="job-7", **trusted)
     assert run_b.mc["outcome"] in ("miss", "fallback"), run_b.mc
     assert run_b.mc["published"], run_b.mc
-    for machine in (a, b):
+    for machine in (fresh, a, b):
         assert _landed(machine, digests) == [], machine.root
     # what the consumers published names none of the writer's blobs
     with httpx.Client(base_url=server.url, timeout=30,
                       headers={"authorization": f"Bearer {consumer}"}) as h:
-        for run in (run_a, run_b):
+        for run in (run_fresh, run_a, run_b):
             published = Manifest.from_json(h.get(f"/v1/ac/{run.mc['key']}").content)
             assert not {b.digest for b in published.blobs} & digests, published

@@ -196,8 +196,7 @@ class Prefetcher:
         with RemoteCache(self.config, deadline=self.deadline) as remote:
             wanted: list[Wanted] = []
             if self.config.model:
-                newest = self._newest_of_model(remote, env, hw)
-                found = remote.get_entry(newest.key) if newest is not None else None
+                found = self._model_entry(remote, env, hw)
                 if found is not None:
                     self.result.entry, self.result.entry_key = found, found.key
                     wanted += [(found, b) for b in found.manifest.blobs
@@ -234,6 +233,20 @@ class Prefetcher:
             elif blob.role == "megacache":
                 self.result.bundles[blob.digest] = read_bundle(admitted, cap)
         return downloaded
+
+    def _model_entry(self, remote: RemoteCache, env: dict[str, Scalar],
+                     hw: dict[str, Scalar]) -> ServedEntry | None:
+        """The model's newest entry here, read by key through the gate; None when there is
+        none or the gate refuses it (the load then decides alone; the toolchain pack is
+        still fetched)."""
+        newest = self._newest_of_model(remote, env, hw)
+        if newest is None:
+            return None
+        try:
+            return remote.get_entry(newest.key)
+        except (UntrustedEntryError, UntrustedWriterError) as exc:
+            log.debug("megacache: prefetch: entry %s refused: %s", newest.key[:12], exc)
+            return None
 
     def _newest_of_model(self, remote: RemoteCache, env: dict[str, Scalar],
                          hw: dict[str, Scalar]) -> Manifest | None:
