@@ -26,7 +26,7 @@ from megacache_client.transport.breaker import CircuitBreaker
 from megacache_client.transport.client import RemoteCache
 from megacache_client.transport.retry import Deadline
 
-DEADLINE_S = 2.0
+DEADLINE_S = 1.0
 SLACK_S = 1.0
 MAX_GROWTH = 100 * 1024 * 1024
 KEY = "a" * 64
@@ -64,8 +64,8 @@ def test_every_public_call_has_a_hostile_case() -> None:
 
 
 def _config(url: str, tmp: Path) -> ClientConfig:
-    return ClientConfig(url=url, token="mc_secret-token", read_timeout_s=1.5,
-                        connect_timeout_s=1.0, retries=2, node_cache_dir=tmp / "node")
+    return ClientConfig(url=url, token="mc_secret-token", read_timeout_s=0.8,
+                        connect_timeout_s=0.5, retries=2, node_cache_dir=tmp / "node")
 
 
 def _run(call: Callable[[RemoteCache, Path], Any], url: str, tmp: Path
