@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._dynamo.utils import counters
+from job_counters import cache_counters  # tests/job_counters.py, next to this script
 
 Batch = dict[str, torch.Tensor]
 
@@ -114,11 +114,7 @@ def main() -> None:
     print(json.dumps({
         "model": name,
         "losses": [repr(x) for x in losses],
-        "fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
-        "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],
-        "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
-        "aot_miss": counters["aot_autograd"]["autograd_cache_miss"],
-        "precompile_hit": counters["dynamo_cache"]["dynamo_cache_hit"],
+        **cache_counters(),
     }), flush=True)
 
 
