@@ -16,10 +16,13 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from job_counters import cache_counters  # tests/job_counters.py, next to this script
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by path, as users do
+from job_counters import cache_counters  # noqa: E402  (tests/job_counters.py)
 
 Batch = dict[str, torch.Tensor]
 
