@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 from filelock import FileLock
 
 from megacache_client.errors import UntrustedEntryError, UntrustedWriterError
+from megacache_client.steps.nodecache import NodeCache
+from megacache_client.torch import relocate
 from megacache_client.wire import headers as wire_headers
 from megacache_client.wire.manifest import BlobRef, Manifest
 from megacache_client.wire.signing import SigningError, signature_valid
@@ -43,7 +45,6 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from megacache_client.config import ClientConfig
-    from megacache_client.steps.nodecache import NodeCache
 
 SCOPE = re.compile(r"scope:[a-z]{1,32}")
 NAME = re.compile(r"[A-Za-z0-9._@:+-]{1,128}\*?")  # a token name's alphabet (+ a prefix's *)
@@ -128,11 +129,10 @@ class Admitted:
 class Gate:
     """The client's checks on everything it would hand to torch, in one place."""
 
-    def __init__(self, config: ClientConfig, node: NodeCache | None = None) -> None:
+    def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self.policy = config.writer_policy
         self.seen = SeenVersions(config.node_cache_dir)
-        self.node = node
 
     # -- entries ------------------------------------------------------------------------
     def entry(self, asked: str, body: bytes, headers: Mapping[str, str], *,
@@ -193,14 +193,10 @@ class Gate:
         if ref.raw_size is not None and ref.raw_size > cap:
             raise UntrustedEntryError(f"the {role} blob of entry {entry.key[:12]}… would "
                                       f"expand to {ref.raw_size} bytes, over the cap of {cap}")
-        from megacache_client.steps.nodecache import NodeCache
-
         if not NodeCache.was_verified(path, ref.digest, ref.size):
             raise UntrustedEntryError(f"the {role} blob {ref.digest[:12]}… at {path} was not "
                                       "verified against its digest by the node cache")
         if role in ("kernels", "toolchain"):
-            from megacache_client.torch import relocate
-
             refused = relocate.refusal(ref.meta)
             if refused:
                 raise UntrustedEntryError(f"the {role} pack of entry {entry.key[:12]}… "
