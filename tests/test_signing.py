@@ -7,9 +7,12 @@ middle that answers a lookup of one key with the (validly signed) response of an
 
 from __future__ import annotations
 
+import dataclasses
+import http.server
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -197,3 +200,60 @@ def test_the_provenance_signature_covers_who_wrote_the_entry(signing: ServerProc
                                   verify_key=keys[1])) as remote:
         got = remote.get_entry(m.key)
         assert got is not None and got.key == m.key
+
+
+class _Replay:
+    """A proxy that answers every request with one answer it kept from the server."""
+
+    def __init__(self, kept: httpx.Response) -> None:
+        keep = {k: v for k, v in kept.headers.items()
+                if k.lower() not in ("content-length", "connection", "transfer-encoding")}
+
+        class Answer(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(kept.status_code)
+                for k, v in keep.items():
+                    self.send_header(k, v)
+                self.send_header("content-length", str(len(kept.content)))
+                self.end_headers()
+                self.wfile.write(kept.content)
+
+            def log_message(self, *_: object) -> None:
+                return
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def test_a_superseded_signed_manifest_replayed_by_a_proxy_is_refused(
+        signing: ServerProcess, keys: tuple[Path, str], tmp_path: Path):
+    """A rollback: the proxy kept version 1's answer (validly signed, provenance and all)
+    and serves it after version 2 is out. A node that has seen version 2 refuses it."""
+    data = os.urandom(64)
+    m = make_manifest({"megacache": data}, make_fingerprint(code="rollback"))
+    with httpx.Client(base_url=signing.url) as c:
+        assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+        assert c.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+        v1 = c.get(f"/v1/ac/{m.key}")
+        assert c.put(f"/v1/ac/{m.key}", content=m.replace(cold_compile_s=13.0).to_json(),
+                     headers={"if-match": v1.headers["etag"]}).status_code == 200
+    config = ClientConfig(url=signing.url, verify_key=keys[1], node_cache_dir=tmp_path / "a")
+    with RemoteCache(config) as remote:
+        seen = remote.get_entry(m.key)
+        assert seen is not None and seen.manifest.cold_compile_s == 13.0
+    proxy = _Replay(v1)
+    try:
+        with RemoteCache(dataclasses.replace(config, url=proxy.url)) as remote, \
+                pytest.raises(UntrustedEntryError, match="older than version"):
+            remote.get_entry(m.key)
+        # a node that never saw version 2 cannot tell: version 1 verifies there
+        fresh = dataclasses.replace(config, url=proxy.url, node_cache_dir=tmp_path / "b")
+        with RemoteCache(fresh) as remote:
+            old = remote.get_entry(m.key)
+            assert old is not None and old.manifest.cold_compile_s == m.cold_compile_s
+    finally:
+        proxy.close()
