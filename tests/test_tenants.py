@@ -188,6 +188,35 @@ def test_namespaces_see_only_their_own_numbers(shared: ServerProcess,
     assert httpx.get(f"{shared.url}/v1/stats", headers=scraper).status_code == 403
 
 
+SERVER_WIDE = ("megacache_http_requests_total", "megacache_lookups_total",
+               "megacache_blob_upload_bytes_total", "megacache_store_bytes")
+"""Series that move with every tenant's requests: the operator's, not a tenant's."""
+
+
+def _names(text: str) -> set[str]:
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_metrics_show_a_reader_its_namespace_and_server_figures_only_to_operators(
+        shared: ServerProcess, teams: tuple[Team, Team]):
+    a, b = teams
+    a.publish("metrics-a", model=f"m-{a.namespace}")
+    assert a.event(model=f"m-{a.namespace}").status_code == 202
+    assert a.http.get("/v1/ac/" + "0" * 64).status_code == 404  # a lookup counted
+    reader = b.http.get("/metrics")
+    assert reader.status_code == 200
+    assert _names(reader.text).isdisjoint(SERVER_WIDE), _names(reader.text) & set(SERVER_WIDE)
+    assert a.namespace not in reader.text
+    admin = httpx.get(f"{shared.url}/metrics", timeout=30, headers=bearer(
+        shared.token("admin", namespace=b.namespace, name=f"admin-{b.namespace}")))
+    assert {"megacache_http_requests_total", "megacache_lookups_total"} <= _names(admin.text)
+    assert a.namespace not in admin.text  # the server's traffic, B's series only
+    scrape = httpx.get(f"{shared.url}/metrics", timeout=30, headers=bearer(
+        shared.token("metrics", name="prometheus")))
+    assert set(SERVER_WIDE) - _names(scrape.text) == set()
+    assert a.namespace in scrape.text
+
+
 def _run_series(text: str) -> set[tuple[str, str]]:
     return {(s.labels["namespace"], s.labels["model"])
             for f in text_string_to_metric_families(text) if f.name == "megacache_runs"
