@@ -636,3 +636,24 @@ def test_claim_store_expired_lease_is_taken_over(make_index: Callable[[], Index]
         assert (await ix.claim("ns", "k", "third", 10, now + 10**6)).granted
 
     run(make_index, body)
+
+
+# -- TrustStore -------------------------------------------------------------------------
+def test_trust_store_keeps_quarantine_records_whole(make_index: Callable[[], Index]):
+    """A record reads back as written, its reporter's namespace included (what decides who
+    may read the reporter and the detail), newest first, those touching a namespace only."""
+    from megacache_server.store.index.base import QuarantineRecord
+
+    async def body(ix: Index) -> None:
+        first = QuarantineRecord("d" * 64, "digest", "hashes to x", "ci", 1.0, 10,
+                                 ("a", "b"), ("a/k1",), "a")
+        second = QuarantineRecord("", "load", "3 reports", "trainer", 2.0, 20, ("b",),
+                                  ("b/k2",), "b")
+        await ix.add_quarantine(first)
+        await ix.add_quarantine(second)
+        assert await ix.quarantines(namespace=None, limit=10) == [second, first]
+        assert await ix.quarantines(namespace="a", limit=10) == [first]
+        assert await ix.quarantine_counts() == {"digest": 1, "load": 1}
+        assert await ix.quarantined(["d" * 64, "e" * 64]) == {"d" * 64}
+
+    run(make_index, body)

@@ -350,3 +350,34 @@ def test_another_tenants_bytes_pass_the_same_quota_as_new_ones(teams: tuple[Team
     assert new.status_code == existing.status_code == 507, (new.text, existing.text)
     assert new.json()["error"]["code"] == existing.json()["error"]["code"] == "pending_quota"
     assert a.http.head(f"/v1/cas/{sha256(theirs)}").status_code == 404  # still not A's
+
+
+def test_a_quarantine_shows_another_tenant_neither_the_reporter_nor_the_detail(
+        teams: tuple[Team, Team]):
+    a, b = teams
+    data = os.urandom(30_000)  # both own these bytes; the store keeps one copy
+    for team in (a, b):
+        assert team.http.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+        m = make_manifest({"megacache": data}, make_fingerprint(
+            code="shared-rot", namespace=team.namespace))
+        assert team.http.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+    rotten = bytearray(a.server.read_stored(sha256(data)))
+    rotten[100] ^= 0xFF
+    a.server.write_stored(sha256(data), bytes(rotten))
+    said = f"private note of {a.namespace}"
+    r = a.http.post(f"/v1/cas/{sha256(data)}/report", json={"kind": "digest", "detail": said})
+    assert r.json()["verdict"] == "quarantined", r.text
+
+    def record(team: Team) -> dict[str, object]:
+        found = team.http.get("/v1/quarantine").json()["quarantined"]
+        return next(q for q in found if q["digest"] == sha256(data))
+
+    ours, theirs = record(a), record(b)
+    assert ours["reporter"] == a.namespace and said in str(ours["detail"])
+    assert theirs["reason"] == "digest" and theirs["namespaces"] == [b.namespace]
+    assert theirs["reporter"] == "another namespace"
+    assert theirs["detail"] == "its stored bytes do not match their sha256"
+    assert [w.split("/")[0] for w in theirs["withdrawn"]] == [b.namespace]  # type: ignore
+    for leak in (a.namespace, said):
+        for path in ("/v1/quarantine", "/v1/stats", "/v1/dashboard"):
+            assert leak not in b.http.get(path).text, (leak, path)

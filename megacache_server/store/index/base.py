@@ -483,6 +483,9 @@ class QuarantineRecord:
     size: int
     namespaces: tuple[str, ...]  # the blob's owners (or the entry's namespace)
     withdrawn: tuple[str, ...]  # "namespace/key" of each entry no longer offered
+    reporter_namespace: str = ""
+    """The reporting token's namespace; "" for the scrub, auth off, and records older than
+    this field. A reader of another namespace is never shown the reporter or the detail."""
 
 
 MAX_QUARANTINE_RECORDS = 10_000
