@@ -283,6 +283,40 @@ def _last_access(server: ServerProcess, key: str) -> float:
                                 (key,)).fetchone()[0])
 
 
+def _touched_at(server: ServerProcess, digest: str) -> float:
+    """The blob's last touch as the backend holds it (what GC's grace period reads)."""
+    if server.backend.startswith("redis"):
+        import redis
+
+        url = server.extra_args[server.extra_args.index("--index") + 1]
+        return float(redis.Redis.from_url(url).zscore(
+            server.env["MEGACACHE_REDIS_PREFIX"] + "blob_touched", digest) or 0)
+    with sqlite3.connect(server.data_dir / "index.sqlite3") as db:
+        return float(db.execute("SELECT touched_at FROM blobs WHERE digest=?",
+                                (digest,)).fetchone()[0])
+
+
+def test_a_refused_manifest_touches_no_blob(teams: tuple[Team, Team]):
+    a, b = teams
+    theirs, ours = os.urandom(5_000), os.urandom(6_000)
+    assert b.http.put(f"/v1/cas/{sha256(theirs)}", content=theirs).status_code == 201
+    assert a.http.put(f"/v1/cas/{sha256(ours)}", content=ours).status_code == 201
+    before = {d: _touched_at(a.server, d) for d in (sha256(theirs), sha256(ours))}
+    fp = make_fingerprint(code="refused", namespace=a.namespace)
+    naming_theirs = make_manifest({"megacache": ours, "kernels": theirs}, fp)
+    r = a.http.put(f"/v1/ac/{naming_theirs.key}", content=naming_theirs.to_json())
+    assert r.status_code == 424 and r.json()["error"]["missing"] == [sha256(theirs)], r.text
+    wrong = json.loads(make_manifest({"megacache": ours}, fp).to_json())
+    wrong["blobs"][0]["size"] += 1
+    r = a.http.put(f"/v1/ac/{naming_theirs.key}", content=json.dumps(wrong))
+    assert r.status_code == 422 and r.json()["error"]["code"] == "size_mismatch", r.text
+    assert {d: _touched_at(a.server, d) for d in before} == before
+    assert a.http.get(f"/v1/ac/{naming_theirs.key}").status_code == 404
+    ok = make_manifest({"megacache": ours}, fp)  # a write that passes touches its blobs
+    assert a.http.put(f"/v1/ac/{ok.key}", content=ok.to_json()).status_code == 201
+    assert _touched_at(a.server, sha256(ours)) > before[sha256(ours)]
+
+
 def test_a_lookup_of_another_tenants_key_does_not_reorder_its_eviction(
         teams: tuple[Team, Team]):
     import time

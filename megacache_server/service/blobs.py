@@ -80,10 +80,17 @@ class Blobs:
 
     async def require_named(self, principal: Principal, manifest: Manifest) -> int:
         """Every blob a manifest names must be stored (and visible to the writer's
-        namespace); returns their total size. Touching them first keeps garbage collection,
-        which spares recently touched blobs, from deleting one between this check and the
-        write."""
-        await self.index.touch_blobs([b.digest for b in manifest.blobs])
+        namespace); returns their total size.
+
+        Nothing is touched until every check passed: a refused write (424, 422) leaves each
+        blob's last touch, by which garbage collection spares recent uploads, as it was, so
+        no manifest that is refused keeps blobs alive (another tenant's least of all). Then
+        the blobs are touched, and their records read again: a blob garbage collection
+        deleted between the check and the touch (it reads touches again right before it
+        deletes, and drops the record after) fails the write with 424 instead of leaving an
+        entry that names it."""
+        digests = [b.digest for b in manifest.blobs]
+        recorded = set(await self.index.blob_records_of(digests))
         missing, wrong_size = [], []
         for blob in manifest.blobs:
             size = await self.blob_size(principal, blob.digest)
@@ -94,6 +101,9 @@ class Blobs:
             elif size != blob.size:
                 wrong_size.append({"digest": blob.digest, "declared": blob.size,
                                    "stored": size})
+        if not missing and not wrong_size:
+            await self.index.touch_blobs(digests)
+            missing = sorted(recorded - set(await self.index.blob_records_of(digests)))
         if missing:
             raise FailedDependency(
                 f"{len(missing)} blob(s) named by the manifest are not stored; upload them "
