@@ -43,7 +43,12 @@ class Entries:
                         claims: provenance.ProducerClaims | None = None) -> EntryWrite:
         """Validate and store a manifest, exactly the bytes validated. Every blob it names
         must be stored and visible to the writer (424 if not). The entry records who wrote
-        it (`service.provenance`): this caller's token, and what the producer `claims`."""
+        it (`service.provenance`): this caller's token, and what the producer `claims`.
+
+        Listings and fallbacks order entries by when they were made, the manifest's
+        `created_at` clamped to the server's clock: a producer's clock (or a writer's lie)
+        in the future would keep its entry the newest, the fallback of every later job,
+        for as long as it stands. The manifest bytes stay as written (they are signed)."""
         manifest = parse_manifest(body, key) if len(body) <= INLINE_PARSE_BYTES else \
             await to_thread.run_sync(parse_manifest, body, key)
         namespace = manifest.fingerprint.namespace
@@ -52,14 +57,16 @@ class Entries:
         await self.quotas.fit_entry(namespace, key, size)
         fp = manifest.fingerprint
         replaced = await self.index.get(key, touch=False) is not None
+        now = time.time()
         written = provenance.record(principal, namespace,
                                     claims or provenance.ProducerClaims(),
-                                    replaced=replaced, written_at=time.time())
+                                    replaced=replaced, written_at=now)
         entry, created = await self.index.put(NewEntry(
             key=key, manifest_json=body, namespace=namespace, model=fp.model,
             env_digest=component_digest(fp.env), hw_digest=component_digest(fp.hw),
             digests=tuple(b.digest for b in manifest.blobs), size=size,
-            created_at=manifest.created_at.timestamp(), provenance=written), condition)
+            created_at=min(manifest.created_at.timestamp(), now), provenance=written),
+            condition)
         return EntryWrite(entry, created)
 
     async def get_entry(self, principal: Principal, key: str, *,
