@@ -110,6 +110,12 @@ class Settings(BaseSettings):
     upload_idle_timeout_s: float = Field(
         60, gt=0, description="a body that sends nothing for this long gets 408"
     )
+    min_upload_rate: ByteSize = Field(
+        ByteSize(64 * 1024), description="bytes per second a request body must average once "
+        "its grace period is over; slower gets 408 (0: no minimum)")
+    min_upload_grace_s: float = Field(
+        10, ge=0, description="seconds a request body may take before its minimum rate "
+        "applies")
     workers: int = Field(1, ge=1, le=64, description="uvicorn worker processes")
     log_level: LogLevel = Field("info", description="log level")
     log_format: Literal["text", "json"] = Field(
