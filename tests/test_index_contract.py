@@ -77,8 +77,12 @@ def test_entry_store_put_get_list_delete(make_index: Callable[[], Index]):
         assert got is not None and got.digests == ("a",) and got.size == 20
         assert got.manifest_json == b'{"k":"k1"}' and got.etag
         await ix.put(entry("k2", model="other", created=2.0), Precondition())
-        await ix.put(entry("k3", namespace="ns2", env="e2", created=3.0), Precondition())
+        await ix.put(replace(entry("k3", namespace="ns2", env="e2", created=3.0),
+                             provenance='{"writer":"w"}'), Precondition())
         assert [e.key for e in await ix.list_entries(limit=10)] == ["k3", "k2", "k1"]
+        # listings carry who wrote each entry (a writers policy filters on it)
+        assert [e.provenance for e in await ix.list_entries(namespace="ns2", limit=1)] == \
+            ['{"writer":"w"}']
         assert [e.key for e in await ix.list_entries(namespace="ns", limit=10)] == ["k2", "k1"]
         assert [e.key for e in await ix.list_entries(model="m", limit=10)] == ["k3", "k1"]
         assert [e.key for e in await ix.list_entries(env_digest="e", hw_digest="h",

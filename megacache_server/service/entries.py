@@ -11,6 +11,7 @@ from anyio import to_thread
 
 from megacache_client.wire.manifest import Manifest, component_digest
 from megacache_client.wire.schema import SchemaError, parse_json
+from megacache_client.wire.writers import WriterPolicy
 from megacache_server.errors import NotFound, Unprocessable
 from megacache_server.service import provenance
 from megacache_server.service.auth import Principal
@@ -18,6 +19,10 @@ from megacache_server.service.blobs import Blobs
 from megacache_server.service.quotas import Quotas
 from megacache_server.store.index.base import Index, NewEntry, Precondition, StoredEntry
 
+MAX_SCANNED = 1000
+"""Entries a listing with a writers policy reads at most to find the newest it trusts (a
+listing's own limit): newer entries by untrusted writers beyond this hide older trusted
+ones, and the consumer compiles."""
 INLINE_PARSE_BYTES = 16 * 1024
 """Larger manifests are validated in a worker thread: a real one is 1-3 KiB (~0.2 ms), but
 one of the 64 KiB allowed, full of fingerprint values, is ~5 ms of Python that every lookup
@@ -80,10 +85,23 @@ class Entries:
 
     async def list_entries(self, principal: Principal, *, namespace: str | None,
                            model: str | None, env: str | None, hw: str | None,
-                           limit: int) -> list[StoredEntry]:
-        return await self.index.list_entries(
-            namespace=principal.confined(namespace, "reads"), model=model,
-            env_digest=env, hw_digest=hw, limit=limit)
+                           limit: int, writers: str | None = None) -> list[StoredEntry]:
+        """Entries newest first. With `writers` (a consumer's trusted-writers policy,
+        `wire.writers`), only entries whose provenance passes it, newest trusted first:
+        the fallback a consumer is offered is one it would run (422 for a policy that is
+        not one)."""
+        policy = parse_policy(writers)
+        scan = limit if policy is None else min(max(limit, 50), MAX_SCANNED)
+        while True:
+            found = await self.index.list_entries(
+                namespace=principal.confined(namespace, "reads"), model=model,
+                env_digest=env, hw_digest=hw, limit=scan)
+            if policy is None:
+                return found
+            trusted = [e for e in found if not policy.refusal(e.provenance)]
+            if len(trusted) >= limit or len(found) < scan or scan >= MAX_SCANNED:
+                return trusted[:limit]
+            scan = min(scan * 4, MAX_SCANNED)
 
     async def delete_entry(self, principal: Principal, key: str) -> None:
         await self.get_entry(principal, key, touch=False)
@@ -94,6 +112,17 @@ class Entries:
         await self.get_entry(principal, key, touch=False)
         if not await self.index.set_pinned(key, pinned):
             raise NotFound(f"no entry for key {key}", code="entry_not_found")
+
+
+def parse_policy(text: str | None) -> WriterPolicy | None:
+    """A trusted-writers policy as the client's `MEGACACHE_TRUSTED_WRITERS` spells it; None
+    for none (any writer); 422 `invalid_writers` naming the item that is not one."""
+    if text is None:
+        return None
+    try:
+        return WriterPolicy.parse(text)
+    except ValueError as exc:
+        raise Unprocessable(f"writers: {exc}", code="invalid_writers") from None
 
 
 def parse_manifest(body: bytes, key: str) -> Manifest:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from megacache_server.errors import Conflict, NotFound, Unprocessable
 from megacache_server.service.auth import Principal
-from megacache_server.service.entries import Entries
+from megacache_server.service.entries import Entries, parse_policy
 from megacache_server.store.index.base import (
     MAX_CLAIM_LEASE_S,
     MAX_RESOLUTION_TTL_S,
@@ -37,12 +37,14 @@ DEFAULT_CLAIM_LEASE_S = 600.0
 @dataclass(frozen=True)
 class FallbackRule:
     """Which entry stands in for a missing key: the newest of `model` in `namespace` whose
-    env and hw components have these digests (the client's own fallback rule)."""
+    env and hw components have these digests (the client's own fallback rule), written by
+    a writer the consumer's `writers` policy trusts when it sends one."""
 
     namespace: str
     model: str
     env: str
     hw: str
+    writers: str | None = None
 
 
 class Jobs:
@@ -68,6 +70,8 @@ class Jobs:
             raise Unprocessable(f"attempt must be an integer from 0 to {MAX_ATTEMPT}",
                                 code="invalid_attempt")
         ttl_s = require_seconds(ttl_s, MAX_RESOLUTION_TTL_S, "ttl_s")
+        if fallback is not None:
+            parse_policy(fallback.writers)  # 422 before anything is recorded
         try:
             candidate: StoredEntry | None = await self.entries.get_entry(principal, key)
         except NotFound:
@@ -90,7 +94,7 @@ class Jobs:
     async def _fallback(self, principal: Principal, rule: FallbackRule) -> StoredEntry | None:
         newest = await self.entries.list_entries(principal, namespace=rule.namespace,
                                                  model=rule.model, env=rule.env, hw=rule.hw,
-                                                 limit=1)
+                                                 limit=1, writers=rule.writers)
         if not newest:
             return None
         try:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from megacache_client.wire import headers as wire_headers
 from megacache_client.wire.manifest import HEX64_PATTERN, NAMESPACE_PATTERN
+from megacache_client.wire.writers import MAX_POLICY_CHARS
 from megacache_server.api.deps import Reader, Writer
 from megacache_server.api.validation import small_json_body
 from megacache_server.errors import NotFound, error_responses
@@ -39,13 +40,15 @@ MAX_BODY = 4096
 
 class FallbackRequest(BaseModel):
     """The client's fallback rule, applied once for the whole job attempt (see
-    `Jobs.resolve`): the newest entry of this model with these component digests."""
+    `Jobs.resolve`): the newest entry of this model with these component digests, by a
+    writer the consumer's trusted-writers policy (`writers`) trusts, when it sends one."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     namespace: Annotated[str, Field(pattern=NAMESPACE_PATTERN)]
     model: Annotated[str, Field(min_length=1, max_length=256)]
     env: Annotated[str, Field(pattern=HEX64_PATTERN)]
     hw: Annotated[str, Field(pattern=HEX64_PATTERN)]
+    writers: Annotated[str | None, Field(max_length=MAX_POLICY_CHARS)] = None
 
 
 class ResolveRequest(BaseModel):

@@ -285,7 +285,7 @@ class RedisEntries(RedisConnection, EntryStore):
 
 LISTED_FIELDS = tuple(f.encode() for f in (
     "model", "namespace", "env", "hw", "digests", "size", "created_at", "updated_at",
-    "last_access", "pinned", "manifest", "etag"))
+    "last_access", "pinned", "manifest", "etag", "provenance"))
 """The fields the `listed` script returns, in its order."""
 _INFO_FIELDS = tuple(f.encode() for f in (
     "namespace", "model", "digests", "size", "created_at", "updated_at", "last_access",
