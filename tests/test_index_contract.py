@@ -82,7 +82,7 @@ def test_entry_store_put_get_list_delete(make_index: Callable[[], Index]):
         assert [e.key for e in await ix.list_entries(limit=10)] == ["k3", "k2", "k1"]
         # listings carry who wrote each entry (a writers policy filters on it)
         assert [e.provenance for e in await ix.list_entries(namespace="ns2", limit=1)] == \
-            ['{"writer":"w"}']
+            ['{"sequence":1,"writer":"w"}']
         assert [e.key for e in await ix.list_entries(namespace="ns", limit=10)] == ["k2", "k1"]
         assert [e.key for e in await ix.list_entries(model="m", limit=10)] == ["k3", "k1"]
         assert [e.key for e in await ix.list_entries(env_digest="e", hw_digest="h",
@@ -92,6 +92,34 @@ def test_entry_store_put_get_list_delete(make_index: Callable[[], Index]):
         assert await ix.delete("k1") and not await ix.delete("k1")
         assert await ix.get("k1") is None and await ix.usage("ns") == (1, 10)
         assert sorted(await ix.entry_digests()) == ["k2", "k3"]
+
+    run(make_index, body)
+
+
+def test_entry_store_numbers_versions_across_rewrites_deletes_and_re_creates(
+        make_index: Callable[[], Index]):
+    """Each version's provenance gets a sequence above every earlier one of its key (and
+    at least the floor asked), kept when the entry goes: a re-created key counts on."""
+    async def body(ix: Index) -> None:
+        def written(floor: int = 0) -> NewEntry:
+            return replace(entry("k"), provenance='{"writer":"w"}', sequence_floor=floor)
+
+        def number(e: StoredEntry | None) -> int:
+            assert e is not None
+            return int(json.loads(e.provenance)["sequence"])
+
+        stored, _ = await ix.put(written(), Precondition())
+        assert number(stored) == 1 and number(await ix.get("k")) == 1
+        assert number((await ix.put(written(), Precondition()))[0]) == 2
+        assert await ix.delete("k")
+        assert number((await ix.put(written(), Precondition()))[0]) == 3  # re-created
+        assert number((await ix.put(written(floor=1000), Precondition()))[0]) == 1000
+        assert number((await ix.put(written(floor=10), Precondition()))[0]) == 1001
+        with pytest.raises(PreconditionFailed):
+            await ix.put(written(), Precondition(if_none_match="*"))
+        assert number(await ix.get("k")) == 1001  # a refused write changed nothing it shows
+        assert number((await ix.put(written(), Precondition()))[0]) > 1001
+        assert (await ix.put(entry("plain"), Precondition()))[0].provenance == ""
 
     run(make_index, body)
 

@@ -324,6 +324,7 @@ def test_every_entry_records_who_wrote_it(team: Team):
     second = _provenance(team.reader.get(f"/v1/ac/{m.key}"))
     assert second["replaced"] is True and second["job"] is None
     assert second["written_at"] >= first["written_at"]  # type: ignore[operator]
+    assert second["sequence"] > first["sequence"]  # type: ignore[operator]
     # and the resolve answer carries the provenance of the version resolved
     r = team.reader.post(f"/v1/ac/{m.key}/resolve", json={"job": "reader", "attempt": 0})
     assert r.status_code == 200 and _provenance(r) == second

@@ -70,8 +70,8 @@ class Entries:
             key=key, manifest_json=body, namespace=namespace, model=fp.model,
             env_digest=component_digest(fp.env), hw_digest=component_digest(fp.hw),
             digests=tuple(b.digest for b in manifest.blobs), size=size,
-            created_at=min(manifest.created_at.timestamp(), now), provenance=written),
-            condition)
+            created_at=min(manifest.created_at.timestamp(), now), provenance=written,
+            sequence_floor=int(now * 1000)), condition)
         return EntryWrite(entry, created)
 
     async def get_entry(self, principal: Principal, key: str, *,

@@ -119,9 +119,10 @@ async def unpin_entry(key: Key, cache: Admin) -> Response:
 def _entry_headers(cache: TenantCache, entry: StoredEntry) -> dict[str, str]:
     """ETag, who wrote the entry, and the signature binding these bytes and that provenance
     to this key and namespace."""
-    return {"etag": entry.etag, **provenance.headers(entry.provenance),
+    written = provenance.served(entry.provenance, entry.namespace)
+    return {"etag": entry.etag, **provenance.headers(written),
             **signature_headers(cache.settings, entry.key, entry.namespace,
-                                entry.manifest_json, entry.provenance)}
+                                entry.manifest_json, written)}
 
 
 async def _read_limited(request: Request, limit: int) -> bytes:

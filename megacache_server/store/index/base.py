@@ -9,9 +9,11 @@ in a module of its own and `Index` as the class made of them. Only the cache ser
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 from megacache_client.wire.events import OUTCOMES, REPLAYS, Event
 from megacache_server.errors import PreconditionFailed
@@ -56,6 +58,23 @@ class NewEntry:
     size: int
     created_at: float
     provenance: str = ""
+    """Who wrote it (canonical JSON); the backend adds the version's `sequence` to it."""
+    sequence_floor: int = 0
+    """The lowest version number this write may get (the server's clock in ms): a key's
+    versions count up from where the clock stands even once every record of it is gone."""
+
+
+def sequenced(provenance: str, sequence: int) -> str:
+    """`provenance` (canonical JSON, as `service.provenance` writes it) with `sequence`
+    set: what an entry version is stored and served with ("" stays "")."""
+    if not provenance:
+        return ""
+    return canonical(json.loads(provenance) | {"sequence": sequence})
+
+
+def canonical(data: dict[str, Any]) -> str:
+    """JSON as provenance is kept and signed: sorted keys, no spaces, ASCII."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 @dataclass(frozen=True)
@@ -217,6 +236,12 @@ class EntryStore(ABC):
     async def put(self, entry: NewEntry, condition: Precondition) -> tuple[StoredEntry, bool]:
         """Write an entry atomically with its precondition; returns (entry, created).
 
+        The version gets its sequence number in the same atomic step: one above every
+        number this key had before (across rewrites, deletes and re-creates, on every
+        replica) and at least `entry.sequence_floor`, added to its provenance (`sequenced`)
+        and kept for the key after the entry is gone. So the version that stands is always
+        the highest-numbered one, and a client that has seen a number refuses an older
+        version served later (a proxy replaying a superseded, validly signed manifest).
         Raises PreconditionFailed when the condition does not hold at write time.
         """
 

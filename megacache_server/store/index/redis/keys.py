@@ -3,6 +3,8 @@
   entry:{key}            hash   manifest, etag, namespace, model, env, hw, size, digests,
                                 times, pinned
   refs:{digest}          set    entry keys naming the blob (garbage collection)
+  seq:{key}              int    the last sequence number a version of the key got (kept after
+                                the entry goes: versions count up across re-creates)
   by_model:{model}       zset   entry keys by created_at (fallback lookup)
   by_envhw:{env}:{hw}    zset   entry keys by created_at (publish-side lookup)
   entries / ns:{ns}      zset   every entry key (of a namespace) by created_at
@@ -68,6 +70,9 @@ class Keys:
     # -- entries ----------------------------------------------------------------------
     def entry(self, key: str) -> str:
         return self._name("entry", key)
+
+    def sequence(self, key: str) -> str:
+        return self._name("seq", key)
 
     def refs(self, digest: str | None) -> str:
         return self._name("refs", digest)

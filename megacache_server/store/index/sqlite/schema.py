@@ -131,6 +131,10 @@ CREATE TABLE IF NOT EXISTS held_blobs (
     until    REAL NOT NULL
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS held_blobs_by_until ON held_blobs (until);
+CREATE TABLE IF NOT EXISTS sequences (
+    key       TEXT PRIMARY KEY,
+    sequence  INTEGER NOT NULL
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS claims (
     namespace   TEXT NOT NULL,
     key         TEXT NOT NULL,

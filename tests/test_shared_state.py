@@ -1,0 +1,144 @@
+"""What several server processes must agree on: every limit, quota and version number is
+held in the shared index, not in one process.
+
+`pair` is two server processes on one storage (the same data dir and SQLite file, or the same
+Redis and bucket), requests alternating between them: what two replicas behind a load
+balancer see, deterministically. `workers` is one server with `MEGACACHE_WORKERS=2`, whose
+connections the kernel spreads over its two processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import BACKENDS, _configured, backend_args
+from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
+
+from megacache_client.wire import headers
+from megacache_client.wire.signing import signature_valid
+from megacache_server.service.signing import write_new_key
+
+MiB = 1024 * 1024
+SHARED_ENV = {"MEGACACHE_TOKEN_CACHE_S": "0"}
+
+
+@pytest.fixture(scope="module")
+def public_key(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    path = tmp_path_factory.mktemp("key") / "signing.pem"
+    return path, write_new_key(path)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+         public_key: tuple[Path, str]) -> Iterator[list[ServerProcess]]:
+    """Two server processes sharing one storage, auth and signing on."""
+    args, env = backend_args(request.param, request)
+    data = tmp_path_factory.mktemp("pair") / "data"
+    env = {**env, **SHARED_ENV, "MEGACACHE_SIGNING_KEY_FILE": str(public_key[0])}
+    procs = [_configured(ServerProcess(data, *args, "--auth", env=env), request.param,
+                         args).start() for _ in range(2)]
+    yield procs
+    for proc in procs:
+        proc.stop()
+    for proc in procs:
+        assert "Traceback" not in proc.log(), proc.log()
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+class Tenant:
+    """A namespace's clients of each server of a pair (same token)."""
+
+    def __init__(self, servers: list[ServerProcess], scopes: str = "read,write,admin",
+                 namespace: str | None = None) -> None:
+        self.namespace = namespace or f"n-{os.urandom(3).hex()}"
+        token = servers[0].token(scopes, namespace=self.namespace, name=f"w-{self.namespace}")
+        self.via = [httpx.Client(base_url=s.url, headers=bearer(token), timeout=60)
+                    for s in servers]
+
+    def close(self) -> None:
+        for c in self.via:
+            c.close()
+
+
+@pytest.fixture
+def tenant(pair: list[ServerProcess]) -> Iterator[Tenant]:
+    t = Tenant(pair)
+    yield t
+    t.close()
+
+
+# -- sequence numbers ------------------------------------------------------------------
+def _sequence(r: httpx.Response) -> int:
+    return int(json.loads(r.headers[headers.PROVENANCE])["sequence"])
+
+
+def test_every_version_of_a_key_is_numbered_above_the_last_on_every_replica(
+        tenant: Tenant, public_key: tuple[Path, str]):
+    """Rewrites, a delete and a re-create, alternating replicas: each version's signed
+    provenance carries a sequence above every earlier one (the client refuses a lower one
+    than it has seen: a proxy replaying a superseded manifest)."""
+    data = os.urandom(3000)
+    first, second = tenant.via
+    assert first.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+    fp = make_fingerprint(code="versions", namespace=tenant.namespace)
+    seen = []
+    for i, (client, delete) in enumerate([(first, False), (second, False), (first, True),
+                                          (second, False), (first, False)]):
+        if delete:
+            assert client.delete(f"/v1/ac/{fp.key()}").status_code == 204
+        m = make_manifest({"megacache": data}, fp, cold_compile_s=float(i + 1))
+        put = client.put(f"/v1/ac/{fp.key()}", content=m.to_json())
+        assert put.status_code in (200, 201), put.text
+        got = tenant.via[i % 2 - 1].get(f"/v1/ac/{fp.key()}")
+        assert _sequence(got) == _sequence(put), (got.headers, put.headers)
+        assert signature_valid(public_key[1], fp.key(), tenant.namespace, got.content,
+                               got.headers[headers.PROVENANCE_SIGNATURE],
+                               got.headers[headers.PROVENANCE])
+        seen.append(_sequence(got))
+    assert seen == sorted(set(seen)), seen
+
+
+def _drop_provenance(server: ServerProcess, key: str) -> None:
+    """An entry as a store from before provenance holds it."""
+    if server.backend.startswith("redis"):
+        import redis
+
+        url = server.extra_args[server.extra_args.index("--index") + 1]
+        redis.Redis.from_url(url).hset(server.env["MEGACACHE_REDIS_PREFIX"] + f"entry:{key}",
+                                       "provenance", "")
+        return
+    with sqlite3.connect(server.data_dir / "index.sqlite3") as db:
+        db.execute("UPDATE entries SET provenance='' WHERE key=?", (key,))
+
+
+def test_an_entry_without_provenance_is_served_a_signed_unknown_writer_of_sequence_0(
+        pair: list[ServerProcess], tenant: Tenant, public_key: tuple[Path, str]):
+    data = os.urandom(2000)
+    client = tenant.via[0]
+    assert client.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+    m = make_manifest({"megacache": data}, make_fingerprint(code="legacy",
+                                                            namespace=tenant.namespace))
+    assert client.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+    _drop_provenance(pair[0], m.key)
+    for got in (client.get(f"/v1/ac/{m.key}"),
+                client.post(f"/v1/ac/{m.key}/resolve", json={"job": "legacy"})):
+        assert got.status_code == 200, got.text
+        served = json.loads(got.headers[headers.PROVENANCE])
+        assert (served["sequence"], served["writer"], served["writer_scopes"]) == (0, "", [])
+        assert served["namespace"] == tenant.namespace
+        assert headers.WRITER not in got.headers
+        assert signature_valid(public_key[1], m.key, tenant.namespace, got.content,
+                               got.headers[headers.PROVENANCE_SIGNATURE],
+                               got.headers[headers.PROVENANCE])
+    # the next version counts on from what the key had
+    again = client.put(f"/v1/ac/{m.key}", content=m.to_json())
+    assert _sequence(again) > 0 and json.loads(again.headers[headers.PROVENANCE])["writer"]
