@@ -231,6 +231,9 @@ def test_blob_ledger(make_index: Callable[[], Index]):
         assert await ix.pending_bytes("ns") == 150
         await ix.put(entry("k", digests=("d1",)), Precondition())
         assert await ix.pending_bytes("ns") == 50
+        # only a namespace's own entries name its uploads: ns2 still holds d1 as pending,
+        # so its quota cannot tell it that another namespace wrote an entry naming them
+        assert await ix.pending_bytes("ns2") == 100
         assert await ix.referenced(["d1", "d2"]) == {"d1"}
         assert await ix.owns_blob("ns2", "d1") and not await ix.owns_blob("ns2", "d2")
         before = (await ix.blob_record("d2")).touched_at  # type: ignore[union-attr]
@@ -358,6 +361,52 @@ def test_redis_gc_reads_only_blobs_that_may_be_unreferenced(redis_service: Local
         assert await ix.r.exists(ix.keys.unref_ready())
 
     run(lambda: ix, lambda _: body())
+
+
+# -- QuotaStore -------------------------------------------------------------------------
+def test_quota_store_holds_pending_bytes_until_released_or_lapsed(
+        make_index: Callable[[], Index]):
+    from megacache_server.store.index.base import PendingHold
+
+    async def body(ix: Index) -> None:
+        await ix.record_blob("d1", 100, "ns")  # pending: 100 of a cap of 200
+        assert await ix.hold_pending("ns", "h1", 50, 200, 60, 1000.0) == \
+            PendingHold(True, 100, 0)
+        assert await ix.hold_pending("ns", "h2", 60, 200, 60, 1000.0) == \
+            PendingHold(False, 100, 50)
+        assert (await ix.hold_pending("other", "h2", 60, 200, 60, 1000.0)).granted
+        assert (await ix.hold_pending("ns", "h1", 500, 200, 60, 1030.0)).granted  # renewed
+        await ix.release_pending("ns", "h1")
+        await ix.release_pending("ns", "gone")  # nothing to release: nothing happens
+        assert (await ix.hold_pending("ns", "h2", 60, 200, 60, 1031.0)).granted
+        assert not (await ix.hold_pending("ns", "h3", 60, 200, 60, 1090.0)).granted
+        assert (await ix.hold_pending("ns", "h3", 60, 200, 60, 1092.0)).granted  # h2 lapsed
+        await ix.put(entry("k", digests=("d1",)), Precondition())  # named: no longer pending
+        assert (await ix.hold_pending("ns", "h4", 140, 200, 60, 1093.0)).granted
+
+    run(make_index, body)
+
+
+def test_quota_store_holds_never_pass_together_on_the_same_room(
+        make_index: Callable[[], Index]):
+    """Forty holds at once from two connections (two processes' worth), each 30 of a cap
+    of 200: exactly six pass, however they interleave, also while uploads are recorded."""
+    async def body(first: Index) -> None:
+        second = make_index()
+        await second.open()
+        try:
+            async def hold(i: int) -> bool:
+                ix = (first, second)[i % 2]
+                if i % 7 == 0:  # an upload recorded meanwhile (of no size: room unchanged)
+                    await ix.record_blob(f"z{i}", 0, "ns")
+                return (await ix.hold_pending("ns", f"h{i}", 30, 200, 60, 1000.0)).granted
+
+            granted = await asyncio.gather(*(hold(i) for i in range(40)))
+            assert sum(granted) == 6, granted
+        finally:
+            await second.close()
+
+    run(make_index, body)
 
 
 # -- TokenStore -------------------------------------------------------------------------

@@ -18,14 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import BACKENDS, _configured, backend_args
-from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
+from helpers import ServerProcess, make_fingerprint, make_manifest, sha256, uploads_at_once
 
 from megacache_client.wire import headers
 from megacache_client.wire.signing import signature_valid
 from megacache_server.service.signing import write_new_key
 
 MiB = 1024 * 1024
-SHARED_ENV = {"MEGACACHE_TOKEN_CACHE_S": "0"}
+SHARED_ENV = {"MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_NAMESPACE_PENDING_BYTES": "4MiB"}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,20 @@ class Tenant:
     def close(self) -> None:
         for c in self.via:
             c.close()
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def workers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[list[ServerProcess]]:
+    """One server of two uvicorn workers, auth on (a list of one, as `pair` is of two)."""
+    args, env = backend_args(request.param, request)
+    proc = _configured(ServerProcess(tmp_path_factory.mktemp("workers") / "data", *args,
+                                     "--auth", env={**env, **SHARED_ENV,
+                                                    "MEGACACHE_WORKERS": "2"}),
+                       request.param, args).start()
+    yield [proc]
+    proc.stop()
+    assert "Traceback" not in proc.log(), proc.log()
 
 
 @pytest.fixture
@@ -142,3 +156,51 @@ def test_an_entry_without_provenance_is_served_a_signed_unknown_writer_of_sequen
     # the next version counts on from what the key had
     again = client.put(f"/v1/ac/{m.key}", content=m.to_json())
     assert _sequence(again) > 0 and json.loads(again.headers[headers.PROVENANCE])["writer"]
+
+
+# -- the pending quota -----------------------------------------------------------------
+def _never_overshoot(servers: list[ServerProcess]) -> None:
+    """16 uploads of 1.5 MB at once against a 4 MiB quota, spread over two processes:
+    at most two pass, wherever they landed (a quota kept per process let each pass two)."""
+    t = Tenant(servers)
+    try:
+        codes, blobs = uploads_at_once([s.url for s in servers], dict(t.via[0].headers), 16,
+                                       1_500_000)
+        stored = sum(t.via[0].head(f"/v1/cas/{sha256(d)}").status_code == 200 for d in blobs)
+    finally:
+        t.close()
+    assert codes.count(201) == stored <= (4 * MiB) // 1_500_000, codes
+    assert 507 in codes, codes
+
+
+def test_uploads_in_flight_on_two_replicas_count_against_one_pending_quota(
+        pair: list[ServerProcess]):
+    _never_overshoot(pair)
+
+
+def test_uploads_in_flight_on_two_workers_count_against_one_pending_quota(
+        workers: list[ServerProcess]):
+    _never_overshoot(workers)
+
+
+def test_bytes_another_tenant_named_count_on_the_pending_quota_like_new_ones(
+        pair: list[ServerProcess]):
+    """B stores X and names it in an entry. A uploads X, then new bytes: A's quota fills
+    after exactly as many uploads as if X were new (before, X did not count for A once
+    B's entry named it, which told A that B had stored X)."""
+    a, b = Tenant(pair), Tenant(pair)
+    try:
+        known = os.urandom(MiB)
+        assert b.via[0].put(f"/v1/cas/{sha256(known)}", content=known).status_code == 201
+        m = make_manifest({"megacache": known}, make_fingerprint(code="known",
+                                                                 namespace=b.namespace))
+        assert b.via[0].put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+        answers = []
+        for data in (known, *(os.urandom(MiB) for _ in range(4))):
+            r = a.via[len(answers) % 2].put(f"/v1/cas/{sha256(data)}", content=data)
+            answers.append((r.status_code, r.json().get("created"),
+                            r.json().get("error", {}).get("pending")))
+        assert answers == [(201, True, None)] * 4 + [(507, None, 4 * MiB)], answers
+    finally:
+        a.close()
+        b.close()

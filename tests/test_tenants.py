@@ -7,18 +7,16 @@ dashboard, GC and fsck are checked to be as they were.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sqlite3
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from conftest import BACKENDS, _configured, backend_args
-from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
+from helpers import ServerProcess, make_fingerprint, make_manifest, sha256, uploads_at_once
 from prometheus_client.parser import text_string_to_metric_families
 
 MiB = 1024 * 1024
@@ -337,34 +335,11 @@ def test_a_lookup_of_another_tenants_key_does_not_reorder_its_eviction(
     assert _last_access(a.server, key) == before
 
 
-def _slow_body(data: bytes, started: threading.Barrier) -> Iterator[bytes]:
-    """The body in two halves, the second only once every uploader has sent its first:
-    all uploads are in flight at once, as N connections of a hostile tenant are."""
-    yield data[: len(data) // 2]
-    # another upload refused breaks the barrier: send the rest now
-    with contextlib.suppress(threading.BrokenBarrierError):
-        started.wait(timeout=30)
-    yield data[len(data) // 2:]
-
-
 def test_uploads_in_flight_count_against_the_pending_quota(teams: tuple[Team, Team]):
     a, b = teams
     before = b.snapshot()
-    n, size = 8, 1_500_000  # 12 MB at once against a 4 MiB quota
-    started = threading.Barrier(n)
-    blobs = [os.urandom(size) for _ in range(n)]
-
-    def upload(data: bytes) -> int:
-        with httpx.Client(base_url=a.server.url, headers=a.headers, timeout=60) as c:
-            try:
-                return c.put(f"/v1/cas/{sha256(data)}", content=_slow_body(data, started),
-                             headers={"content-length": str(size)}).status_code
-            except httpx.HTTPError:  # refused before the body was read: the server closed
-                started.abort()
-                return 507
-
-    with ThreadPoolExecutor(n) as pool:
-        codes = list(pool.map(upload, blobs))
+    size = 1_500_000  # 12 MB at once against a 4 MiB quota
+    codes, blobs = uploads_at_once([a.server.url], a.headers, 8, size)
     stored = [d for d in blobs if a.http.head(f"/v1/cas/{sha256(d)}").status_code == 200]
     assert codes.count(201) == len(stored) <= (4 * MiB) // size, codes
     assert 507 in codes, codes

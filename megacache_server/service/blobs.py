@@ -27,15 +27,17 @@ class Blobs:
         """Store verified bytes; True if new to this caller's namespace (whether another
         team stored the same bytes is not this caller's to learn).
 
-        Bytes new to this namespace pass its pending quota whether or not another team
-        stored them: a 507 for new bytes and a 201 for another team's would tell that
-        the bytes exist."""
+        Bytes new to this namespace are taken exactly as if nobody had stored them: the
+        same hold on its pending quota, the same room made in the store's budget, the
+        same writes, the same answer, and they count on its pending quota until one of
+        its own entries names them (`BlobLedger.pending_bytes`): a 507, a count or a time
+        that differed for another team's bytes would tell that they exist."""
         home = principal.home
         new_here = not await self.index.owns_blob(home, digest)
-        with await self.quotas.reserve_pending(home, size if new_here else 0):
-            if await self.storage.blobs.stat(digest) is None:
+        async with self.quotas.pending(home, size if new_here else 0) as keep:
+            if new_here:
                 await self.quotas.make_room(size)
-            await self.storage.blobs.put(digest, size, body)
+            await self.storage.blobs.put(digest, size, keep(body))
             created = await self.index.record_blob(digest, size, home)
         if await self.index.quarantined([digest]):  # verified again as it streamed in
             await self.index.clear_quarantined(digest)

@@ -16,6 +16,9 @@
                                 left by an entry that went, until GC finds it named again
                                 (`unref_ready`: while set, the set covers every blob)
   owned:{ns}             set    digests a namespace uploaded; blob_owners:{digest} the reverse
+  pending_gen:{ns}       int    bumped by every upload a namespace records (quota holds)
+  holds:{ns}             zset   hold id -> expiry: uploads in flight on the pending quota
+  hold_sizes:{ns}        hash   hold id -> bytes it holds (both expire a minute after the last)
   stored_bytes           int    sum of recorded blob sizes (the store budget)
   blob_verified          zset   digest -> when its bytes were last hashed (the scrub's order)
   quarantine             list   quarantine records, newest first (JSON, capped)
@@ -114,6 +117,15 @@ class Keys:
 
     def blob_owners(self, digest: str) -> str:
         return self._name("blob_owners", digest)
+
+    def pending_gen(self, namespace: str) -> str:
+        return self._name("pending_gen", namespace)
+
+    def holds(self, namespace: str) -> str:
+        return self._name("holds", namespace)
+
+    def hold_sizes(self, namespace: str) -> str:
+        return self._name("hold_sizes", namespace)
 
     def stored_bytes(self) -> str:
         return self._name("stored_bytes")

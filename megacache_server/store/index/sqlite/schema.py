@@ -131,6 +131,13 @@ CREATE TABLE IF NOT EXISTS held_blobs (
     until    REAL NOT NULL
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS held_blobs_by_until ON held_blobs (until);
+CREATE TABLE IF NOT EXISTS pending_holds (
+    namespace   TEXT NOT NULL,
+    hold_id     TEXT NOT NULL,
+    size        INTEGER NOT NULL,
+    expires_at  REAL NOT NULL,
+    PRIMARY KEY (namespace, hold_id)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS sequences (
     key       TEXT PRIMARY KEY,
     sequence  INTEGER NOT NULL
