@@ -89,7 +89,8 @@ class Settings(BaseSettings):
         "above; unset: a quarter of the store budget but at least two blobs, or no limit "
         "without a budget)")
     event_rate: float = Field(
-        20, ge=0, description="events per second one token may post, per process (0: no limit)")
+        20, ge=0, description="events per second one token may post, across every worker and "
+        "replica (0: no limit)")
     event_burst: float = Field(200, ge=1, description="events a token may post at once")
     event_retention_days: float = Field(
         14, gt=0, description="days raw events are kept (totals are kept for good)")
@@ -97,8 +98,17 @@ class Settings(BaseSettings):
         400, gt=0, description="days hourly rollups (dashboard history) are kept")
     report_rate: float = Field(
         0.5, ge=0, description="reports of bad blobs or unloadable entries one token may send "
-        "per second, per process (0: no limit)")
+        "per second, across every worker and replica (0: no limit)")
     report_burst: float = Field(10, ge=1, description="reports a token may send at once")
+    job_rate: float = Field(
+        100, ge=0, description="job resolves and publish claims one token may make per second, "
+        "across every worker and replica (0: no limit)")
+    job_burst: float = Field(
+        2000, ge=1, description="job resolves and claims a token may make at once (every rank "
+        "of a job resolves when it starts)")
+    namespace_job_records: int = Field(
+        5000, ge=0, description="live job resolutions and publish claims one namespace may "
+        "hold (507 above; 0: no cap)")
     withdraw_after_reports: int = Field(
         3, ge=1, description="independent reports (distinct token and job) that torch could "
         "not load an entry's bundle after which the entry is withdrawn")

@@ -668,6 +668,58 @@ def test_job_store_expiry_renewal_and_bounds(make_index: Callable[[], Index]):
     run(make_index, body)
 
 
+def test_job_records_are_capped_per_namespace(make_index: Callable[[], Index]):
+    """Resolutions and claims together count on their namespace's cap while they live: a
+    new one past it is refused with nothing written; renewing a live one, another
+    namespace, and room made by expiry or release go on."""
+    from megacache_server.errors import InsufficientStorage
+
+    async def body(ix: Index) -> None:
+        now = 1000.0
+        for i in range(2):
+            await ix.resolve("ns", f"j{i}", 0, "k", None, 60, now, max_records=3)
+        assert (await ix.claim("ns", "k", "h1", 30, now, max_records=3)).granted
+        with pytest.raises(InsufficientStorage) as refused:
+            await ix.resolve("ns", "j9", 0, "k", None, 60, now, max_records=3)
+        assert refused.value.code == "job_records_quota"
+        with pytest.raises(InsufficientStorage):
+            await ix.claim("ns", "k2", "h1", 30, now, max_records=3)
+        assert (await ix.resolve("ns", "j0", 0, "k", None, 60, now + 1,
+                                 max_records=3)).resolved_at == now  # renewed, not new
+        assert (await ix.claim("ns", "k", "h1", 30, now + 1, max_records=3)).granted
+        await ix.resolve("other", "j9", 0, "k", None, 60, now, max_records=3)
+        assert await ix.release("ns", "k", "h1", now + 2)
+        await ix.resolve("ns", "j9", 0, "k", None, 60, now + 2, max_records=3)  # released
+        with pytest.raises(InsufficientStorage):
+            await ix.claim("ns", "k2", "h1", 30, now + 2, max_records=3)
+        assert (await ix.claim("ns", "k2", "h1", 30, now + 200, max_records=3)).granted
+        await ix.resolve("ns", "j8", 0, "k", None, 60, now + 200)  # no cap given: no cap
+
+    run(make_index, body)
+
+
+# -- RateStore --------------------------------------------------------------------------
+def test_rate_store_buckets_are_shared_and_refill(make_index: Callable[[], Index]):
+    """Twenty takes at once from two connections of a bucket of 5: exactly 5 pass; it
+    refills at its rate; buckets are apart."""
+    async def body(first: Index) -> None:
+        second = make_index()
+        await second.open()
+        try:
+            waits = await asyncio.gather(*((first, second)[i % 2].take("b", 2.0, 5.0, 100.0)
+                                           for i in range(20)))
+            assert sum(w == 0.0 for w in waits) == 5, waits
+            assert min(w for w in waits if w) == pytest.approx(0.5)
+            assert await first.take("b", 2.0, 5.0, 101.0) == 0.0  # 2 came back in a second
+            assert await second.take("b", 2.0, 5.0, 101.0) == 0.0
+            assert await first.take("b", 2.0, 5.0, 101.0) > 0
+            assert await first.take("other", 2.0, 5.0, 101.0) == 0.0
+        finally:
+            await second.close()
+
+    run(make_index, body)
+
+
 # -- ClaimStore -------------------------------------------------------------------------
 def test_claim_store_one_claimant_wins(make_index: Callable[[], Index]):
     async def body(ix: Index) -> None:

@@ -25,7 +25,11 @@ from megacache_client.wire.signing import signature_valid
 from megacache_server.service.signing import write_new_key
 
 MiB = 1024 * 1024
-SHARED_ENV = {"MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_NAMESPACE_PENDING_BYTES": "4MiB"}
+SHARED_ENV = {"MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_NAMESPACE_PENDING_BYTES": "4MiB",
+              "MEGACACHE_EVENT_RATE": "0.01", "MEGACACHE_EVENT_BURST": "5",
+              "MEGACACHE_JOB_RATE": "0.01", "MEGACACHE_JOB_BURST": "30",
+              "MEGACACHE_NAMESPACE_JOB_RECORDS": "20"}
+"""Limits small enough to meet in a test; each test's tenants have tokens of their own."""
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +208,73 @@ def test_bytes_another_tenant_named_count_on_the_pending_quota_like_new_ones(
     finally:
         a.close()
         b.close()
+
+
+# -- rate limits and job records --------------------------------------------------------
+def _event(client: httpx.Client) -> int:
+    return client.post("/v1/events", json={
+        "key": "b" * 64, "model": "mlp", "outcome": "hit", "compile_s": 1.0,
+        "cold_compile_s": 30.0, "saved_s": 29.0}).status_code
+
+
+def test_a_tokens_event_limit_holds_across_replicas(tenant: Tenant):
+    """A burst of 5, spread over two processes: 5 pass (a bucket per process let 10)."""
+    codes = [_event(tenant.via[i % 2]) for i in range(14)]
+    assert codes.count(202) == 5 and codes.count(429) == 9, codes
+
+
+def test_a_tokens_event_limit_holds_across_workers(workers: list[ServerProcess]):
+    t = Tenant(workers)
+    try:
+        codes = []
+        for _ in range(14):  # fresh connections: the kernel spreads them over both workers
+            with httpx.Client(base_url=workers[0].url, timeout=30,
+                              headers=dict(t.via[0].headers)) as c:
+                codes.append(_event(c))
+    finally:
+        t.close()
+    assert codes.count(202) == 5, codes
+
+
+def test_tokens_of_the_same_name_in_two_namespaces_never_share_a_limit(
+        pair: list[ServerProcess]):
+    """Limits key on the token, not its name: a tenant cannot drain another's bucket by
+    naming its token alike (the event limit was keyed by name)."""
+    clients = [httpx.Client(base_url=pair[0].url, timeout=30, headers=bearer(pair[0].token(
+        "read,write", namespace=f"same-{i}-{os.urandom(2).hex()}", name="ci")))
+               for i in range(2)]
+    try:
+        drained = [_event(clients[0]) for _ in range(8)]
+        assert drained.count(429) == 3, drained
+        assert _event(clients[1]) == 202
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_job_records_are_capped_per_namespace_and_requests_limited_per_token(
+        pair: list[ServerProcess]):
+    """A read token making up job ids: 20 records (the namespace's cap), then 507 with a
+    message; every resolve counts on its token's limit (a burst of 30), then 429. The
+    records it holds still answer as before; another namespace is not affected."""
+    reader, other = Tenant(pair, scopes="read"), Tenant(pair, scopes="read")
+    key = "c" * 64
+    try:
+        answers = [reader.via[i % 2].post(f"/v1/ac/{key}/resolve", json={"job": f"j{i}"})
+                   for i in range(34)]
+        codes = [r.status_code for r in answers]
+        assert codes == [404] * 20 + [507] * 10 + [429] * 4, codes
+        assert answers[20].json()["error"]["code"] == "job_records_quota"
+        assert "20 live job resolutions" in answers[20].json()["error"]["message"]
+        assert int(answers[-1].headers["retry-after"]) >= 1
+        same = Tenant(pair, scopes="read", namespace=reader.namespace)  # its own bucket
+        held = same.via[0].post(f"/v1/ac/{key}/resolve", json={"job": "j3"})
+        assert held.json()["error"]["code"] == "resolved_miss"  # a live record answers
+        assert same.via[1].post(f"/v1/ac/{key}/resolve",
+                                json={"job": "new"}).status_code == 507
+        same.close()
+        assert other.via[1].post(f"/v1/ac/{key}/resolve",
+                                 json={"job": "j0"}).status_code == 404
+    finally:
+        reader.close()
+        other.close()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from megacache_server.errors import Conflict, NotFound, Unprocessable
 from megacache_server.service.auth import Principal
 from megacache_server.service.entries import Entries, parse_policy
+from megacache_server.service.quotas import Quotas
 from megacache_server.store.index.base import (
     MAX_CLAIM_LEASE_S,
     MAX_RESOLUTION_TTL_S,
@@ -50,9 +51,10 @@ class FallbackRule:
 class Jobs:
     """Resolutions of keys per job attempt, and publish claims per key."""
 
-    def __init__(self, index: Index, entries: Entries) -> None:
+    def __init__(self, index: Index, entries: Entries, quotas: Quotas) -> None:
         self.index = index
         self.entries = entries
+        self.quotas = quotas
 
     async def resolve(self, principal: Principal, key: str, *, job: str, attempt: int,
                       ttl_s: float = DEFAULT_RESOLUTION_TTL_S,
@@ -63,7 +65,12 @@ class Jobs:
 
         With a `fallback`, a key without an entry resolves to the newest entry of that
         namespace and model with the same env and hw: the fallback is chosen once, here,
-        since ranks that each listed entries at their own moment could choose apart."""
+        since ranks that each listed entries at their own moment could choose apart.
+
+        Each token's resolves and claims are rate-limited (429), and a namespace holds at
+        most `namespace_job_records` live ones (507): a record keeps a manifest's bytes for
+        up to a day, and a read token can make up job ids."""
+        await self.quotas.admit_job(principal)
         job = require_id(job, "job")
         if isinstance(attempt, bool) or not isinstance(attempt, int) \
                 or not 0 <= attempt <= MAX_ATTEMPT:
@@ -77,7 +84,7 @@ class Jobs:
         except NotFound:
             candidate = await self._fallback(principal, fallback) if fallback else None
         done = await self.index.resolve(principal.home, job, attempt, key, candidate, ttl_s,
-                                        time.time())
+                                        time.time(), max_records=self.quotas.job_records())
         if done.hit and await self.index.quarantined(list(done.digests)):
             # the attempt's entry named a blob since quarantined: a miss from now on (its
             # bytes are gone; the ranks that had it met the bad blob and compile)
@@ -105,11 +112,14 @@ class Jobs:
     async def claim(self, principal: Principal, key: str, *, holder: str,
                     lease_s: float = DEFAULT_CLAIM_LEASE_S) -> Claim:
         """Claim the publish of `key` in the caller's namespace for `lease_s` (claiming again
-        renews it). 409 when another holder's lease is live: that one uploads."""
+        renews it). 409 when another holder's lease is live: that one uploads. Limited as
+        resolves are (429, 507)."""
+        await self.quotas.admit_job(principal)
         holder = require_id(holder, "holder")
         lease_s = require_seconds(lease_s, MAX_CLAIM_LEASE_S, "lease_s")
         now = time.time()
-        got = await self.index.claim(principal.home, key, holder, lease_s, now)
+        got = await self.index.claim(principal.home, key, holder, lease_s, now,
+                                     max_records=self.quotas.job_records())
         if not got.granted:
             # now again: the holder's lease was granted at its own `now`, maybe after ours
             remaining = max(0.0, got.expires_at - time.time())

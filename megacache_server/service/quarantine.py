@@ -58,7 +58,7 @@ class Quarantine:
         """A client met a bad blob: re-verify it from the store; quarantine it only if it is
         really bad. 404 for a blob this caller may not see (as GET). A blob that verifies
         but was reported undecodable counts, with its entry, as a report on that entry."""
-        self.quotas.admit_report(principal)
+        await self.quotas.admit_report(principal)
         if not await self.blobs.may_see(principal, digest):
             raise NotFound(f"blob {digest} is not stored", code="blob_not_found")
         if await self.index.blob_record(digest) is None and \
@@ -112,7 +112,7 @@ class Quarantine:
         """torch could not load this entry's bundle. One report proves nothing (the reader's
         own torch may be at fault); `withdraw_after_reports` independent ones (distinct
         token and job) withdraw the entry the way a quarantine does."""
-        self.quotas.admit_report(principal)
+        await self.quotas.admit_report(principal)
         if job is not None:
             job = require_id(job, "job")
         entry = await self.entries.get_entry(principal, key, touch=False)

@@ -2,7 +2,9 @@
 
 Every limit a caller can run into is decided here, so each kind of limit has one place to
 change: the pending quota (uploads no manifest names yet), a namespace's quota of entries
-and bytes, the store budget, and the rates of events and reports per token.
+and bytes, the store budget, a namespace's live job records, and the rates of events,
+reports and job requests per token. Each is kept in the index, so it holds across every
+worker and replica.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from megacache_server.errors import InsufficientStorage, TooManyRequests
+from megacache_server.errors import InsufficientStorage
 from megacache_server.service.auth import Principal
 from megacache_server.service.collector import Collector
-from megacache_server.service.ratelimit import RateLimiter
+from megacache_server.service.ratelimit import Limit, admit
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import Index
 
@@ -32,9 +34,10 @@ class Quotas:
         self.index = index
         self.collector = collector
         """What makes room in the store when an upload would pass its budget."""
-        self.event_limiter = RateLimiter(rate=settings.event_rate, burst=settings.event_burst)
-        self.report_limiter = RateLimiter(rate=settings.report_rate,
-                                          burst=settings.report_burst)
+        self.events = Limit("events", "events", settings.event_rate, settings.event_burst)
+        self.reports = Limit("reports", "reports", settings.report_rate, settings.report_burst)
+        self.jobs = Limit("jobs", "job resolves and claims", settings.job_rate,
+                          settings.job_burst)
 
     # -- bytes ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -127,14 +130,23 @@ class Quotas:
             "nothing left to evict", code="namespace_quota", entries=entries, used=used)
 
     # -- requests ------------------------------------------------------------------------
-    def admit_event(self, principal: Principal) -> None:
-        """Per token name; auth off has no token to key on, and is not limited."""
+    async def admit_event(self, principal: Principal) -> None:
+        """Per token; auth off (loopback, one trusted caller) has none and is not limited."""
         if principal.namespace is not None:
-            _admit(self.event_limiter, principal.name, "events", principal)
+            await admit(self.index, self.events, principal)
 
-    def admit_report(self, principal: Principal) -> None:
+    async def admit_report(self, principal: Principal) -> None:
         """Per token (per caller name with auth off, where there is one caller)."""
-        _admit(self.report_limiter, principal.caller_id, "reports", principal)
+        await admit(self.index, self.reports, principal)
+
+    async def admit_job(self, principal: Principal) -> None:
+        """Per token; auth off is not limited (its job's ranks all share one caller)."""
+        if principal.namespace is not None:
+            await admit(self.index, self.jobs, principal)
+
+    def job_records(self) -> int | None:
+        """The live job resolutions and claims one namespace may hold (None: no cap)."""
+        return self.settings.namespace_job_records or None
 
 
 Keep = Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]
@@ -152,12 +164,3 @@ def _over_pending(namespace: str, size: int, cap: int, pending: int,
         f"and {held} bytes in uploads; {size} more would pass its limit of {cap}: write the "
         "manifests that name them first", code="pending_quota", pending=pending + held,
         limit=cap)
-
-
-def _admit(limiter: RateLimiter, key: str, what: str, principal: Principal) -> None:
-    """Take one request of `key`'s allowance, or 429 with when to retry."""
-    wait = limiter.take(key)
-    if wait > 0:
-        raise TooManyRequests(
-            f"more than {limiter.rate:g} {what}/s from {principal.name!r}; "
-            f"retry in {wait:.1f}s", headers={"retry-after": str(max(1, round(wait)))})

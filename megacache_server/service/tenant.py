@@ -97,7 +97,7 @@ class Parts:
         blobs = Blobs(settings, storage, quotas)
         entries = Entries(storage.index, blobs, quotas)
         quarantine = Quarantine(settings, storage, blobs, entries, quotas)
-        return cls(settings, blobs, entries, Jobs(storage.index, entries), quarantine,
+        return cls(settings, blobs, entries, Jobs(storage.index, entries, quotas), quarantine,
                    Events(settings, storage, quotas, quarantine))
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megacache_client.wire.events import OUTCOMES, REPLAYS, Event
-from megacache_server.errors import PreconditionFailed
+from megacache_server.errors import InsufficientStorage, PreconditionFailed
 from megacache_server.store.index import rollups
 
 
@@ -432,6 +432,31 @@ class EventLog(ABC):
         """The `limit` jobs that reported last, each with its latest attempts."""
 
 
+class RateStore(ABC):
+    """Token buckets shared by every worker and replica: a caller's rate limit holds
+    however its requests are spread over processes (a bucket per process would let a
+    caller with N connections spread over N processes take N times its rate)."""
+
+    @abstractmethod
+    async def take(self, bucket: str, rate: float, burst: float, now: float) -> float:
+        """Take one unit from `bucket`, which fills at `rate` per second up to `burst` (and
+        is full when first used): 0.0 when taken, else the seconds until one is there
+        (nothing is taken). Atomic across processes; a bucket unused for long may be
+        forgotten (it would be full again)."""
+
+
+def refill(bucket: tuple[float, float] | None, rate: float, burst: float,
+           now: float) -> tuple[float, float]:
+    """A token bucket's (tokens, at), or None for a new one (full), refilled to `now` and
+    one unit taken if there is one: (tokens left, 0.0), else (tokens, seconds until one is
+    there). One rule for the backends that compute it themselves."""
+    tokens, at = bucket if bucket is not None else (burst, now)
+    tokens = min(burst, tokens + max(0.0, now - at) * rate)
+    if tokens < 1:
+        return tokens, (1 - tokens) / rate
+    return tokens - 1, 0.0
+
+
 class LockStore(ABC):
     """Named locks shared by every replica."""
 
@@ -442,6 +467,15 @@ class LockStore(ABC):
     @abstractmethod
     async def release_lock(self, name: str) -> None:
         """Release a lock this process took."""
+
+
+def records_full(namespace: str, cap: int) -> InsufficientStorage:
+    """The refusal of a resolution or claim that would pass its namespace's cap of live
+    job records (`JobStore.resolve`, `ClaimStore.claim`), the same on every backend."""
+    return InsufficientStorage(
+        f"namespace {namespace!r} holds {cap} live job resolutions and publish claims, its "
+        "limit: new ones are refused until some expire (MEGACACHE_NAMESPACE_JOB_RECORDS)",
+        code="job_records_quota", limit=cap)
 
 
 MAX_RESOLUTION_TTL_S = 24 * 3600.0
@@ -486,13 +520,17 @@ class JobStore(ABC):
 
     @abstractmethod
     async def resolve(self, namespace: str, job: str, attempt: int, key: str,
-                      candidate: StoredEntry | None, ttl_s: float, now: float) -> Resolution:
+                      candidate: StoredEntry | None, ttl_s: float, now: float, *,
+                      max_records: int | None = None) -> Resolution:
         """The resolution of `key` for this job attempt: the live one if there is one (its
         life renewed to at least `now + ttl_s / 2`, never shortened), else `candidate` (an
         entry, or None for a miss) recorded atomically, alive until `now + ttl_s`. Every
         caller gets the same answer until it expires, across processes and replicas; while
         it lives, its blobs are held (`held_blobs`). `ttl_s` is clamped to
-        MAX_RESOLUTION_TTL_S."""
+        MAX_RESOLUTION_TTL_S. A new record is refused (`records_full`, nothing written)
+        when the namespace already holds `max_records` live resolutions and claims
+        together: a record holds a manifest's bytes for up to a day, and a read token can
+        make up job ids."""
 
     @abstractmethod
     async def held_blobs(self, digests: list[str], now: float) -> set[str]:
@@ -509,11 +547,12 @@ class ClaimStore(ABC):
 
     @abstractmethod
     async def claim(self, namespace: str, key: str, holder: str, lease_s: float,
-                    now: float) -> Claim:
+                    now: float, *, max_records: int | None = None) -> Claim:
         """Claim the publish of `key`: granted (until `now + lease_s`) when nobody holds a
         live claim or `holder` already does (a renewal); else the current holder and when
         its lease runs out. An expired lease is taken over. Atomic across replicas;
-        `lease_s` is clamped to MAX_CLAIM_LEASE_S."""
+        `lease_s` is clamped to MAX_CLAIM_LEASE_S. A claim where none is live counts on
+        the namespace's `max_records`, as a resolution does (`records_full`)."""
 
     @abstractmethod
     async def release(self, namespace: str, key: str, holder: str, now: float) -> bool:
@@ -600,8 +639,8 @@ class TrustStore(ABC):
         verified when uploaded; 0 for records older than this bookkeeping)."""
 
 
-class Index(EntryStore, BlobLedger, QuotaStore, TokenStore, EventLog, LockStore, JobStore,
-            ClaimStore, TrustStore):
+class Index(EntryStore, BlobLedger, QuotaStore, TokenStore, EventLog, RateStore, LockStore,
+            JobStore, ClaimStore, TrustStore):
     """Every protocol above, with the calls that span them and the index's lifecycle."""
 
     name: str = "abstract"

@@ -50,6 +50,9 @@
                                 etag, entry_ns, digests, resolved_at, expires_at (expires)
   held                   zset   digest -> latest expiry of the live resolutions naming it (GC)
   claim:{ns}:{key}       hash   a publish claim: holder, expires_at (expires)
+  jobrecs:{ns}           zset   job:… and claim:… key -> expiry: a namespace's live records,
+                                counted against MEGACACHE_NAMESPACE_JOB_RECORDS (expires)
+  rate:{bucket}          hash   a token bucket: tokens, at (expires once it would be full)
   heartbeat              float  the last write readiness made
 
 The scripts in `scripts/` build the same names from the prefix they are given: a key renamed
@@ -191,6 +194,9 @@ class Keys:
 
     def claim(self, namespace: str, key: str) -> str:
         return self._name("claim", namespace, key)
+
+    def rate(self, bucket: str) -> str:
+        return self._name("rate", bucket)
 
     # -- locks and health ---------------------------------------------------------------
     def lock(self, name: str) -> str:

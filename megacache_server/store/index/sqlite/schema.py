@@ -138,6 +138,11 @@ CREATE TABLE IF NOT EXISTS pending_holds (
     expires_at  REAL NOT NULL,
     PRIMARY KEY (namespace, hold_id)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS rate_buckets (
+    bucket  TEXT PRIMARY KEY,
+    tokens  REAL NOT NULL,
+    at      REAL NOT NULL
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS sequences (
     key       TEXT PRIMARY KEY,
     sequence  INTEGER NOT NULL
