@@ -81,7 +81,7 @@ def _body_of(model: type[BaseModel]) -> dict[str, Any]:
                      "content": {"application/json": {
                          "schema": {"$ref": "#/components/schemas/Manifest"}}}},
                404: {"description": "the job attempt resolved this key to a miss "
-                                    "(`resolved_miss`)"}},
+                                    "(`resolved_miss`)"}, **error_responses(429, 507)},
 )
 async def resolve(key: Key, request: Request, cache: Reader) -> Response:
     """The entry for `key` as this job attempt first saw it, or a miss, for every rank."""
@@ -107,7 +107,7 @@ async def resolve(key: Key, request: Request, cache: Reader) -> Response:
 
 @router.post("/{key}/claim", openapi_extra=_body_of(ClaimRequest), responses={
     200: {"description": "granted (or renewed): this holder uploads"},
-    **error_responses(409)})
+    **error_responses(409, 429, 507)})
 async def claim(key: Key, request: Request, cache: Writer) -> Response:
     """Claim the publish of `key`: granted unless another holder's lease is live (409)."""
     body = await small_json_body(request, ClaimRequest, MAX_BODY)
