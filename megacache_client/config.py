@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from megacache_client.steps.verify import WriterPolicy
 from megacache_client.wire.signing import SigningError, public_key_bytes
+from megacache_client.wire.writers import WriterPolicy
 
 Mode = Literal["off", "read-only", "read-write", "required"]
 MODES: tuple[Mode, ...] = ("off", "read-only", "read-write", "required")

@@ -37,8 +37,8 @@ _DESCRIPTIONS = {
     409: "held by another (a publish claim)", 411: "Content-Length required",
     412: "precondition failed", 413: "too large",
     416: "range not satisfiable", 422: "invalid manifest or parameters",
-    424: "a named blob is not stored", 431: "headers too large", 503: "storage unavailable",
-    507: "store full",
+    424: "a named blob is not stored", 429: "rate limited (Retry-After)",
+    431: "headers too large", 503: "storage unavailable", 507: "store full or a quota reached",
 }
 
 

@@ -89,7 +89,8 @@ class Settings(BaseSettings):
         "above; unset: a quarter of the store budget but at least two blobs, or no limit "
         "without a budget)")
     event_rate: float = Field(
-        20, ge=0, description="events per second one token may post, per process (0: no limit)")
+        20, ge=0, description="events per second one token may post, across every worker and "
+        "replica (0: no limit)")
     event_burst: float = Field(200, ge=1, description="events a token may post at once")
     event_retention_days: float = Field(
         14, gt=0, description="days raw events are kept (totals are kept for good)")
@@ -97,8 +98,17 @@ class Settings(BaseSettings):
         400, gt=0, description="days hourly rollups (dashboard history) are kept")
     report_rate: float = Field(
         0.5, ge=0, description="reports of bad blobs or unloadable entries one token may send "
-        "per second, per process (0: no limit)")
+        "per second, across every worker and replica (0: no limit)")
     report_burst: float = Field(10, ge=1, description="reports a token may send at once")
+    job_rate: float = Field(
+        100, ge=0, description="job resolves and publish claims one token may make per second, "
+        "across every worker and replica (0: no limit)")
+    job_burst: float = Field(
+        2000, ge=1, description="job resolves and claims a token may make at once (every rank "
+        "of a job resolves when it starts)")
+    namespace_job_records: int = Field(
+        5000, ge=0, description="live job resolutions and publish claims one namespace may "
+        "hold (507 above; 0: no cap)")
     withdraw_after_reports: int = Field(
         3, ge=1, description="independent reports (distinct token and job) that torch could "
         "not load an entry's bundle after which the entry is withdrawn")
@@ -110,6 +120,12 @@ class Settings(BaseSettings):
     upload_idle_timeout_s: float = Field(
         60, gt=0, description="a body that sends nothing for this long gets 408"
     )
+    min_upload_rate: ByteSize = Field(
+        ByteSize(64 * 1024), description="bytes per second a request body must average once "
+        "its grace period is over; slower gets 408 (0: no minimum)")
+    min_upload_grace_s: float = Field(
+        10, ge=0, description="seconds a request body may take before its minimum rate "
+        "applies")
     workers: int = Field(1, ge=1, le=64, description="uvicorn worker processes")
     log_level: LogLevel = Field("info", description="log level")
     log_format: Literal["text", "json"] = Field(

@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import http.server
+import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -300,6 +301,40 @@ def functions_job(machine: Machine, gxx: GxxCounter, url: str, functions: str,
                        **(env or {})}, gxx=gxx, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return run
+
+
+def _half_then_wait(data: bytes, started: threading.Barrier) -> Iterator[bytes]:
+    """The body in two halves, the second only once every uploader has sent its first:
+    all uploads are in flight at once, as N connections of a hostile tenant are."""
+    yield data[: len(data) // 2]
+    # another upload refused breaks the barrier: send the rest now
+    with contextlib.suppress(threading.BrokenBarrierError):
+        started.wait(timeout=30)
+    yield data[len(data) // 2:]
+
+
+def uploads_at_once(urls: list[str], headers: dict[str, str], n: int, size: int
+                    ) -> tuple[list[int], list[bytes]]:
+    """`n` uploads of `size` random bytes, all in flight at once, over fresh connections
+    to each of `urls` in turn: their answers (507 for one the server refused before
+    reading its body) and the bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    started = threading.Barrier(n)
+    blobs = [os.urandom(size) for _ in range(n)]
+
+    def upload(i: int) -> int:
+        with httpx.Client(base_url=urls[i % len(urls)], headers=headers, timeout=60) as c:
+            try:
+                return c.put(f"/v1/cas/{sha256(blobs[i])}",
+                             content=_half_then_wait(blobs[i], started),
+                             headers={"content-length": str(size)}).status_code
+            except httpx.HTTPError:  # refused before the body was read: the server closed
+                started.abort()
+                return 507
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(upload, range(n))), blobs
 
 
 def token_client(server: ServerProcess, scopes: str, namespace: str = "default"

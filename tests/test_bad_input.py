@@ -17,10 +17,12 @@ from helpers import ServerProcess, raw_http, sha256
 @pytest.fixture(scope="module", params=BACKENDS)
 def strict(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
-    """A server that gives up on a stalled upload after one second."""
+    """A server that gives up on a stalled upload after one second, and on one slower than
+    64 KiB/s after two."""
     args, env = backend_args(request.param, request)
     proc = _configured(ServerProcess(tmp_path_factory.mktemp("strict") / "data", *args,
-                                     env={**env, "MEGACACHE_UPLOAD_IDLE_TIMEOUT_S": "1"}),
+                                     env={**env, "MEGACACHE_UPLOAD_IDLE_TIMEOUT_S": "1",
+                                          "MEGACACHE_MIN_UPLOAD_GRACE_S": "2"}),
                        request.param, args).start()
     yield proc
     proc.stop()
@@ -50,6 +52,48 @@ def test_stalled_upload_times_out_and_leaves_nothing(strict: ServerProcess):
     with httpx.Client(base_url=strict.url, timeout=30) as c:
         assert c.head(f"/v1/cas/{digest}").status_code == 404
         assert c.put(f"/v1/cas/{digest}", content=data).status_code == 201  # others fine
+
+
+@pytest.mark.parametrize("route", ["blob", "manifest"])
+def test_a_body_dripped_below_the_minimum_rate_is_cut_off(strict: ServerProcess, route: str):
+    """A byte every 0.3 s keeps the idle timer (1 s) from firing; the minimum rate does not
+    let it hold its slot: 408 once the grace period (2 s) is over, nothing stored."""
+    data = os.urandom(1024 * 1024)
+    path = f"/v1/cas/{sha256(data)}" if route == "blob" else f"/v1/ac/{sha256(data)}"
+    length = len(data) if route == "blob" else 4000
+    response = b""
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=30) as s:
+        s.sendall(f"PUT {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}"
+                  "\r\n\r\n".encode())
+        s.settimeout(0.3)
+        started = time.monotonic()
+        for i in range(60):  # 18 s at most
+            try:
+                s.sendall(data[i:i + 1])
+                response += s.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:  # the server answered and closed
+                break
+            if response:
+                break
+        elapsed = time.monotonic() - started
+    assert response.startswith(b"HTTP/1.1 408"), (elapsed, response[:200])
+    assert b"upload_too_slow" in response and elapsed < 6, (elapsed, response[:300])
+    deadline = time.monotonic() + 10
+    while strict.temp_files() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert strict.temp_files() == []
+    assert httpx.head(f"{strict.url}/v1/cas/{sha256(data)}").status_code == 404
+
+
+def test_an_upload_above_the_minimum_rate_goes_through(strict: ServerProcess):
+    from helpers import SlowLink
+
+    data = os.urandom(1024 * 1024)  # ~4 s at 256 KiB/s: past the 2 s grace, above 64 KiB/s
+    with SlowLink(strict.port, rate=256 * 1024) as link:
+        r = httpx.put(f"{link.url}/v1/cas/{sha256(data)}", content=data, timeout=60)
+    assert r.status_code == 201, r.text
 
 
 def test_huge_headers_are_refused_and_the_server_keeps_serving(strict: ServerProcess):

@@ -120,6 +120,27 @@ def test_list_newest_first_with_filters(client: httpx.Client):
     assert client.get("/v1/ac", params={"hw": "../x"}).status_code == 400
 
 
+def test_an_entry_from_the_future_is_not_the_newest_forever(client: httpx.Client):
+    """Listings and fallbacks order by when an entry was made, clamped to the server's
+    clock: a manifest dated 9999 written first is older than one written after it."""
+    bundle = os.urandom(400)
+    _upload(client, bundle)
+    future = make_manifest({"megacache": bundle}, make_fingerprint(model="dated", code="f"),
+                           created_at=datetime(9999, 1, 1, tzinfo=timezone.utc))
+    assert _put(client, future).status_code == 201
+    later = make_manifest({"megacache": bundle}, make_fingerprint(model="dated", code="l"))
+    assert _put(client, later).status_code == 201
+    listed = client.get("/v1/ac", params={"model": "dated"}).json()["entries"]
+    assert [e["key"] for e in listed] == [later.key, future.key]
+    assert listed[1]["created_at"].startswith("9999")  # the bytes stay as written
+    fp = later.fingerprint
+    r = client.post(f"/v1/ac/{make_fingerprint(model='dated', code='x').key()}/resolve",
+                    json={"job": "dated", "fallback": {
+                        "namespace": fp.namespace, "model": "dated",
+                        "env": component_digest(fp.env), "hw": component_digest(fp.hw)}})
+    assert r.status_code == 200 and r.json()["key"] == later.key, r.text
+
+
 def test_delete(client: httpx.Client):
     bundle = os.urandom(10)
     _upload(client, bundle)

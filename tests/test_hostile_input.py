@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from helpers import ServerProcess
+from helpers import ServerProcess, sha256
 
 BLOB = b"megacache" * 100
 DIGEST = hashlib.sha256(BLOB).hexdigest()
@@ -49,31 +49,62 @@ def _wait_for(server: ServerProcess, text: str) -> str:
     return server.log()
 
 
+def _spellings(token: str) -> list[str]:
+    """Ways a client can write a token that a plain match misses."""
+    every = "".join(f"%{b:02X}" for b in token.encode())
+    return [token.replace("_", "%5F"), every, every.replace("%", "%25"),
+            token.replace("_", "%5f").replace("mc", "%6D%63")]
+
+
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_no_token_reaches_the_logs_however_it_is_spelled(tmp_path, fmt: str):
+    from urllib.parse import quote
+
+    from helpers import make_fingerprint, make_manifest
+
     server = ServerProcess(tmp_path / "data", "--auth", "--log-format", fmt,
+                           env={"MEGACACHE_WITHDRAW_AFTER_REPORTS": "1"},
                            log_level="info").start()
     try:
-        token = server.token("read", name="spy")
+        token = server.token("read,write", name="spy")
         secret = token.split("_", 2)[2]
+        auth = {"authorization": f"Bearer {token}"}
         with httpx.Client(base_url=server.url) as c:
             # an encoded `=`, a token in the path, a token as the request id
             c.get(f"/?x=1&token%3D{token}&mark=encoded")
-            c.get(f"/v1/cas/{token}", headers={"authorization": f"Bearer {token}"})
-            c.get("/v1/stats?mark=rid", headers={"authorization": f"Bearer {token}",
-                                                 "x-request-id": token})
-        log = _wait_for(server, "mark=rid" if fmt == "text" else '"request_id"')
-        if fmt == "json":  # the JSON access log names paths, not queries: wait for the 3rd
+            c.get(f"/v1/cas/{token}", headers=auth)
+            c.get("/v1/stats?mark=rid", headers={**auth, "x-request-id": token})
+            # `%5F` for `_`, %-encoded whole (once, twice), an encoded parameter name
+            for i, spelled in enumerate(_spellings(token)):
+                c.get(f"/v1/cas/{spelled}?n={i}", headers=auth)
+                c.get(f"/?x={spelled}&n={i}")
+            c.get(f"/?tok%65n={token}&mark=name")
+            c.get(f"/?tok%2565n={quote(token, safe='')}&mark=name2")
+            # a report's detail, quoted by the warning that withdraws the entry
+            data = b"logged" * 100
+            assert c.put(f"/v1/cas/{sha256(data)}", content=data, headers=auth).status_code \
+                == 201
+            m = make_manifest({"megacache": data}, make_fingerprint(model="logged"))
+            assert c.put(f"/v1/ac/{m.key}", content=m.to_json(), headers=auth).status_code \
+                == 201
+            r = c.post(f"/v1/ac/{m.key}/report", headers=auth, json={
+                "kind": "load", "detail": f"torch said {token.replace('_', '%5F')} {token}"})
+            assert r.json()["verdict"] == "withdrawn", r.text
+        log = _wait_for(server, "withdrew entry")
+        if fmt == "json":  # the JSON access log names paths, not queries: wait for them all
             import time
 
             deadline = time.monotonic() + 10
-            while server.log().count('"request_id"') < 3 and time.monotonic() < deadline:
+            while server.log().count('"request_id"') < 16 and time.monotonic() < deadline:
                 time.sleep(0.1)
             log = server.log()
-            assert log.count('"request_id"') >= 3, log[-2000:]
+            assert log.count('"request_id"') >= 16, log[-2000:]
         else:
-            assert "mark=encoded" in log
-        assert secret not in log, log[-2000:]
+            log = _wait_for(server, "mark=name2")
+            assert "mark=encoded" in log and "mark=name" in log
+        assert "withdrew entry" in log, log[-2000:]
+        for written in [secret, *_spellings(secret)]:
+            assert written not in log, (written, log[-3000:])
     finally:
         server.stop()
 

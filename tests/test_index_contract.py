@@ -77,8 +77,12 @@ def test_entry_store_put_get_list_delete(make_index: Callable[[], Index]):
         assert got is not None and got.digests == ("a",) and got.size == 20
         assert got.manifest_json == b'{"k":"k1"}' and got.etag
         await ix.put(entry("k2", model="other", created=2.0), Precondition())
-        await ix.put(entry("k3", namespace="ns2", env="e2", created=3.0), Precondition())
+        await ix.put(replace(entry("k3", namespace="ns2", env="e2", created=3.0),
+                             provenance='{"writer":"w"}'), Precondition())
         assert [e.key for e in await ix.list_entries(limit=10)] == ["k3", "k2", "k1"]
+        # listings carry who wrote each entry (a writers policy filters on it)
+        assert [e.provenance for e in await ix.list_entries(namespace="ns2", limit=1)] == \
+            ['{"sequence":1,"writer":"w"}']
         assert [e.key for e in await ix.list_entries(namespace="ns", limit=10)] == ["k2", "k1"]
         assert [e.key for e in await ix.list_entries(model="m", limit=10)] == ["k3", "k1"]
         assert [e.key for e in await ix.list_entries(env_digest="e", hw_digest="h",
@@ -88,6 +92,34 @@ def test_entry_store_put_get_list_delete(make_index: Callable[[], Index]):
         assert await ix.delete("k1") and not await ix.delete("k1")
         assert await ix.get("k1") is None and await ix.usage("ns") == (1, 10)
         assert sorted(await ix.entry_digests()) == ["k2", "k3"]
+
+    run(make_index, body)
+
+
+def test_entry_store_numbers_versions_across_rewrites_deletes_and_re_creates(
+        make_index: Callable[[], Index]):
+    """Each version's provenance gets a sequence above every earlier one of its key (and
+    at least the floor asked), kept when the entry goes: a re-created key counts on."""
+    async def body(ix: Index) -> None:
+        def written(floor: int = 0) -> NewEntry:
+            return replace(entry("k"), provenance='{"writer":"w"}', sequence_floor=floor)
+
+        def number(e: StoredEntry | None) -> int:
+            assert e is not None
+            return int(json.loads(e.provenance)["sequence"])
+
+        stored, _ = await ix.put(written(), Precondition())
+        assert number(stored) == 1 and number(await ix.get("k")) == 1
+        assert number((await ix.put(written(), Precondition()))[0]) == 2
+        assert await ix.delete("k")
+        assert number((await ix.put(written(), Precondition()))[0]) == 3  # re-created
+        assert number((await ix.put(written(floor=1000), Precondition()))[0]) == 1000
+        assert number((await ix.put(written(floor=10), Precondition()))[0]) == 1001
+        with pytest.raises(PreconditionFailed):
+            await ix.put(written(), Precondition(if_none_match="*"))
+        assert number(await ix.get("k")) == 1001  # a refused write changed nothing it shows
+        assert number((await ix.put(written(), Precondition()))[0]) > 1001
+        assert (await ix.put(entry("plain"), Precondition()))[0].provenance == ""
 
     run(make_index, body)
 
@@ -199,6 +231,9 @@ def test_blob_ledger(make_index: Callable[[], Index]):
         assert await ix.pending_bytes("ns") == 150
         await ix.put(entry("k", digests=("d1",)), Precondition())
         assert await ix.pending_bytes("ns") == 50
+        # only a namespace's own entries name its uploads: ns2 still holds d1 as pending,
+        # so its quota cannot tell it that another namespace wrote an entry naming them
+        assert await ix.pending_bytes("ns2") == 100
         assert await ix.referenced(["d1", "d2"]) == {"d1"}
         assert await ix.owns_blob("ns2", "d1") and not await ix.owns_blob("ns2", "d2")
         before = (await ix.blob_record("d2")).touched_at  # type: ignore[union-attr]
@@ -326,6 +361,52 @@ def test_redis_gc_reads_only_blobs_that_may_be_unreferenced(redis_service: Local
         assert await ix.r.exists(ix.keys.unref_ready())
 
     run(lambda: ix, lambda _: body())
+
+
+# -- QuotaStore -------------------------------------------------------------------------
+def test_quota_store_holds_pending_bytes_until_released_or_lapsed(
+        make_index: Callable[[], Index]):
+    from megacache_server.store.index.base import PendingHold
+
+    async def body(ix: Index) -> None:
+        await ix.record_blob("d1", 100, "ns")  # pending: 100 of a cap of 200
+        assert await ix.hold_pending("ns", "h1", 50, 200, 60, 1000.0) == \
+            PendingHold(True, 100, 0)
+        assert await ix.hold_pending("ns", "h2", 60, 200, 60, 1000.0) == \
+            PendingHold(False, 100, 50)
+        assert (await ix.hold_pending("other", "h2", 60, 200, 60, 1000.0)).granted
+        assert (await ix.hold_pending("ns", "h1", 500, 200, 60, 1030.0)).granted  # renewed
+        await ix.release_pending("ns", "h1")
+        await ix.release_pending("ns", "gone")  # nothing to release: nothing happens
+        assert (await ix.hold_pending("ns", "h2", 60, 200, 60, 1031.0)).granted
+        assert not (await ix.hold_pending("ns", "h3", 60, 200, 60, 1090.0)).granted
+        assert (await ix.hold_pending("ns", "h3", 60, 200, 60, 1092.0)).granted  # h2 lapsed
+        await ix.put(entry("k", digests=("d1",)), Precondition())  # named: no longer pending
+        assert (await ix.hold_pending("ns", "h4", 140, 200, 60, 1093.0)).granted
+
+    run(make_index, body)
+
+
+def test_quota_store_holds_never_pass_together_on_the_same_room(
+        make_index: Callable[[], Index]):
+    """Forty holds at once from two connections (two processes' worth), each 30 of a cap
+    of 200: exactly six pass, however they interleave, also while uploads are recorded."""
+    async def body(first: Index) -> None:
+        second = make_index()
+        await second.open()
+        try:
+            async def hold(i: int) -> bool:
+                ix = (first, second)[i % 2]
+                if i % 7 == 0:  # an upload recorded meanwhile (of no size: room unchanged)
+                    await ix.record_blob(f"z{i}", 0, "ns")
+                return (await ix.hold_pending("ns", f"h{i}", 30, 200, 60, 1000.0)).granted
+
+            granted = await asyncio.gather(*(hold(i) for i in range(40)))
+            assert sum(granted) == 6, granted
+        finally:
+            await second.close()
+
+    run(make_index, body)
 
 
 # -- TokenStore -------------------------------------------------------------------------
@@ -587,6 +668,58 @@ def test_job_store_expiry_renewal_and_bounds(make_index: Callable[[], Index]):
     run(make_index, body)
 
 
+def test_job_records_are_capped_per_namespace(make_index: Callable[[], Index]):
+    """Resolutions and claims together count on their namespace's cap while they live: a
+    new one past it is refused with nothing written; renewing a live one, another
+    namespace, and room made by expiry or release go on."""
+    from megacache_server.errors import InsufficientStorage
+
+    async def body(ix: Index) -> None:
+        now = 1000.0
+        for i in range(2):
+            await ix.resolve("ns", f"j{i}", 0, "k", None, 60, now, max_records=3)
+        assert (await ix.claim("ns", "k", "h1", 30, now, max_records=3)).granted
+        with pytest.raises(InsufficientStorage) as refused:
+            await ix.resolve("ns", "j9", 0, "k", None, 60, now, max_records=3)
+        assert refused.value.code == "job_records_quota"
+        with pytest.raises(InsufficientStorage):
+            await ix.claim("ns", "k2", "h1", 30, now, max_records=3)
+        assert (await ix.resolve("ns", "j0", 0, "k", None, 60, now + 1,
+                                 max_records=3)).resolved_at == now  # renewed, not new
+        assert (await ix.claim("ns", "k", "h1", 30, now + 1, max_records=3)).granted
+        await ix.resolve("other", "j9", 0, "k", None, 60, now, max_records=3)
+        assert await ix.release("ns", "k", "h1", now + 2)
+        await ix.resolve("ns", "j9", 0, "k", None, 60, now + 2, max_records=3)  # released
+        with pytest.raises(InsufficientStorage):
+            await ix.claim("ns", "k2", "h1", 30, now + 2, max_records=3)
+        assert (await ix.claim("ns", "k2", "h1", 30, now + 200, max_records=3)).granted
+        await ix.resolve("ns", "j8", 0, "k", None, 60, now + 200)  # no cap given: no cap
+
+    run(make_index, body)
+
+
+# -- RateStore --------------------------------------------------------------------------
+def test_rate_store_buckets_are_shared_and_refill(make_index: Callable[[], Index]):
+    """Twenty takes at once from two connections of a bucket of 5: exactly 5 pass; it
+    refills at its rate; buckets are apart."""
+    async def body(first: Index) -> None:
+        second = make_index()
+        await second.open()
+        try:
+            waits = await asyncio.gather(*((first, second)[i % 2].take("b", 2.0, 5.0, 100.0)
+                                           for i in range(20)))
+            assert sum(w == 0.0 for w in waits) == 5, waits
+            assert min(w for w in waits if w) == pytest.approx(0.5)
+            assert await first.take("b", 2.0, 5.0, 101.0) == 0.0  # 2 came back in a second
+            assert await second.take("b", 2.0, 5.0, 101.0) == 0.0
+            assert await first.take("b", 2.0, 5.0, 101.0) > 0
+            assert await first.take("other", 2.0, 5.0, 101.0) == 0.0
+        finally:
+            await second.close()
+
+    run(make_index, body)
+
+
 # -- ClaimStore -------------------------------------------------------------------------
 def test_claim_store_one_claimant_wins(make_index: Callable[[], Index]):
     async def body(ix: Index) -> None:
@@ -634,5 +767,26 @@ def test_claim_store_expired_lease_is_taken_over(make_index: Callable[[], Index]
         assert huge.expires_at <= now + MAX_CLAIM_LEASE_S + 1
         await ix.prune_jobs(now + 10**6)
         assert (await ix.claim("ns", "k", "third", 10, now + 10**6)).granted
+
+    run(make_index, body)
+
+
+# -- TrustStore -------------------------------------------------------------------------
+def test_trust_store_keeps_quarantine_records_whole(make_index: Callable[[], Index]):
+    """A record reads back as written, its reporter's namespace included (what decides who
+    may read the reporter and the detail), newest first, those touching a namespace only."""
+    from megacache_server.store.index.base import QuarantineRecord
+
+    async def body(ix: Index) -> None:
+        first = QuarantineRecord("d" * 64, "digest", "hashes to x", "ci", 1.0, 10,
+                                 ("a", "b"), ("a/k1",), "a")
+        second = QuarantineRecord("", "load", "3 reports", "trainer", 2.0, 20, ("b",),
+                                  ("b/k2",), "b")
+        await ix.add_quarantine(first)
+        await ix.add_quarantine(second)
+        assert await ix.quarantines(namespace=None, limit=10) == [second, first]
+        assert await ix.quarantines(namespace="a", limit=10) == [first]
+        assert await ix.quarantine_counts() == {"digest": 1, "load": 1}
+        assert await ix.quarantined(["d" * 64, "e" * 64]) == {"d" * 64}
 
     run(make_index, body)

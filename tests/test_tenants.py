@@ -7,18 +7,16 @@ dashboard, GC and fsck are checked to be as they were.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sqlite3
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from conftest import BACKENDS, _configured, backend_args
-from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
+from helpers import ServerProcess, make_fingerprint, make_manifest, sha256, uploads_at_once
 from prometheus_client.parser import text_string_to_metric_families
 
 MiB = 1024 * 1024
@@ -188,6 +186,35 @@ def test_namespaces_see_only_their_own_numbers(shared: ServerProcess,
     assert httpx.get(f"{shared.url}/v1/stats", headers=scraper).status_code == 403
 
 
+SERVER_WIDE = ("megacache_http_requests_total", "megacache_lookups_total",
+               "megacache_blob_upload_bytes_total", "megacache_store_bytes")
+"""Series that move with every tenant's requests: the operator's, not a tenant's."""
+
+
+def _names(text: str) -> set[str]:
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_metrics_show_a_reader_its_namespace_and_server_figures_only_to_operators(
+        shared: ServerProcess, teams: tuple[Team, Team]):
+    a, b = teams
+    a.publish("metrics-a", model=f"m-{a.namespace}")
+    assert a.event(model=f"m-{a.namespace}").status_code == 202
+    assert a.http.get("/v1/ac/" + "0" * 64).status_code == 404  # a lookup counted
+    reader = b.http.get("/metrics")
+    assert reader.status_code == 200
+    assert _names(reader.text).isdisjoint(SERVER_WIDE), _names(reader.text) & set(SERVER_WIDE)
+    assert a.namespace not in reader.text
+    admin = httpx.get(f"{shared.url}/metrics", timeout=30, headers=bearer(
+        shared.token("admin", namespace=b.namespace, name=f"admin-{b.namespace}")))
+    assert {"megacache_http_requests_total", "megacache_lookups_total"} <= _names(admin.text)
+    assert a.namespace not in admin.text  # the server's traffic, B's series only
+    scrape = httpx.get(f"{shared.url}/metrics", timeout=30, headers=bearer(
+        shared.token("metrics", name="prometheus")))
+    assert set(SERVER_WIDE) - _names(scrape.text) == set()
+    assert a.namespace in scrape.text
+
+
 def _run_series(text: str) -> set[tuple[str, str]]:
     return {(s.labels["namespace"], s.labels["model"])
             for f in text_string_to_metric_families(text) if f.name == "megacache_runs"
@@ -254,6 +281,40 @@ def _last_access(server: ServerProcess, key: str) -> float:
                                 (key,)).fetchone()[0])
 
 
+def _touched_at(server: ServerProcess, digest: str) -> float:
+    """The blob's last touch as the backend holds it (what GC's grace period reads)."""
+    if server.backend.startswith("redis"):
+        import redis
+
+        url = server.extra_args[server.extra_args.index("--index") + 1]
+        return float(redis.Redis.from_url(url).zscore(
+            server.env["MEGACACHE_REDIS_PREFIX"] + "blob_touched", digest) or 0)
+    with sqlite3.connect(server.data_dir / "index.sqlite3") as db:
+        return float(db.execute("SELECT touched_at FROM blobs WHERE digest=?",
+                                (digest,)).fetchone()[0])
+
+
+def test_a_refused_manifest_touches_no_blob(teams: tuple[Team, Team]):
+    a, b = teams
+    theirs, ours = os.urandom(5_000), os.urandom(6_000)
+    assert b.http.put(f"/v1/cas/{sha256(theirs)}", content=theirs).status_code == 201
+    assert a.http.put(f"/v1/cas/{sha256(ours)}", content=ours).status_code == 201
+    before = {d: _touched_at(a.server, d) for d in (sha256(theirs), sha256(ours))}
+    fp = make_fingerprint(code="refused", namespace=a.namespace)
+    naming_theirs = make_manifest({"megacache": ours, "kernels": theirs}, fp)
+    r = a.http.put(f"/v1/ac/{naming_theirs.key}", content=naming_theirs.to_json())
+    assert r.status_code == 424 and r.json()["error"]["missing"] == [sha256(theirs)], r.text
+    wrong = json.loads(make_manifest({"megacache": ours}, fp).to_json())
+    wrong["blobs"][0]["size"] += 1
+    r = a.http.put(f"/v1/ac/{naming_theirs.key}", content=json.dumps(wrong))
+    assert r.status_code == 422 and r.json()["error"]["code"] == "size_mismatch", r.text
+    assert {d: _touched_at(a.server, d) for d in before} == before
+    assert a.http.get(f"/v1/ac/{naming_theirs.key}").status_code == 404
+    ok = make_manifest({"megacache": ours}, fp)  # a write that passes touches its blobs
+    assert a.http.put(f"/v1/ac/{ok.key}", content=ok.to_json()).status_code == 201
+    assert _touched_at(a.server, sha256(ours)) > before[sha256(ours)]
+
+
 def test_a_lookup_of_another_tenants_key_does_not_reorder_its_eviction(
         teams: tuple[Team, Team]):
     import time
@@ -274,34 +335,11 @@ def test_a_lookup_of_another_tenants_key_does_not_reorder_its_eviction(
     assert _last_access(a.server, key) == before
 
 
-def _slow_body(data: bytes, started: threading.Barrier) -> Iterator[bytes]:
-    """The body in two halves, the second only once every uploader has sent its first:
-    all uploads are in flight at once, as N connections of a hostile tenant are."""
-    yield data[: len(data) // 2]
-    # another upload refused breaks the barrier: send the rest now
-    with contextlib.suppress(threading.BrokenBarrierError):
-        started.wait(timeout=30)
-    yield data[len(data) // 2:]
-
-
 def test_uploads_in_flight_count_against_the_pending_quota(teams: tuple[Team, Team]):
     a, b = teams
     before = b.snapshot()
-    n, size = 8, 1_500_000  # 12 MB at once against a 4 MiB quota
-    started = threading.Barrier(n)
-    blobs = [os.urandom(size) for _ in range(n)]
-
-    def upload(data: bytes) -> int:
-        with httpx.Client(base_url=a.server.url, headers=a.headers, timeout=60) as c:
-            try:
-                return c.put(f"/v1/cas/{sha256(data)}", content=_slow_body(data, started),
-                             headers={"content-length": str(size)}).status_code
-            except httpx.HTTPError:  # refused before the body was read: the server closed
-                started.abort()
-                return 507
-
-    with ThreadPoolExecutor(n) as pool:
-        codes = list(pool.map(upload, blobs))
+    size = 1_500_000  # 12 MB at once against a 4 MiB quota
+    codes, blobs = uploads_at_once([a.server.url], a.headers, 8, size)
     stored = [d for d in blobs if a.http.head(f"/v1/cas/{sha256(d)}").status_code == 200]
     assert codes.count(201) == len(stored) <= (4 * MiB) // size, codes
     assert 507 in codes, codes
@@ -321,3 +359,34 @@ def test_another_tenants_bytes_pass_the_same_quota_as_new_ones(teams: tuple[Team
     assert new.status_code == existing.status_code == 507, (new.text, existing.text)
     assert new.json()["error"]["code"] == existing.json()["error"]["code"] == "pending_quota"
     assert a.http.head(f"/v1/cas/{sha256(theirs)}").status_code == 404  # still not A's
+
+
+def test_a_quarantine_shows_another_tenant_neither_the_reporter_nor_the_detail(
+        teams: tuple[Team, Team]):
+    a, b = teams
+    data = os.urandom(30_000)  # both own these bytes; the store keeps one copy
+    for team in (a, b):
+        assert team.http.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+        m = make_manifest({"megacache": data}, make_fingerprint(
+            code="shared-rot", namespace=team.namespace))
+        assert team.http.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+    rotten = bytearray(a.server.read_stored(sha256(data)))
+    rotten[100] ^= 0xFF
+    a.server.write_stored(sha256(data), bytes(rotten))
+    said = f"private note of {a.namespace}"
+    r = a.http.post(f"/v1/cas/{sha256(data)}/report", json={"kind": "digest", "detail": said})
+    assert r.json()["verdict"] == "quarantined", r.text
+
+    def record(team: Team) -> dict[str, object]:
+        found = team.http.get("/v1/quarantine").json()["quarantined"]
+        return next(q for q in found if q["digest"] == sha256(data))
+
+    ours, theirs = record(a), record(b)
+    assert ours["reporter"] == a.namespace and said in str(ours["detail"])
+    assert theirs["reason"] == "digest" and theirs["namespaces"] == [b.namespace]
+    assert theirs["reporter"] == "another namespace"
+    assert theirs["detail"] == "its stored bytes do not match their sha256"
+    assert [w.split("/")[0] for w in theirs["withdrawn"]] == [b.namespace]  # type: ignore
+    for leak in (a.namespace, said):
+        for path in ("/v1/quarantine", "/v1/stats", "/v1/dashboard"):
+            assert leak not in b.http.get(path).text, (leak, path)

@@ -28,7 +28,7 @@ from megacache_client.steps.fetch import find_entry
 from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.publish import upload
 from megacache_client.transport.client import RemoteCache
-from megacache_client.wire.manifest import Fingerprint
+from megacache_client.wire.manifest import Fingerprint, component_digest
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -324,6 +324,7 @@ def test_every_entry_records_who_wrote_it(team: Team):
     second = _provenance(team.reader.get(f"/v1/ac/{m.key}"))
     assert second["replaced"] is True and second["job"] is None
     assert second["written_at"] >= first["written_at"]  # type: ignore[operator]
+    assert second["sequence"] > first["sequence"]  # type: ignore[operator]
     # and the resolve answer carries the provenance of the version resolved
     r = team.reader.post(f"/v1/ac/{m.key}/resolve", json={"job": "reader", "attempt": 0})
     assert r.status_code == 200 and _provenance(r) == second
@@ -379,10 +380,12 @@ def test_trusted_writers_decide_what_a_consumer_runs_and_who_replaces_it(
     assert refused.untrusted_etag
     for anyone in ("", "scope:write", f"trainer-w-{ns}"):
         assert _lookup(server, trainer, ns, fp, anyone)[1].outcome == "hit", anyone
-    # nor is it a fallback for a neighbouring key of the same model
+    # nor is it a fallback for a neighbouring key of the same model: the server, given the
+    # policy, no longer even offers it (it used to be listed, then refused by the client)
     _, neighbour = _lookup(server, trainer, ns, make_fingerprint(code="next", namespace=ns),
                            "ci-*")
-    assert neighbour.outcome == "miss" and "untrusted writer" in neighbour.reason
+    assert neighbour.outcome == "miss" and neighbour.entry is None, neighbour
+    assert neighbour.reason == "no entry for model 'mlp' yet", neighbour.reason
     assert not neighbour.untrusted_etag  # that key is free: its own publish may go ahead
 
     def publish(token: str) -> Track:
@@ -404,6 +407,47 @@ def test_trusted_writers_decide_what_a_consumer_runs_and_who_replaces_it(
     assert after.entry.blob("megacache") != m.blob("megacache")
     provenance = _provenance(team.reader.get(f"/v1/ac/{m.key}"))
     assert provenance["writer"] == f"ci-main-{ns}" and provenance["replaced"] is True
+
+
+def test_a_consumer_that_trusts_some_writers_falls_back_to_their_newest_entry(team: Team):
+    server, ns = team.server, team.namespace
+    tokens = {name: server.token("read,write", namespace=ns, name=f"{name}-{ns}")
+              for name in ("ci-main", "trainer")}
+    written = {}
+    for name in ("ci-main", "trainer"):  # the trusted entry first, an untrusted one after
+        data = os.urandom(5_000)
+        m = make_manifest({"megacache": data}, make_fingerprint(code=f"by-{name}",
+                                                                namespace=ns))
+        with httpx.Client(base_url=server.url, headers=_bearer(tokens[name]), timeout=30) as h:
+            assert h.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+            assert h.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+        written[name] = m.key
+    listed = team.reader.get("/v1/ac", params={"model": "mlp", "writers": "ci-*"})
+    assert [e["key"] for e in listed.json()["entries"]] == [written["ci-main"]], listed.text
+    assert [e["key"] for e in team.reader.get("/v1/ac", params={
+        "model": "mlp", "writers": f"trainer-{ns},scope:admin"}).json()["entries"]] == \
+        [written["trainer"]]
+    # the client's own lookup (listing with its policy) falls back to the trusted entry
+    wanted = make_fingerprint(code="not-yet", namespace=ns)
+    _, found = _lookup(server, team.reader.headers["authorization"][7:], ns, wanted, "ci-*")
+    assert found.outcome == "fallback" and found.entry is not None, found
+    assert found.entry.key == written["ci-main"]
+    # and so does a job attempt's resolution, chosen once on the server
+    fp = wanted
+    rule = {"namespace": ns, "model": "mlp", "env": component_digest(fp.env),
+            "hw": component_digest(fp.hw)}
+    for bad in ("ci main", "scope:", "x" * 200, "a,*b"):
+        assert team.reader.get("/v1/ac", params={"writers": bad}).status_code == 422, bad
+        r = team.reader.post(f"/v1/ac/{fp.key()}/resolve",
+                             json={"job": "policy", "fallback": {**rule, "writers": bad}})
+        assert r.status_code == 422 and r.json()["error"]["code"] in (
+            "invalid_writers", "invalid_request"), r.text
+    r = team.reader.post(f"/v1/ac/{fp.key()}/resolve",
+                         json={"job": "policy", "fallback": {**rule, "writers": "ci-*"}})
+    assert r.status_code == 200 and r.json()["key"] == written["ci-main"], r.text
+    r = team.reader.post(f"/v1/ac/{fp.key()}/resolve",
+                         json={"job": "anyone", "fallback": rule})
+    assert r.json()["key"] == written["trainer"]  # no policy: the newest, whoever wrote it
 
 
 def test_whoami_says_who_the_caller_is(team: Team):

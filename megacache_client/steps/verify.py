@@ -15,7 +15,8 @@ client places nothing it has not admitted here:
   manifest from a listing is only a nomination: it is never a `ServedEntry`.
 
 Whose bundles a consumer runs: token names (`ci-main`), name prefixes (`ci-*`), or a scope
-only those writers' tokens hold (`scope:admin`). The server says who wrote each entry
+only those writers' tokens hold (`scope:admin`): `wire.writers.WriterPolicy`, which the
+server applies too when it chooses a fallback for the consumer. The server says who wrote each entry
 (`x-megacache-provenance`); with `MEGACACHE_VERIFY_KEY` set that statement is covered by
 the server's signature, without it it is only as good as the connection to the server.
 An entry from anyone else is a miss ("untrusted writer"); the consumer does not publish
@@ -30,7 +31,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
@@ -45,62 +46,6 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from megacache_client.config import ClientConfig
-
-SCOPE = re.compile(r"scope:[a-z]{1,32}")
-NAME = re.compile(r"[A-Za-z0-9._@:+-]{1,128}\*?")  # a token name's alphabet (+ a prefix's *)
-
-
-@dataclass(frozen=True)
-class WriterPolicy:
-    names: frozenset[str]
-    prefixes: tuple[str, ...]
-    scopes: frozenset[str]
-
-    @classmethod
-    def parse(cls, text: str) -> WriterPolicy | None:
-        """The policy in `text` (comma-separated), None when empty (any writer); a
-        ValueError names an item that is none of the three forms."""
-        items = [item.strip() for item in text.split(",") if item.strip()]
-        if not items:
-            return None
-        bad = [item for item in items if not SCOPE.fullmatch(item)
-               and (item.startswith("scope:") or not NAME.fullmatch(item))]
-        if bad:
-            raise ValueError(f"{bad[0]!r} is not a token name, a name prefix ending in * or "
-                             "scope:<scope>")
-        return cls(names=frozenset(i for i in items if not i.startswith("scope:")
-                                   and not i.endswith("*")),
-                   prefixes=tuple(i[:-1] for i in items if i.endswith("*")),
-                   scopes=frozenset(i.removeprefix("scope:") for i in items
-                                    if i.startswith("scope:")))
-
-    def trusts(self, writer: str, scopes: list[str] | tuple[str, ...]) -> bool:
-        return writer in self.names or writer.startswith(self.prefixes) \
-            or bool(self.scopes.intersection(scopes))
-
-    def refusal(self, provenance: str | None) -> str:
-        """Why an entry served with this provenance is not run ("" when it is trusted)."""
-        written = _written_by(provenance)
-        if written is None:
-            return "the server did not say who wrote it"
-        writer, scopes = written
-        if self.trusts(writer, scopes):
-            return ""
-        return f"written by {writer[:128]!r} (scopes {','.join(scopes)[:64]}), not a trusted writer"
-
-
-def _written_by(provenance: str | None) -> tuple[str, list[str]] | None:
-    if not provenance:
-        return None
-    try:
-        data: Any = json.loads(provenance)
-        writer, scopes = data["writer"], data["writer_scopes"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    if not isinstance(writer, str) or not isinstance(scopes, list) \
-            or not all(isinstance(s, str) for s in scopes):
-        return None
-    return writer, scopes
 
 @dataclass(frozen=True)
 class ServedEntry:

@@ -10,7 +10,7 @@ import json
 import logging
 from typing import Any
 
-from megacache_server.api.redact import redact
+from megacache_server.api.redact import RedactTokens, redact
 
 
 class JsonFormatter(logging.Formatter):
@@ -32,8 +32,10 @@ class JsonFormatter(logging.Formatter):
 
 def configure_logging(log_format: str, level: str) -> None:
     """megacache's own loggers get a handler at `level` in either format (text lines shaped
-    like uvicorn's); in JSON mode uvicorn's own loggers write JSON too."""
+    like uvicorn's); in JSON mode uvicorn's own loggers write JSON too. Every line the
+    handler writes has its tokens masked (`redact`): warnings quote client input."""
     handler = logging.StreamHandler()
+    handler.addFilter(RedactTokens())
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
         names: tuple[str, ...] = ("megacache", "uvicorn", "uvicorn.error")

@@ -1,42 +1,80 @@
-"""Keep secrets out of the access log.
+"""Keep secrets out of the logs, however a client spells them.
 
 The dashboard accepts its token as `/?token=mc_…` (so a link can carry it); uvicorn's text
 access log writes the whole request target, query included, so that token would sit in
-every log file and pipeline the logs go to. A client may also percent-encode the `=`
-(`&token%3Dmc_…`) or put a token where no one expects one (the path, `X-Request-ID`): the
-JSON log redacts every value it writes, and a megacache token is masked wherever it stands.
+every log file and pipeline the logs go to. A client may also spell it so that a plain
+match misses it: `%5F` for `_`, the whole token %-encoded (once or several times),
+`?tok%65n=`, an encoded `=` (`&token%3Dmc_…`), or a token where no one expects one (the
+path, `X-Request-ID`, a report's `detail` that a warning quotes). So a text is decoded
+(repeatedly, until decoding changes nothing) before it is matched, and when it holds a
+secret the decoded text is what is written, with the secret masked and control
+characters escaped again (a decoded `%0A` must not forge a log line).
+
+Every log line of the server passes `RedactTokens`: the handler of megacache's loggers
+carries it (`logs.configure_logging`), and so do uvicorn's access and error loggers.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from urllib.parse import unquote
 
-SECRET_PARAM = re.compile(
-    r"((?:^|[?&;]|%26|%3B)(?:token|access_token)(?:=|%3D))(?:(?!%26|%3B)[^&;\s\"])*",
-    re.IGNORECASE)
-BEARER = re.compile(r"mc_[0-9a-f]{16}_[A-Za-z0-9_-]+")
-"""A megacache token anywhere in a string (no word boundary: `%3Dmc_…` has none)."""
+SECRET_PARAM = re.compile(r"((?:^|[?&;])\s*(?:token|access_token)\s*=)[^&;\s\"]*",
+                          re.IGNORECASE)
+BEARER = re.compile(r"mc[^A-Za-z0-9]?[0-9a-f]{16}[^A-Za-z0-9]?[A-Za-z0-9_-]{20,}",
+                    re.IGNORECASE)
+"""A megacache token anywhere in a string, whatever stands between its three parts (no
+word boundary: `=mc_…` has none)."""
+MAX_DECODES = 8
+"""Rounds of %-decoding: a token encoded more often than this is not a usable token."""
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def decoded(text: str) -> str:
+    """`text` %-decoded until decoding changes nothing (at most MAX_DECODES rounds)."""
+    for _ in range(MAX_DECODES):
+        plain = unquote(text, errors="replace")
+        if plain == text:
+            break
+        text = plain
+    return text
 
 
 def redact(text: str) -> str:
-    """`text` with token query values and anything shaped like a megacache token masked."""
-    return BEARER.sub("mc_…redacted", SECRET_PARAM.sub(r"\1redacted", text))
+    """`text` unchanged when it holds no token, else decoded with every token masked."""
+    plain = decoded(text)
+    masked = BEARER.sub("mc_…redacted", SECRET_PARAM.sub(r"\1redacted", plain))
+    if masked == plain:
+        return text
+    return CONTROL.sub(lambda m: f"%{ord(m.group()):02X}", masked)
 
 
 class RedactTokens(logging.Filter):
-    """Rewrites string arguments of each record (uvicorn passes the target as an argument)."""
+    """Rewrites a record's message and arguments (uvicorn's access log passes the target as
+    an argument and formats the arguments itself, so they stay arguments)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
+            record.args = tuple(_redacted(a) for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {k: _redacted(v) for k, v in record.args.items()}
         if isinstance(record.msg, str):
             record.msg = redact(record.msg)
         return True
 
 
+def _redacted(value: object) -> object:
+    """A log argument with tokens masked: numbers stay numbers (`%d`), anything else is
+    written as its redacted text (an exception's message may quote client input)."""
+    if isinstance(value, (int, float)) or value is None:
+        return value
+    return redact(value if isinstance(value, str) else str(value))
+
+
 def redact_access_log() -> None:
-    """Install the filter on uvicorn's access logger (once)."""
-    logger = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, RedactTokens) for f in logger.filters):
-        logger.addFilter(RedactTokens())
+    """Install the filter on uvicorn's access and error loggers (once each)."""
+    for name in ("uvicorn.access", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactTokens) for f in logger.filters):
+            logger.addFilter(RedactTokens())

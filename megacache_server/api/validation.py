@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
@@ -40,19 +41,37 @@ def require_content_length(header: str | None, limit: int, what: str) -> int:
 async def request_body(request: Request) -> AsyncIterator[bytes]:
     """The body as it streams in.
 
-    A client that hangs up mid-body becomes a clean 400; one that stops sending for longer
-    than `upload_idle_timeout_s` a 408, so a stalled upload cannot hold a temp file and a
-    connection forever.
+    A client that hangs up mid-body becomes a clean 400. One that stops sending for longer
+    than `upload_idle_timeout_s`, or that after `min_upload_grace_s` averages less than
+    `min_upload_rate` (a byte every few seconds keeps no idle timer from firing), gets a
+    408: a slow upload cannot hold a temp file, a pending-quota reservation and a
+    connection for as long as it likes.
     """
-    idle = request.app.state.settings.upload_idle_timeout_s
+    settings = request.app.state.settings
+    idle = settings.upload_idle_timeout_s
+    floor, grace = float(settings.min_upload_rate), settings.min_upload_grace_s
+    started, received = time.monotonic(), 0
     stream = request.stream().__aiter__()
     try:
         while True:
+            wait, slow = idle, False
+            if floor > 0:  # by `due`, more than `received` bytes must have come
+                left = started + grace + received / floor - time.monotonic()
+                if left < idle:
+                    wait, slow = max(left, 0.0), True
             try:
-                with anyio.fail_after(idle):
+                with anyio.fail_after(wait):
                     chunk = await stream.__anext__()
             except StopAsyncIteration:
                 return
+            except TimeoutError:
+                if not slow:
+                    raise
+                elapsed = time.monotonic() - started
+                raise RequestTimeout(
+                    f"upload too slow: {received} bytes in {elapsed:.0f}s, under the minimum "
+                    f"of {floor:g} bytes/s after {grace:g}s", code="upload_too_slow") from None
+            received += len(chunk)
             yield chunk
     except ClientDisconnect:
         raise BadRequest("client disconnected before the body was complete",

@@ -4,10 +4,11 @@ A bundle is code a trainer will execute (Mega-Cache payloads are pickles), so wh
 matters more than who may read. Tokens look like `mc_<id>_<secret>`; the server stores only
 the sha256 of the whole token, finds the record by id and compares hashes in constant time.
 Scopes: `read` (GET/HEAD, listings, stats), `write` (uploads, manifests, events),
-`admin` (delete, pin, everything in its namespace), `metrics` (a scrape token: `/metrics`
-of every namespace, nothing else). A token sees only its own namespace: entries of other
-namespaces do not exist for it, and neither do blobs it never uploaded (the CAS dedupes
-bytes underneath, but a reader cannot probe for content another team stored).
+`admin` (delete, pin, everything in its namespace, and the server-wide figures of
+`/metrics`), `metrics` (a scrape token: `/metrics` of every namespace, nothing else). A
+token sees only its own namespace: entries of other namespaces do not exist for it, and
+neither do blobs it never uploaded (the CAS dedupes bytes underneath, but a reader cannot
+probe for content another team stored).
 
 With auth off (the embedded default, loopback only) every request acts as an anonymous
 admin that sees all namespaces. Reading the header off a request is the API's part
@@ -53,6 +54,14 @@ class Principal:
         """What limits and report counts key on: the token (the name with auth off, where
         there is one caller)."""
         return self.token_id or self.name
+
+    @property
+    def sees_server(self) -> bool:
+        """Whether this caller may read figures of the whole server (HTTP traffic, what
+        every worker served, the store's size): the operator (auth off), a `metrics` scrape
+        token, or an `admin` token. Any other reader sees its own namespace's series only:
+        server-wide counters move with every tenant's requests."""
+        return self.namespace is None or not self.scopes.isdisjoint(("admin", "metrics"))
 
     def sees(self, namespace: str) -> bool:
         return self.namespace is None or self.namespace == namespace

@@ -27,15 +27,17 @@ class Blobs:
         """Store verified bytes; True if new to this caller's namespace (whether another
         team stored the same bytes is not this caller's to learn).
 
-        Bytes new to this namespace pass its pending quota whether or not another team
-        stored them: a 507 for new bytes and a 201 for another team's would tell that
-        the bytes exist."""
+        Bytes new to this namespace are taken exactly as if nobody had stored them: the
+        same hold on its pending quota, the same room made in the store's budget, the
+        same writes, the same answer, and they count on its pending quota until one of
+        its own entries names them (`BlobLedger.pending_bytes`): a 507, a count or a time
+        that differed for another team's bytes would tell that they exist."""
         home = principal.home
         new_here = not await self.index.owns_blob(home, digest)
-        with await self.quotas.reserve_pending(home, size if new_here else 0):
-            if await self.storage.blobs.stat(digest) is None:
+        async with self.quotas.pending(home, size if new_here else 0) as keep:
+            if new_here:
                 await self.quotas.make_room(size)
-            await self.storage.blobs.put(digest, size, body)
+            await self.storage.blobs.put(digest, size, keep(body))
             created = await self.index.record_blob(digest, size, home)
         if await self.index.quarantined([digest]):  # verified again as it streamed in
             await self.index.clear_quarantined(digest)
@@ -80,10 +82,17 @@ class Blobs:
 
     async def require_named(self, principal: Principal, manifest: Manifest) -> int:
         """Every blob a manifest names must be stored (and visible to the writer's
-        namespace); returns their total size. Touching them first keeps garbage collection,
-        which spares recently touched blobs, from deleting one between this check and the
-        write."""
-        await self.index.touch_blobs([b.digest for b in manifest.blobs])
+        namespace); returns their total size.
+
+        Nothing is touched until every check passed: a refused write (424, 422) leaves each
+        blob's last touch, by which garbage collection spares recent uploads, as it was, so
+        no manifest that is refused keeps blobs alive (another tenant's least of all). Then
+        the blobs are touched, and their records read again: a blob garbage collection
+        deleted between the check and the touch (it reads touches again right before it
+        deletes, and drops the record after) fails the write with 424 instead of leaving an
+        entry that names it."""
+        digests = [b.digest for b in manifest.blobs]
+        recorded = set(await self.index.blob_records_of(digests))
         missing, wrong_size = [], []
         for blob in manifest.blobs:
             size = await self.blob_size(principal, blob.digest)
@@ -94,6 +103,9 @@ class Blobs:
             elif size != blob.size:
                 wrong_size.append({"digest": blob.digest, "declared": blob.size,
                                    "stored": size})
+        if not missing and not wrong_size:
+            await self.index.touch_blobs(digests)
+            missing = sorted(recorded - set(await self.index.blob_records_of(digests)))
         if missing:
             raise FailedDependency(
                 f"{len(missing)} blob(s) named by the manifest are not stored; upload them "

@@ -59,7 +59,7 @@ class Events:
 
     async def add_event(self, principal: Principal, body: bytes) -> None:
         """Record one run in the caller's namespace."""
-        self.quotas.admit_event(principal)
+        await self.quotas.admit_event(principal)
         try:
             event = parse_json(Event, body)
         except SchemaError as exc:

@@ -6,7 +6,8 @@ Rules, in order:
    now. Pinned entries never go, and neither does an entry whose eviction frees no blob.
 2. A blob no entry names is deleted once it has not been touched for the grace period:
    an upload followed a moment later by the manifest naming it is never collected in
-   between (writing a manifest touches its blobs before checking them).
+   between (a manifest that passed its checks touches its blobs, then reads their records
+   again: one collected in between fails the write; a refused manifest touches nothing).
 3. A blob a live job resolution names (`JobStore.held_blobs`) stays, referenced or not: the
    ranks of that job attempt were promised the entry as it was when their first rank asked.
    An entry whose blobs are all held, or named by others, frees nothing and is not evicted.
@@ -68,7 +69,8 @@ PAGE = 2000
 """LRU entries read per page while eviction looks for enough bytes to free."""
 RECHECK = 64
 """Blobs re-checked together right before they are deleted: small, so a manifest written
-between the check and the delete (it touches its blobs first) has little time to fall in."""
+between the check and the delete (it touches its blobs, then reads their records again)
+has little time to fall in."""
 
 
 async def plan(storage: Storage, *, budget: int | None, grace_s: float,

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from megacache_server.errors import Conflict, NotFound, Unprocessable
 from megacache_server.service.auth import Principal
-from megacache_server.service.entries import Entries
+from megacache_server.service.entries import Entries, parse_policy
+from megacache_server.service.quotas import Quotas
 from megacache_server.store.index.base import (
     MAX_CLAIM_LEASE_S,
     MAX_RESOLUTION_TTL_S,
@@ -37,20 +38,23 @@ DEFAULT_CLAIM_LEASE_S = 600.0
 @dataclass(frozen=True)
 class FallbackRule:
     """Which entry stands in for a missing key: the newest of `model` in `namespace` whose
-    env and hw components have these digests (the client's own fallback rule)."""
+    env and hw components have these digests (the client's own fallback rule), written by
+    a writer the consumer's `writers` policy trusts when it sends one."""
 
     namespace: str
     model: str
     env: str
     hw: str
+    writers: str | None = None
 
 
 class Jobs:
     """Resolutions of keys per job attempt, and publish claims per key."""
 
-    def __init__(self, index: Index, entries: Entries) -> None:
+    def __init__(self, index: Index, entries: Entries, quotas: Quotas) -> None:
         self.index = index
         self.entries = entries
+        self.quotas = quotas
 
     async def resolve(self, principal: Principal, key: str, *, job: str, attempt: int,
                       ttl_s: float = DEFAULT_RESOLUTION_TTL_S,
@@ -61,19 +65,26 @@ class Jobs:
 
         With a `fallback`, a key without an entry resolves to the newest entry of that
         namespace and model with the same env and hw: the fallback is chosen once, here,
-        since ranks that each listed entries at their own moment could choose apart."""
+        since ranks that each listed entries at their own moment could choose apart.
+
+        Each token's resolves and claims are rate-limited (429), and a namespace holds at
+        most `namespace_job_records` live ones (507): a record keeps a manifest's bytes for
+        up to a day, and a read token can make up job ids."""
+        await self.quotas.admit_job(principal)
         job = require_id(job, "job")
         if isinstance(attempt, bool) or not isinstance(attempt, int) \
                 or not 0 <= attempt <= MAX_ATTEMPT:
             raise Unprocessable(f"attempt must be an integer from 0 to {MAX_ATTEMPT}",
                                 code="invalid_attempt")
         ttl_s = require_seconds(ttl_s, MAX_RESOLUTION_TTL_S, "ttl_s")
+        if fallback is not None:
+            parse_policy(fallback.writers)  # 422 before anything is recorded
         try:
             candidate: StoredEntry | None = await self.entries.get_entry(principal, key)
         except NotFound:
             candidate = await self._fallback(principal, fallback) if fallback else None
         done = await self.index.resolve(principal.home, job, attempt, key, candidate, ttl_s,
-                                        time.time())
+                                        time.time(), max_records=self.quotas.job_records())
         if done.hit and await self.index.quarantined(list(done.digests)):
             # the attempt's entry named a blob since quarantined: a miss from now on (its
             # bytes are gone; the ranks that had it met the bad blob and compile)
@@ -90,7 +101,7 @@ class Jobs:
     async def _fallback(self, principal: Principal, rule: FallbackRule) -> StoredEntry | None:
         newest = await self.entries.list_entries(principal, namespace=rule.namespace,
                                                  model=rule.model, env=rule.env, hw=rule.hw,
-                                                 limit=1)
+                                                 limit=1, writers=rule.writers)
         if not newest:
             return None
         try:
@@ -101,11 +112,14 @@ class Jobs:
     async def claim(self, principal: Principal, key: str, *, holder: str,
                     lease_s: float = DEFAULT_CLAIM_LEASE_S) -> Claim:
         """Claim the publish of `key` in the caller's namespace for `lease_s` (claiming again
-        renews it). 409 when another holder's lease is live: that one uploads."""
+        renews it). 409 when another holder's lease is live: that one uploads. Limited as
+        resolves are (429, 507)."""
+        await self.quotas.admit_job(principal)
         holder = require_id(holder, "holder")
         lease_s = require_seconds(lease_s, MAX_CLAIM_LEASE_S, "lease_s")
         now = time.time()
-        got = await self.index.claim(principal.home, key, holder, lease_s, now)
+        got = await self.index.claim(principal.home, key, holder, lease_s, now,
+                                     max_records=self.quotas.job_records())
         if not got.granted:
             # now again: the holder's lease was granted at its own `now`, maybe after ours
             remaining = max(0.0, got.expires_at - time.time())

@@ -144,10 +144,10 @@ class MeteredTenantCache:
         return self.inner.presigned_url(digest)
 
     async def list_entries(self, *, namespace: str | None, model: str | None,
-                           env: str | None, hw: str | None,
-                           limit: int) -> list[StoredEntry]:
+                           env: str | None, hw: str | None, limit: int,
+                           writers: str | None = None) -> list[StoredEntry]:
         return await self.inner.list_entries(namespace=namespace, model=model, env=env,
-                                             hw=hw, limit=limit)
+                                             hw=hw, limit=limit, writers=writers)
 
     async def delete_entry(self, key: str) -> None:
         await self.inner.delete_entry(key)

@@ -3,11 +3,19 @@
 A bundle is code every reader runs, so a consumer may want to accept only some writers
 (`MEGACACHE_TRUSTED_WRITERS` on the client: token names, or a scope only CI tokens hold).
 The server attests what it knows itself (the writing token's id, name, scopes and
-namespace, when, and whether the write replaced an earlier version) and records what the
-producer says of itself (client version, job id and attempt; strictly validated, 422
-otherwise). It is kept as one canonical JSON string (sorted keys, no spaces, ASCII), served
-as `x-megacache-provenance` with the manifest and, when the server signs, covered by the
-signature (`megacache_client.wire.signing.signed_message`).
+namespace, when, whether the write replaced an earlier version, and the version's
+`sequence`: above every earlier version of the key, across deletes and replicas, set by the
+index as it writes, `EntryStore.put`) and records what the producer says of itself (client
+version, job id and attempt; strictly validated, 422 otherwise). It is kept as one
+canonical JSON string (sorted keys, no spaces, ASCII), served as `x-megacache-provenance`
+with the manifest and, when the server signs, covered by the signature
+(`megacache_client.wire.signing.signed_message`). A client remembers the highest
+`sequence` it has seen per key and refuses an older version: a proxy cannot roll an entry
+back to a superseded manifest the server once signed.
+
+An entry written before provenance existed is served with `UNKNOWN`'s (no writer, sequence
+0), signed like any other: a client with a verify key can then always require a signed
+provenance, and no writers policy trusts it.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from dataclasses import dataclass
 from megacache_client.wire import headers as wire_headers
 from megacache_server.errors import Unprocessable
 from megacache_server.service.auth import Principal
+from megacache_server.store.index.base import canonical
 
 VERSION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}")
 JOB_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # jobs.ID_PATTERN's rule
@@ -57,7 +66,7 @@ class ProducerClaims:
 def record(principal: Principal, namespace: str, claims: ProducerClaims, *,
            replaced: bool, written_at: float) -> str:
     """The canonical provenance string of an entry version."""
-    return json.dumps({
+    return canonical({
         "v": 1,
         "writer": principal.name,
         "writer_id": principal.token_id,
@@ -68,11 +77,25 @@ def record(principal: Principal, namespace: str, claims: ProducerClaims, *,
         "attempt": claims.attempt,
         "replaced": replaced,
         "written_at": round(written_at, 3),
-    }, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    })
+
+
+def served(provenance: str, namespace: str) -> str:
+    """What an entry version of `namespace` is served (and signed) with: its provenance, or
+    for one stored without any, a record that names no writer, with sequence 0."""
+    if provenance:
+        return provenance
+    return canonical(UNKNOWN | {"namespace": namespace})
+
+
+UNKNOWN = {"v": 1, "writer": "", "writer_id": "", "writer_scopes": [], "namespace": "",
+           "client_version": None, "job": None, "attempt": None, "replaced": None,
+           "written_at": None, "sequence": 0}
+"""The provenance of an entry stored without one: nobody a writers policy names."""
 
 
 def headers(provenance: str) -> dict[str, str]:
-    """The provenance as response headers (none for entries written before it existed)."""
+    """The provenance as response headers (served: never empty)."""
     if not provenance:
         return {}
     data = json.loads(provenance)

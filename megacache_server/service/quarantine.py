@@ -24,6 +24,14 @@ from megacache_server.store.storage import Storage
 
 MAX_GOOD_VERDICTS = 10_000
 """Good verdicts kept in memory (all forgotten at once past this)."""
+IN_GENERAL = {
+    "digest": "its stored bytes do not match their sha256",
+    "size": "its stored size is not the size recorded",
+    "missing": "the blob store no longer holds it",
+    "load": "torch repeatedly could not load the entry's bundle",
+}
+"""Why a blob was quarantined (or an entry withdrawn), as another namespace is told it."""
+SHOWN = ("digest", "reason", "detail", "reporter", "at", "size")
 
 
 class Quarantine:
@@ -50,7 +58,7 @@ class Quarantine:
         """A client met a bad blob: re-verify it from the store; quarantine it only if it is
         really bad. 404 for a blob this caller may not see (as GET). A blob that verifies
         but was reported undecodable counts, with its entry, as a report on that entry."""
-        self.quotas.admit_report(principal)
+        await self.quotas.admit_report(principal)
         if not await self.blobs.may_see(principal, digest):
             raise NotFound(f"blob {digest} is not stored", code="blob_not_found")
         if await self.index.blob_record(digest) is None and \
@@ -60,7 +68,7 @@ class Quarantine:
         if not verdict.ok:
             record = await trust.quarantine_blob(
                 self.storage, digest, verdict, reporter=principal.name,
-                claimed=f"{kind}: {detail}"[:200])
+                reporter_namespace=principal.namespace or "", claimed=f"{kind}: {detail}"[:200])
             return {"verdict": "quarantined", "reason": record.reason}
         answer: dict[str, Any] = {"verdict": "ok"}
         if entry_key is not None and kind in ("decompress", "unpack", "load"):
@@ -104,7 +112,7 @@ class Quarantine:
         """torch could not load this entry's bundle. One report proves nothing (the reader's
         own torch may be at fault); `withdraw_after_reports` independent ones (distinct
         token and job) withdraw the entry the way a quarantine does."""
-        self.quotas.admit_report(principal)
+        await self.quotas.admit_report(principal)
         if job is not None:
             job = require_id(job, "job")
         entry = await self.entries.get_entry(principal, key, touch=False)
@@ -124,7 +132,7 @@ class Quarantine:
         record = QuarantineRecord(
             "", "load", f"{count} independent reports; last: {kind}: {detail}"[:500],
             principal.name, time.time(), entry.size, (entry.namespace,),
-            (f"{entry.namespace}/{entry.key}",))
+            (f"{entry.namespace}/{entry.key}",), principal.namespace or "")
         await self.index.add_quarantine(record)
         trust.log.warning("withdrew entry %s of namespace %s: torch could not load its bundle "
                           "(%d independent reports; last: %s: %s)", entry.key,
@@ -134,12 +142,25 @@ class Quarantine:
     async def quarantines(self, principal: Principal, *, limit: int = 100
                           ) -> list[dict[str, Any]]:
         """Quarantine records touching this caller's namespace, newest first, naming only
-        the namespaces and entries the caller may see."""
-        return [vars(r) | {"namespaces": [n for n in r.namespaces if principal.sees(n)],
-                           "withdrawn": [w for w in r.withdrawn
-                                         if principal.sees(w.partition("/")[0])]}
+        the namespaces and entries the caller may see. Who reported it and what they said
+        are their namespace's: a reader of another namespace (one that owns the same bytes)
+        learns that a blob it can see is quarantined and why in general terms
+        (`IN_GENERAL`), never another tenant's token name or detail."""
+        return [self._as_seen(principal, r)
                 for r in await self.index.quarantines(namespace=principal.namespace,
                                                        limit=limit)]
+
+    @staticmethod
+    def _as_seen(principal: Principal, record: QuarantineRecord) -> dict[str, Any]:
+        shown = {name: getattr(record, name) for name in SHOWN}
+        ours = principal.namespace is None or record.reporter_namespace == principal.namespace \
+            or (record.reporter == trust.SCRUB_REPORTER and not record.reporter_namespace)
+        if not ours:
+            shown |= {"reporter": "another namespace",
+                      "detail": IN_GENERAL.get(record.reason, "found bad")}
+        return shown | {"namespaces": [n for n in record.namespaces if principal.sees(n)],
+                        "withdrawn": [w for w in record.withdrawn
+                                      if principal.sees(w.partition("/")[0])]}
 
     async def quarantine_summary(self, principal: Principal) -> dict[str, Any]:
         """Quarantines by reason (of this caller's namespace: its records' count) and the

@@ -2,19 +2,24 @@
 
 Every limit a caller can run into is decided here, so each kind of limit has one place to
 change: the pending quota (uploads no manifest names yet), a namespace's quota of entries
-and bytes, the store budget, and the rates of events and reports per token.
+and bytes, the store budget, a namespace's live job records, and the rates of events,
+reports and job requests per token. Each is kept in the index, so it holds across every
+worker and replica.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
 
-from megacache_server.errors import InsufficientStorage, TooManyRequests
+from megacache_server.errors import InsufficientStorage
 from megacache_server.service.auth import Principal
 from megacache_server.service.collector import Collector
-from megacache_server.service.ratelimit import RateLimiter
+from megacache_server.service.ratelimit import Limit, admit
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import Index
 
@@ -29,47 +34,55 @@ class Quotas:
         self.index = index
         self.collector = collector
         """What makes room in the store when an upload would pass its budget."""
-        self.event_limiter = RateLimiter(rate=settings.event_rate, burst=settings.event_burst)
-        self.report_limiter = RateLimiter(rate=settings.report_rate,
-                                          burst=settings.report_burst)
-        self.uploading: dict[str, int] = {}
-        """Bytes of uploads in flight in this process, per namespace: counted against the
-        pending quota with what the index holds, so N connections cannot each pass it."""
+        self.events = Limit("events", "events", settings.event_rate, settings.event_burst)
+        self.reports = Limit("reports", "reports", settings.report_rate, settings.report_burst)
+        self.jobs = Limit("jobs", "job resolves and claims", settings.job_rate,
+                          settings.job_burst)
 
     # -- bytes ---------------------------------------------------------------------------
-    async def reserve_pending(self, namespace: str, size: int
-                              ) -> contextlib.AbstractContextManager[None]:
-        """Hold `size` bytes of the namespace's pending quota until the upload is recorded.
+    @contextlib.asynccontextmanager
+    async def pending(self, namespace: str, size: int) -> AsyncIterator[Keep]:
+        """Hold `size` bytes of the namespace's pending quota while an upload streams, and
+        until it is recorded; yields what renews the hold as the body's chunks arrive.
 
         Blobs no manifest names yet are capped per namespace: one tenant's unreferenced
-        uploads can fill neither the store nor force out another tenant's entries. Uploads
-        still streaming count too (checked and reserved with no await in between), so the
-        cap holds however many connections a tenant opens to this process.
-        """
+        uploads can fill neither the store nor force out another tenant's entries. The hold
+        is kept in the index (`QuotaStore`), decided atomically with what the namespace
+        already holds, so the cap holds however many connections a tenant opens to however
+        many workers and replicas; a worker that dies mid-upload holds nothing for longer
+        than the hold's lifetime (`hold_ttl_s`)."""
         cap = self.settings.pending_cap()
         if cap is None or size == 0:
-            return contextlib.nullcontext()
-        pending = await self.index.pending_bytes(namespace)
-        uploading = self.uploading.get(namespace, 0)
-        if pending + uploading + size > cap:
-            raise InsufficientStorage(
-                f"namespace {namespace!r} holds {pending} bytes of blobs no entry names and "
-                f"{uploading} bytes in uploads; {size} more would pass its limit of {cap}: "
-                "write the manifests that name them first", code="pending_quota",
-                pending=pending + uploading, limit=cap)
-        self.uploading[namespace] = uploading + size
-        return self._release_pending(namespace, size)
-
-    @contextlib.contextmanager
-    def _release_pending(self, namespace: str, size: int) -> Iterator[None]:
+            yield _as_sent
+            return
+        hold_id, ttl = uuid.uuid4().hex, self.hold_ttl_s()
+        got = await self.index.hold_pending(namespace, hold_id, size, cap, ttl, time.time())
+        if not got.granted:
+            raise _over_pending(namespace, size, cap, got.pending, got.held)
         try:
-            yield
+            yield functools.partial(self._renewing, namespace, hold_id, size, cap)
         finally:
-            left = self.uploading.get(namespace, 0) - size
-            if left > 0:
-                self.uploading[namespace] = left
-            else:
-                self.uploading.pop(namespace, None)
+            with contextlib.suppress(Exception):  # else it lapses by itself
+                await self.index.release_pending(namespace, hold_id)
+
+    def hold_ttl_s(self) -> float:
+        """How long a hold lives unrenewed: longer than a third of itself plus the longest
+        silence an upload may keep (`upload_idle_timeout_s`), so one renewed as its chunks
+        arrive never lapses while the upload lives."""
+        return 2 * self.settings.upload_idle_timeout_s + 30
+
+    async def _renewing(self, namespace: str, hold_id: str, size: int, cap: int,
+                        body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        ttl = self.hold_ttl_s()
+        renewed = time.monotonic()
+        async for chunk in body:
+            if time.monotonic() - renewed > ttl / 3:
+                got = await self.index.hold_pending(namespace, hold_id, size, cap, ttl,
+                                                    time.time())
+                if not got.granted:  # it lapsed and the room is gone meanwhile
+                    raise _over_pending(namespace, size, cap, got.pending, got.held)
+                renewed = time.monotonic()
+            yield chunk
 
     async def make_room(self, size: int) -> None:
         """Refuse an upload that would crowd others out; evict LRU entries for one that fits."""
@@ -117,20 +130,37 @@ class Quotas:
             "nothing left to evict", code="namespace_quota", entries=entries, used=used)
 
     # -- requests ------------------------------------------------------------------------
-    def admit_event(self, principal: Principal) -> None:
-        """Per token name; auth off has no token to key on, and is not limited."""
+    async def admit_event(self, principal: Principal) -> None:
+        """Per token; auth off (loopback, one trusted caller) has none and is not limited."""
         if principal.namespace is not None:
-            _admit(self.event_limiter, principal.name, "events", principal)
+            await admit(self.index, self.events, principal)
 
-    def admit_report(self, principal: Principal) -> None:
+    async def admit_report(self, principal: Principal) -> None:
         """Per token (per caller name with auth off, where there is one caller)."""
-        _admit(self.report_limiter, principal.caller_id, "reports", principal)
+        await admit(self.index, self.reports, principal)
+
+    async def admit_job(self, principal: Principal) -> None:
+        """Per token; auth off is not limited (its job's ranks all share one caller)."""
+        if principal.namespace is not None:
+            await admit(self.index, self.jobs, principal)
+
+    def job_records(self) -> int | None:
+        """The live job resolutions and claims one namespace may hold (None: no cap)."""
+        return self.settings.namespace_job_records or None
 
 
-def _admit(limiter: RateLimiter, key: str, what: str, principal: Principal) -> None:
-    """Take one request of `key`'s allowance, or 429 with when to retry."""
-    wait = limiter.take(key)
-    if wait > 0:
-        raise TooManyRequests(
-            f"more than {limiter.rate:g} {what}/s from {principal.name!r}; "
-            f"retry in {wait:.1f}s", headers={"retry-after": str(max(1, round(wait)))})
+Keep = Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]
+"""What an upload's body passes through while it holds pending quota (renewing the hold)."""
+
+
+def _as_sent(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    return body
+
+
+def _over_pending(namespace: str, size: int, cap: int, pending: int,
+                  held: int) -> InsufficientStorage:
+    return InsufficientStorage(
+        f"namespace {namespace!r} holds {pending} bytes of blobs none of its entries names "
+        f"and {held} bytes in uploads; {size} more would pass its limit of {cap}: write the "
+        "manifests that name them first", code="pending_quota", pending=pending + held,
+        limit=cap)

@@ -1,35 +1,38 @@
-"""A token bucket per caller: what keeps one client from flooding the event log."""
+"""Rate limits per caller, shared by every worker and replica.
+
+Each limit is a token bucket per token held in the index (`RateStore`), keyed by the token's
+id: a caller's rate holds however its connections are spread over worker processes and
+replicas (a bucket per process admitted N times the rate across N processes), and two
+tokens of different namespaces that share a name never share, nor drain, one bucket.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+
+from megacache_server.errors import TooManyRequests
+from megacache_server.service.auth import Principal
+from megacache_server.store.index.base import RateStore
 
 
-class RateLimiter:
-    """`rate` per second with bursts of `burst`, per key, in this process.
+@dataclass(frozen=True)
+class Limit:
+    """`rate` requests per second with bursts of `burst`, per token (0 rate: no limit)."""
 
-    Each worker process and replica keeps its own buckets, so a fleet of N processes admits
-    up to N times the rate: a bound on damage, not an exact quota.
-    """
+    kind: str  # names the buckets: `{kind}:{token id}`
+    what: str  # what is counted, as a refusal says it
+    rate: float
+    burst: float
 
-    MAX_KEYS = 10_000
 
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate = rate
-        self.burst = burst
-        self._buckets: dict[str, tuple[float, float]] = {}
-
-    def take(self, key: str) -> float:
-        """0 if one unit was available (and is now taken), else seconds until one is."""
-        if self.rate <= 0:
-            return 0.0
-        now = time.monotonic()
-        tokens, at = self._buckets.get(key, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - at) * self.rate)
-        if tokens < 1:
-            self._buckets[key] = (tokens, now)
-            return (1 - tokens) / self.rate
-        if len(self._buckets) >= self.MAX_KEYS and key not in self._buckets:
-            self._buckets.clear()
-        self._buckets[key] = (tokens - 1, now)
-        return 0.0
+async def admit(index: RateStore, limit: Limit, principal: Principal) -> None:
+    """Take one request of the caller's allowance, or 429 with when to retry."""
+    if limit.rate <= 0:
+        return
+    wait = await index.take(f"{limit.kind}:{principal.caller_id}", limit.rate, limit.burst,
+                            time.time())
+    if wait > 0:
+        raise TooManyRequests(
+            f"more than {limit.rate:g} {limit.what}/s from {principal.name!r}; "
+            f"retry in {wait:.1f}s", headers={"retry-after": str(max(1, round(wait)))})

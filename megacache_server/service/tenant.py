@@ -53,8 +53,8 @@ class TenantCache(Protocol):
                         claims: ProducerClaims | None = None) -> EntryWrite: ...
     async def get_entry(self, key: str, *, touch: bool = True) -> StoredEntry: ...
     async def list_entries(self, *, namespace: str | None, model: str | None,
-                           env: str | None, hw: str | None,
-                           limit: int) -> list[StoredEntry]: ...
+                           env: str | None, hw: str | None, limit: int,
+                           writers: str | None = None) -> list[StoredEntry]: ...
     async def delete_entry(self, key: str) -> None: ...
     async def set_pinned(self, key: str, pinned: bool) -> None: ...
 
@@ -97,7 +97,7 @@ class Parts:
         blobs = Blobs(settings, storage, quotas)
         entries = Entries(storage.index, blobs, quotas)
         quarantine = Quarantine(settings, storage, blobs, entries, quotas)
-        return cls(settings, blobs, entries, Jobs(storage.index, entries), quarantine,
+        return cls(settings, blobs, entries, Jobs(storage.index, entries, quotas), quarantine,
                    Events(settings, storage, quotas, quarantine))
 
 
@@ -134,10 +134,11 @@ class BoundCache:
         return await self.parts.entries.get_entry(self.principal, key, touch=touch)
 
     async def list_entries(self, *, namespace: str | None, model: str | None,
-                           env: str | None, hw: str | None,
-                           limit: int) -> list[StoredEntry]:
+                           env: str | None, hw: str | None, limit: int,
+                           writers: str | None = None) -> list[StoredEntry]:
         return await self.parts.entries.list_entries(
-            self.principal, namespace=namespace, model=model, env=env, hw=hw, limit=limit)
+            self.principal, namespace=namespace, model=model, env=env, hw=hw, limit=limit,
+            writers=writers)
 
     async def delete_entry(self, key: str) -> None:
         await self.parts.entries.delete_entry(self.principal, key)

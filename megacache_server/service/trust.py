@@ -43,6 +43,8 @@ SCRUB_LOCK_TTL_S = 120.0
 """Taken for each blob for this long plus twice its hashing time at the budget: a scrubbing
 replica that dies holds the scrub at most that long."""
 SCRUB_BATCH = 64
+SCRUB_REPORTER = "scrub"
+"""The reporter of what the scrub quarantined."""
 GOOD_VERDICT_TTL_S = 300.0
 """A blob found good is not hashed again on report for this long (per process)."""
 
@@ -96,9 +98,11 @@ async def verify_blob(storage: Storage, digest: str, *,
 
 
 async def quarantine_blob(storage: Storage, digest: str, verdict: Verdict, *,
-                          reporter: str, claimed: str = "") -> QuarantineRecord:
+                          reporter: str, reporter_namespace: str = "",
+                          claimed: str = "") -> QuarantineRecord:
     """Take a blob found bad out of service: every entry naming it deleted, the bytes moved
-    aside, the record dropped, the quarantine recorded and logged with its reason."""
+    aside, the record dropped, the quarantine recorded (with the reporter's namespace, which
+    decides who may read the reporter and the detail) and logged with its reason."""
     index = storage.index
     namespaces = await index.blob_namespaces(digest)
     withdrawn = []
@@ -111,9 +115,11 @@ async def quarantine_blob(storage: Storage, digest: str, verdict: Verdict, *,
     await index.forget_blob(digest)
     detail = verdict.detail if not claimed else f"{verdict.detail} (reported: {claimed})"
     record = QuarantineRecord(digest, verdict.reason, detail[:500], reporter, time.time(),
-                              verdict.size, tuple(namespaces), tuple(withdrawn))
+                              verdict.size, tuple(namespaces), tuple(withdrawn),
+                              reporter_namespace)
     await index.add_quarantine(record)
-    QUARANTINES.labels(verdict.reason, "scrub" if reporter == "scrub" else "report").inc()
+    QUARANTINES.labels(verdict.reason,
+                       "scrub" if reporter == SCRUB_REPORTER else "report").inc()
     log.warning("quarantined blob %s (reason %s: %s; found by %s); withdrew %d entries%s",
                 digest, verdict.reason, detail[:200], reporter, len(withdrawn),
                 f": {', '.join(withdrawn[:10])}" if withdrawn else "")
@@ -166,7 +172,7 @@ class Scrubber:
                 elif await index.blob_record(record.digest) is not None:
                     SCRUB_BLOBS.labels("failed").inc()
                     await quarantine_blob(self.storage, record.digest, verdict,
-                                          reporter="scrub")
+                                          reporter=SCRUB_REPORTER)
             finally:
                 with contextlib.suppress(Exception):
                     await index.release_lock(SCRUB_LOCK)

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Path, Query, Request, Response
 
 from megacache_client.wire import headers as wire_headers
 from megacache_client.wire.manifest import HEX64_PATTERN
+from megacache_client.wire.writers import MAX_POLICY_CHARS
 from megacache_server.api.deps import Admin, Reader, Writer
 from megacache_server.api.validation import request_body, require_content_length
 from megacache_server.errors import PayloadTooLarge, error_responses
@@ -82,10 +83,15 @@ async def list_entries(
     hw: Annotated[str | None, Query(pattern=HEX64_PATTERN,
                                     description="component_digest(hw)")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+    writers: Annotated[str | None, Query(
+        max_length=MAX_POLICY_CHARS,
+        description="a trusted-writers policy (MEGACACHE_TRUSTED_WRITERS): only entries "
+                    "whose provenance passes it")] = None,
 ) -> Response:
-    """Entries newest first, filtered by model and by env / hw component digests."""
+    """Entries newest first, filtered by model, by env / hw component digests and by who
+    wrote them (`writers`)."""
     entries = await cache.list_entries(namespace=namespace, model=model, env=env, hw=hw,
-                                       limit=limit)
+                                       limit=limit, writers=writers)
     return _json(b'{"entries":[' + b",".join(e.manifest_json for e in entries) + b"]}")
 
 
@@ -113,9 +119,10 @@ async def unpin_entry(key: Key, cache: Admin) -> Response:
 def _entry_headers(cache: TenantCache, entry: StoredEntry) -> dict[str, str]:
     """ETag, who wrote the entry, and the signature binding these bytes and that provenance
     to this key and namespace."""
-    return {"etag": entry.etag, **provenance.headers(entry.provenance),
+    written = provenance.served(entry.provenance, entry.namespace)
+    return {"etag": entry.etag, **provenance.headers(written),
             **signature_headers(cache.settings, entry.key, entry.namespace,
-                                entry.manifest_json, entry.provenance)}
+                                entry.manifest_json, written)}
 
 
 async def _read_limited(request: Request, limit: int) -> bytes:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from megacache_client.wire import headers as wire_headers
 from megacache_client.wire.manifest import HEX64_PATTERN, NAMESPACE_PATTERN
+from megacache_client.wire.writers import MAX_POLICY_CHARS
 from megacache_server.api.deps import Reader, Writer
 from megacache_server.api.validation import small_json_body
 from megacache_server.errors import NotFound, error_responses
@@ -39,13 +40,15 @@ MAX_BODY = 4096
 
 class FallbackRequest(BaseModel):
     """The client's fallback rule, applied once for the whole job attempt (see
-    `Jobs.resolve`): the newest entry of this model with these component digests."""
+    `Jobs.resolve`): the newest entry of this model with these component digests, by a
+    writer the consumer's trusted-writers policy (`writers`) trusts, when it sends one."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     namespace: Annotated[str, Field(pattern=NAMESPACE_PATTERN)]
     model: Annotated[str, Field(min_length=1, max_length=256)]
     env: Annotated[str, Field(pattern=HEX64_PATTERN)]
     hw: Annotated[str, Field(pattern=HEX64_PATTERN)]
+    writers: Annotated[str | None, Field(max_length=MAX_POLICY_CHARS)] = None
 
 
 class ResolveRequest(BaseModel):
@@ -78,7 +81,7 @@ def _body_of(model: type[BaseModel]) -> dict[str, Any]:
                      "content": {"application/json": {
                          "schema": {"$ref": "#/components/schemas/Manifest"}}}},
                404: {"description": "the job attempt resolved this key to a miss "
-                                    "(`resolved_miss`)"}},
+                                    "(`resolved_miss`)"}, **error_responses(429, 507)},
 )
 async def resolve(key: Key, request: Request, cache: Reader) -> Response:
     """The entry for `key` as this job attempt first saw it, or a miss, for every rank."""
@@ -95,7 +98,8 @@ async def resolve(key: Key, request: Request, cache: Reader) -> Response:
             "rank of this attempt compiles it", code="resolved_miss", headers=headers,
             job=done.job, attempt=done.attempt, resolved_at=done.resolved_at,
             expires_at=done.expires_at)
-    written = await cache.resolution_provenance(done)
+    written = provenance.served(await cache.resolution_provenance(done),
+                                done.entry_namespace)
     headers |= {"etag": done.etag, **provenance.headers(written), **signature_headers(
         cache.settings, key, done.entry_namespace, done.manifest_json, written)}
     return Response(done.manifest_json, headers=headers, media_type="application/json")
@@ -103,7 +107,7 @@ async def resolve(key: Key, request: Request, cache: Reader) -> Response:
 
 @router.post("/{key}/claim", openapi_extra=_body_of(ClaimRequest), responses={
     200: {"description": "granted (or renewed): this holder uploads"},
-    **error_responses(409)})
+    **error_responses(409, 429, 507)})
 async def claim(key: Key, request: Request, cache: Writer) -> Response:
     """Claim the publish of `key`: granted unless another holder's lease is live (409)."""
     body = await small_json_body(request, ClaimRequest, MAX_BODY)

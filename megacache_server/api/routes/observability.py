@@ -20,11 +20,15 @@ router = APIRouter(tags=["observability"])
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {"text/plain": {}}}, **error_responses(401, 403, 503)})
 async def metrics(cache: Annotated[TenantCache, Depends(tenant("metrics"))]) -> Response:
-    """Prometheus metrics: HTTP traffic of every worker, plus the cache's running totals.
+    """Prometheus metrics: the cache's running totals of the caller's namespace, and for
+    callers who may see the whole server (`Principal.sees_server`) the HTTP traffic of every
+    worker.
 
-    With auth on, scrape with a token: one with the `metrics` scope sees every namespace,
-    any other token only its own."""
-    body = render_process_metrics() + await cache_metrics(cache)
+    With auth on, scrape with a token: one with the `metrics` scope sees every namespace
+    and the server's own figures, an `admin` token its namespace and the server's figures,
+    any other token only its own namespace's series."""
+    server = render_process_metrics() if cache.principal.sees_server else b""
+    body = server + await cache_metrics(cache)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 

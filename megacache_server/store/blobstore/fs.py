@@ -99,13 +99,17 @@ class FsBlobStore(BlobStore):
             )
 
     def _commit(self, tmp: Path, final: Path) -> bool:
+        """Link the verified temp file into place; its directory is synced either way, so
+        an upload of stored bytes takes what a new one takes (its time cannot tell a
+        tenant that another stored them)."""
         final.parent.mkdir(exist_ok=True)
         try:
             os.link(tmp, final)
+            created = True
         except FileExistsError:
-            return False
+            created = False
         _fsync_dir(final.parent)
-        return True
+        return created
 
     async def read(
         self, digest: str, start: int = 0, end: int | None = None

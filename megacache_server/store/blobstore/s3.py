@@ -137,8 +137,6 @@ class S3BlobStore(BlobStore):
                 verifier.update(chunk)
                 data += chunk
             verifier.check()
-            if await self.stat(digest) is not None:
-                return False
             return await self._commit(lambda: self._s3.put_object(
                 Bucket=self.bucket, Key=key, Body=bytes(data), IfNoneMatch="*"))
         return await self._put_multipart(key, digest, verifier, body)
@@ -167,8 +165,6 @@ class S3BlobStore(BlobStore):
             if buffer:
                 await send(bytes(buffer))
             verifier.check()
-            if await self.stat(digest) is not None:
-                return False
             created = await self._commit(lambda: self._s3.complete_multipart_upload(
                 Bucket=self.bucket, Key=key, UploadId=upload_id,
                 MultipartUpload={"Parts": parts}, IfNoneMatch="*"))
@@ -182,7 +178,10 @@ class S3BlobStore(BlobStore):
         """Make a verified blob visible with a create-only write: True if this call created it.
 
         `If-None-Match: *` makes concurrent uploads of one blob end with exactly one
-        creator, as `link()` does for the fs store.
+        creator, as `link()` does for the fs store. It is made whether or not the blob is
+        stored already (no stat first): an upload of stored bytes costs what a new one
+        does, so its time cannot tell a tenant that another stored them (a store that
+        ignores the condition rewrites the same verified bytes).
         """
         from botocore.exceptions import ClientError
 

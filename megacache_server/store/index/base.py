@@ -9,12 +9,14 @@ in a module of its own and `Index` as the class made of them. Only the cache ser
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 from megacache_client.wire.events import OUTCOMES, REPLAYS, Event
-from megacache_server.errors import PreconditionFailed
+from megacache_server.errors import InsufficientStorage, PreconditionFailed
 from megacache_server.store.index import rollups
 
 
@@ -56,6 +58,23 @@ class NewEntry:
     size: int
     created_at: float
     provenance: str = ""
+    """Who wrote it (canonical JSON); the backend adds the version's `sequence` to it."""
+    sequence_floor: int = 0
+    """The lowest version number this write may get (the server's clock in ms): a key's
+    versions count up from where the clock stands even once every record of it is gone."""
+
+
+def sequenced(provenance: str, sequence: int) -> str:
+    """`provenance` (canonical JSON, as `service.provenance` writes it) with `sequence`
+    set: what an entry version is stored and served with ("" stays "")."""
+    if not provenance:
+        return ""
+    return canonical(json.loads(provenance) | {"sequence": sequence})
+
+
+def canonical(data: dict[str, Any]) -> str:
+    """JSON as provenance is kept and signed: sorted keys, no spaces, ASCII."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 @dataclass(frozen=True)
@@ -217,6 +236,12 @@ class EntryStore(ABC):
     async def put(self, entry: NewEntry, condition: Precondition) -> tuple[StoredEntry, bool]:
         """Write an entry atomically with its precondition; returns (entry, created).
 
+        The version gets its sequence number in the same atomic step: one above every
+        number this key had before (across rewrites, deletes and re-creates, on every
+        replica) and at least `entry.sequence_floor`, added to its provenance (`sequenced`)
+        and kept for the key after the entry is gone. So the version that stands is always
+        the highest-numbered one, and a client that has seen a number refuses an older
+        version served later (a proxy replaying a superseded, validly signed manifest).
         Raises PreconditionFailed when the condition does not hold at write time.
         """
 
@@ -276,7 +301,11 @@ class BlobLedger(ABC):
 
     @abstractmethod
     async def pending_bytes(self, namespace: str) -> int:
-        """Bytes of blobs `namespace` uploaded that no entry names (yet)."""
+        """Bytes of blobs `namespace` uploaded that no entry of `namespace` names (yet).
+
+        Another namespace's entries do not count: bytes a tenant uploads weigh the same on
+        its quota whether or not some other tenant's entry names them, so the quota cannot
+        tell it what others stored."""
 
     @abstractmethod
     async def recorded_digests(self) -> set[str]:
@@ -317,6 +346,36 @@ class BlobLedger(ABC):
     @abstractmethod
     async def owns_blob(self, namespace: str, digest: str) -> bool:
         """Whether `namespace` may see this blob (the CAS dedupes bytes across namespaces)."""
+
+
+@dataclass(frozen=True)
+class PendingHold:
+    """The answer to a hold on a namespace's pending quota, and what the quota stood at."""
+
+    granted: bool
+    pending: int  # bytes of blobs the namespace uploaded that none of its entries names
+    held: int  # bytes the namespace's other live holds keep (uploads in flight)
+
+
+class QuotaStore(ABC):
+    """Holds on a namespace's pending quota, shared by every worker and replica: an upload
+    holds its bytes while it streams, so N connections to N processes cannot each pass the
+    quota. A hold lives until released or until its time runs out (a worker that crashes
+    mid-upload holds nothing for long); the uploader renews it while bytes arrive."""
+
+    @abstractmethod
+    async def hold_pending(self, namespace: str, hold_id: str, size: int, cap: int,
+                           ttl_s: float, now: float) -> PendingHold:
+        """Hold `size` bytes of `namespace`'s pending quota under `hold_id` until
+        `now + ttl_s`, if `pending_bytes(namespace)`, the bytes of the namespace's other
+        live holds and `size` fit in `cap` (else nothing is held: granted False). A live
+        hold of that id is renewed instead, whatever the cap. Atomic across processes and
+        replicas (a transaction, a script): two holds decided at once never both pass on
+        the same room. Holds past their time are dropped before deciding."""
+
+    @abstractmethod
+    async def release_pending(self, namespace: str, hold_id: str) -> None:
+        """Drop a hold (nothing to do if it lapsed)."""
 
 
 class TokenStore(ABC):
@@ -373,6 +432,31 @@ class EventLog(ABC):
         """The `limit` jobs that reported last, each with its latest attempts."""
 
 
+class RateStore(ABC):
+    """Token buckets shared by every worker and replica: a caller's rate limit holds
+    however its requests are spread over processes (a bucket per process would let a
+    caller with N connections spread over N processes take N times its rate)."""
+
+    @abstractmethod
+    async def take(self, bucket: str, rate: float, burst: float, now: float) -> float:
+        """Take one unit from `bucket`, which fills at `rate` per second up to `burst` (and
+        is full when first used): 0.0 when taken, else the seconds until one is there
+        (nothing is taken). Atomic across processes; a bucket unused for long may be
+        forgotten (it would be full again)."""
+
+
+def refill(bucket: tuple[float, float] | None, rate: float, burst: float,
+           now: float) -> tuple[float, float]:
+    """A token bucket's (tokens, at), or None for a new one (full), refilled to `now` and
+    one unit taken if there is one: (tokens left, 0.0), else (tokens, seconds until one is
+    there). One rule for the backends that compute it themselves."""
+    tokens, at = bucket if bucket is not None else (burst, now)
+    tokens = min(burst, tokens + max(0.0, now - at) * rate)
+    if tokens < 1:
+        return tokens, (1 - tokens) / rate
+    return tokens - 1, 0.0
+
+
 class LockStore(ABC):
     """Named locks shared by every replica."""
 
@@ -383,6 +467,15 @@ class LockStore(ABC):
     @abstractmethod
     async def release_lock(self, name: str) -> None:
         """Release a lock this process took."""
+
+
+def records_full(namespace: str, cap: int) -> InsufficientStorage:
+    """The refusal of a resolution or claim that would pass its namespace's cap of live
+    job records (`JobStore.resolve`, `ClaimStore.claim`), the same on every backend."""
+    return InsufficientStorage(
+        f"namespace {namespace!r} holds {cap} live job resolutions and publish claims, its "
+        "limit: new ones are refused until some expire (MEGACACHE_NAMESPACE_JOB_RECORDS)",
+        code="job_records_quota", limit=cap)
 
 
 MAX_RESOLUTION_TTL_S = 24 * 3600.0
@@ -427,13 +520,17 @@ class JobStore(ABC):
 
     @abstractmethod
     async def resolve(self, namespace: str, job: str, attempt: int, key: str,
-                      candidate: StoredEntry | None, ttl_s: float, now: float) -> Resolution:
+                      candidate: StoredEntry | None, ttl_s: float, now: float, *,
+                      max_records: int | None = None) -> Resolution:
         """The resolution of `key` for this job attempt: the live one if there is one (its
         life renewed to at least `now + ttl_s / 2`, never shortened), else `candidate` (an
         entry, or None for a miss) recorded atomically, alive until `now + ttl_s`. Every
         caller gets the same answer until it expires, across processes and replicas; while
         it lives, its blobs are held (`held_blobs`). `ttl_s` is clamped to
-        MAX_RESOLUTION_TTL_S."""
+        MAX_RESOLUTION_TTL_S. A new record is refused (`records_full`, nothing written)
+        when the namespace already holds `max_records` live resolutions and claims
+        together: a record holds a manifest's bytes for up to a day, and a read token can
+        make up job ids."""
 
     @abstractmethod
     async def held_blobs(self, digests: list[str], now: float) -> set[str]:
@@ -450,11 +547,12 @@ class ClaimStore(ABC):
 
     @abstractmethod
     async def claim(self, namespace: str, key: str, holder: str, lease_s: float,
-                    now: float) -> Claim:
+                    now: float, *, max_records: int | None = None) -> Claim:
         """Claim the publish of `key`: granted (until `now + lease_s`) when nobody holds a
         live claim or `holder` already does (a renewal); else the current holder and when
         its lease runs out. An expired lease is taken over. Atomic across replicas;
-        `lease_s` is clamped to MAX_CLAIM_LEASE_S."""
+        `lease_s` is clamped to MAX_CLAIM_LEASE_S. A claim where none is live counts on
+        the namespace's `max_records`, as a resolution does (`records_full`)."""
 
     @abstractmethod
     async def release(self, namespace: str, key: str, holder: str, now: float) -> bool:
@@ -483,6 +581,9 @@ class QuarantineRecord:
     size: int
     namespaces: tuple[str, ...]  # the blob's owners (or the entry's namespace)
     withdrawn: tuple[str, ...]  # "namespace/key" of each entry no longer offered
+    reporter_namespace: str = ""
+    """The reporting token's namespace; "" for the scrub, auth off, and records older than
+    this field. A reader of another namespace is never shown the reporter or the detail."""
 
 
 MAX_QUARANTINE_RECORDS = 10_000
@@ -538,8 +639,8 @@ class TrustStore(ABC):
         verified when uploaded; 0 for records older than this bookkeeping)."""
 
 
-class Index(EntryStore, BlobLedger, TokenStore, EventLog, LockStore, JobStore, ClaimStore,
-            TrustStore):
+class Index(EntryStore, BlobLedger, QuotaStore, TokenStore, EventLog, RateStore, LockStore,
+            JobStore, ClaimStore, TrustStore):
     """Every protocol above, with the calls that span them and the index's lifecycle."""
 
     name: str = "abstract"

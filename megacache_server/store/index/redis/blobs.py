@@ -30,7 +30,8 @@ class RedisBlobs(RedisConnection, BlobLedger):
             async with self.r.pipeline(transaction=False) as pipe:
                 self._own_blob(pipe, digest, namespace, time.time())
                 pipe.sadd(self.keys.unref(), digest)  # GC drops it once it finds it named
-                _, new, _, _ = await pipe.execute()
+                pipe.incr(self.keys.pending_gen(namespace))  # after the ownership: quotas
+                _, new, _, _, _ = await pipe.execute()
             return bool(new)
 
         return await self._do(op)
@@ -49,24 +50,18 @@ class RedisBlobs(RedisConnection, BlobLedger):
         return await self._do(op)
 
     async def pending_bytes(self, namespace: str) -> int:
-        async def op() -> int:
-            total, cursor = 0, 0
-            while True:
+        """The namespace's blobs read in SSCAN pages, each page summed by one script
+        (`pending.lua`: recorded, and named by none of the namespace's own entries)."""
+        total, cursor = 0, 0
+        while True:
+            async with self._guard():
                 cursor, digests = await self.r.sscan(self.keys.owned(namespace), cursor,
                                                      count=SCAN)
-                if digests:
-                    async with self.r.pipeline(transaction=False) as pipe:
-                        for d in digests:
-                            pipe.scard(self.keys.refs(text(d)))
-                            pipe.hget(self.keys.blobs(), d)
-                        found = await pipe.execute()
-                    for refs, size in zip(found[::2], found[1::2], strict=True):
-                        if not refs and size is not None:
-                            total += int(size)
-                if not cursor:
-                    return total
-
-        return await self._do(op)
+            for i in range(0, len(digests), SCRIPT_BATCH):
+                total += int(await self._run_script("pending", [
+                    namespace, *(text(d) or "" for d in digests[i:i + SCRIPT_BATCH])]))
+            if not cursor:
+                return total
 
     async def recorded_digests(self) -> set[str]:
         """HSCAN pages, not one HGETALL: that blocks Redis (every lookup) for its length."""

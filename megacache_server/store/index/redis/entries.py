@@ -22,6 +22,7 @@ from megacache_server.store.index.base import (
     StoredEntry,
     check_precondition,
     entry_etag,
+    sequenced,
 )
 from megacache_server.store.index.redis.connection import (
     SCAN,
@@ -59,27 +60,32 @@ class RedisEntries(RedisConnection, EntryStore):
     async def put(self, entry: NewEntry, condition: Precondition) -> tuple[StoredEntry, bool]:
         etag = entry_etag(entry.manifest_json)
         key = entry.key
-        ekey = self.keys.entry(key)
+        ekey, skey = self.keys.entry(key), self.keys.sequence(key)
 
         async def op() -> tuple[StoredEntry, bool]:
             async with self.r.pipeline(transaction=True) as pipe:
                 while True:
                     try:
-                        await pipe.watch(ekey)
+                        await pipe.watch(ekey, skey)
                         old = await pipe.hgetall(ekey)
                         current = text(old.get(b"etag")) if old else None
                         check_precondition(condition, current)
+                        last = await pipe.get(skey)
+                        sequence = max(int(last) + 1 if last else 1, entry.sequence_floor)
+                        version = replace(entry, provenance=sequenced(entry.provenance,
+                                                                      sequence))
                         now = time.time()
                         pinned = text(old.get(b"pinned")) == "1" if old else False
                         pipe.multi()
                         if old:
                             self._unindex(pipe, key, old)
-                        self._write_entry(pipe, entry, etag, now, pinned)
+                        pipe.set(skey, sequence)
+                        self._write_entry(pipe, version, etag, now, pinned)
                         await pipe.execute()
                         stored = StoredEntry(key, entry.namespace, entry.model,
                                              entry.digests, entry.size, entry.created_at,
                                              now, now, pinned, entry.manifest_json, etag,
-                                             entry.provenance)
+                                             version.provenance)
                         return stored, current is None
                     except WatchError:
                         continue
@@ -285,7 +291,7 @@ class RedisEntries(RedisConnection, EntryStore):
 
 LISTED_FIELDS = tuple(f.encode() for f in (
     "model", "namespace", "env", "hw", "digests", "size", "created_at", "updated_at",
-    "last_access", "pinned", "manifest", "etag"))
+    "last_access", "pinned", "manifest", "etag", "provenance"))
 """The fields the `listed` script returns, in its order."""
 _INFO_FIELDS = tuple(f.encode() for f in (
     "namespace", "model", "digests", "size", "created_at", "updated_at", "last_access",

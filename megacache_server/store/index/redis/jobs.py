@@ -4,9 +4,13 @@ replicas agree, and `held`, the blobs live resolutions name by their latest expi
 
 Records carry their logical expiry (`expires_at`, the server's clock) and decide by it; the
 keys also expire on their own a minute after it, so nothing accumulates when no GC runs.
+A namespace's live records are counted in `jobrecs:{ns}` (record key -> expiry), which the
+scripts trim and check before they make a new one.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from megacache_server.store.index.base import (
     MAX_CLAIM_LEASE_S,
@@ -17,18 +21,21 @@ from megacache_server.store.index.base import (
     Resolution,
     StoredEntry,
     clamp_ttl,
+    records_full,
 )
 from megacache_server.store.index.redis.connection import RedisConnection, text
 
 
 class RedisJobs(RedisConnection, JobStore, ClaimStore):
     async def resolve(self, namespace: str, job: str, attempt: int, key: str,
-                      candidate: StoredEntry | None, ttl_s: float, now: float) -> Resolution:
+                      candidate: StoredEntry | None, ttl_s: float, now: float, *,
+                      max_records: int | None = None) -> Resolution:
         ttl_s = clamp_ttl(ttl_s, MAX_RESOLUTION_TTL_S)
-        reply = await self._run_script("resolve", [
+        reply = _room(namespace, await self._run_script("resolve", [
             namespace, job, str(attempt), key, repr(now), repr(ttl_s),
             *((candidate.manifest_json, candidate.etag, candidate.namespace,
-               ",".join(candidate.digests)) if candidate else ("", "", "", ""))])
+               ",".join(candidate.digests)) if candidate else ("", "", "", "")),
+            _cap(max_records)]))
         manifest, etag, entry_ns, digests, resolved_at, expires_at = reply
         return Resolution(namespace, job, attempt, key, manifest_json=bytes(manifest or b""),
                           etag=text(etag) or "", entry_namespace=text(entry_ns) or "",
@@ -56,11 +63,22 @@ class RedisJobs(RedisConnection, JobStore, ClaimStore):
         return 0
 
     async def claim(self, namespace: str, key: str, holder: str, lease_s: float,
-                    now: float) -> Claim:
+                    now: float, *, max_records: int | None = None) -> Claim:
         lease_s = clamp_ttl(lease_s, MAX_CLAIM_LEASE_S)
-        granted, current, expires_at = await self._run_script(
-            "claim", [namespace, key, holder, repr(now), repr(lease_s)])
+        granted, current, expires_at = _room(namespace, await self._run_script(
+            "claim", [namespace, key, holder, repr(now), repr(lease_s), _cap(max_records)]))
         return Claim(bool(int(granted)), text(current) or "", float(expires_at))
 
     async def release(self, namespace: str, key: str, holder: str, now: float) -> bool:
         return bool(int(await self._run_script("release", [namespace, key, holder, repr(now)])))
+
+
+def _cap(max_records: int | None) -> str:
+    return "" if max_records is None else str(max_records)
+
+
+def _room(namespace: str, reply: list[Any]) -> list[Any]:
+    """A script's reply, or the refusal it stands for (`['!full', cap]`: nothing written)."""
+    if len(reply) == 2 and text(reply[0]) == "!full":
+        raise records_full(namespace, int(reply[1]))
+    return reply

@@ -3,6 +3,8 @@
   entry:{key}            hash   manifest, etag, namespace, model, env, hw, size, digests,
                                 times, pinned
   refs:{digest}          set    entry keys naming the blob (garbage collection)
+  seq:{key}              int    the last sequence number a version of the key got (kept after
+                                the entry goes: versions count up across re-creates)
   by_model:{model}       zset   entry keys by created_at (fallback lookup)
   by_envhw:{env}:{hw}    zset   entry keys by created_at (publish-side lookup)
   entries / ns:{ns}      zset   every entry key (of a namespace) by created_at
@@ -14,6 +16,9 @@
                                 left by an entry that went, until GC finds it named again
                                 (`unref_ready`: while set, the set covers every blob)
   owned:{ns}             set    digests a namespace uploaded; blob_owners:{digest} the reverse
+  pending_gen:{ns}       int    bumped by every upload a namespace records (quota holds)
+  holds:{ns}             zset   hold id -> expiry: uploads in flight on the pending quota
+  hold_sizes:{ns}        hash   hold id -> bytes it holds (both expire a minute after the last)
   stored_bytes           int    sum of recorded blob sizes (the store budget)
   blob_verified          zset   digest -> when its bytes were last hashed (the scrub's order)
   quarantine             list   quarantine records, newest first (JSON, capped)
@@ -45,6 +50,9 @@
                                 etag, entry_ns, digests, resolved_at, expires_at (expires)
   held                   zset   digest -> latest expiry of the live resolutions naming it (GC)
   claim:{ns}:{key}       hash   a publish claim: holder, expires_at (expires)
+  jobrecs:{ns}           zset   job:… and claim:… key -> expiry: a namespace's live records,
+                                counted against MEGACACHE_NAMESPACE_JOB_RECORDS (expires)
+  rate:{bucket}          hash   a token bucket: tokens, at (expires once it would be full)
   heartbeat              float  the last write readiness made
 
 The scripts in `scripts/` build the same names from the prefix they are given: a key renamed
@@ -68,6 +76,9 @@ class Keys:
     # -- entries ----------------------------------------------------------------------
     def entry(self, key: str) -> str:
         return self._name("entry", key)
+
+    def sequence(self, key: str) -> str:
+        return self._name("seq", key)
 
     def refs(self, digest: str | None) -> str:
         return self._name("refs", digest)
@@ -109,6 +120,15 @@ class Keys:
 
     def blob_owners(self, digest: str) -> str:
         return self._name("blob_owners", digest)
+
+    def pending_gen(self, namespace: str) -> str:
+        return self._name("pending_gen", namespace)
+
+    def holds(self, namespace: str) -> str:
+        return self._name("holds", namespace)
+
+    def hold_sizes(self, namespace: str) -> str:
+        return self._name("hold_sizes", namespace)
 
     def stored_bytes(self) -> str:
         return self._name("stored_bytes")
@@ -174,6 +194,9 @@ class Keys:
 
     def claim(self, namespace: str, key: str) -> str:
         return self._name("claim", namespace, key)
+
+    def rate(self, bucket: str) -> str:
+        return self._name("rate", bucket)
 
     # -- locks and health ---------------------------------------------------------------
     def lock(self, name: str) -> str:

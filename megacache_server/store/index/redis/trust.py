@@ -32,7 +32,8 @@ class RedisTrust(RedisConnection, TrustStore):
                           "detail": record.detail, "reporter": record.reporter,
                           "at": record.at, "size": record.size,
                           "namespaces": list(record.namespaces),
-                          "withdrawn": list(record.withdrawn)})
+                          "withdrawn": list(record.withdrawn),
+                          "reporter_namespace": record.reporter_namespace})
 
         async def op() -> None:
             async with self.r.pipeline(transaction=True) as pipe:
@@ -53,7 +54,7 @@ class RedisTrust(RedisConnection, TrustStore):
             d = json.loads(raw)
             record = QuarantineRecord(d["digest"], d["reason"], d["detail"], d["reporter"],
                                       float(d["at"]), int(d["size"]), tuple(d["namespaces"]),
-                                      tuple(d["withdrawn"]))
+                                      tuple(d["withdrawn"]), d.get("reporter_namespace", ""))
             if namespace is None or namespace in record.namespaces:
                 found.append(record)
                 if len(found) >= limit:

@@ -16,6 +16,15 @@ from megacache_server.store.index.sqlite.connection import (
     transaction,
 )
 
+PENDING = """SELECT COALESCE(SUM(b.size), 0) FROM blob_owners o JOIN blobs b USING (digest)
+    WHERE o.namespace = ? AND NOT EXISTS (SELECT 1 FROM entry_blobs e JOIN entries n
+        ON n.key = e.key WHERE e.digest = o.digest AND n.namespace = o.namespace)"""
+"""A namespace's pending bytes: its blobs that none of its own entries name."""
+
+
+def pending_of(c: sqlite3.Connection, namespace: str) -> int:
+    return int(c.execute(PENDING, (namespace,)).fetchone()[0])
+
 
 class SqliteBlobs(SqliteConnection, BlobLedger):
     async def record_blob(self, digest: str, size: int, namespace: str) -> bool:
@@ -36,11 +45,7 @@ class SqliteBlobs(SqliteConnection, BlobLedger):
         return int(row[0]) if row else 0
 
     async def pending_bytes(self, namespace: str) -> int:
-        return await self._run(lambda c: int(c.execute(
-            """SELECT COALESCE(SUM(b.size), 0) FROM blob_owners o JOIN blobs b USING (digest)
-               WHERE o.namespace=? AND NOT EXISTS
-                 (SELECT 1 FROM entry_blobs e WHERE e.digest=o.digest)""",
-            (namespace,)).fetchone()[0]))
+        return await self._run(lambda c: pending_of(c, namespace))
 
     async def recorded_digests(self) -> set[str]:
         return await self._run(lambda c: {d for (d,) in c.execute("SELECT digest FROM blobs")})

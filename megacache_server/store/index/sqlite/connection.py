@@ -13,10 +13,11 @@ run inside `BEGIN IMMEDIATE` so check-then-write is atomic across processes.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -130,17 +131,24 @@ class SqliteConnection:
         for i, part in enumerate(parts):
             def run(c: sqlite3.Connection, part: list[str] = part,
                     relaxed: bool = i < len(parts) - 1) -> int:
-                if relaxed:
-                    c.execute("PRAGMA synchronous=NORMAL")
-                try:
-                    with transaction(c, immediate=True):
-                        return op(c, part)
-                finally:
-                    if relaxed:
-                        c.execute("PRAGMA synchronous=FULL")
+                with unsynced(c) if relaxed else contextlib.nullcontext(c), \
+                        transaction(c, immediate=True):
+                    return op(c, part)
 
             done += await self._run(run)
         return done
+
+
+@contextlib.contextmanager
+def unsynced(c: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """Commits made within are at synchronous=NORMAL (in WAL mode: no fsync; a power loss
+    may undo them, never corrupt anything); FULL again after, under the same hold of the
+    connection lock, so no other write commits unsynced."""
+    c.execute("PRAGMA synchronous=NORMAL")
+    try:
+        yield c
+    finally:
+        c.execute("PRAGMA synchronous=FULL")
 
 
 class transaction:

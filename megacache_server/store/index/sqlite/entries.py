@@ -91,6 +91,12 @@ class SqliteEntries(SqliteConnection, EntryStore):
                 row = c.execute("SELECT etag, pinned FROM entries WHERE key=?",
                                 (entry.key,)).fetchone()
                 base.check_precondition(condition, row[0] if row else None)
+                last = c.execute("SELECT sequence FROM sequences WHERE key=?",
+                                 (entry.key,)).fetchone()
+                sequence = max(last[0] + 1 if last else 1, entry.sequence_floor)
+                c.execute("INSERT OR REPLACE INTO sequences (key, sequence) VALUES (?, ?)",
+                          (entry.key, sequence))
+                provenance = base.sequenced(entry.provenance, sequence)
                 c.execute(
                     """INSERT INTO entries (key, manifest, etag, namespace, model, env_digest,
                          hw_digest, size, created_at, updated_at, last_access, provenance)
@@ -103,14 +109,14 @@ class SqliteEntries(SqliteConnection, EntryStore):
                          last_access=excluded.last_access, provenance=excluded.provenance""",
                     (entry.key, entry.manifest_json, etag, entry.namespace, entry.model,
                      entry.env_digest, entry.hw_digest, entry.size, entry.created_at, now, now,
-                     entry.provenance))
+                     provenance))
                 c.execute("DELETE FROM entry_blobs WHERE key=?", (entry.key,))
                 c.executemany("INSERT INTO entry_blobs (key, digest) VALUES (?, ?)",
                               [(entry.key, d) for d in entry.digests])
             stored = StoredEntry(entry.key, entry.namespace, entry.model, entry.digests,
                                  entry.size, entry.created_at, now, now,
                                  bool(row and row[1]), entry.manifest_json, etag,
-                                 entry.provenance)
+                                 provenance)
             return stored, row is None
 
         return await self._run(op)

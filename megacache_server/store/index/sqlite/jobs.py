@@ -2,10 +2,11 @@
 publish claim, and `held_blobs`, each blob a live resolution names with the latest expiry of
 those naming it (what GC asks, without reading resolutions).
 
-Every decision (first resolution wins, a claim is free or taken) is made inside
-`BEGIN IMMEDIATE`, so every process on the file agrees. A rank asking again while its
-resolution has more than half its life left is answered from the reader without a write: a
-thousand ranks asking at once do not queue behind SQLite's single writer.
+Every decision (first resolution wins, a claim is free or taken, a namespace has room for
+another record) is made inside `BEGIN IMMEDIATE`, so every process on the file agrees. A
+rank asking again while its resolution has more than half its life left is answered from
+the reader without a write: a thousand ranks asking at once do not queue behind SQLite's
+single writer.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megacache_server.store.index.base import (
     Resolution,
     StoredEntry,
     clamp_ttl,
+    records_full,
 )
 from megacache_server.store.index.sqlite.connection import (
     SqliteConnection,
@@ -37,7 +39,8 @@ _SELECT = (f"SELECT {_COLUMNS} FROM resolutions "
 
 class SqliteJobs(SqliteConnection, JobStore, ClaimStore):
     async def resolve(self, namespace: str, job: str, attempt: int, key: str,
-                      candidate: StoredEntry | None, ttl_s: float, now: float) -> Resolution:
+                      candidate: StoredEntry | None, ttl_s: float, now: float, *,
+                      max_records: int | None = None) -> Resolution:
         ttl_s = clamp_ttl(ttl_s, MAX_RESOLUTION_TTL_S)
         ids = (namespace, job, attempt, key)
         row = await self._read(_SELECT, ids)
@@ -53,6 +56,7 @@ class SqliteJobs(SqliteConnection, JobStore, ClaimStore):
                               "job=? AND attempt=? AND key=?", (expires, *ids))
                     row = (*row[:5], expires)
                 else:  # absent or expired: this caller's candidate is the answer
+                    _require_room(c, namespace, now, max_records)
                     row = (candidate.manifest_json if candidate else b"",
                            candidate.etag if candidate else "",
                            candidate.namespace if candidate else "",
@@ -90,7 +94,7 @@ class SqliteJobs(SqliteConnection, JobStore, ClaimStore):
         return await self._run(op)
 
     async def claim(self, namespace: str, key: str, holder: str, lease_s: float,
-                    now: float) -> Claim:
+                    now: float, *, max_records: int | None = None) -> Claim:
         lease_s = clamp_ttl(lease_s, MAX_CLAIM_LEASE_S)
 
         def op(c: sqlite3.Connection) -> Claim:
@@ -99,6 +103,8 @@ class SqliteJobs(SqliteConnection, JobStore, ClaimStore):
                                 "AND key=?", (namespace, key)).fetchone()
                 if row is not None and row[0] != holder and row[1] > now:
                     return Claim(False, row[0], row[1])
+                if row is None or row[1] <= now:  # a new claim, not a renewal
+                    _require_room(c, namespace, now, max_records)
                 c.execute("INSERT OR REPLACE INTO claims (namespace, key, holder, expires_at) "
                           "VALUES (?, ?, ?, ?)", (namespace, key, holder, now + lease_s))
                 return Claim(True, holder, now + lease_s)
@@ -116,6 +122,18 @@ class SqliteJobs(SqliteConnection, JobStore, ClaimStore):
                 return True
 
         return await self._run(op)
+
+
+def _require_room(c: sqlite3.Connection, namespace: str, now: float,
+                  cap: int | None) -> None:
+    """Refuse a new record once the namespace's live resolutions and claims reach `cap`."""
+    if cap is None:
+        return
+    live = c.execute("SELECT (SELECT COUNT(*) FROM resolutions WHERE namespace = ? AND "
+                     "expires_at > ?) + (SELECT COUNT(*) FROM claims WHERE namespace = ? "
+                     "AND expires_at > ?)", (namespace, now, namespace, now)).fetchone()[0]
+    if live >= cap:
+        raise records_full(namespace, cap)
 
 
 def _resolution(ids: tuple[str, str, int, str], row: tuple[Any, ...]) -> Resolution:

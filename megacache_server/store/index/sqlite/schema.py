@@ -131,6 +131,22 @@ CREATE TABLE IF NOT EXISTS held_blobs (
     until    REAL NOT NULL
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS held_blobs_by_until ON held_blobs (until);
+CREATE TABLE IF NOT EXISTS pending_holds (
+    namespace   TEXT NOT NULL,
+    hold_id     TEXT NOT NULL,
+    size        INTEGER NOT NULL,
+    expires_at  REAL NOT NULL,
+    PRIMARY KEY (namespace, hold_id)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS rate_buckets (
+    bucket  TEXT PRIMARY KEY,
+    tokens  REAL NOT NULL,
+    at      REAL NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS sequences (
+    key       TEXT PRIMARY KEY,
+    sequence  INTEGER NOT NULL
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS claims (
     namespace   TEXT NOT NULL,
     key         TEXT NOT NULL,
@@ -264,6 +280,7 @@ def create(conn: sqlite3.Connection, path: Path) -> None:
             for statement in _statements(script):
                 conn.execute(statement)
     _add_counters(conn)
+    _add_columns(conn, "quarantine", {"reporter_namespace": "TEXT NOT NULL DEFAULT ''"})
     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
 
@@ -271,10 +288,16 @@ def _add_counters(conn: sqlite3.Connection) -> None:
     """Counters added to the rollups after a file was made (the job counters), as columns
     of zeros."""
     for table in ("rollup_hourly", "rollup_daily", "rollup_total"):
-        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-        for column in rollups.COUNTERS:
-            if have and column not in have:
-                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} REAL NOT NULL DEFAULT 0")
+        _add_columns(conn, table, dict.fromkeys(rollups.COUNTERS, "REAL NOT NULL DEFAULT 0"))
+
+
+def _add_columns(conn: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:
+    """Columns added to a table (where it exists) after a file was made, with their
+    declarations."""
+    have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+    for column, declaration in columns.items():
+        if have and column not in have:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
 
 
 def _statements(script: str) -> list[str]:

@@ -36,10 +36,11 @@ class SqliteTrust(SqliteConnection, TrustStore):
         def op(c: sqlite3.Connection) -> None:
             with transaction(c, immediate=True):
                 c.execute("""INSERT INTO quarantine (digest, reason, detail, reporter, at, size,
-                               namespaces, withdrawn) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
+                               namespaces, withdrawn, reporter_namespace)
+                             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                           (record.digest, record.reason, record.detail, record.reporter,
                            record.at, record.size, json.dumps(list(record.namespaces)),
-                           json.dumps(list(record.withdrawn))))
+                           json.dumps(list(record.withdrawn)), record.reporter_namespace))
                 c.execute("INSERT INTO quarantine_counts VALUES (?, 1) ON CONFLICT (reason) "
                           "DO UPDATE SET count = count + 1", (record.reason,))
                 if record.digest:
@@ -53,13 +54,14 @@ class SqliteTrust(SqliteConnection, TrustStore):
     async def quarantines(self, *, namespace: str | None, limit: int
                           ) -> list[QuarantineRecord]:
         rows = await self._rows(
-            "SELECT digest, reason, detail, reporter, at, size, namespaces, withdrawn "
-            "FROM quarantine ORDER BY id DESC LIMIT ?", (MAX_QUARANTINE_RECORDS,))
+            "SELECT digest, reason, detail, reporter, at, size, namespaces, withdrawn, "
+            "reporter_namespace FROM quarantine ORDER BY id DESC LIMIT ?",
+            (MAX_QUARANTINE_RECORDS,))
         found = []
-        for digest, reason, detail, reporter, at, size, namespaces, withdrawn in rows:
+        for digest, reason, detail, reporter, at, size, namespaces, withdrawn, rns in rows:
             record = QuarantineRecord(digest, reason, detail, reporter, at, int(size),
                                       tuple(json.loads(namespaces)),
-                                      tuple(json.loads(withdrawn)))
+                                      tuple(json.loads(withdrawn)), rns)
             if namespace is None or namespace in record.namespaces:
                 found.append(record)
                 if len(found) >= limit:

@@ -7,7 +7,7 @@ out[1] = #keys
 for _, key in ipairs(keys) do
   local f = redis.call('HMGET', p .. 'entry:' .. key, 'model', 'namespace', 'env', 'hw',
                        'digests', 'size', 'created_at', 'updated_at', 'last_access', 'pinned',
-                       'manifest', 'etag')
+                       'manifest', 'etag', 'provenance')
   if f[1] and (ns == '' or (f[2] or 'default') == ns) and (env == '' or f[3] == env)
       and (hw == '' or f[4] == hw) then
     out[#out + 1] = key

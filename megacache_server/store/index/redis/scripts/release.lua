@@ -7,4 +7,5 @@ if cur[1] and cur[1] ~= holder and tonumber(cur[2]) > now then
   return 0
 end
 redis.call('DEL', ck)
+redis.call('ZREM', p .. 'jobrecs:' .. ARGV[2], ck)
 return 1

@@ -1,0 +1,483 @@
+"""The hostile harness, driven by the code: every route the app serves, attacked.
+
+The routes come from the app itself (`served(app.router.routes)`, which the wire test holds
+equal to `megacache_client.wire.routes.ROUTES`), and `CASES` must name each one: a new route
+without a case fails `test_every_route_the_app_serves_has_a_hostile_case`. Every case is
+then sent, through a real server on each backend pair, with auth on:
+
+- no token, a token without the route's scope, and a %-encoded token (in the header, the
+  query and the path): 401 / 403, never the answer;
+- another tenant's ids (its keys, blobs, job and holder ids): nothing of it is seen or
+  changed (404 / 403, or the caller's own namespace's answer);
+- bodies over their limit and bodies that never end: 411 / 413 within seconds (routes that
+  take no body answer as usual, without reading it);
+- NaN, infinities and huge numbers in every JSON field and query parameter that takes a
+  number: 422.
+
+Each answer is a clear 4xx (a JSON error, where the answer has a body) or the route's own
+answer, never a 5xx; and at the end the server's log holds no traceback and no token, the
+victim's data is as it was, and the attacker's own namespace holds nothing the attacks
+stored. tests/test_hostile_input.py, test_bad_input.py and test_schema_fuzz.py keep their
+deeper cases (ranges, stalled uploads, schema fuzzing); this file covers the breadth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import BACKENDS, _configured, backend_args
+from helpers import LOOPBACK, ServerProcess, make_fingerprint, make_manifest, sha256
+
+from megacache_server.api.app import create_app
+from megacache_server.api.route_table import served
+from megacache_server.settings import Settings
+
+MAX_BLOB = 1024 * 1024
+NUMBERS = ("NaN", "Infinity", "-Infinity", "1e999", "9" * 5000)
+"""What a number is replaced with, as raw JSON text or a query value."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """How to call one route: the scope it needs ("public": none), its body, where it takes
+    numbers, and what another tenant's ids get (the status, and why when it is not 4xx)."""
+
+    scope: str
+    target: str  # the path with {key} / {digest} left to fill, and any query
+    body: str = ""  # "", "blob", "manifest", "event", or the name of a JSON body in BODIES
+    numbers: tuple[str, ...] = ()  # JSON fields, or "?param" query parameters
+    other: int = 404  # the status another tenant's ids get
+    limit: int = 0  # the body limit in bytes (413 past it)
+
+
+BODIES: dict[str, dict[str, Any]] = {
+    "resolve": {"job": "attack", "attempt": 0, "ttl_s": 60.0},
+    "claim": {"holder": "attacker", "lease_s": 60.0},
+    "report_blob": {"kind": "digest", "detail": "attack"},
+    "report_entry": {"kind": "load", "detail": "attack"},
+}
+EVENT = {"key": "b" * 64, "model": "attack", "outcome": "hit", "compile_s": 1.0,
+         "cold_compile_s": 30.0, "saved_s": 29.0, "bytes_down": 10}
+
+CASES: dict[tuple[str, str], Case] = {
+    ("PUT", "/v1/cas/{digest}"): Case("write", "/v1/cas/{digest}", "blob", other=400,
+                                      limit=MAX_BLOB),
+    ("HEAD", "/v1/cas/{digest}"): Case("read", "/v1/cas/{digest}"),
+    ("GET", "/v1/cas/{digest}"): Case("read", "/v1/cas/{digest}"),
+    ("POST", "/v1/cas/{digest}/report"): Case("read", "/v1/cas/{digest}/report", "report_blob",
+                                              limit=4096),
+    ("PUT", "/v1/ac/{key}"): Case("write", "/v1/ac/{key}", "manifest",
+                                  ("cold_compile_s", "artifact_counts.inductor",
+                                   "blobs.0.size"), other=403, limit=64 * 1024),
+    ("GET", "/v1/ac/{key}"): Case("read", "/v1/ac/{key}"),
+    ("GET", "/v1/ac"): Case("read", "/v1/ac?namespace={namespace}", numbers=("?limit",),
+                            other=403),
+    ("DELETE", "/v1/ac/{key}"): Case("admin", "/v1/ac/{key}"),
+    ("PUT", "/v1/ac/{key}/pin"): Case("admin", "/v1/ac/{key}/pin"),
+    ("DELETE", "/v1/ac/{key}/pin"): Case("admin", "/v1/ac/{key}/pin"),
+    ("POST", "/v1/ac/{key}/report"): Case("read", "/v1/ac/{key}/report", "report_entry",
+                                          limit=4096),
+    # the attacker's own namespace's record of the key: a miss (it cannot see the entry)
+    ("POST", "/v1/ac/{key}/resolve"): Case("read", "/v1/ac/{key}/resolve", "resolve",
+                                           ("attempt", "ttl_s"), limit=4096),
+    # claims are the caller's namespace's: the attacker claims its own key, the victim's
+    # claim of the same key stands (checked at the end)
+    ("POST", "/v1/ac/{key}/claim"): Case("write", "/v1/ac/{key}/claim", "claim",
+                                         ("lease_s",), other=200, limit=4096),
+    ("DELETE", "/v1/ac/{key}/claim"): Case("write", "/v1/ac/{key}/claim?holder={holder}",
+                                           other=204),
+    # recorded in the attacker's namespace whatever it names (the victim's stats unchanged)
+    ("POST", "/v1/events"): Case("write", "/v1/events", "event",
+                                 ("compile_s", "saved_s", "bytes_down"), other=202,
+                                 limit=16 * 1024),
+    ("GET", "/v1/stats"): Case("read", "/v1/stats", numbers=("?since_hours",), other=200),
+    ("GET", "/v1/jobs"): Case("read", "/v1/jobs", numbers=("?limit",), other=200),
+    ("GET", "/v1/quarantine"): Case("read", "/v1/quarantine", numbers=("?limit",),
+                                    other=200),
+    ("GET", "/v1/whoami"): Case("read", "/v1/whoami", other=200),
+    ("GET", "/metrics"): Case("metrics", "/metrics", other=200),
+    ("GET", "/v1/dashboard"): Case("read", "/v1/dashboard", numbers=("?hours",), other=200),
+    ("GET", "/"): Case("public", "/", other=200),
+    ("GET", "/healthz"): Case("public", "/healthz", other=200),
+    ("GET", "/readyz"): Case("public", "/readyz", other=200),
+    ("GET", "/docs"): Case("public", "/docs", other=200),
+    ("GET", "/openapi.json"): Case("public", "/openapi.json", other=200),
+    ("MOUNT", "/docs/assets"): Case("public", "/docs/assets/swagger-ui.css", other=200),
+}
+
+
+def test_every_route_the_app_serves_has_a_hostile_case(tmp_path: Path) -> None:
+    app = create_app(Settings(data_dir=tmp_path))
+    routes = {(method, path) for method, path, _ in served(app.router.routes)}
+    assert routes - CASES.keys() == set(), "routes without a hostile case in CASES"
+    assert CASES.keys() - routes == set(), "cases of routes the app no longer serves"
+
+
+def _method(route: tuple[str, str]) -> str:
+    return "GET" if route[0] == "MOUNT" else route[0]
+
+
+ROUTES = sorted(CASES)
+BODY_ROUTES = [r for r in ROUTES if CASES[r].body]
+GUARDED = [r for r in ROUTES if CASES[r].scope != "public"]
+
+
+# -- the server, the victim and the attacker ---------------------------------------------
+@pytest.fixture(scope="module", params=BACKENDS)
+def hostile(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[ServerProcess]:
+    args, env = backend_args(request.param, request)
+    proc = _configured(ServerProcess(
+        tmp_path_factory.mktemp("hostile") / "data", *args, "--auth",
+        "--max-blob-size", str(MAX_BLOB), log_level="info",
+        env={**env, "MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_REPORT_BURST": "1000",
+             "MEGACACHE_UPLOAD_IDLE_TIMEOUT_S": "5", "MEGACACHE_MIN_UPLOAD_GRACE_S": "3"}),
+        request.param, args).start()
+    yield proc
+    proc.stop()
+
+
+@dataclass
+class World:
+    """The victim's objects (what the attacker aims at) and the attacker's tokens."""
+
+    server: ServerProcess
+    victim: str
+    secret_model: str
+    key: str
+    digest: str
+    manifest: bytes
+    job: str = "victim-job"
+    holder: str = "victim-holder"
+    tokens: dict[str, str] = field(default_factory=dict)  # scope set -> attacker's token
+    victim_token: str = ""
+    attacker: str = ""
+
+    def fill(self, target: str, **extra: str) -> str:
+        return target.format(key=self.key, digest=self.digest, holder=self.holder,
+                             namespace=self.victim, **extra)
+
+    def token_for(self, scope: str) -> str:
+        """An attacker's token that holds `scope` (a reader for the public routes)."""
+        return self.tokens[{"read": "read", "write": "read,write", "admin": "admin",
+                            "metrics": "read", "public": "read"}[scope]]
+
+    def token_without(self, scope: str) -> str:
+        """An attacker's token that lacks `scope` (and admin)."""
+        return self.tokens[{"read": "write", "write": "read", "admin": "read,write",
+                            "metrics": "write", "public": "write"}[scope]]
+
+
+@pytest.fixture(scope="module")
+def world(hostile: ServerProcess) -> World:
+    n = os.urandom(3).hex()
+    victim, attacker = f"victim-{n}", f"attacker-{n}"
+    token = hostile.token("read,write,admin", namespace=victim, name=f"v-{n}")
+    auth = {"authorization": f"Bearer {token}"}
+    data = os.urandom(5000)
+    secret_model = f"secret-model-{n}"
+    m = make_manifest({"megacache": data}, make_fingerprint(model=secret_model,
+                                                            namespace=victim))
+    with httpx.Client(base_url=hostile.url, headers=auth, timeout=30) as c:
+        assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+        assert c.put(f"/v1/ac/{m.key}", content=m.to_json()).status_code == 201
+        assert c.post("/v1/events", json={**EVENT, "model": secret_model}).status_code == 202
+        assert c.post(f"/v1/ac/{m.key}/resolve", json={"job": "victim-job"}).status_code \
+            == 200
+        assert c.post(f"/v1/ac/{m.key}/claim", json={"holder": "victim-holder"}) \
+            .status_code == 200
+    w = World(hostile, victim, secret_model, m.key, sha256(data), m.to_json(),
+              victim_token=token, attacker=attacker)
+    for scopes in ("read", "write", "read,write", "admin"):
+        w.tokens[scopes] = hostile.token(scopes, namespace=attacker,
+                                         name=f"a-{scopes.replace(',', '-')}-{n}")
+    return w
+
+
+# -- sending ---------------------------------------------------------------------------
+def _exchange(port: int, method: str, target: str, headers: dict[str, str],
+              body: bytes | None = None, *, endless: bool = False,
+              deadline_s: float = 15.0) -> tuple[int, dict[str, str], bytes, float]:
+    """One request over a raw socket, the answer read while the body is still going out
+    (a server that answers early and closes must not be missed): (status, headers, body,
+    seconds). An `endless` body is chunked and never ends (up to 256 MiB)."""
+    head = [f"{method} {target} HTTP/1.1", f"Host: {LOOPBACK}", "Connection: close",
+            *(f"{k}: {v}" for k, v in headers.items())]
+    if endless:
+        head.append("Transfer-Encoding: chunked")
+        piece = b"{" * 65536
+        out: Iterator[bytes] = (b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(4096))
+    else:
+        out = iter([body] if body else [])
+    started = time.monotonic()
+    answer = b""
+    with socket.create_connection((LOOPBACK, port), timeout=deadline_s) as s:
+        s.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        pending = b""
+        while time.monotonic() - started < deadline_s:
+            ready, writable, _ = select.select([s], [s] if pending or out else [], [], 0.2)
+            if ready:
+                try:
+                    got = s.recv(1 << 20)
+                except ConnectionResetError:
+                    break
+                if not got:
+                    break
+                answer += got
+                if _complete(answer, method):
+                    break
+                continue
+            if writable:
+                if not pending:
+                    pending = next(out, b"")
+                    if not pending:
+                        out = iter(())
+                        continue
+                try:
+                    pending = pending[s.send(pending):]
+                except (BrokenPipeError, ConnectionResetError):
+                    out, pending = iter(()), b""
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.1 "), (method, target, answer[:300])
+    raw_headers, _, content = rest.partition(b"\r\n\r\n")
+    parsed = {k.strip().lower(): v.strip() for k, _, v in
+              (line.decode("latin-1").partition(":") for line in raw_headers.split(b"\r\n"))}
+    return int(status_line.split()[1]), parsed, content, time.monotonic() - started
+
+
+def _complete(answer: bytes, method: str) -> bool:
+    head, sep, content = answer.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    if method == "HEAD":
+        return True
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(content) >= int(value)
+    return False  # no length: read until the server closes
+
+
+def _send(w: World, route: tuple[str, str], *, token: str | None,
+          target: str | None = None, body: bytes | None = None, endless: bool = False,
+          headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes, float]:
+    case = CASES[route]
+    sent = dict(headers or {})
+    if token is not None:
+        sent["authorization"] = f"Bearer {token}"
+    if body is None and not endless and case.body:
+        body = _valid_body(w, case)
+    if body is not None:
+        sent.setdefault("content-type", "application/json")
+        sent.setdefault("content-length", str(len(body)))
+    return _exchange(w.server.port, _method(route), target or w.fill(case.target), sent,
+                     body, endless=endless)
+
+
+def _valid_body(w: World, case: Case) -> bytes:
+    """A body the route would take (aimed at the victim's ids where it names any)."""
+    if case.body == "blob":
+        return b"not the victim's bytes"
+    if case.body == "manifest":
+        return w.manifest
+    if case.body == "event":
+        return json.dumps({**EVENT, "model": w.secret_model}).encode()
+    return json.dumps({**BODIES[case.body], "job": w.job} if case.body == "resolve"
+                      else {**BODIES[case.body], "holder": w.holder} if case.body == "claim"
+                      else BODIES[case.body]).encode()
+
+
+def _clear_4xx(status: int, headers: dict[str, str], content: bytes, method: str,
+               *expected: int) -> None:
+    assert status in expected, (status, content[:300])
+    if 400 <= status < 500 and method != "HEAD":
+        assert headers.get("content-type") == "application/json", (status, headers)
+        assert json.loads(content)["error"]["message"]
+
+
+# -- the attacks -----------------------------------------------------------------------
+@pytest.mark.parametrize("route", GUARDED, ids=lambda r: f"{r[0]} {r[1]}")
+def test_no_token_is_401(world: World, route: tuple[str, str]) -> None:
+    status, headers, content, _ = _send(world, route, token=None)
+    _clear_4xx(status, headers, content, _method(route), 401)
+
+
+@pytest.mark.parametrize("route", GUARDED, ids=lambda r: f"{r[0]} {r[1]}")
+def test_a_token_without_the_scope_is_403(world: World, route: tuple[str, str]) -> None:
+    status, headers, content, _ = _send(world, route,
+                                        token=world.token_without(CASES[route].scope))
+    _clear_4xx(status, headers, content, _method(route), 403)
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: f"{r[0]} {r[1]}")
+def test_a_percent_encoded_token_is_no_token(world: World, route: tuple[str, str]) -> None:
+    """`%5F` for `_`, or the whole token %-encoded, in the header (not a token: 401), in
+    the query and in the path (where no token is read); none of them reaches the log."""
+    token = world.token_for(CASES[route].scope)
+    spelled = ["".join(f"%{b:02X}" for b in token.encode()), token.replace("_", "%5F")]
+    public = CASES[route].scope == "public"
+    for written in spelled:
+        status, headers, content, _ = _send(world, route, token=written)
+        _clear_4xx(status, headers, content, _method(route), 200 if public else 401)
+        target = world.fill(CASES[route].target)
+        target += ("&" if "?" in target else "?") + f"token={written}&tok%65n={written}"
+        status, headers, content, _ = _send(world, route, token=None, target=target)
+        _clear_4xx(status, headers, content, _method(route), 200 if public else 401)
+    status, _, _, _ = _send(world, route, token=None, target=f"/v1/ac/{spelled[0]}")
+    assert status in (400, 401, 404, 405), status
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: f"{r[0]} {r[1]}")
+def test_another_tenants_ids_show_and_change_nothing_of_it(world: World,
+                                                           route: tuple[str, str]) -> None:
+    case = CASES[route]
+    status, headers, content, _ = _send(world, route, token=world.token_for(case.scope))
+    _clear_4xx(status, headers, content, _method(route), case.other)
+    asked = world.fill(case.target).encode() + (_valid_body(world, case) if case.body else b"")
+    for secret in (world.victim, world.secret_model, world.holder):
+        if secret.encode() not in asked:  # an answer may name what the caller sent
+            assert secret.encode() not in content, (route, secret, content[:300])
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: f"{r[0]} {r[1]}")
+def test_an_oversized_body_is_413_before_it_is_read(world: World,
+                                                    route: tuple[str, str]) -> None:
+    """A body one byte over the route's limit (1 MiB of junk where the route takes none:
+    answered as usual, unread)."""
+    case = CASES[route]
+    body = b"x" * (case.limit + 1 if case.body else MAX_BLOB)
+    status, headers, content, took = _send(world, route, token=world.token_for(case.scope),
+                                           body=body)
+    assert took < 10, took
+    if case.body:
+        _clear_4xx(status, headers, content, _method(route), 413)
+    else:
+        assert status < 500 and status == _send(
+            world, route, token=world.token_for(case.scope))[0], (status, content[:200])
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: f"{r[0]} {r[1]}")
+def test_a_body_that_never_ends_is_cut_off(world: World, route: tuple[str, str]) -> None:
+    """Chunked and endless: 411 where a length is required, 413 where the route reads a
+    small body; a route that takes no body answers without reading it. Within seconds."""
+    case = CASES[route]
+    status, headers, content, took = _send(world, route, token=world.token_for(case.scope),
+                                           endless=True)
+    assert took < 10, took
+    if case.body:
+        _clear_4xx(status, headers, content, _method(route), 411, 413)
+    else:
+        assert status < 500, (status, content[:200])
+
+
+def _with_number(document: Any, path: str, raw: str) -> str:
+    """`document` as JSON text with the number at `path` (dotted; list indexes as digits)
+    replaced by `raw` (NaN, Infinity, 1e999, five thousand digits)."""
+    marker = "__NUMBER__"
+    node = document
+    *parents, last = path.split(".")
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if isinstance(node, list):
+        node[int(last)] = marker
+    else:
+        node[last] = marker
+    return json.dumps(document).replace(f'"{marker}"', raw)
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: f"{r[0]} {r[1]}")
+def test_nan_and_huge_numbers_are_422(world: World, route: tuple[str, str]) -> None:
+    """In every JSON field and query parameter the route takes as a number (413 where five
+    thousand digits pass a small body's limit); a route that takes none answers as usual
+    with such parameters added."""
+    case = CASES[route]
+    token = world.token_for(case.scope)
+    if not case.numbers:
+        target = world.fill(case.target)
+        target += ("&" if "?" in target else "?") + "limit=NaN&hours=1e999&ttl_s=" + "9" * 5000
+        status, _, content, _ = _send(world, route, token=token, target=target)
+        assert status < 500 and status == _send(world, route, token=token)[0], content[:200]
+        return
+    for where in case.numbers:
+        for raw in NUMBERS:
+            if where.startswith("?"):
+                target = world.fill(case.target.replace("?namespace={namespace}", ""))
+                target += ("&" if "?" in target else "?") + f"{where[1:]}={raw}"
+                status, headers, content, _ = _send(world, route, token=token, target=target)
+            else:
+                own = json.loads(_own_body(world, case))
+                body = _with_number(own, where, raw).encode()
+                status, headers, content, _ = _send(world, route, token=token, body=body)
+            _clear_4xx(status, headers, content, _method(route), 400, 413, 422)
+
+
+def _own_body(w: World, case: Case) -> bytes:
+    """A body of the attacker's own namespace, valid but for the number under attack."""
+    if case.body == "manifest":
+        m = json.loads(w.manifest)
+        m["fingerprint"]["namespace"] = w.attacker
+        return json.dumps(m).encode()
+    return _valid_body(w, case)
+
+
+# -- what is left after the attacks ----------------------------------------------------
+def test_after_every_attack_the_victim_is_whole_and_nothing_was_stored(
+        world: World) -> None:
+    """Runs last in this file (pytest keeps file order): the victim's entry, blob, job
+    resolution, claim and stats are as they were; the attacker's namespace holds no entry,
+    no blob, no quarantine; no traceback and no token in the server's log."""
+    server = world.server
+    victim = {"authorization": f"Bearer {world.victim_token}"}
+    with httpx.Client(base_url=server.url, headers=victim, timeout=30) as c:
+        assert c.get(f"/v1/ac/{world.key}").content == world.manifest
+        assert sha256(c.get(f"/v1/cas/{world.digest}").content) == world.digest
+        again = c.post(f"/v1/ac/{world.key}/resolve", json={"job": world.job})
+        assert again.status_code == 200 and again.content == world.manifest
+        held = c.post(f"/v1/ac/{world.key}/claim", json={"holder": "someone-else"})
+        assert held.status_code == 409 and held.json()["error"]["holder"] == world.holder
+        assert c.get("/v1/stats").json()["total"]["runs"] == 1
+        assert c.get("/v1/quarantine").json()["quarantined"] == []
+    attacker = {"authorization": f"Bearer {world.tokens['read']}"}
+    with httpx.Client(base_url=server.url, headers=attacker, timeout=30) as c:
+        assert c.get("/v1/ac", params={"limit": 1000}).json() == {"entries": []}
+        assert c.get("/v1/quarantine").json()["quarantined"] == []
+        assert c.head(f"/v1/cas/{sha256(b'not the victim' + b's bytes')}").status_code == 404
+    deadline = time.monotonic() + 5
+    while "GET /v1/quarantine" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = server.log()
+    assert "Traceback" not in log, log[-3000:]
+    for token in (*world.tokens.values(), world.victim_token):
+        assert token.split("_", 2)[2] not in log
+
+
+def test_the_threat_model_names_only_tests_that_exist() -> None:
+    """docs/security.md's tables name the test proving each protection: each must exist
+    (`file.py::test_name`, or `…::test_name` for the file named before it)."""
+    import ast
+    import re
+
+    tests = Path(__file__).resolve().parent
+    doc = (tests.parent / "docs" / "security.md").read_text()
+    named: list[tuple[str, str]] = []
+    current = ""
+    for file, name in re.findall(r"`(?:(test_\w+\.py)|…)::(test_\w+)`", doc):
+        current = file or current
+        named.append((current, name))
+    assert len(named) >= 20, named
+    missing = []
+    for file, name in named:
+        tree = ast.parse((tests / file).read_text())
+        if name not in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}:
+            missing.append(f"{file}::{name}")
+    assert not missing, missing
