@@ -23,6 +23,7 @@ from jobs import GxxCounter, Machine
 from prometheus_client.parser import text_string_to_metric_families
 
 from megacache_client.config import ClientConfig
+from megacache_client.job import JobIdentity
 from megacache_client.results import LoadResult, Snapshot, Track
 from megacache_client.steps.fetch import find_entry
 from megacache_client.steps.nodecache import NodeCache
@@ -448,6 +449,14 @@ def test_a_consumer_that_trusts_some_writers_falls_back_to_their_newest_entry(te
     r = team.reader.post(f"/v1/ac/{fp.key()}/resolve",
                          json={"job": "anyone", "fallback": rule})
     assert r.json()["key"] == written["trainer"]  # no policy: the newest, whoever wrote it
+    # the client's job resolution sends its policy in the rule
+    config = ClientConfig(url=server.url, token=team.reader.headers["authorization"][7:],
+                          namespace=ns, trusted_writers="ci-*").validated()
+    result = LoadResult()
+    with RemoteCache(config) as remote:
+        got = find_entry(remote, wanted, result, True, job=JobIdentity(job_id="client-job"))
+    assert result.outcome == "fallback" and got is not None, result
+    assert got.key == written["ci-main"]
 
 
 def test_whoami_says_who_the_caller_is(team: Team):

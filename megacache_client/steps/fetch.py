@@ -133,8 +133,12 @@ def _find_entry(remote: RemoteCache, fp: Fingerprint, result: LoadResult, fallba
 def _resolve_for_job(remote: RemoteCache, fp: Fingerprint, result: LoadResult,
                      fallback: bool, job: JobIdentity) -> ServedEntry | None:
     assert job.job_id is not None
-    rule = {"namespace": fp.namespace, "model": fp.model, "env": component_digest(fp.env),
-            "hw": component_digest(fp.hw)} if fallback else None
+    rule: dict[str, str] | None = None
+    if fallback:  # the server picks the stand-in: by our rule, and of a writer we trust
+        rule = {"namespace": fp.namespace, "model": fp.model, "env": component_digest(fp.env),
+                "hw": component_digest(fp.hw)}
+        if remote.config.trusted_writers:
+            rule["writers"] = remote.config.trusted_writers
     got = remote.resolve_entry(fp.key(), job=job.job_id, attempt=job.attempt,
                                ttl_s=RESOLUTION_TTL_S, fallback=rule)
     whose = f"job {job.job_id} attempt {job.attempt}"

@@ -7,6 +7,7 @@ record, and the entry a resolution offers is only one this caller may read.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import time
@@ -95,7 +96,7 @@ class Jobs:
         """Who wrote the version a job attempt resolved to, while that version is still the
         entry ("" once it was replaced or removed: a reader that needs a trusted writer
         then compiles)."""
-        entry = await self.index.get(done.key, touch=False)
+        entry = await self.index.get(served_key(done), touch=False)
         return entry.provenance if entry is not None and entry.etag == done.etag else ""
 
     async def _fallback(self, principal: Principal, rule: FallbackRule) -> StoredEntry | None:
@@ -156,3 +157,13 @@ def require_seconds(value: object, limit: float, what: str) -> float:
                             f"{limit:g}", code=f"invalid_{what.removesuffix('_s')}",
                             limit=limit)
     return float(value)
+
+
+def served_key(done: Resolution) -> str:
+    """The key of the entry a resolution serves: the key asked, or, for a fallback, the
+    stand-in's (its provenance is the stand-in's, not the missing key's)."""
+    try:
+        key = json.loads(done.manifest_json)["key"]
+    except (ValueError, KeyError, TypeError):
+        return done.key
+    return key if isinstance(key, str) else done.key
