@@ -3,6 +3,7 @@ that, the client's top level stays small, and no module grows past what one read
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -36,8 +37,10 @@ def test_the_readme_layout_names_every_module_and_folder() -> None:
 
 def test_every_file_and_folder_the_layout_names_exists() -> None:
     names = re.findall(r"(?<![\w/])([A-Za-z0-9_.]+(?:\.py|/))", _layout_block())
-    present = {p.name for p in ROOT.rglob("*") if ".git" not in p.parts and ".venv" not in
-               p.parts} | {p.name + "/" for p in ROOT.rglob("*") if p.is_dir()}
+    present: set[str] = set()
+    for _folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .venv
+        present |= set(files) | {d + "/" for d in dirs}
     absent = sorted({n for n in names if n not in present})
     assert not absent, f"the README's Layout names what is not in the tree: {absent}"
 
