@@ -241,6 +241,9 @@ class LocalSeaweedS3(_LocalService):
         self._spawn([*niced, exe, "mini", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-dir={data}",
                      f"-s3.port={self.port}", *(f"{k}={v}" for k, v in ports.items()),
                      "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
+                     # a bucket is a collection with volumes of its own: the default
+                     # slots ran out after ~77 buckets (a suite's servers), then PUTs failed
+                     "-volume.max=2000", "-master.volumeSizeLimitMB=64",
                      "-s3.port.iceberg=0", "-s3.port.lance=0"],
                     "weed", self._ready, timeout)
         return self
