@@ -45,6 +45,26 @@ def test_an_older_version_than_the_node_has_seen_is_refused(tmp_path: Path) -> N
     assert _gate(tmp_path / "other").entry(key, body, older).key == key
 
 
+def test_a_version_pinned_for_this_job_attempt_may_be_older_than_one_seen(
+        tmp_path: Path) -> None:
+    """Ranks of one attempt load the version it resolved to even after a newer one was
+    published (and seen by this node); only an answer pinned for this attempt may be
+    older: the same manifest as a plain lookup, or pinned for another attempt, is refused."""
+    body, newer = _answer(7)
+    key = json.loads(body)["key"]
+    assert _gate(tmp_path).entry(key, body, newer).key == key
+    _, pinned = _answer(5)
+    record = json.loads(pinned[headers.PROVENANCE])
+    pinned[headers.PROVENANCE] = json.dumps(record | {"resolved_for": {"job": "j", "attempt": 0}})
+    assert _gate(tmp_path).entry(key, body, pinned, job=("j", 0)).key == key
+    for job in (None, ("j", 1), ("k", 0)):
+        with pytest.raises(UntrustedEntryError, match="older than version 7"):
+            _gate(tmp_path).entry(key, body, pinned, job=job)
+    # an answer pinned for the attempt does not lower what the node has seen
+    with pytest.raises(UntrustedEntryError, match="older than version 7"):
+        _gate(tmp_path).entry(key, body, _answer(6)[1])
+
+
 def test_the_writer_policy_and_the_key_are_checked(tmp_path: Path) -> None:
     body, answer = _answer(1, writer="trainer-x")
     key = json.loads(body)["key"]

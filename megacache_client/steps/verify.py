@@ -81,11 +81,12 @@ class Gate:
 
     # -- entries ------------------------------------------------------------------------
     def entry(self, asked: str, body: bytes, headers: Mapping[str, str], *,
-              fallback: bool = False) -> ServedEntry:
+              fallback: bool = False, job: tuple[str, int] | None = None) -> ServedEntry:
         """What the server answered for `asked`, refused (UntrustedEntryError,
         UntrustedWriterError) unless every check passes. `fallback`: the server may answer
         with another key's manifest, chosen for this one (the signature covers the key
-        asked)."""
+        asked). `job`: the (job, attempt) whose resolution this answers: a version pinned
+        for it (its provenance says so) may be older than one this node has seen."""
         etag = headers.get("etag", "")
         provenance = headers.get(wire_headers.PROVENANCE)
         self._check_signature(asked, body, headers, provenance)
@@ -97,7 +98,8 @@ class Gate:
         if manifest.key != asked and not fallback:
             raise UntrustedEntryError(f"asked for entry {asked[:12]}…, the server answered "
                                       f"with the manifest of {manifest.key[:12]}…: refusing it")
-        self.seen.check(manifest.key, sequence_of(provenance))
+        if job is None or resolved_for(provenance) != job:
+            self.seen.check(manifest.key, sequence_of(provenance))
         return ServedEntry(manifest, etag, provenance, asked)
 
     def _check_signature(self, asked: str, body: bytes, headers: Mapping[str, str],
@@ -159,6 +161,15 @@ def sequence_of(provenance: str | None) -> int | None:
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
         else None
+
+
+def resolved_for(provenance: str | None) -> tuple[str, int] | None:
+    """The job attempt a resolution's answer was pinned for (None: a plain lookup's)."""
+    try:
+        pinned = json.loads(provenance or "{}").get("resolved_for") or {}
+        return str(pinned["job"]), int(pinned["attempt"])
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return None
 
 
 class SeenVersions:

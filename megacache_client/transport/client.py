@@ -196,7 +196,8 @@ class RemoteCache:
                 "the server does not resolve job attempts (an older version): each process "
                 "decided alone", a.status)
         self._expect(a, (200,), "resolve entry")
-        return self.gate.entry(entry_key, a.body, a.headers, fallback=fallback is not None)
+        return self.gate.entry(entry_key, a.body, a.headers, fallback=fallback is not None,
+                               job=(job, attempt))
 
     def claim(self, entry_key: str, *, holder: str, lease_s: float) -> str | None:
         """Claim the publish of `entry_key`: None when granted, else who holds it."""

@@ -88,6 +88,14 @@ def served(provenance: str, namespace: str) -> str:
     return canonical(UNKNOWN | {"namespace": namespace})
 
 
+def resolved_for(provenance: str, job: str, attempt: int) -> str:
+    """A job resolution's answer: the pinned version's provenance, naming the job attempt it
+    was pinned for. The version may be older than the key's newest (replaced after the
+    attempt resolved it); signed with this, a client accepts it for that attempt only, and
+    its rollback check still refuses the same manifest replayed as a plain lookup."""
+    return canonical(json.loads(provenance) | {"resolved_for": {"job": job, "attempt": attempt}})
+
+
 UNKNOWN = {"v": 1, "writer": "", "writer_id": "", "writer_scopes": [], "namespace": "",
            "client_version": None, "job": None, "attempt": None, "replaced": None,
            "written_at": None, "sequence": 0}

@@ -98,8 +98,8 @@ async def resolve(key: Key, request: Request, cache: Reader) -> Response:
             "rank of this attempt compiles it", code="resolved_miss", headers=headers,
             job=done.job, attempt=done.attempt, resolved_at=done.resolved_at,
             expires_at=done.expires_at)
-    written = provenance.served(await cache.resolution_provenance(done),
-                                done.entry_namespace)
+    written = provenance.resolved_for(provenance.served(
+        await cache.resolution_provenance(done), done.entry_namespace), done.job, done.attempt)
     headers |= {"etag": done.etag, **provenance.headers(written), **signature_headers(
         cache.settings, key, done.entry_namespace, done.manifest_json, written)}
     return Response(done.manifest_json, headers=headers, media_type="application/json")
