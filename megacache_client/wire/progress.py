@@ -1,0 +1,88 @@
+"""What a trainer reports of its job's time, for Effective Training Time (ETT).
+
+ETT% = the share of a job's wall time that is training. The client (rank 0 of each attempt)
+sends batches of `ProgressRecord`s in the background to `POST /v1/jobs/{job}/progress`; the
+server keeps them per job and attempt and splits the job's wall time into the categories
+below (`megacache_server.service.ett`). Shared by both sides so they cannot disagree.
+
+The records are facts with timestamps (unix seconds, the trainer's clock), never figures the
+server takes on trust: the server clamps every interval to the attempt's observed span, so a
+lying or broken trainer can spoil only its own job's figures, and no more than its span.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Literal
+
+from megacache_client.wire.schema import Doc, Range, Schema, Size
+
+Timestamp = Annotated[float, Range(1_500_000_000, 4_102_444_800)]
+"""Unix seconds from 2017 to 2100 (finite: the schema refuses NaN and infinities); the
+server also refuses what lies more than `MAX_SKEW_S` ahead of its clock, or further back
+than `MAX_AGE_S`."""
+Duration = Annotated[float, Range(0, 7 * 24 * 3600)]
+Step = Annotated[int, Range(0, 10**12)]
+Attempt = Annotated[int, Range(0, 10**6)]
+
+MAX_SKEW_S = 300.0
+"""A record timestamped further ahead of the server's clock than this is refused (422)."""
+MAX_AGE_S = 30 * 24 * 3600.0
+"""A record older than this (by the server's clock) is refused (422)."""
+MAX_RECORDS = 256
+"""Records in one batch; a client sends more as further batches."""
+HEARTBEAT_S = 10.0
+"""How often rank 0 sends a heartbeat by default (`MEGACACHE_HEARTBEAT_S`)."""
+
+Kind = Literal["start", "training", "heartbeat", "checkpoint_save", "checkpoint_load", "end"]
+KINDS: tuple[Kind, ...] = ("start", "training", "heartbeat", "checkpoint_save",
+                           "checkpoint_load", "end")
+"""- start: the process started (`at`: the process's start time); `allocation_start`: when
+  the scheduler gave the job its resources, where known (`MEGACACHE_JOB_START`,
+  `SLURM_JOB_START_TIME`), on attempt 0.
+- training: the first optimizer step of the attempt ended (`at`); time to start ends here.
+- heartbeat: the process is alive at `at`, having finished `step` optimizer steps.
+- checkpoint_save: a checkpoint of `step` began at `at`; the training loop waited
+  `blocking_s` for it; `background_s` more it was written off the loop (async save), so it
+  is durable at `at + blocking_s + background_s`.
+- checkpoint_load: a restore began at `at` and took `blocking_s`, resuming from `step`.
+- end: the attempt ended at `at`: `reason` finished (the job is done) or failed (a clean
+  exception; a killed process sends nothing: the server takes its last heartbeat).
+"""
+
+Reason = Literal["finished", "failed"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProgressRecord(Schema):
+    """One fact of an attempt's time line."""
+
+    kind: Kind
+    at: Timestamp
+    step: Annotated[Step | None, Doc("optimizer steps finished (heartbeat, checkpoints)")] = None
+    blocking_s: Annotated[Duration | None, Doc("checkpoint_save/load: time the training "
+                                               "loop waited")] = None
+    background_s: Annotated[Duration | None, Doc("checkpoint_save: time spent writing after "
+                                                 "the loop went on (async save)")] = None
+    allocation_start: Annotated[Timestamp | None, Doc("start: when the job's resources "
+                                                      "were allocated")] = None
+    reason: Annotated[Reason | None, Doc("end: finished or failed")] = None
+
+    def validate(self) -> None:
+        needs = {"heartbeat": ("step",), "checkpoint_save": ("step", "blocking_s"),
+                 "checkpoint_load": ("blocking_s",), "end": ("reason",)}.get(self.kind, ())
+        for name in needs:
+            if getattr(self, name) is None:
+                raise ValueError(f"a {self.kind} record needs {name}")
+        if self.allocation_start is not None and self.allocation_start > self.at:
+            raise ValueError("allocation_start cannot be after the process's start")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProgressBatch(Schema):
+    """What rank 0 of an attempt sends at once (the job is the route's `{job}`)."""
+
+    attempt: Attempt
+    records: Annotated[list[ProgressRecord], Size(1, MAX_RECORDS)]
+    model: Annotated[str | None, Size(1, 256), Doc("the model the job trains, for ETT per "
+                                                   "model")] = None
