@@ -58,6 +58,9 @@ class AttemptSplit:
     save_interval: tuple[float, int] | None
     """(seconds from the first to the last save, intervals between them): the mean time
     between saves, summed over attempts before dividing."""
+    save_buckets: tuple[int, ...] = ()
+    """Saves by blocking seconds, as reported (`progress.SAVE_BUCKETS`, then +Inf)."""
+    saves_blocking_s: float = 0.0
 
     @property
     def wall_s(self) -> float:
@@ -250,7 +253,8 @@ def _attempt(a: AttemptProgress, i: int, zone: tuple[float, float],
         time_to_start_s=train - lo if i == 0 and train is not None else None,
         time_to_recover_s=(max(0.0, train - spans[i - 1][1])
                            if i and train is not None else None),
-        saves=a.saves_n, loads=a.loads_n, save_interval=interval)
+        saves=a.saves_n, loads=a.loads_n, save_interval=interval,
+        save_buckets=a.save_buckets, saves_blocking_s=a.saves_blocking_s)
 
 
 def clip(segments: list[Segment], lo: float, hi: float) -> dict[str, float]:

@@ -433,6 +433,10 @@ class EventLog(ABC):
     async def recent_jobs(self, *, namespace: str | None, limit: int) -> list[JobView]:
         """The `limit` jobs that reported last, each with its latest attempts."""
 
+    @abstractmethod
+    async def job_view(self, namespace: str, job: str) -> JobView | None:
+        """One job of `namespace` with its latest attempts; None if it never reported."""
+
 
 class RateStore(ABC):
     """Token buckets shared by every worker and replica: a caller's rate limit holds

@@ -159,22 +159,26 @@ class RedisEvents(RedisConnection, EventLog):
                 found += [(seen, ns, text(job) or "") for job, seen in await self.r.zrevrange(
                     self.keys.jobs(ns), 0, limit - 1, withscores=True)]
             found.sort(key=lambda t: (-t[0], t[2]))
-            out = []
-            for seen, ns, job in found[:limit]:
-                numbers = [int(a) for a in await self.r.zrevrange(
-                    self.keys.job_attempts(ns, job), 0, MAX_VIEW_ATTEMPTS - 1)]
-                records = await self._hashes([self.keys.attempt(ns, job, n) for n in numbers])
-                attempts = []
-                for n, raw in zip(numbers, records, strict=True):
-                    st = _state(raw)
-                    if st is not None:
-                        attempts.append(AttemptRecord(
-                            n, st.model, st.outcome, st.tts_s, st.compile_s, st.reports,
-                            st.world_size, st.first_seen, st.last_seen))
-                out.append(JobView(ns, job, seen, attempts))
-            return out
+            return [await self._view(ns, job, seen) for seen, ns, job in found[:limit]]
 
         return await self._do(op)
+
+    async def job_view(self, namespace: str, job: str) -> JobView | None:
+        async def op() -> JobView | None:
+            seen = await self.r.zscore(self.keys.jobs(namespace), job)
+            return await self._view(namespace, job, float(seen)) if seen is not None else None
+
+        return await self._do(op)
+
+    async def _view(self, ns: str, job: str, seen: float) -> JobView:
+        numbers = [int(a) for a in await self.r.zrevrange(
+            self.keys.job_attempts(ns, job), 0, MAX_VIEW_ATTEMPTS - 1)]
+        records = await self._hashes([self.keys.attempt(ns, job, n) for n in numbers])
+        attempts = [AttemptRecord(n, st.model, st.outcome, st.tts_s, st.compile_s, st.reports,
+                                  st.world_size, st.first_seen, st.last_seen)
+                    for n, raw in zip(numbers, records, strict=True)
+                    if (st := _state(raw)) is not None]
+        return JobView(ns, job, seen, attempts)
 
     async def _admitted(self, namespace: str, event: Event, hour: int, day: int,
                         miss: bool) -> tuple[str, tuple[str, str]]:

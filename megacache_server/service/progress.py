@@ -1,0 +1,111 @@
+"""Job progress in (`POST /v1/jobs/{job}/progress`), Effective Training Time out.
+
+A batch is recorded in the caller's namespace (a job id names a job within a namespace: the
+same id in another namespace is another job, never visible from here), once it passes the
+wire schema (`wire.progress`: finite, in-range numbers, at most MAX_RECORDS records) and the
+server's clock: a record more than MAX_SKEW_S ahead of it, or more than MAX_AGE_S behind,
+is refused with the whole batch (422, nothing stored). Batches are rate-limited per token
+(`MEGACACHE_PROGRESS_RATE`), and what the index keeps of them is bounded however many come
+(`store.index.progress`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from megacache_client.wire.events import JOB_ID_PATTERN
+from megacache_client.wire.progress import MAX_AGE_S, MAX_SKEW_S, ProgressBatch
+from megacache_client.wire.schema import SchemaError, parse_json
+from megacache_server.errors import NotFound, Unprocessable
+from megacache_server.service import ett, ett_report
+from megacache_server.service.auth import Principal
+from megacache_server.service.quotas import Quotas
+from megacache_server.store.index.base import Index, JobView
+
+MAX_ETT_JOBS = 1000
+"""Jobs an ETT report over a window reads (those that reported last)."""
+
+
+class Progress:
+    """Recording job progress, and splitting jobs' time from it."""
+
+    def __init__(self, index: Index, quotas: Quotas) -> None:
+        self.index = index
+        self.quotas = quotas
+
+    async def add_progress(self, principal: Principal, job: str, body: bytes) -> int:
+        """Record a batch for `job` in the caller's namespace; how many records it held."""
+        _check_job(job)
+        await self.quotas.admit_progress(principal)
+        try:
+            batch = parse_json(ProgressBatch, body)
+        except SchemaError as exc:
+            raise Unprocessable("progress does not match the schema", code="invalid_progress",
+                                errors=exc.errors) from None
+        now = time.time()
+        for i, record in enumerate(batch.records):
+            for name in ("at", "allocation_start"):
+                _check_clock(getattr(record, name), now, f"records[{i}].{name}")
+        await self.index.add_progress(principal.home, job, batch.attempt, batch.model,
+                                      batch.records, now)
+        return len(batch.records)
+
+    async def job_ett(self, principal: Principal, job: str) -> dict[str, Any]:
+        """A job's split, per attempt and in total, with checkpoint advice from its own
+        attempts; 404 for a job the caller's namespace never reported."""
+        _check_job(job)
+        found = await self.index.job_progress(principal.home, job)
+        if found is None:
+            raise NotFound(f"no progress reported for job {job!r}", code="job_not_found")
+        view = await self.index.job_view(principal.home, job)
+        done = ett.split(found, compile_s=_compile_s(view), now=time.time())
+        return {**done.row(), "advice": ett_report.advice([done])}
+
+    async def splits(self, principal: Principal, *, since: float,
+                     limit: int = MAX_ETT_JOBS,
+                     views: list[JobView] | None = None) -> list[ett.JobSplit]:
+        """The splits of the caller's jobs that reported since `since`, the latest first;
+        compile seconds from `views` (the events' job attempts) where given."""
+        scope = principal.namespace
+        found = await self.index.recent_progress(namespace=scope, since=since, limit=limit)
+        if views is None:
+            views = await self.index.recent_jobs(namespace=scope, limit=min(limit, 500))
+        by_job = {(v.namespace, v.job_id): v for v in views}
+        now = time.time()
+        return [ett.split(j, compile_s=_compile_s(by_job.get((j.namespace, j.job))), now=now)
+                for j in found]
+
+    async def report(self, principal: Principal, *, since: float | None) -> dict[str, Any]:
+        """ETT of the caller's jobs within [since, now] (since None: as far as kept)."""
+        now = time.time()
+        splits = await self.splits(principal, since=since or 0.0)
+        start = since if since is not None else min((s.attempts[0].start for s in splits
+                                                     if s.attempts), default=now)
+        return ett_report.window(splits, start, now)
+
+
+def _compile_s(view: JobView | None) -> dict[int, float]:
+    return {a.attempt: a.compile_s for a in view.attempts} if view is not None else {}
+
+
+def _check_job(job: str) -> None:
+    if not re.fullmatch(JOB_ID_PATTERN, job):
+        raise Unprocessable("a job id is 1-128 of letters, digits, '.', '_', '-', starting "
+                            "with a letter or digit", code="invalid_job")
+
+
+def _check_clock(at: float | None, now: float, where: str) -> None:
+    if at is None:
+        return
+    if at > now + MAX_SKEW_S:
+        raise Unprocessable(
+            f"{where} is {at - now:.0f} s ahead of the server's clock (at most {MAX_SKEW_S:g} "
+            "s): is the trainer's clock right?", code="invalid_progress",
+            errors=[{"loc": where.split("."), "msg": "in the future", "type": "clock"}])
+    if at < now - MAX_AGE_S:
+        raise Unprocessable(
+            f"{where} is {(now - at) / 86400:.1f} days old (at most {MAX_AGE_S / 86400:g} "
+            "days)", code="invalid_progress",
+            errors=[{"loc": where.split("."), "msg": "too old", "type": "clock"}])
