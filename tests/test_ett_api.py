@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -210,3 +213,33 @@ def test_a_flood_gets_429_and_stays_bounded(ett_server: ServerProcess) -> None:
     # another token of the same namespace is not held back by the flood
     other = token_client(ett_server, "read,write", "team-flood")
     assert post(other, "calm", 0, [{"kind": "start", "at": now}]).status_code == 202
+
+
+def test_megacache_jobs_prints_each_jobs_split(ett_server: ServerProcess) -> None:
+    token = ett_server.token("read,write", namespace="team-cli", name="cli")
+    c = token_client(ett_server, "read,write", "team-cli")
+    first, second = timeline(time.time() - 1100)
+    assert post(c, "cli-job", 0, first, model="llm").status_code == 202
+    assert post(c, "cli-job", 1, second).status_code == 202
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGACACHE_")}
+    env |= {"MEGACACHE_URL": ett_server.url, "MEGACACHE_TOKEN": token}
+
+    def megacache(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "megacache_client.cli", *args],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    table = megacache("jobs").splitlines()
+    assert table[0].split()[:4] == ["job", "model", "ETT", "%"]
+    row = next(line.split() for line in table if line.startswith("cli-job"))
+    # no compile reported: attempt 1's 10 s of compile count as recovery here
+    assert row[:4] == ["cli-job", "llm", "61.4", "614"] and row[-1] == "1"
+    assert row[4:11] == ["30", "0", "14", "20", "242", "80", "0"]
+    attempts = megacache("jobs", "cli-job").splitlines()
+    assert attempts[2].split()[0] == "0" and attempts[2].split()[-1] == "failed"
+    assert attempts[3].split()[-1] == "finished" and attempts[4].startswith("TOTAL")
+    assert json.loads(megacache("jobs", "cli-job", "--json"))["ett_pct"] == 61.4
+    missing = subprocess.run([sys.executable, "-m", "megacache_client.cli", "jobs", "nope"],
+                             capture_output=True, text=True, env=env, timeout=120)
+    assert missing.returncode != 0 and "404" in missing.stderr

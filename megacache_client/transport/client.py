@@ -386,6 +386,19 @@ class RemoteCache:
         self._expect(a, (200,), "stats")
         return dict(a.json())
 
+    def jobs(self, *, limit: int = 50) -> list[dict[str, Any]]:
+        """The namespace's jobs that reported last, each with its ETT split (`ett`)."""
+        a = self._exchange(routes.JOBS, "jobs", cap=reader.LISTING_JSON,
+                           params={"limit": limit})
+        self._expect(a, (200,), "jobs")
+        return list(a.json()["jobs"])
+
+    def job_ett(self, job: str) -> dict[str, Any]:
+        """One job's Effective Training Time, per attempt (docs/ett.md)."""
+        a = self._exchange(routes.JOB_ETT, "job ETT", cap=reader.LISTING_JSON, job=job)
+        self._expect(a, (200,), "job ETT")
+        return dict(a.json())
+
 
 def producer_headers() -> dict[str, str]:
     """Who is asking, as the server records it in the provenance of an entry this process
