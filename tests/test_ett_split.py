@@ -9,7 +9,7 @@ import random
 import pytest
 
 from megacache_client.wire.progress import ProgressRecord
-from megacache_server.service import ett
+from megacache_server.service import ett, ett_report
 from megacache_server.store.index.progress import MAX_SAVES, JobProgress, merge
 
 T0 = 1_800_000_000.0
@@ -149,3 +149,55 @@ def test_windows_clip_segments() -> None:
                          rec("end", 1000, reason="finished")]))
     approx(ett.clip(got.segments, T0 + 50, T0 + 150), startup=50, training=50)
     approx(ett.clip(got.segments, T0 + 2000, T0 + 3000))
+
+
+def killed_then_recovered() -> JobProgress:
+    return job([rec("start", 0), rec("training", 30),
+                rec("checkpoint_save", 100, step=70, blocking_s=4.0),
+                rec("checkpoint_save", 300, step=250, blocking_s=4.0, background_s=100.0),
+                rec("heartbeat", 350, step=300)],
+               [rec("start", 400), rec("checkpoint_load", 410, blocking_s=20.0, step=70),
+                rec("training", 450), rec("checkpoint_save", 700, step=500, blocking_s=6.0),
+                rec("end", 1000, reason="finished")])
+
+
+def test_checkpoint_advice_by_hand() -> None:
+    got = ett_report.advice([ett.split(killed_then_recovered())])
+    assert got is not None
+    # b: 14 s of blocking over 3 saves; λ: 1 failure over 614 + 242 + 14 s of running;
+    # T: attempt 0 saved at 100 and 300 (attempt 1 once: no interval)
+    b, rate, interval = 14 / 3, 1 / 870, 200.0
+    best = (2 * b / rate) ** 0.5  # √(2 · 4.667 · 870) = 90.1 s
+    gain = ((b / interval + rate * interval / 2) - (b / best + rate * best / 2)) * 100
+    assert gain == pytest.approx(3.47, abs=0.01)
+    assert got == {"blocking_per_save_s": 4.667, "saves": 3, "failures": 1, "run_s": 870.0,
+                   "failures_per_hour": round(3600 / 870, 6), "interval_s": 200.0,
+                   "best_interval_s": round(best, 3), "ett_gain_pct": round(gain, 3),
+                   "confidence": "low"}
+
+
+def test_no_failure_or_no_save_no_advice() -> None:
+    finished = job([rec("start", 0), rec("training", 10),
+                    rec("checkpoint_save", 50, step=5, blocking_s=2.0),
+                    rec("end", 100, reason="finished")])
+    assert ett_report.advice([ett.split(finished)]) is None
+    unsaved = job([rec("start", 0), rec("training", 10), rec("end", 100, reason="failed")])
+    assert ett_report.advice([ett.split(unsaved)]) is None
+
+
+def test_a_window_per_model_and_namespace() -> None:
+    a = ett.split(killed_then_recovered())
+    other = JobProgress("ns2", "k", T0, (merge(None, 0, "vit", [
+        rec("start", 0), rec("training", 500), rec("end", 1000, reason="finished")], T0),))
+    b = ett.split(other)
+    got = ett_report.window([a, b], T0 + 0, T0 + 500)
+    # job a's first 500 s: startup 0-30, training 30-100, lost 100-350 (less saves' 8 s),
+    # recovery 350-450 less restore 410-430 (no compile known), training 450-500;
+    # job b's: startup 0-500
+    assert got["wall_s"] == 1000 and got["ett_pct"] == 12.0
+    assert got["seconds"]["startup"] == 530 and got["seconds"]["recovery"] == 80
+    assert got["seconds"]["lost_progress"] == 242 and got["seconds"]["checkpoint_save"] == 8
+    models = {m["model"]: m for m in got["models"]}
+    assert models["llm"]["ett_pct"] == 24.0 and models["vit"]["ett_pct"] == 0.0
+    assert models["llm"]["advice"]["failures"] == 1 and models["vit"]["advice"] is None
+    assert [n["namespace"] for n in got["namespaces"]] == ["ns", "ns2"]
