@@ -83,7 +83,9 @@ class Progress:
         splits = await self.splits(principal, since=since or 0.0)
         start = since if since is not None else min((s.attempts[0].start for s in splits
                                                      if s.attempts), default=now)
-        return ett_report.window(splits, start, now)
+        found = ett_report.window(splits, start, now)
+        del found["since"], found["until"]  # the same answer until a job reports again
+        return found
 
 
 def _compile_s(view: JobView | None) -> dict[int, float]:
