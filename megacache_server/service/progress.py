@@ -15,6 +15,8 @@ import re
 import time
 from typing import Any
 
+from anyio import to_thread
+
 from megacache_client.wire.events import JOB_ID_PATTERN
 from megacache_client.wire.progress import MAX_AGE_S, MAX_SKEW_S, ProgressBatch
 from megacache_client.wire.schema import SchemaError, parse_json
@@ -23,9 +25,13 @@ from megacache_server.service import ett, ett_report
 from megacache_server.service.auth import Principal
 from megacache_server.service.quotas import Quotas
 from megacache_server.store.index.base import Index, JobView
+from megacache_server.store.index.progress import JobProgress
 
 MAX_ETT_JOBS = 1000
 """Jobs an ETT report over a window reads (those that reported last)."""
+MAX_CACHED = 20_000
+"""Job splits this process remembers (the oldest remembered go first)."""
+LIVE_CACHE_S = 15.0
 
 
 class Progress:
@@ -34,6 +40,7 @@ class Progress:
     def __init__(self, index: Index, quotas: Quotas) -> None:
         self.index = index
         self.quotas = quotas
+        self._cache: dict[tuple[str, str], tuple[Any, float, ett.JobSplit]] = {}
 
     async def add_progress(self, principal: Principal, job: str, body: bytes) -> int:
         """Record a batch for `job` in the caller's namespace; how many records it held."""
@@ -74,8 +81,23 @@ class Progress:
             views = await self.index.recent_jobs(namespace=scope, limit=min(limit, 500))
         by_job = {(v.namespace, v.job_id): v for v in views}
         now = time.time()
-        return [ett.split(j, compile_s=_compile_s(by_job.get((j.namespace, j.job))), now=now)
-                for j in found]
+        # off the event loop: a thousand jobs are a few hundred ms of Python
+        return await to_thread.run_sync(lambda: [
+            self._split(j, _compile_s(by_job.get((j.namespace, j.job))), now) for j in found])
+
+    def _split(self, job: JobProgress, compile_s: dict[int, float], now: float) -> ett.JobSplit:
+        """`ett.split`, remembered until the job reports again (or its compile seconds
+        change); a live job's for LIVE_CACHE_S only (it stops being live by the clock)."""
+        key, stamp = (job.namespace, job.job), (job.last_seen, sorted(compile_s.items()))
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == stamp and (
+                not hit[2].live or now - hit[1] < LIVE_CACHE_S):
+            return hit[2]
+        done = ett.split(job, compile_s=compile_s, now=now)
+        self._cache[key] = (stamp, now, done)
+        while len(self._cache) > MAX_CACHED:
+            self._cache.pop(next(iter(self._cache)), None)
+        return done
 
     async def report(self, principal: Principal, *, since: float | None) -> dict[str, Any]:
         """ETT of the caller's jobs within [since, now] (since None: as far as kept)."""
