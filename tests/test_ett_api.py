@@ -92,6 +92,13 @@ def test_progress_in_split_out_everywhere(ett_server: ServerProcess) -> None:
     assert advice["blocking_per_save_s"] == pytest.approx(14 / 3, abs=1e-3)
     assert advice["confidence"] == "low"
 
+    # the last 200 s of the job: attempt 1's training from 900 to 1000 (its end) is all
+    # that lies in them, as long as the test takes under 100 s
+    window = team_a.get(routes.JOB_ETT.url(job="run-1"), params={"since": 200}).json()
+    assert window["seconds"] == WANT and window["window"]["ett_pct"] == 100.0
+    assert 99 <= window["window"]["wall_s"] <= 101
+    assert team_a.get(routes.JOB_ETT.url(job="run-1"), params={"since": -1}).status_code == 422
+
     # another tenant: the same id is nobody's job there, and its own is its own
     assert team_b.get(routes.JOB_ETT.url(job="run-1")).status_code == 404
     assert post(team_b, "run-1", 0, [{"kind": "start", "at": base}]).status_code == 202

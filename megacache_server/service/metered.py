@@ -134,8 +134,8 @@ class MeteredTenantCache:
         return n
 
     # -- handed on unchanged --------------------------------------------------------------
-    async def job_ett(self, job: str) -> dict[str, Any]:
-        return await self.inner.job_ett(job)
+    async def job_ett(self, job: str, *, since_s: float | None = None) -> dict[str, Any]:
+        return await self.inner.job_ett(job, since_s=since_s)
 
     @property
     def settings(self) -> Settings:

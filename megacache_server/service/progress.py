@@ -59,16 +59,26 @@ class Progress:
                                       batch.records, now)
         return len(batch.records)
 
-    async def job_ett(self, principal: Principal, job: str) -> dict[str, Any]:
+    async def job_ett(self, principal: Principal, job: str, *,
+                      since_s: float | None = None) -> dict[str, Any]:
         """A job's split, per attempt and in total, with checkpoint advice from its own
-        attempts; 404 for a job the caller's namespace never reported."""
+        attempts, and with `since_s` its split within the last `since_s` seconds
+        (`window`); 404 for a job the caller's namespace never reported."""
         _check_job(job)
         found = await self.index.job_progress(principal.home, job)
         if found is None:
             raise NotFound(f"no progress reported for job {job!r}", code="job_not_found")
         view = await self.index.job_view(principal.home, job)
-        done = ett.split(found, compile_s=_compile_s(view), now=time.time())
-        return {**done.row(), "advice": ett_report.advice([done])}
+        now = time.time()
+        done = ett.split(found, compile_s=_compile_s(view), now=now)
+        row = {**done.row(), "advice": ett_report.advice([done])}
+        if since_s is not None:
+            seconds = ett.clip(done.segments, now - since_s, now)
+            row["window"] = {"since": now - since_s, "until": now,
+                             "wall_s": round(sum(seconds.values()), 3),
+                             "ett_pct": ett.ett_pct(seconds),
+                             "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+        return row
 
     async def splits(self, principal: Principal, *, since: float,
                      limit: int = MAX_ETT_JOBS,

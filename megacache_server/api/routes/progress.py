@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse
 
 from megacache_client.wire.events import JOB_ID_PATTERN
@@ -41,7 +41,11 @@ async def post_progress(job: Job, request: Request, cache: Writer) -> JSONRespon
 
 
 @router.get("/{job}/ett", responses=error_responses(404))
-async def get_ett(job: Job, cache: Reader) -> dict[str, Any]:
+async def get_ett(
+    job: Job, cache: Reader,
+    since: Annotated[float | None, Query(gt=0, le=400 * 86400, description=(
+        "also the split within the last `since` seconds (`window`)"))] = None,
+) -> dict[str, Any]:
     """The job's wall time split per attempt into training, startup, compile, checkpoint
     save and restore, lost progress, recovery and idle; ETT%; failures; checkpoint advice."""
-    return await cache.job_ett(job)
+    return await cache.job_ett(job, since_s=since)
