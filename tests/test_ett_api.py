@@ -87,6 +87,8 @@ def test_progress_in_split_out_everywhere(ett_server: ServerProcess) -> None:
     a0, a1 = body["attempts"]
     assert a0["failed"] and a0["time_to_start_s"] == 30.0 and a0["lost_s"] == 242.0
     assert a1["time_to_recover_s"] == 100.0 and a1["ended"] == "finished"
+    assert a0["cache"] is None and a1["cache"] == {"outcome": "miss", "compile_s": 10.0,
+                                                   "tts_s": None, "ranks": 1}
     advice = body["advice"]
     assert advice["failures"] == 1 and advice["saves"] == 3
     assert advice["blocking_per_save_s"] == pytest.approx(14 / 3, abs=1e-3)
@@ -130,6 +132,13 @@ def test_progress_in_split_out_everywhere(ett_server: ServerProcess) -> None:
     assert lost["megacache_job_lost_seconds_count"] == 1
     assert lost["megacache_job_lost_seconds_sum"] == 242.0
     assert "megacache_checkpoint_blocking_seconds_bucket" in scrape
+
+    # a job reporting again is split again (splits are remembered until it does)
+    before = team_a.get("/v1/jobs").json()["jobs"]
+    assert post(team_a, "run-1", 2, [{"kind": "start", "at": base + 1050}]).status_code == 202
+    after = next(j for j in team_a.get("/v1/jobs").json()["jobs"] if j["job_id"] == "run-1")
+    assert after["ett"]["failures"] == 2 and after["ett"]["wall_s"] == 1050.0
+    assert next(j for j in before if j["job_id"] == "run-1")["ett"]["failures"] == 1
 
 
 def bad_batches(now: float) -> dict[str, Any]:

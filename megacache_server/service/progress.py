@@ -72,6 +72,12 @@ class Progress:
         now = time.time()
         done = ett.split(found, compile_s=_compile_s(view), now=now)
         row = {**done.row(), "advice": ett_report.advice([done])}
+        events = {a.attempt: a for a in view.attempts} if view is not None else {}
+        for attempt in row["attempts"]:  # what the cache did for it, where ranks reported
+            a = events.get(attempt["attempt"])
+            attempt["cache"] = None if a is None else {
+                "outcome": a.outcome, "compile_s": a.compile_s, "tts_s": a.tts_s,
+                "ranks": a.reports}
         if since_s is not None:
             seconds = ett.clip(done.segments, now - since_s, now)
             row["window"] = {"since": now - since_s, "until": now,
