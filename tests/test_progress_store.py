@@ -153,3 +153,25 @@ def test_concurrent_batches_of_one_attempt_lose_nothing(
         assert job is not None and job.attempts[0].saves_n == 20
 
     run(make_index, body)
+
+
+def test_job_view_is_one_job_of_the_events(make_index: Callable[[], Index]) -> None:
+    from megacache_client.wire.events import Event
+    from megacache_client.wire.schema import parse
+
+    async def body(index: Index) -> None:
+        assert await index.job_view("a", "j") is None
+        for attempt, compile_s in ((0, 30.0), (1, 5.0)):
+            await index.add_event("a", parse(Event, {
+                "key": "b" * 64, "model": "llm", "outcome": "miss", "compile_s": compile_s,
+                "job_id": "j", "attempt": attempt, "rank": 0, "world_size": 1}))
+        await index.add_event("b", parse(Event, {
+            "key": "b" * 64, "model": "x", "outcome": "hit", "compile_s": 1.0,
+            "job_id": "j", "attempt": 0, "rank": 0, "world_size": 1}))
+        view = await index.job_view("a", "j")
+        assert view is not None and (view.namespace, view.job_id) == ("a", "j")
+        assert {a.attempt: a.compile_s for a in view.attempts} == {0: 30.0, 1: 5.0}
+        other = await index.job_view("b", "j")
+        assert other is not None and [a.model for a in other.attempts] == ["x"]
+
+    run(make_index, body)
