@@ -71,7 +71,8 @@ class Progress:
         view = await self.index.job_view(principal.home, job)
         now = time.time()
         done = ett.split(found, compile_s=_compile_s(view), now=now)
-        row = {**done.row(), "advice": ett_report.advice([done])}
+        row = {**done.row(), "advice": ett_report.advice([done]),
+               "timeline": [[round(a, 3), round(b, 3), c] for a, b, c in done.segments]}
         events = {a.attempt: a for a in view.attempts} if view is not None else {}
         for attempt in row["attempts"]:  # what the cache did for it, where ranks reported
             a = events.get(attempt["attempt"])
