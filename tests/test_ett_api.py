@@ -132,6 +132,14 @@ def test_progress_in_split_out_everywhere(ett_server: ServerProcess) -> None:
     assert lost["megacache_job_lost_seconds_count"] == 1
     assert lost["megacache_job_lost_seconds_sum"] == 242.0
     assert "megacache_checkpoint_blocking_seconds_bucket" in scrape
+    # team B sees its own job and nothing of team A's, wherever it looks
+    b_scrape = team_b.get("/metrics").text
+    assert 'namespace="team-b"' in b_scrape and 'namespace="team-a"' not in b_scrape
+    assert [j["namespace"] for j in team_b.get("/v1/jobs").json()["jobs"]] == ["team-b"]
+    b_ett = team_b.get("/v1/stats").json()["ett"]
+    assert b_ett["jobs"] == 1 and b_ett["models"][0]["model"] is None
+    assert [j["namespace"] for j in team_b.get("/v1/dashboard").json()["ett"]["shown"]] == [
+        "team-b"]
 
     # a job reporting again is split again (splits are remembered until it does)
     before = team_a.get("/v1/jobs").json()["jobs"]
