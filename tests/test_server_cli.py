@@ -90,11 +90,24 @@ def test_documented_exit_codes(tmp_path: Path):
 
 
 def _port_free(port: int) -> bool:
+    """Nobody listens on `port`: only a refused connection says so. A timeout (a listener
+    too busy to accept) or any other error is not known free: this fails closed."""
     try:
         socket.create_connection((LOOPBACK, port), timeout=0.5).close()
-    except OSError:
+    except ConnectionRefusedError:
         return True
+    except OSError:
+        return False
     return False
+
+
+def test_port_free_is_only_a_refused_connection():
+    with socket.create_server((LOOPBACK, 0), backlog=0) as busy:
+        port = busy.getsockname()[1]
+        with socket.create_connection((LOOPBACK, port), timeout=5):  # fills its backlog
+            with pytest.raises(TimeoutError):  # the premise: a connection now times out
+                socket.create_connection((LOOPBACK, port), timeout=0.5).close()
+            assert not _port_free(port)  # a listener that does not accept is not gone
 
 
 def test_workers_exit_when_their_supervisor_is_killed(tmp_path: Path):
