@@ -9,7 +9,7 @@ import json
 import re
 import subprocess
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import httpx
@@ -139,8 +139,12 @@ def test_the_monitoring_profile_provisions_prometheus_and_grafana():
     assert source["url"] == "http://prometheus:9090" and source["type"] == "prometheus"
     [provider] = yaml.safe_load((provisioning / "dashboards" / "megacache.yaml").read_text()
                                 )["providers"]
+    # Grafana loads, and opens first, the very dashboard the tests above check
     dashboards = mounts["grafana"][provider["options"]["path"]]
-    assert (dashboards / DASHBOARD.name).read_bytes() == DASHBOARD.read_bytes()
+    assert dashboards.resolve() == DASHBOARD.parent.resolve(), dashboards
+    home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert PurePosixPath(home).parent == PurePosixPath(provider["options"]["path"]), home
+    assert (dashboards / PurePosixPath(home).name).resolve() == DASHBOARD.resolve(), home
 
 
 @pytest.mark.parametrize("path", sorted((DOCKER / "grafana").rglob("*.json")))
