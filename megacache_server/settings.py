@@ -101,6 +101,13 @@ class Settings(BaseSettings):
         "second, across every worker and replica (0: no limit)")
     progress_burst: float = Field(
         500, ge=1, description="job progress batches a token may post at once")
+    progress_flush_s: float = Field(
+        1.0, ge=0, le=60, description="seconds a server process buffers heartbeat-only "
+        "progress batches before writing them all in one index transaction (0: each batch "
+        "written at once); other workers and replicas see a heartbeat within this")
+    progress_buffer_entries: int = Field(
+        20_000, ge=1, description="job attempts with buffered heartbeats one process holds "
+        "at most (past it the buffer is written early)")
     report_rate: float = Field(
         0.5, ge=0, description="reports of bad blobs or unloadable entries one token may send "
         "per second, across every worker and replica (0: no limit)")

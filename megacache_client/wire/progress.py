@@ -32,8 +32,10 @@ MAX_AGE_S = 30 * 24 * 3600.0
 """A record older than this (by the server's clock) is refused (422)."""
 MAX_RECORDS = 256
 """Records in one batch; a client sends more as further batches."""
-HEARTBEAT_S = 10.0
-"""How often rank 0 sends a heartbeat by default (`MEGACACHE_HEARTBEAT_S`)."""
+HEARTBEAT_S = 30.0
+"""How often rank 0 sends a heartbeat by default (`MEGACACHE_HEARTBEAT_S`). A killed
+attempt's failure is taken at its last fact, so unsaved training time and recovery are off
+by at most one interval; 30 s keeps 10,000 jobs at ~333 batches a second."""
 
 Kind = Literal["start", "training", "heartbeat", "checkpoint_save", "checkpoint_load", "end"]
 KINDS: tuple[Kind, ...] = ("start", "training", "heartbeat", "checkpoint_save",

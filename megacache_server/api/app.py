@@ -87,6 +87,9 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         tasks = []
         if settings.gc_interval_s > 0:
             tasks.append(asyncio.create_task(_gc_forever(cache)))
+        beats = cache.parts.progress.beats
+        if beats.flush_s > 0:
+            tasks.append(asyncio.create_task(beats.run_forever()))
         if settings.scrub_bytes_per_s > 0:  # one process scrubs: the rest wait on its lock
             tasks.append(asyncio.create_task(Scrubber(settings, storage).run_forever()))
         try:
@@ -96,7 +99,10 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await storage.close()
+            try:
+                await beats.flush()  # a clean stop loses no buffered heartbeat
+            finally:
+                await storage.close()
 
     app = FastAPI(
         title="megacache",

@@ -23,6 +23,7 @@ from megacache_client.wire.schema import SchemaError, parse_json
 from megacache_server.errors import NotFound, Unprocessable
 from megacache_server.service import ett, ett_report
 from megacache_server.service.auth import Principal
+from megacache_server.service.beats import Beats
 from megacache_server.service.quotas import Quotas
 from megacache_server.store.index.base import Index, JobView
 from megacache_server.store.index.progress import JobProgress
@@ -37,9 +38,11 @@ LIVE_CACHE_S = 15.0
 class Progress:
     """Recording job progress, and splitting jobs' time from it."""
 
-    def __init__(self, index: Index, quotas: Quotas) -> None:
+    def __init__(self, index: Index, quotas: Quotas, beats: Beats | None = None) -> None:
         self.index = index
         self.quotas = quotas
+        self.beats = beats or Beats(index, 0, 1)
+        """Heartbeat-only batches go through it (`service.beats`)."""
         self._cache: dict[tuple[str, str], tuple[Any, float, ett.JobSplit]] = {}
 
     async def add_progress(self, principal: Principal, job: str, body: bytes) -> int:
@@ -55,8 +58,8 @@ class Progress:
         for i, record in enumerate(batch.records):
             for name in ("at", "allocation_start"):
                 _check_clock(getattr(record, name), now, f"records[{i}].{name}")
-        await self.index.add_progress(principal.home, job, batch.attempt, batch.model,
-                                      batch.records, now)
+        await self.beats.add(principal.home, job, batch.attempt, batch.model,
+                             list(batch.records), now)
         return len(batch.records)
 
     async def job_ett(self, principal: Principal, job: str, *,
@@ -65,6 +68,7 @@ class Progress:
         attempts, and with `since_s` its split within the last `since_s` seconds
         (`window`); 404 for a job the caller's namespace never reported."""
         _check_job(job)
+        await self.beats.flush_job(principal.home, job)  # what this process was sent
         found = await self.index.job_progress(principal.home, job)
         if found is None:
             raise NotFound(f"no progress reported for job {job!r}", code="job_not_found")
@@ -93,6 +97,7 @@ class Progress:
         """The splits of the caller's jobs that reported since `since`, the latest first;
         compile seconds from `views` (the events' job attempts) where given."""
         scope = principal.namespace
+        await self.beats.flush()  # what this process was sent; other processes' within a flush
         found = await self.index.recent_progress(namespace=scope, since=since, limit=limit)
         if views is None:
             views = await self.index.recent_jobs(namespace=scope, limit=min(limit, 500))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from megacache_server.service.auth import Principal
+from megacache_server.service.beats import Beats
 from megacache_server.service.blobs import Blobs
 from megacache_server.service.collector import Collector
 from megacache_server.service.entries import Entries, EntryWrite
@@ -101,7 +102,8 @@ class Parts:
         blobs = Blobs(settings, storage, quotas)
         entries = Entries(storage.index, blobs, quotas)
         quarantine = Quarantine(settings, storage, blobs, entries, quotas)
-        progress = Progress(storage.index, quotas)
+        progress = Progress(storage.index, quotas, Beats(
+            storage.index, settings.progress_flush_s, settings.progress_buffer_entries))
         return cls(settings, blobs, entries, Jobs(storage.index, entries, quotas), quarantine,
                    Events(settings, storage, quotas, quarantine, progress), progress)
 

@@ -19,7 +19,7 @@ from megacache_client.wire.events import OUTCOMES, REPLAYS, Event
 from megacache_client.wire.progress import ProgressRecord
 from megacache_server.errors import InsufficientStorage, PreconditionFailed
 from megacache_server.store.index import rollups
-from megacache_server.store.index.progress import JobProgress
+from megacache_server.store.index.progress import Fold, JobProgress
 
 
 @dataclass(frozen=True)
@@ -658,6 +658,12 @@ class ProgressStore(ABC):
         batches of one attempt at once lose neither). A job keeps its newest
         `progress.MAX_ATTEMPTS` attempts, a namespace the `progress.MAX_JOBS` jobs that
         reported last: whatever a caller sends, what is kept stays bounded."""
+
+    @abstractmethod
+    async def add_progress_many(self, folds: list[Fold]) -> None:
+        """`add_progress` for each of `folds` (other attempts, other jobs, other namespaces)
+        in one transaction or pipeline: what a server's coalesced heartbeats are written
+        with (`service.beats`)."""
 
     @abstractmethod
     async def job_progress(self, namespace: str, job: str) -> JobProgress | None:

@@ -114,16 +114,47 @@ def _min(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
 
+@dataclass(frozen=True)
+class Fold:
+    """One attempt's batch (or heartbeats coalesced by `beats_kept`) to fold in; `count`:
+    the records it stands for (more than `records` when coalesced)."""
+
+    namespace: str
+    job: str
+    attempt: int
+    model: str | None
+    records: list[ProgressRecord]
+    now: float
+    count: int
+
+
+def beats_kept(records: list[ProgressRecord]) -> list[ProgressRecord]:
+    """Of heartbeat records, those `merge` can be told instead of all of them to the same
+    effect: the least and greatest by (at, step), the only ones its heartbeat rule keeps
+    (first and last heartbeat; first and last time)."""
+    if len(records) <= 2:
+        return records
+    ordered = sorted(records, key=_beat)
+    return [ordered[0], ordered[-1]]
+
+
+def _beat(r: ProgressRecord) -> tuple[float, int]:
+    return (r.at, int(r.step or 0))
+
+
 def merge(state: AttemptProgress | None, attempt: int, model: str | None,
-          records: list[ProgressRecord], now: float) -> AttemptProgress:
-    """`state` (None: the attempt's first batch) with `records` folded in. Idempotent for a
-    batch sent twice (a client retrying): heartbeats keep extremes, a save or load already
-    kept (same time and step) is not counted again."""
+          records: list[ProgressRecord], now: float,
+          count: int | None = None) -> AttemptProgress:
+    """`state` (None: the attempt's first batch) with `records` folded in (`count`: how many
+    records they stand for, default all). Idempotent for a batch sent twice (a client
+    retrying): heartbeats keep extremes, a save or load already kept (same time and step) is
+    not counted again."""
     times = [r.at for r in records]
     s = state or AttemptProgress(attempt=attempt, first_at=min(times), last_at=max(times),
                                  received_at=now)
     s = replace(s, first_at=min(s.first_at, *times), last_at=max(s.last_at, *times),
-                received_at=now, model=model or s.model, records=s.records + len(records))
+                received_at=now, model=model or s.model,
+                records=s.records + (len(records) if count is None else count))
     saves, loads = list(s.saves), list(s.loads)
     buckets = list(s.save_buckets)
     for r in sorted(records, key=lambda r: r.at):
@@ -133,7 +164,7 @@ def merge(state: AttemptProgress | None, attempt: int, model: str | None,
         elif r.kind == "training":
             s = replace(s, training_at=_min(s.training_at, r.at))
         elif r.kind == "heartbeat":
-            beat = (r.at, int(r.step or 0))
+            beat = _beat(r)
             if s.first_heartbeat is None or beat < s.first_heartbeat:
                 s = replace(s, first_heartbeat=beat)
             if s.last_heartbeat is None or beat > s.last_heartbeat:

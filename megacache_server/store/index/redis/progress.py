@@ -15,6 +15,7 @@ from megacache_server.store.index.progress import (
     MAX_ATTEMPTS,
     MAX_JOBS,
     AttemptProgress,
+    Fold,
     JobProgress,
     merge,
 )
@@ -24,35 +25,62 @@ from megacache_server.store.index.redis.connection import RedisConnection, text
 class RedisProgress(RedisConnection, ProgressStore):
     async def add_progress(self, namespace: str, job: str, attempt: int, model: str | None,
                            records: list[ProgressRecord], now: float) -> None:
-        key = self.keys.progress(namespace, job)
+        await self.add_progress_many([Fold(namespace, job, attempt, model, records, now,
+                                           len(records))])
 
-        async def op() -> None:
+    async def add_progress_many(self, folds: list[Fold]) -> None:
+        """Every fold's summary read in one round trip, folded, and written in one MULTI
+        under WATCH of every job's hash (a replica writing one of them meanwhile: again)."""
+        keys = [self.keys.progress(f.namespace, f.job) for f in folds]
+
+        async def op() -> set[str]:
             async with self.r.pipeline(transaction=True) as pipe:
                 while True:
                     try:
-                        await pipe.watch(key)
-                        raw = await pipe.hget(key, attempt)
-                        attempts = [int(a) for a in await pipe.hkeys(key)] if raw is None \
-                            else []
-                        if len(attempts) >= MAX_ATTEMPTS and attempt < min(attempts):
-                            return  # the job keeps its newest MAX_ATTEMPTS attempts
-                        state = AttemptProgress.from_json(raw) if raw is not None else None
-                        summary = merge(state, attempt, model, records, now)
-                        drop = sorted(attempts + [attempt])[:-MAX_ATTEMPTS]
-                        pipe.multi()
-                        pipe.hset(key, attempt, summary.to_json())
-                        if drop:
-                            pipe.hdel(key, *drop)
-                        pipe.zadd(self.keys.progress_jobs(namespace), {job: now})
-                        pipe.sadd(self.keys.progress_namespaces(), namespace)
+                        await pipe.watch(*set(keys))
+                        new = await self._fold_all(pipe, folds, keys)
                         await pipe.execute()
-                        break
+                        return new
                     except WatchError:
                         continue
-            if state is None:
+
+        if folds:
+            for namespace in sorted(await self._do(op)):
                 await self._cap_jobs(namespace)
 
-        await self._do(op)
+    async def _fold_all(self, pipe: Any, folds: list[Fold], keys: list[str]) -> set[str]:
+        """Queue the folds' writes on `pipe` (watching); the namespaces given a new attempt."""
+        async with self.r.pipeline(transaction=False) as read:
+            for key, f in zip(keys, folds, strict=True):
+                read.hget(key, f.attempt)
+                read.hkeys(key)
+            got = await read.execute()
+        summaries: dict[tuple[str, int], AttemptProgress | None] = {}
+        fields: dict[str, list[int]] = {}
+        new: set[str] = set()
+        for i, (key, f) in enumerate(zip(keys, folds, strict=True)):
+            raw, attempts = got[2 * i], fields.setdefault(key, [int(a) for a in got[2 * i + 1]])
+            state = summaries.get((key, f.attempt)) or (
+                AttemptProgress.from_json(raw) if raw is not None else None)
+            if state is None:
+                if len(attempts) >= MAX_ATTEMPTS and f.attempt < min(attempts):
+                    continue  # the job keeps its newest MAX_ATTEMPTS attempts
+                attempts.append(f.attempt)
+                new.add(f.namespace)
+            summaries[(key, f.attempt)] = merge(state, f.attempt, f.model, f.records, f.now,
+                                                f.count)
+        pipe.multi()
+        for (key, attempt), summary in summaries.items():
+            if summary is not None:
+                pipe.hset(key, attempt, summary.to_json())
+        for key, attempts in fields.items():
+            drop = sorted(set(attempts))[:-MAX_ATTEMPTS]
+            if drop:
+                pipe.hdel(key, *drop)
+        for f in folds:
+            pipe.zadd(self.keys.progress_jobs(f.namespace), {f.job: f.now}, gt=True)
+            pipe.sadd(self.keys.progress_namespaces(), f.namespace)
+        return new
 
     async def _cap_jobs(self, namespace: str) -> None:
         """Past MAX_JOBS jobs, the namespace's longest silent ones go (replicas racing past

@@ -16,6 +16,7 @@ from megacache_server.store.index.progress import (
     MAX_ATTEMPTS,
     MAX_JOBS,
     AttemptProgress,
+    Fold,
     JobProgress,
     merge,
 )
@@ -30,27 +31,17 @@ from megacache_server.store.index.sqlite.connection import (
 class SqliteProgress(SqliteConnection, ProgressStore):
     async def add_progress(self, namespace: str, job: str, attempt: int, model: str | None,
                            records: list[ProgressRecord], now: float) -> None:
+        await self.add_progress_many([Fold(namespace, job, attempt, model, records, now,
+                                           len(records))])
+
+    async def add_progress_many(self, folds: list[Fold]) -> None:
         def op(c: sqlite3.Connection) -> None:
             with unsynced(c), transaction(c, immediate=True):
-                row = c.execute("SELECT summary FROM progress WHERE namespace=? AND job=? "
-                                "AND attempt=?", (namespace, job, attempt)).fetchone()
-                state = AttemptProgress.from_json(row[0]) if row else None
-                if state is None and _too_old(c, namespace, job, attempt):
-                    return  # the job keeps its newest MAX_ATTEMPTS attempts
-                summary = merge(state, attempt, model, records, now)
-                c.execute("INSERT OR REPLACE INTO progress (namespace, job, attempt, summary, "
-                          "received_at) VALUES (?, ?, ?, ?, ?)",
-                          (namespace, job, attempt, summary.to_json(), now))
-                c.execute("INSERT OR REPLACE INTO progress_jobs (namespace, job, last_seen) "
-                          "VALUES (?, ?, ?)", (namespace, job, now))
-                if state is None:
-                    c.execute("DELETE FROM progress WHERE namespace=? AND job=? AND attempt "
-                              "NOT IN (SELECT attempt FROM progress WHERE namespace=? AND "
-                              "job=? ORDER BY attempt DESC LIMIT ?)",
-                              (namespace, job, namespace, job, MAX_ATTEMPTS))
-                    _cap_jobs(c, namespace)
+                for fold in folds:
+                    _fold(c, fold)
 
-        await self._run(op)
+        if folds:
+            await self._run(op)
 
     async def job_progress(self, namespace: str, job: str) -> JobProgress | None:
         def op(c: sqlite3.Connection) -> JobProgress | None:
@@ -81,6 +72,28 @@ class SqliteProgress(SqliteConnection, ProgressStore):
                                      (before,)).rowcount)
 
         return await self._run(op)
+
+
+def _fold(c: sqlite3.Connection, f: Fold) -> None:
+    namespace, job, attempt = f.namespace, f.job, f.attempt
+    row = c.execute("SELECT summary FROM progress WHERE namespace=? AND job=? AND attempt=?",
+                    (namespace, job, attempt)).fetchone()
+    state = AttemptProgress.from_json(row[0]) if row else None
+    if state is None and _too_old(c, namespace, job, attempt):
+        return  # the job keeps its newest MAX_ATTEMPTS attempts
+    summary = merge(state, attempt, f.model, f.records, f.now, f.count)
+    c.execute("INSERT OR REPLACE INTO progress (namespace, job, attempt, summary, "
+              "received_at) VALUES (?, ?, ?, ?, ?)",
+              (namespace, job, attempt, summary.to_json(), f.now))
+    c.execute("INSERT INTO progress_jobs (namespace, job, last_seen) VALUES (?, ?, ?) "
+              "ON CONFLICT (namespace, job) DO UPDATE SET "
+              "last_seen = MAX(last_seen, excluded.last_seen)", (namespace, job, f.now))
+    if state is None:
+        c.execute("DELETE FROM progress WHERE namespace=? AND job=? AND attempt "
+                  "NOT IN (SELECT attempt FROM progress WHERE namespace=? AND "
+                  "job=? ORDER BY attempt DESC LIMIT ?)",
+                  (namespace, job, namespace, job, MAX_ATTEMPTS))
+        _cap_jobs(c, namespace)
 
 
 def _too_old(c: sqlite3.Connection, namespace: str, job: str, attempt: int) -> bool:
