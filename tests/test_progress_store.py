@@ -155,6 +155,48 @@ def test_concurrent_batches_of_one_attempt_lose_nothing(
     run(make_index, body)
 
 
+def test_many_folds_in_one_write_and_summaries_read_by_stamp(
+        make_index: Callable[[], Index]) -> None:
+    """`add_progress_many` (what a server's coalesced heartbeats are written with): folds of
+    several jobs, namespaces and attempts at once, racing another process's folds of the
+    same attempts, end as if each were added alone; `recent_progress_stamps` and
+    `jobs_progress` give what `recent_progress` does, and a job's last_seen moves with
+    every write (what a reader's remembered summaries are checked by)."""
+    async def body(index: Index) -> None:
+        other = make_index()
+        await other.open()
+        try:
+            folds = [progress.Fold(ns, f"j{k}", a, None, [beat(T0 + k, k), beat(T0 + 50, 1)],
+                                   T0 + 100 + k, 7)
+                     for ns in ("a", "b") for k in range(5) for a in (0, 1)]
+            await asyncio.gather(index.add_progress_many(folds), *[
+                other.add_progress(ns, f"j{k}", 0, None, [save(T0 + 10 + k, k, 1.0)],
+                                   T0 + 100 + k) for ns in ("a", "b") for k in range(5)])
+        finally:
+            await other.close()
+        for ns in ("a", "b"):
+            for k in range(5):
+                job = await index.job_progress(ns, f"j{k}")
+                assert job is not None and [a.attempt for a in job.attempts] == [0, 1]
+                first, second = job.attempts
+                assert first.saves_n == 1 and first.records == 8 and second.records == 7
+                assert first.last_heartbeat == (T0 + 50, 1)
+                assert first.first_heartbeat == (T0 + k, k)
+        stamps = await index.recent_progress_stamps(namespace="a", since=0, limit=3)
+        assert [job for _, job, _ in stamps] == ["j4", "j3", "j2"]
+        assert await index.jobs_progress(stamps) == await index.recent_progress(
+            namespace="a", since=0, limit=3)
+        before = dict(((ns, j), seen) for ns, j, seen in await index.recent_progress_stamps(
+            namespace=None, since=0, limit=100))
+        assert len(before) == 10
+        await index.add_progress_many([progress.Fold("b", "j0", 0, None, [beat(T0 + 60, 2)],
+                                                     T0 + 200, 1)])
+        after = await index.recent_progress_stamps(namespace=None, since=0, limit=100)
+        assert after[0] == ("b", "j0", T0 + 200) and before[("b", "j0")] != T0 + 200
+
+    run(make_index, body)
+
+
 def test_job_view_is_one_job_of_the_events(make_index: Callable[[], Index]) -> None:
     from megacache_client.wire.events import Event
     from megacache_client.wire.schema import parse

@@ -669,11 +669,24 @@ class ProgressStore(ABC):
     async def job_progress(self, namespace: str, job: str) -> JobProgress | None:
         """A job's attempts, oldest first; None for a job this namespace never reported."""
 
-    @abstractmethod
     async def recent_progress(self, *, namespace: str | None, since: float,
                               limit: int) -> list[JobProgress]:
         """Up to `limit` jobs of `namespace` (None: every namespace) that reported at or
         after `since` (server clock), the latest first."""
+        return await self.jobs_progress(await self.recent_progress_stamps(
+            namespace=namespace, since=since, limit=limit))
+
+    @abstractmethod
+    async def recent_progress_stamps(self, *, namespace: str | None, since: float,
+                                     limit: int) -> list[tuple[str, str, float]]:
+        """(namespace, job, last_seen) of what `recent_progress` would return, without the
+        summaries: a reader that kept a job's summary from a read at the same last_seen
+        need not read it again (every write of a job sets its last_seen)."""
+
+    @abstractmethod
+    async def jobs_progress(self, jobs: list[tuple[str, str, float]]) -> list[JobProgress]:
+        """The jobs' attempts (given as (namespace, job, last_seen)), in the order given;
+        a job with no attempts left is left out."""
 
     @abstractmethod
     async def prune_progress(self, before: float) -> int:

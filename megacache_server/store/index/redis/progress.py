@@ -78,7 +78,7 @@ class RedisProgress(RedisConnection, ProgressStore):
             if drop:
                 pipe.hdel(key, *drop)
         for f in folds:
-            pipe.zadd(self.keys.progress_jobs(f.namespace), {f.job: f.now}, gt=True)
+            pipe.zadd(self.keys.progress_jobs(f.namespace), {f.job: f.now})
             pipe.sadd(self.keys.progress_namespaces(), f.namespace)
         return new
 
@@ -110,28 +110,33 @@ class RedisProgress(RedisConnection, ProgressStore):
 
         return await self._do(op)
 
-    async def recent_progress(self, *, namespace: str | None, since: float,
-                              limit: int) -> list[JobProgress]:
-        async def op() -> list[JobProgress]:
+    async def recent_progress_stamps(self, *, namespace: str | None, since: float,
+                                     limit: int) -> list[tuple[str, str, float]]:
+        async def op() -> list[tuple[str, str, float]]:
             spaces = [namespace] if namespace is not None else sorted(
                 text(n) or "" for n in await self.r.smembers(self.keys.progress_namespaces()))
-            found: list[tuple[float, str, str]] = []
+            found: list[tuple[str, str, float]] = []
             for ns in spaces:
-                found += [(seen, ns, text(job) or "") for job, seen in
+                found += [(ns, text(job) or "", float(seen)) for job, seen in
                           await self.r.zrevrangebyscore(self.keys.progress_jobs(ns), "+inf",
                                                         since, start=0, num=limit,
                                                         withscores=True)]
-            found.sort(key=lambda t: (-t[0], t[1], t[2]))
-            found = found[:limit]
+            found.sort(key=lambda t: (-t[2], t[0], t[1]))
+            return found[:limit]
+
+        return await self._do(op)
+
+    async def jobs_progress(self, jobs: list[tuple[str, str, float]]) -> list[JobProgress]:
+        async def op() -> list[JobProgress]:
             async with self.r.pipeline(transaction=False) as pipe:
-                for _, ns, job in found:
+                for ns, job, _ in jobs:
                     pipe.hgetall(self.keys.progress(ns, job))
                 hashes = await pipe.execute()
             return await to_thread.run_sync(lambda: [  # ~70 µs an attempt: off the loop
                 _job(ns, job, seen, raw)
-                for (seen, ns, job), raw in zip(found, hashes, strict=True)])
+                for (ns, job, seen), raw in zip(jobs, hashes, strict=True) if raw])
 
-        return await self._do(op)
+        return await self._do(op) if jobs else []
 
     async def prune_progress(self, before: float) -> int:
         async def op() -> int:

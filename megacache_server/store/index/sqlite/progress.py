@@ -51,17 +51,29 @@ class SqliteProgress(SqliteConnection, ProgressStore):
 
         return await self._run(op)
 
-    async def recent_progress(self, *, namespace: str | None, since: float,
-                              limit: int) -> list[JobProgress]:
+    async def recent_progress_stamps(self, *, namespace: str | None, since: float,
+                                     limit: int) -> list[tuple[str, str, float]]:
         where, args = filters(namespace=namespace)
         where = (where + " AND" if where else " WHERE") + " last_seen >= ?"
-        # one read under the connection lock; the summaries are decoded after it
-        rows = await self._rows(
-            f"SELECT j.namespace, j.job, j.last_seen, p.summary FROM (SELECT namespace, job, "
-            f"last_seen FROM progress_jobs{where} ORDER BY last_seen DESC LIMIT ?) j "
-            "JOIN progress p ON p.namespace = j.namespace AND p.job = j.job "
-            "ORDER BY j.last_seen DESC, j.namespace, j.job, p.attempt", (*args, since, limit))
-        return await to_thread.run_sync(_decode, rows)  # ~70 µs an attempt: off the loop
+        rows = await self._rows(f"SELECT namespace, job, last_seen FROM progress_jobs{where} "
+                                "ORDER BY last_seen DESC, namespace, job LIMIT ?",
+                                (*args, since, limit))
+        return [(ns, job, seen) for ns, job, seen in rows]
+
+    async def jobs_progress(self, jobs: list[tuple[str, str, float]]) -> list[JobProgress]:
+        def op(c: sqlite3.Connection) -> list[tuple[str, str, str]]:
+            out: list[tuple[str, str, str]] = []
+            for i in range(0, len(jobs), 400):
+                part = jobs[i:i + 400]
+                out += c.execute(
+                    "SELECT namespace, job, summary FROM progress WHERE (namespace, job) IN "
+                    f"(VALUES {','.join(['(?, ?)'] * len(part))}) ORDER BY attempt",
+                    [v for ns, job, _ in part for v in (ns, job)]).fetchall()
+            return out
+
+        # one hold of the connection lock; the summaries are decoded after it, off the loop
+        rows = await self._run(op) if jobs else []
+        return await to_thread.run_sync(_decode, jobs, rows)  # ~70 µs an attempt
 
     async def prune_progress(self, before: float) -> int:
         def op(c: sqlite3.Connection) -> int:
@@ -85,9 +97,8 @@ def _fold(c: sqlite3.Connection, f: Fold) -> None:
     c.execute("INSERT OR REPLACE INTO progress (namespace, job, attempt, summary, "
               "received_at) VALUES (?, ?, ?, ?, ?)",
               (namespace, job, attempt, summary.to_json(), f.now))
-    c.execute("INSERT INTO progress_jobs (namespace, job, last_seen) VALUES (?, ?, ?) "
-              "ON CONFLICT (namespace, job) DO UPDATE SET "
-              "last_seen = MAX(last_seen, excluded.last_seen)", (namespace, job, f.now))
+    c.execute("INSERT OR REPLACE INTO progress_jobs (namespace, job, last_seen) "
+              "VALUES (?, ?, ?)", (namespace, job, f.now))
     if state is None:
         c.execute("DELETE FROM progress WHERE namespace=? AND job=? AND attempt "
                   "NOT IN (SELECT attempt FROM progress WHERE namespace=? AND "
@@ -123,9 +134,10 @@ def _job(c: sqlite3.Connection, namespace: str, job: str, seen: float) -> JobPro
                        tuple(AttemptProgress.from_json(r[0]) for r in rows))
 
 
-def _decode(rows: list[tuple[str, str, float, str]]) -> list[JobProgress]:
-    jobs: dict[tuple[str, str], tuple[float, list[AttemptProgress]]] = {}
-    for ns, job, seen, summary in rows:
-        jobs.setdefault((ns, job), (seen, []))[1].append(AttemptProgress.from_json(summary))
-    return [JobProgress(ns, job, seen, tuple(attempts))
-            for (ns, job), (seen, attempts) in jobs.items()]
+def _decode(jobs: list[tuple[str, str, float]],
+            rows: list[tuple[str, str, str]]) -> list[JobProgress]:
+    found: dict[tuple[str, str], list[AttemptProgress]] = {}
+    for ns, job, summary in rows:
+        found.setdefault((ns, job), []).append(AttemptProgress.from_json(summary))
+    return [JobProgress(ns, job, seen, tuple(found[(ns, job)]))
+            for ns, job, seen in jobs if (ns, job) in found]
