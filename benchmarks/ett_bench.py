@@ -16,6 +16,8 @@ Results: a table on stdout, JSON (`--out`, default benchmarks/results/ett_bench.
 
     python benchmarks/ett_bench.py                       # 10,000 jobs, both backends
     python benchmarks/ett_bench.py --quick               # 200 jobs: checks the script works
+    python benchmarks/ett_bench.py --flush-s 0,1         # beats written one by one, then
+                                                         # coalesced (a row each)
 """
 
 from __future__ import annotations
@@ -52,15 +54,15 @@ MISS = "0" * 64
 
 
 @contextmanager
-def server_on(backend: str, root: Path) -> Iterator[LocalServer]:
+def server_on(backend: str, root: Path, flush_s: str = "") -> Iterator[LocalServer]:
     with ExitStack() as stack:
-        env: dict[str, str] = {}
+        env: dict[str, str] = {"MEGACACHE_PROGRESS_FLUSH_S": flush_s} if flush_s else {}
         if backend == "redis+s3":
             redis = LocalRedis(root / "redis").start()
             stack.callback(redis.stop)
             s3 = LocalSeaweedS3(root / "seaweed").start()
             stack.callback(s3.stop)
-            env = {"MEGACACHE_INDEX": redis.url, "MEGACACHE_BLOB_STORE": "s3",
+            env |= {"MEGACACHE_INDEX": redis.url, "MEGACACHE_BLOB_STORE": "s3",
                    "MEGACACHE_S3_ENDPOINT": s3.endpoint, "MEGACACHE_S3_BUCKET": "ett",
                    "MEGACACHE_S3_CREATE_BUCKET": "true", "AWS_ACCESS_KEY_ID": "test",
                    "AWS_SECRET_ACCESS_KEY": "test"}
@@ -182,8 +184,9 @@ def simulated_job(c: httpx.Client) -> dict[str, Any]:
     return dict(c.get("/v1/jobs/timeline/ett").json())
 
 
-def run_backend(backend: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    with server_on(backend, root) as server, \
+def run_backend(backend: str, args: argparse.Namespace, root: Path,
+                flush_s: str = "") -> dict[str, Any]:
+    with server_on(backend, root, flush_s) as server, \
             httpx.Client(base_url=server.url, timeout=60) as c:
         log(f"{backend}: starting {args.jobs} jobs")
         started_s = start_jobs(server.url, args.jobs, args.senders)
@@ -199,7 +202,8 @@ def run_backend(backend: str, args: argparse.Namespace, root: Path) -> dict[str,
         dashboard = latencies(c, "/v1/dashboard", args.reads)
         metrics = latencies(c, "/metrics", args.reads)
         timeline = simulated_job(c)
-    row = {"backend": backend, "jobs": args.jobs, "start_s": round(started_s, 3),
+    row = {"backend": backend, "flush_s": float(flush_s) if flush_s else None,
+           "jobs": args.jobs, "start_s": round(started_s, 3),
            "lookup_idle": summary(idle), "lookup_heartbeats": summary(busy),
            "heartbeats": {**summary(beats.sent),
                           "per_s": round(len(beats.sent) / beats.seconds, 1),
@@ -242,6 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lookups", type=int, default=2000)
     p.add_argument("--reads", type=int, default=30, help="dashboard and /metrics reads")
     p.add_argument("--backends", default="sqlite+fs,redis+s3")
+    p.add_argument("--flush-s", default="", help="MEGACACHE_PROGRESS_FLUSH_S of the server, "
+                   "comma-separated for a row each in one run (0,1: heartbeats written one "
+                   "by one vs coalesced); default: the server's default")
     p.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "ett_bench.json")
     p.add_argument("--quick", action="store_true", help="200 jobs, 5 s: checks the script")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -251,13 +258,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     with temp_root("ett-bench", args.keep) as root:
         for backend in args.backends.split(","):
-            rows.append(run_backend(backend, args, root / backend.replace("+", "-")))
+            for flush_s in args.flush_s.split(","):
+                rows.append(run_backend(backend, args, root / f"{backend.replace('+', '-')}"
+                                        f"-{flush_s or 'default'}", flush_s))
     write_json(args.out, {"machine": machine_info(), "argv": sys.argv[1:], "rows": rows})
     plot(rows[0]["timeline"], args.out.with_suffix(".png"))
     print(text_table(
-        ("backend", "jobs", "beats/s", "lookup p99 idle ms", "lookup p99 beating ms",
+        ("backend", "flush s", "jobs", "beats/s", "lookup p99 idle ms", "lookup p99 beating ms",
          "ratio", "dashboard p50/p99 ms", "metrics p50/p99 ms"),
-        [(r["backend"], str(r["jobs"]), f"{r['heartbeats']['per_s']:g}",
+        [(r["backend"], "default" if r["flush_s"] is None else f"{r['flush_s']:g}",
+          str(r["jobs"]), f"{r['heartbeats']['per_s']:g}",
           f"{r['lookup_idle']['p99_ms']:.2f}", f"{r['lookup_heartbeats']['p99_ms']:.2f}",
           f"{r['lookup_p99_ratio']:.2f}",
           f"{r['dashboard']['p50_ms']:.0f}/{r['dashboard']['p99_ms']:.0f}",
