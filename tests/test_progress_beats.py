@@ -5,6 +5,8 @@ kept through a clean stop (SIGTERM)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 import time
 from pathlib import Path
@@ -71,6 +73,21 @@ def test_coalesced_beats_fold_to_what_every_batch_would() -> None:
         assert len(buffered.calls) < len(direct.calls) / 3
 
     anyio.run(run)
+
+
+def test_a_summary_is_stored_as_asdict_would_write_it() -> None:
+    """`AttemptProgress.to_json` (hand-rolled for speed) writes what `dataclasses.asdict`
+    would, and reads back equal."""
+    base = 1_700_000_000.0
+    records = [ProgressRecord(kind="start", at=base, allocation_start=base - 5),
+               ProgressRecord(kind="training", at=base + 10), beat(base + 20, 3),
+               *(ProgressRecord(kind="checkpoint_save", at=base + 30 + k, step=k,
+                                blocking_s=0.5 * k, background_s=1.0) for k in range(40)),
+               ProgressRecord(kind="checkpoint_load", at=base + 90, blocking_s=2.0, step=1),
+               ProgressRecord(kind="end", at=base + 100, reason="failed")]
+    summary = merge(None, 3, "m", records, base + 101)
+    assert summary.to_json() == json.dumps(dataclasses.asdict(summary), separators=(",", ":"))
+    assert AttemptProgress.from_json(summary.to_json()) == summary
 
 
 def test_buffer_stays_bounded_under_a_flood() -> None:

