@@ -197,6 +197,27 @@ def test_many_folds_in_one_write_and_summaries_read_by_stamp(
     run(make_index, body)
 
 
+def test_many_folds_racing_for_ever_go_one_at_a_time(
+        make_index: Callable[[], Index], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis: a many-fold write that keeps losing its WATCH race (here: no tries at all)
+    folds each one alone, to the same summaries."""
+    from megacache_server.store.index.redis import progress as redis_progress
+
+    monkeypatch.setattr(redis_progress, "WATCH_TRIES", 0)
+
+    async def body(index: Index) -> None:
+        await index.add_progress_many([
+            progress.Fold("a", f"j{k}", a, "m", [beat(T0 + k, k), save(T0 + 1, 1, 2.0)],
+                          T0 + 10, 2) for k in range(3) for a in (0, 1)])
+        for k in range(3):
+            job = await index.job_progress("a", f"j{k}")
+            assert job is not None and len(job.attempts) == 2
+            assert all(a.saves_n == 1 and a.last_heartbeat == (T0 + k, k) and a.records == 2
+                       for a in job.attempts)
+
+    run(make_index, body)
+
+
 def test_job_view_is_one_job_of_the_events(make_index: Callable[[], Index]) -> None:
     from megacache_client.wire.events import Event
     from megacache_client.wire.schema import parse

@@ -21,6 +21,9 @@ from megacache_server.store.index.progress import (
 )
 from megacache_server.store.index.redis.connection import RedisConnection, text
 
+WATCH_TRIES = 3
+"""Races a many-fold write retries whole before it goes one fold at a time."""
+
 
 class RedisProgress(RedisConnection, ProgressStore):
     async def add_progress(self, namespace: str, job: str, attempt: int, model: str | None,
@@ -30,12 +33,14 @@ class RedisProgress(RedisConnection, ProgressStore):
 
     async def add_progress_many(self, folds: list[Fold]) -> None:
         """Every fold's summary read in one round trip, folded, and written in one MULTI
-        under WATCH of every job's hash (a replica writing one of them meanwhile: again)."""
+        under WATCH of every job's hash (a replica writing one of them meanwhile: again;
+        after WATCH_TRIES such races, one fold at a time, so a large flush racing busy
+        replicas cannot retry for ever)."""
         keys = [self.keys.progress(f.namespace, f.job) for f in folds]
 
-        async def op() -> set[str]:
+        async def op() -> set[str] | None:
             async with self.r.pipeline(transaction=True) as pipe:
-                while True:
+                for _ in range(WATCH_TRIES if len(folds) > 1 else 10**9):
                     try:
                         await pipe.watch(*set(keys))
                         new = await self._fold_all(pipe, folds, keys)
@@ -43,10 +48,17 @@ class RedisProgress(RedisConnection, ProgressStore):
                         return new
                     except WatchError:
                         continue
+            return None
 
-        if folds:
-            for namespace in sorted(await self._do(op)):
-                await self._cap_jobs(namespace)
+        if not folds:
+            return
+        done = await self._do(op)
+        if done is None:
+            for fold in folds:
+                await self.add_progress_many([fold])
+            return
+        for namespace in sorted(done):
+            await self._cap_jobs(namespace)
 
     async def _fold_all(self, pipe: Any, folds: list[Fold], keys: list[str]) -> set[str]:
         """Queue the folds' writes on `pipe` (watching); the namespaces given a new attempt."""
