@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from megacache_client.config import ClientConfig
 from megacache_client.lifecycle import Session
+from megacache_client.results import MegacacheError
 from megacache_client.steps.prefetch import Prefetcher
-from megacache_client.torch import hook
+from megacache_client.torch import hook, supported
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -24,9 +26,14 @@ def enable(*, model: str | None = None, code: str | None = None,
     Configuration comes from keyword arguments, else `MEGACACHE_*` variables (`url`, `token`,
     `mode`, ...). The first `torch.compile` call loads the matching bundle; the process exit
     (or `session.close()`) publishes what was compiled and reports the run. With no URL, or
-    `mode="off"`, this returns a session that does nothing.
+    `mode="off"`, this returns a session that does nothing; so does a torch outside
+    `supported.SUPPORTED_TORCH` (one warning, no network traffic, outcome `inert`).
     """
     cfg = ClientConfig.from_env(model=model, code=code, **config)
+    if cfg.enabled:
+        why = supported.problem()
+        if why:
+            return _inert(cfg, why, compile_options)
     session = Session(cfg, compile_options=compile_options)
     if cfg.enabled:
         _adopt(session, hook.active_session())
@@ -35,6 +42,17 @@ def enable(*, model: str | None = None, code: str | None = None,
         atexit.register(_close_at_exit, session)
         if load_now:
             session.load(options=compile_options)
+    return session
+
+
+def _inert(cfg: ClientConfig, why: str, compile_options: dict[str, Any] | None) -> Session:
+    """A session that does nothing, for a torch the client does not support: its load
+    result says `inert` and why; nothing is installed, fetched, published or reported."""
+    if cfg.mode == "required":
+        raise MegacacheError(f"megacache inert: {why}")
+    supported.warn_once(why)
+    session = Session(dataclasses.replace(cfg, mode="off"), compile_options=compile_options)
+    session.load_result.outcome, session.load_result.reason = "inert", why
     return session
 
 
