@@ -42,7 +42,7 @@ from benchlib import (  # benchmarks/benchlib.py, next to this script
     write_json,
 )
 from benchlib import median_of_present as median
-from jobs import GxxCounter, Machine, run_job
+from jobs import GxxCounter, Machine, nothing_loaded, run_job
 from other_path import DEFAULT_VENV, OtherPath
 from results_md import write_section
 from services import LocalRedis, LocalServer, redis_server_exe
@@ -368,7 +368,11 @@ def summarize(jobs: Sequence[dict[str, Any]], models: Sequence[str],
                       for name in SCENARIOS if name in scenarios]
         medians = {row["scenario"]: row["ttfs_median_s"] for row in model_rows}
         for row in model_rows:
+            nothing = bool(row["ok"]) and len(row["missed"]) == row["ok"]
             for base in ("warm-local", "cold", "eager"):
+                if nothing:  # no ratio: it would read as a speed-up the cache did not give
+                    row[f"vs_{base}"] = None
+                    continue
                 same_init = base + "+init5" if row["scenario"].endswith("+init5") else base
                 b = medians.get(same_init) if base == "eager" else \
                     medians.get(same_init) or medians.get(base)
@@ -378,11 +382,26 @@ def summarize(jobs: Sequence[dict[str, Any]], models: Sequence[str],
     return rows
 
 
+def missed(name: str, job: dict[str, Any]) -> str:
+    """Why a job of a scenario that should start warm loaded nothing ("" when it did, and
+    for the cold and eager baselines, which load nothing by design)."""
+    if name in ("cold", "eager"):
+        return ""
+    if name.startswith("megacache"):
+        return nothing_loaded(job)
+    c = job.get("counters") or {}
+    if c.get("fxgraph_hit", 0) + c.get("aot_hit", 0) + (job.get("precompile_hit") or 0):
+        return ""
+    return "torch's caches served none of its graphs (FX graph, AOTAutograd and Dynamo " \
+        "hits all 0)"
+
+
 def summarize_one(model: str, name: str, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ok = [j for j in runs if j.get("ok")]
     ttfs = [j["time_to_first_step_s"] for j in ok]
     return {
         "model": model, "scenario": name, "runs": len(runs), "ok": len(ok),
+        "missed": [why for j in ok if (why := missed(name, j))],
         "errors": [j.get("error") or j.get("skipped") for j in runs if not j.get("ok")],
         "ttfs_median_s": median(ttfs),
         "ttfs_min_s": min(ttfs) if ttfs else None,
@@ -412,6 +431,12 @@ HEADER = ("model", "scenario", "ttfs med s", "min-max s", "1st step s", "compile
           "x cold")
 
 
+def no_load(_: float | None) -> str:
+    """The ratio cell of a row whose runs all loaded nothing: a ratio would read as a
+    speed-up the cache did not give."""
+    return "no load"
+
+
 def table_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     def num(v: float | None, fmt: str = "{:.2f}") -> str:
         return "-" if v is None else fmt.format(v)
@@ -427,6 +452,7 @@ def table_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
                          + [""] * (len(HEADER) - 4))
             continue
         c = r["counters"]
+        ratio = no_load if r["missed"] and len(r["missed"]) == r["ok"] else num
         spread = f"{r['ttfs_min_s']:.2f}-{r['ttfs_max_s']:.2f}"
         if r["ok"] < r["runs"]:
             spread += f" ({r['runs'] - r['ok']} failed)"
@@ -434,8 +460,8 @@ def table_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
             r["model"], r["scenario"], num(r["ttfs_median_s"]), spread,
             num(r["first_step_s"]), num(r["compile_s"]),
             pair(c["fxgraph_hit"], c["fxgraph_miss"]), pair(c["aot_hit"], c["aot_miss"]),
-            num(r["gxx_builds"], "{:g}"), num(r["mb_down"]), num(r.get("vs_eager")),
-            num(r.get("vs_warm-local")), num(r.get("vs_cold")),
+            num(r["gxx_builds"], "{:g}"), num(r["mb_down"]), ratio(r.get("vs_eager")),
+            ratio(r.get("vs_warm-local")), ratio(r.get("vs_cold")),
         ])
     return cells
 
@@ -453,10 +479,26 @@ def over_goal(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             and r["vs_warm-local"] > GOAL_VS_WARM]
 
 
-def start_goals(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """One line per model and time-to-start goal: met or missed, with the figure."""
+def missed_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per row some of whose runs loaded nothing: how many, and why."""
     lines = []
     for r in rows:
+        if r.get("missed"):
+            reasons = "; ".join(sorted(set(r["missed"])))[:400]
+            lines.append(f"{r['model']} {r['scenario']}: {len(r['missed'])} of {r['ok']} "
+                         f"runs loaded nothing, no speed-up claimed for them ({reasons})")
+    return lines
+
+
+def start_goals(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per model and time-to-start goal: met or missed, with the figure (a row
+    whose runs all loaded nothing has no figure: the goal is missed)."""
+    lines = []
+    for r in rows:
+        if r.get("missed") and len(r["missed"]) == r["ok"] and (
+                r["scenario"] in EAGER_GOALS or r["scenario"] in START_GOALS):
+            lines.append(f"{r['model']} {r['scenario']}: MISSED, nothing loaded")
+            continue
         eager_goal = EAGER_GOALS.get(r["scenario"])
         if eager_goal is not None and r.get("vs_eager") is not None:
             ok = r["vs_eager"] <= eager_goal and (r.get("vs_warm-local") or 0) <= 1.0
@@ -565,6 +607,9 @@ def write_results_md(report: dict[str, Any], chart: Path | None,
         render_markdown(rows),
         "",
     ]
+    if nothing := missed_lines(rows):
+        lines += ["Loaded nothing (`no load`: no ratio shown):", ""] + \
+            [f"- {n}" for n in nothing] + [""]
     goals = start_goals(rows)
     if goals:
         lines += ["Time-to-start goals:", ""] + [f"- {g}" for g in goals] + [""]
@@ -642,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chart = args.out.with_suffix(".png")
     have_chart = write_chart(rows, chart)
     print(render_text(rows))
-    for line in start_goals(rows):
+    for line in missed_lines(rows) + start_goals(rows):
         print(line)
     for r in over_goal(rows):
         print(f"note: {r['model']} {r['scenario']} is {r['vs_warm-local']:.2f}x warm-local "

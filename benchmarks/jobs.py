@@ -110,3 +110,30 @@ def run_job(machine: Machine, *args: str, env: dict[str, str] | None = None,
     result = json.loads(lines[-1]) if lines else {}
     builds = GxxCounter.builds(log) if gxx is not None else None
     return JobRun(result, proc.stderr, proc.returncode, builds, time.monotonic() - started)
+
+
+def nothing_loaded(result: dict[str, Any]) -> str:
+    """Why a job loaded nothing torch used from megacache ("" when it did).
+
+    A speed-up is claimed only for a run whose cache lookup gave torch something it then
+    used: the outcome is a hit or a fallback *and* torch's own counters show hits (FX
+    graph, AOTAutograd, or precompiled Dynamo). Anything else saved nothing, whatever the
+    clock says (a second run is often faster from the OS's file cache alone)."""
+    mc = result.get("megacache") or {}
+    outcome = mc.get("outcome")
+    if outcome not in ("hit", "fallback"):
+        why = mc.get("reason") or "no reason given"
+        return f"megacache {outcome or 'not used'}: {why}"
+    c = result.get("counters") or {}
+    hits = c.get("fxgraph_hit", 0) + c.get("aot_hit", 0) + (result.get("precompile_hit") or 0)
+    if hits == 0:
+        return (f"megacache {outcome}, but torch used none of the bundle (FX graph, "
+                "AOTAutograd and precompiled Dynamo hits all 0)")
+    return ""
+
+
+def compiled_anew(result: dict[str, Any]) -> str:
+    """What torch compiled itself in a run: its cache misses, as a phrase."""
+    c = result.get("counters") or {}
+    return (f"{c.get('fxgraph_miss', 0)} FX graph and {c.get('aot_miss', 0)} AOTAutograd "
+            "cache misses")
