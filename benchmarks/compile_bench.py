@@ -42,7 +42,7 @@ from benchlib import (  # benchmarks/benchlib.py, next to this script
     write_json,
 )
 from benchlib import median_of_present as median
-from jobs import GxxCounter, Machine, nothing_loaded, run_job
+from jobs import GxxCounter, Machine, TritonCounter, nothing_loaded, run_job
 from other_path import DEFAULT_VENV, OtherPath
 from results_md import write_section
 from services import LocalRedis, LocalServer, redis_server_exe
@@ -52,7 +52,9 @@ REPO = BENCH_DIR.parent
 DEFAULT_OUT = BENCH_DIR / "results" / "compile.json"
 RESULTS_MD = BENCH_DIR / "RESULTS.md"
 
-MODELS = ("mlp", "transformer", "dlrm", "conv")
+MODELS = ("mlp", "transformer", "dlrm", "conv", "gpt2")
+DEFAULT_MODELS = MODELS[:4]
+"""gpt2 (transformers' GPT-2 from a config: a third-party model) only when asked for."""
 # Scenario -> what a job of it is; the order is the run order within a repeat.
 SCENARIOS = {
     "eager": "the same trainer without torch.compile, on a new machine: what a start would "
@@ -137,6 +139,9 @@ class Bench:
     timeout_s: float
     gxx: GxxCounter
     other: OtherPath | None = None
+    device: str = "cpu"
+    triton: TritonCounter | None = None
+    """Counts Triton compilations (ptxas runs) of `--device cuda` jobs."""
 
     def machine(self, *parts: str) -> Machine:
         """A new machine: empty Inductor, Triton, TMPDIR and node-cache dirs."""
@@ -155,9 +160,12 @@ class Bench:
         # Inductor runs config.cpp.cxx = $CXX or "g++" through PATH (cpp_builder
         # .get_cpp_compiler -> cpp_compiler_search): pinning CXX to the default "g++" keeps
         # a CXX of the calling shell from bypassing the counting wrapper first on PATH.
-        run = run_job(machine, "--steps", str(self.steps), *args, env={**env, "CXX": "g++"},
-                      gxx=self.gxx, timeout=self.timeout_s, runner=runner)
-        record: dict[str, Any] = {"wall_s": round(run.wall_s, 3), "gxx_builds": run.gxx_builds}
+        run = run_job(machine, "--steps", str(self.steps), "--device", self.device, *args,
+                      env={**env, "CXX": "g++"}, gxx=self.gxx, timeout=self.timeout_s,
+                      runner=runner, triton=self.triton)
+        record: dict[str, Any] = {"wall_s": round(run.wall_s, 3), "gxx_builds": run.gxx_builds,
+                                  "triton_compiles": run.triton_compiles,
+                                  "triton_kernels": run.triton_kernels}
         if run.returncode == 0 and run.result:
             record.update(run.result, ok=True)
             if run.warnings():
@@ -412,6 +420,8 @@ def summarize_one(model: str, name: str, runs: Sequence[dict[str, Any]]) -> dict
         "counters": {k: median([j["counters"][k] for j in ok])
                      for k in ("fxgraph_hit", "fxgraph_miss", "aot_hit", "aot_miss")},
         "gxx_builds": median([j["gxx_builds"] for j in ok]),
+        "triton_compiles": median([j.get("triton_compiles") for j in ok]),
+        "triton_kernels": median([j.get("triton_kernels") for j in ok]),
         "mb_down": median([mb(j["megacache"].get("bytes_down")) for j in ok
                            if j.get("megacache")]),
         "outcomes": sorted({j["megacache"].get("outcome") for j in ok if j.get("megacache")}),
@@ -427,8 +437,8 @@ def summarize_one(model: str, name: str, runs: Sequence[dict[str, Any]]) -> dict
 
 
 HEADER = ("model", "scenario", "ttfs med s", "min-max s", "1st step s", "compile s",
-          "fx hit/miss", "aot hit/miss", "g++ builds", "MB down", "x eager", "x warm",
-          "x cold")
+          "fx hit/miss", "aot hit/miss", "g++ builds", "triton compiles", "MB down",
+          "x eager", "x warm", "x cold")
 
 
 def no_load(_: float | None) -> str:
@@ -460,7 +470,8 @@ def table_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
             r["model"], r["scenario"], num(r["ttfs_median_s"]), spread,
             num(r["first_step_s"]), num(r["compile_s"]),
             pair(c["fxgraph_hit"], c["fxgraph_miss"]), pair(c["aot_hit"], c["aot_miss"]),
-            num(r["gxx_builds"], "{:g}"), num(r["mb_down"]), ratio(r.get("vs_eager")),
+            num(r["gxx_builds"], "{:g}"), num(r.get("triton_compiles"), "{:g}"),
+            num(r["mb_down"]), ratio(r.get("vs_eager")),
             ratio(r.get("vs_warm-local")), ratio(r.get("vs_cold")),
         ])
     return cells
@@ -635,7 +646,10 @@ def write_results_md(report: dict[str, Any], chart: Path | None,
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS),
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: train on GPU 0; every machine has its own empty Triton "
+                             "cache dir, Triton compilations are counted (ptxas runs)")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
                         help=f"comma-separated, from {', '.join(MODELS)}")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help=f"comma-separated, from {', '.join(SCENARIOS)}")
@@ -676,12 +690,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{','.join(args.scenarios)}; {args.repeats} repeats of {args.steps} steps")
         other = OtherPath(args.other_venv).ensure(log) if OTHER_PATH in args.scenarios \
             else None
-        bench = Bench(root, args.steps, args.timeout, GxxCounter(root / "bin"), other)
+        triton = TritonCounter(root / "bin") if args.device == "cuda" else None
+        if triton is not None and not triton.available:
+            log("no ptxas of Triton's found: Triton compilations are not counted")
+        bench = Bench(root, args.steps, args.timeout, GxxCounter(root / "bin"), other,
+                      args.device, triton)
         jobs = run_benchmark(bench, args.models, args.scenarios, args.repeats)
     rows = summarize(jobs, args.models, args.scenarios)
     report = {
         "date": utc_now(), "argv": argv, "repeats": args.repeats, "steps": args.steps,
         "machine": compile_machine_info(), "summary": rows, "jobs": jobs,
+        "device": args.device,
+        "gpu": next((j["gpu"] for j in jobs if j.get("gpu")), None),
     }
     write_json(args.out, report)
     chart = args.out.with_suffix(".png")
