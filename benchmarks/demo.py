@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import shutil
 import sys
 import tempfile
@@ -45,6 +46,7 @@ def main() -> int:
                         help="cuda: train on GPU 0 (fresh Triton cache dir per machine)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--keep", type=Path, help="keep server data and machines here")
+    parser.add_argument("--json", type=Path, help="also write both runs and the verdict here")
     parser.add_argument("--warm-from", choices=("same", "empty"), default="same",
                         help="empty: machine B asks a second, empty server (what the report "
                              "says when the new machine loads nothing)")
@@ -75,6 +77,15 @@ def main() -> int:
                            triton=triton)
         check(warm, "machine B")
     report(cold, warm)
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "model": args.model, "device": args.device, "steps": args.steps,
+            "cold": {**cold.result, "gxx_builds": cold.gxx_builds,
+                     "triton_compiles": cold.triton_compiles},
+            "new_machine": {**warm.result, "gxx_builds": warm.gxx_builds,
+                            "triton_compiles": warm.triton_compiles},
+            "nothing_loaded": nothing_loaded(warm.result), "verdict": verdict(cold, warm),
+        }, indent=1))
     if args.keep is None:
         shutil.rmtree(root, ignore_errors=True)
     return 0
