@@ -201,7 +201,8 @@ def write_docs(report: dict[str, Any]) -> None:
         BEGIN, "",
         "Measured by `benchmarks/torch_matrix.py` (one venv per torch version, PyPI's "
         "default build), command:", "",
-        f"```bash\npython benchmarks/torch_matrix.py {' '.join(report['argv'])}\n```", "",
+        "```bash", *[f"python benchmarks/torch_matrix.py {' '.join(c)}".rstrip()
+                     for c in report.get("commands", [report["argv"]])], "```", "",
         f"{report['date']}, {report['machine']}; medians of {report['repeats']} repeat(s) "
         f"of {report['steps']} steps; time to first step in seconds, from process start. "
         "`new machine`: empty Inductor, Triton, TMPDIR and node caches, warm from megacache; "
@@ -230,6 +231,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="run VERSION with this existing interpreter instead of a venv")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of other versions from --out (a matrix run "
+                             "version by version)")
     parser.add_argument("--write-docs", action="store_true",
                         help=f"replace the matrix section of {DOCS.relative_to(REPO)}")
     return parser.parse_args(argv)
@@ -263,7 +267,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"torch {version}: done")
     import platform
 
+    if args.merge and args.out.exists():
+        earlier = json.loads(args.out.read_text())
+        rows = [r for r in earlier["rows"] if r["torch"] not in versions] + rows
+        versions = {**{v: i for v, i in earlier["versions"].items() if v not in versions},
+                    **versions}
+        rows.sort(key=lambda r: tuple(int(x) for x in r["torch"].split(".")[:3]
+                                      if x.isdigit()))
+        commands = [c for c in earlier.get("commands", []) if c != argv] + [argv]
+    else:
+        commands = [argv]
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": argv,
+              "commands": commands,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "repeats": args.repeats, "steps": args.steps, "versions": versions,
               "rows": rows, "runs": str(work)}
