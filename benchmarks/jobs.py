@@ -40,7 +40,10 @@ class Machine:
 
 
 class GxxCounter:
-    """A `g++` first on PATH that logs each call to a per-job file, then runs the real one."""
+    """A `g++` first on PATH that logs each call to a per-job file, then runs the real one.
+
+    `gcc` is wrapped the same way (same log) where there is one: on a GPU, Triton builds
+    the C launcher of each kernel signature with it (CPU jobs never call it)."""
 
     def __init__(self, bin_dir: Path) -> None:
         real = shutil.which("g++")
@@ -48,13 +51,16 @@ class GxxCounter:
             raise RuntimeError("g++ not found: Inductor's CPU backend needs it")
         self.bin_dir = bin_dir
         bin_dir.mkdir(parents=True, exist_ok=True)
-        wrapper = bin_dir / "g++"
-        wrapper.write_text(
-            "#!/bin/sh\n"
-            'case "$*" in *--version*|*-dumpversion*) ;; '
-            '*) [ -n "$GXX_LOG" ] && echo "$*" >> "$GXX_LOG";; esac\n'
-            f'exec "{real}" "$@"\n')
-        wrapper.chmod(0o755)
+        for name, path in (("g++", real), ("gcc", shutil.which("gcc"))):
+            if path is None:
+                continue
+            wrapper = bin_dir / name
+            wrapper.write_text(
+                "#!/bin/sh\n"
+                'case "$*" in *--version*|*-dumpversion*) ;; '
+                '*) [ -n "$GXX_LOG" ] && echo "$*" >> "$GXX_LOG";; esac\n'
+                f'exec "{path}" "$@"\n')
+            wrapper.chmod(0o755)
 
     def env(self, log: Path) -> dict[str, str]:
         return {"PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
