@@ -22,13 +22,15 @@ from megacache_client.steps.shipping import build_manifest, bundle_blob, upload_
 from megacache_client.torch import env as torch_env
 from megacache_client.transport.breaker import CircuitBreaker
 from megacache_client.transport.client import RemoteCache
-from megacache_client.wire.manifest import Fingerprint
+from megacache_client.wire.manifest import Fingerprint, Scalar
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = {"name": "NVIDIA H100 80GB HBM3", "major": 9, "minor": 0, "driver": 12040}
 A100 = {"name": "NVIDIA A100-SXM4-80GB", "major": 8, "minor": 0, "driver": 12040}
-CPU_HW = {"arch": "x86_64", "cpu_isa": "avx2", "cxx": "g++ (Debian 12.2.0) 12.2.0"}
-ENV = {"torch": "2.13.0", "triton": "3.6.0", "python": "3.11", "cuda": "12.8", "hip": None}
+CPU_HW: dict[str, Scalar] = {"arch": "x86_64", "cpu_isa": "avx2",
+                             "cxx": "g++ (Debian 12.2.0) 12.2.0"}
+ENV: dict[str, Scalar] = {"torch": "2.13.0", "triton": "3.6.0", "python": "3.11",
+                          "cuda": "12.8", "hip": None}
 
 
 def gpu_fp(device: dict | None, code: str = "v1") -> Fingerprint:
