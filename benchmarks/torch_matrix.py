@@ -186,9 +186,9 @@ def notes(rows: Sequence[dict[str, Any]], versions: dict[str, dict[str, Any]]) -
         elif r.get("warm_local_s") and r.get("new_machine_s"):
             x = r["new_machine_s"] / r["warm_local_s"]
             met = "met" if x <= GOAL_VS_WARM and not r.get("gxx_new") else "MISSED"
+            builds = "-" if r.get("gxx_new") is None else f"{r['gxx_new']:g}"
             out.append(f"- torch {r['torch']} {r['model']}: new machine {x:.2f}x warm-local, "
-                       f"{r.get('gxx_new')} g++ builds (goal <= {GOAL_VS_WARM}x, 0 builds: "
-                       f"{met})")
+                       f"{builds} g++ builds (goal <= {GOAL_VS_WARM}x, 0 builds: {met})")
         if r.get("error"):
             out.append(f"- torch {r['torch']} {r['model']}: error: {r['error']}")
     return out
