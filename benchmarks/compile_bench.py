@@ -607,6 +607,8 @@ def write_results_md(report: dict[str, Any], chart: Path | None,
         f"redis-py {m['redis_py']}, {m['redis_server'] or 'no redis-server'}",
         f"- commit {m['git_commit']}; {report['repeats']} repeats of {report['steps']} "
         "training steps, each job a fresh process with fresh cache dirs",
+        *([f"- device {report.get('device')}: {report['gpu']['name']} (compute capability "
+           f"{report['gpu']['major']}.{report['gpu']['minor']})"] if report.get("gpu") else []),
         "",
         "`ttfs` is the time from process start to the end of the first training step "
         "(imports included). Medians over repeats; `x eager` / `x warm` / `x cold` divide the "
@@ -640,7 +642,9 @@ def write_results_md(report: dict[str, Any], chart: Path | None,
     lines += [f"- `{name}`: {what}" for name, what in SCENARIOS.items()]
     lines += ["", "Every job runs with a `g++` wrapper first on PATH; `g++ builds` counts the "
               "calls that wrote a kernel `.so` or a precompiled header (version queries and "
-              "Inductor's `-E` pass over its header, which keys the `.gch`, excluded).", ""]
+              "Inductor's `-E` pass over its header, which keys the `.gch`, excluded; `gcc`'s "
+              "too: Triton's launchers on a GPU). `triton compiles` (`--device cuda`) counts "
+              "ptxas runs: Triton kernels compiled, not restored from a bundle.", ""]
     write_section(section, "\n".join(lines), RESULTS_MD)
 
 
