@@ -44,6 +44,7 @@ RELEASE_CLAIM = Route("DELETE", "/v1/ac/{key}/claim")
 POST_EVENTS = Route("POST", "/v1/events")
 STATS = Route("GET", "/v1/stats")
 JOBS = Route("GET", "/v1/jobs")
+JOB_PROGRESS = Route("POST", "/v1/jobs/{job}/progress")
 QUARANTINE = Route("GET", "/v1/quarantine")
 WHOAMI = Route("GET", "/v1/whoami")
 # operators: dashboard, metrics, health, docs
