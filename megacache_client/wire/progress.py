@@ -84,5 +84,7 @@ class ProgressBatch(Schema):
 
     attempt: Attempt
     records: Annotated[list[ProgressRecord], Size(1, MAX_RECORDS)]
-    model: Annotated[str | None, Size(1, 256), Doc("the model the job trains, for ETT per "
-                                                   "model")] = None
+    model: Annotated[Annotated[str, Size(1, 256)] | None,
+                     Doc("the model the job trains, for ETT per model")] = None
+    """The size rule is on the string inside: on `str | None` it met None (a batch without
+    a model could not be made or parsed: TypeError)."""
