@@ -255,6 +255,33 @@ def test_steps_checkpoints_and_the_end_reach_the_peer(tmp_path: Path, telemetry_
     assert max(r["step"] for r in recs if r["kind"] == "heartbeat") == 3
 
 
+def test_a_process_that_never_trains_sends_nothing(tmp_path: Path, telemetry_on) -> None:
+    """torchrun's agent imports torch with the job's variables (no RANK: "rank 0"): its
+    start, heartbeats and exit must not enter the job's time line."""
+    with recording() as peer:
+        t = start_here(peer.url, tmp_path, telemetry_on, heartbeat_s=0.05)
+        time.sleep(0.5)
+        assert len(t.progress.queue) >= 5  # type: ignore[attr-defined]  # kept, not sent
+        began = time.monotonic()
+        t.end("finished")  # type: ignore[attr-defined]
+        assert time.monotonic() - began < 0.1
+        time.sleep(0.3)
+        assert peer.batches == []
+
+
+def test_the_first_step_sends_what_waited(tmp_path: Path, telemetry_on) -> None:
+    import torch
+
+    with recording() as peer:
+        t = start_here(peer.url, tmp_path, telemetry_on, heartbeat_s=0.05)
+        time.sleep(0.3)
+        assert peer.batches == []
+        torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1).step()
+        assert t.progress.flush(5)  # type: ignore[attr-defined]
+        kinds = peer.kinds()
+        assert kinds[0] == "start" and kinds.count("heartbeat") >= 3 and "training" in kinds
+
+
 def test_a_hung_server_costs_the_loop_nothing(hanging_server: str, tmp_path: Path,
                                               telemetry_on) -> None:
     """The server accepts and never answers: the sender waits on it in its own thread
@@ -280,16 +307,22 @@ def test_a_hung_server_costs_the_loop_nothing(hanging_server: str, tmp_path: Pat
     first = time.perf_counter()
     opt.step()  # the first step sends `training`: queued, not sent
     assert time.perf_counter() - first < 0.05
+    sender = t.progress  # type: ignore[attr-defined]
+
+    def in_flight() -> int:  # taken from the queue, neither sent nor refused nor dropped
+        return int(sender.queue.added - sender.settled - len(sender.queue))
+
     deadline = time.monotonic() + 5
-    while not t.progress._busy and time.monotonic() < deadline:  # type: ignore[attr-defined]
+    while not in_flight() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert t.progress._busy  # type: ignore[attr-defined]  # stuck in a POST the server holds
+    assert in_flight()  # the sender is stuck in a POST the server holds
     with_hook = statistics.median(step_times(2000))
     assert with_hook - without < 50e-6, (with_hook, without)
     began = time.monotonic()
     dcp.save({"m": model.state_dict()}, checkpoint_id=str(tmp_path / "c"))
     assert time.monotonic() - began < 2.0
     assert t.step >= 2001  # type: ignore[attr-defined]
+    assert in_flight() and sender.sent == 0  # all of it while the server held the POST
     began = time.monotonic()
     t.end("finished")  # type: ignore[attr-defined]  # the exit waits at most its bound
     assert time.monotonic() - began < 2.5
@@ -314,9 +347,9 @@ def test_a_checkpoint_module_imported_later_is_patched_on_import() -> None:
     import subprocess
 
     code = ("import sys, torch\n"
-            "from megacache_client.torch import telemetry\n"
+            "from megacache_client.torch import checkpoints\n"
             "assert 'torch.distributed.checkpoint' not in sys.modules\n"
-            "telemetry.watch_checkpoint_module()\n"
+            "checkpoints.watch_checkpoint_module()\n"
             "import torch.distributed.checkpoint as dcp\n"
             "print(all(getattr(getattr(dcp, n), '_megacache_wrapped', False)"
             " for n in ('save', 'async_save', 'load')))\n")

@@ -9,7 +9,8 @@ queue is bounded and drops its oldest record when full (the oldest heartbeat fir
 one says more), counting what it dropped; a batch that could not be sent goes back to the
 front of the queue and is tried again after a pause. A batch the server refuses (4xx) is
 dropped; a server without the progress route (404/405) or a token without the right
-(401/403) stops the sending for the process.
+(401/403) stops the sending for the process. Nothing is sent before `arm()`: records wait
+(in the same bounded queue) until the process shows it trains.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class ProgressQueue:
     def __init__(self, limit: int = QUEUE_RECORDS) -> None:
         self.limit = max(1, limit)
         self.dropped = 0
+        self.added = 0
         self._items: collections.deque[ProgressRecord] = collections.deque()
         self._ready = threading.Condition(threading.Lock())
 
@@ -97,6 +99,7 @@ class ProgressQueue:
         with self._ready:
             self._make_room(1)
             self._items.append(record)
+            self.added += 1
             self._ready.notify()
 
     def put_back(self, records: list[ProgressRecord]) -> None:
@@ -130,7 +133,8 @@ class Progress:
 
     def __init__(self, config: ClientConfig, job: str, attempt: int,
                  model: Callable[[], str | None] = lambda: None,
-                 queue: ProgressQueue | None = None, retry_s: float | None = None) -> None:
+                 queue: ProgressQueue | None = None, retry_s: float | None = None,
+                 armed: bool = True) -> None:
         self.config = config
         self.job = job
         self.attempt = attempt
@@ -143,10 +147,13 @@ class Progress:
         self.failing = False
         """The last try to send failed (the server is down or slow): the exit does not wait."""
         self.stopped = ""
-        self._busy = False
-        self._idle = threading.Condition()
+        self.armed = armed
+        """Nothing is sent before: records wait until the process shows it trains."""
+        self._done = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._remote: RemoteCache | None = None
+        """One client for the sender's life (one connection kept), a deadline per batch."""
 
     def start(self) -> Progress:
         if self._thread is None:
@@ -154,6 +161,10 @@ class Progress:
                                             daemon=True)
             self._thread.start()
         return self
+
+    def arm(self) -> None:
+        """Send what was put, and from now on what is put."""
+        self.armed = True
 
     def put(self, record: ProgressRecord | None) -> None:
         if record is not None and not self.stopped:
@@ -163,15 +174,22 @@ class Progress:
         for record in records:
             self.put(record)
 
+    @property
+    def settled(self) -> int:
+        """Records put that are gone: sent, refused or dropped."""
+        return self.sent + self.refused + self.queue.dropped
+
     def flush(self, timeout: float) -> bool:
-        """Wait up to `timeout` for what was put to be sent (or dropped); True if it was."""
+        """Wait up to `timeout` for what was put so far to be sent (or refused, or
+        dropped); True if it was. Returns at once before `arm()` or after `stop()`."""
         end = time.monotonic() + timeout
-        with self._idle:
-            while (len(self.queue) or self._busy) and not self.stopped:
+        target = self.queue.added
+        with self._done:
+            while self.settled < target and self.armed and not self.stopped:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
-                self._idle.wait(min(left, 0.05))
+                self._done.wait(min(left, 0.05))
         return True
 
     def stop(self, why: str) -> None:
@@ -179,26 +197,31 @@ class Progress:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            with self._idle:
+        try:
+            while not self._stop.is_set():
+                if not self.armed:
+                    self._stop.wait(0.05)
+                    continue
                 records = self.queue.take(MAX_RECORDS, 0.2)
-                self._busy = bool(records)
-            if not records:
-                with self._idle:
-                    self._idle.notify_all()
-                continue
-            ok = self._send(records)
-            with self._idle:
-                self._busy = False
-                self._idle.notify_all()
-            if not ok and not self.stopped:
-                self.queue.put_back(records)
-                self._stop.wait(self.retry_s)
+                if not records:
+                    continue
+                ok = self._send(records)
+                with self._done:
+                    self._done.notify_all()
+                if not ok and not self.stopped:
+                    self.queue.put_back(records)
+                    self._stop.wait(self.retry_s)
+        finally:
+            if self._remote is not None:
+                self._remote.close()
 
     def _send(self, records: list[ProgressRecord]) -> bool:
         """POST one batch; False when it should be tried again later."""
         try:
             model = self.model()
+        except Exception:  # the session changing under us: the next batch names it
+            model = None
+        try:
             batch = ProgressBatch(attempt=self.attempt, records=records,
                                   model=model[:256] if model else None)
         except Exception as exc:  # nothing a retry would mend
@@ -206,9 +229,10 @@ class Progress:
             log.info("megacache: %d progress records dropped: %s", len(records), exc)
             return True
         try:
-            with RemoteCache(self.config, deadline=Deadline(self.config.load_deadline_s)
-                             ) as remote:
-                remote.post_progress(self.job, batch.to_json())
+            if self._remote is None:
+                self._remote = RemoteCache(self.config)
+            self._remote.deadline = Deadline(self.config.load_deadline_s)
+            self._remote.post_progress(self.job, batch.to_json())
         except TransportError as exc:
             status = exc.status or 0
             if status in STOP_STATUSES:

@@ -1,8 +1,14 @@
 """Job telemetry: rank 0 tells the server where its job's time goes (Effective Training Time).
 
 Started by `enable()` (so zero-code too), for rank 0 of a job only (a process without a job
-id has no time line to add to), unless `MEGACACHE_TELEMETRY=0`. It hooks, without a change
-to the trainer:
+id has no time line to add to), unless `MEGACACHE_TELEMETRY=0`. It sends nothing until the
+process shows that it trains (its first optimizer step, or a checkpoint saved or loaded):
+the records wait until then. A launcher that imports torch with the job's variables
+(torchrun's agent: no RANK, attempt 0 for ever) or a helper script is no trainer, and its
+start, heartbeats and end would spoil the job's time line; a trainer that dies before its
+first step is counted by the server in the next attempt's recovery. Steps are counted by
+the process since its start (a restored checkpoint's step is unknown to it). It hooks,
+without a change to the trainer:
 
 - the start: the process's start time (`start_clock`), and on attempt 0 the job's
   allocation start (`MEGACACHE_JOB_START`, `SLURM_JOB_START_TIME`);
@@ -10,16 +16,10 @@ to the trainer:
   them, per optimizer (a step is the most any optimizer took: a GAN's two optimizers count
   one step each); its cost per step is a dict increment. The first step sends `training`;
 - heartbeats: a daemon thread sends the step count every `heartbeat_s`;
-- checkpoints: `torch.distributed.checkpoint.save`, `async_save` and `load` are wrapped
-  when that package is imported (at once if it already is). A save is timed on the loop
-  (the call) and, for `async_save`, in the background too (until the returned future, or
-  the response's `upload_completion`, is done); the record is sent once the checkpoint is
-  durable, and not at all when it failed. Only the package's attributes are wrapped: a
-  name bound before the client was enabled (`from torch.distributed.checkpoint import
-  save` ahead of `import torch` in zero-code mode is impossible, but ahead of an explicit
-  `enable()` it is) keeps calling the unwrapped function: such trainers, and those that
-  checkpoint another way, say so with `megacache_client.checkpoint()` /
-  `checkpoint_saved()` / `checkpoint_loaded()`;
+- checkpoints: `torch.distributed.checkpoint.save`, `async_save` and `load`, timed on the
+  loop and (async) in the background (`checkpoints.py`); trainers that checkpoint another
+  way, or bound `save` before the client was enabled, say so with
+  `megacache_client.checkpoint()` / `checkpoint_saved()` / `checkpoint_loaded()`;
 - the end: `finished` at interpreter exit, `failed` on an uncaught exception
   (`sys.excepthook`, chained). A killed process sends nothing: the server takes its last
   heartbeat. `sys.exit(n)` with n != 0 reads as finished (atexit cannot see the code).
@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from types import ModuleType, TracebackType
+from types import TracebackType
 from typing import Any
 
 from megacache_client.config import ClientConfig
@@ -50,15 +49,12 @@ from megacache_client.wire.progress import ProgressRecord, Reason
 
 log = logging.getLogger("megacache")
 
-DCP = "torch.distributed.checkpoint"
 EXIT_FLUSH_S = 2.0
 """How long the exit waits for the last records to be sent (not at all when the server
 was failing already)."""
 
 _lock = threading.Lock()
 _active: Telemetry | None = None
-_inside = threading.local()
-"""Set while a wrapped checkpoint call runs: a wrapped call inside another is not counted."""
 
 
 class Telemetry:
@@ -90,6 +86,7 @@ class Telemetry:
         if self.first_step is None:
             self.first_step = time.time()
             self.emit(records.training_record, self.first_step)
+            self.progress.arm()
 
     def emit(self, build: Callable[..., ProgressRecord], *args: Any) -> None:
         try:
@@ -101,10 +98,12 @@ class Telemetry:
               step: int | None) -> None:
         self.emit(records.checkpoint_save_record, at, self.step if step is None else step,
                   blocking_s, background_s)
+        self.progress.arm()
 
     def loaded(self, at: float, blocking_s: float, step: int | None) -> None:
         self.emit(records.checkpoint_load_record, at, blocking_s,
                   self.step if step is None else step)
+        self.progress.arm()
 
     def _beat(self) -> None:
         while not self._stopping.wait(self.heartbeat_s):
@@ -118,6 +117,8 @@ class Telemetry:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._handle = register_optimizer_step_post_hook(self.on_step)
+        from megacache_client.torch.checkpoints import watch_checkpoint_module
+
         watch_checkpoint_module()
         threading.Thread(target=self._beat, name="megacache-heartbeat", daemon=True).start()
         self._previous_hook = sys.excepthook
@@ -137,6 +138,9 @@ class Telemetry:
         if self.ended is not None or _active is not self:
             return
         self.ended = reason
+        if not self.progress.armed:  # never trained: no trainer (a launcher, a helper)
+            self.stop("the process never trained")
+            return
         self.emit(records.end_record, time.time(), reason)
         self._stopping.set()
         if not self.progress.failing:
@@ -167,7 +171,7 @@ def start(config: ClientConfig, job: JobIdentity, started: float,
             return _active
         if not (config.enabled and config.telemetry) or job.job_id is None or job.rank != 0:
             return None
-        progress = Progress(config, job.job_id, job.attempt, model)
+        progress = Progress(config, job.job_id, job.attempt, model, armed=False)
         telemetry = Telemetry(progress, config.heartbeat_s)
         alloc = allocation_start() if job.attempt == 0 else None
         telemetry.emit(records.start_record, started, alloc)
@@ -242,94 +246,3 @@ def checkpoint(step: int | None = None) -> Iterator[None]:
     t = _active
     if t is not None:
         t.saved(at, time.monotonic() - began, None, step)
-
-
-# -- torch.distributed.checkpoint -----------------------------------------------------------
-def _timed(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t = _active
-        if t is None or getattr(_inside, "busy", False):
-            return fn(*args, **kwargs)
-        at, began, step = time.time(), time.monotonic(), t.step
-        _inside.busy = True
-        try:
-            result = fn(*args, **kwargs)
-        finally:
-            _inside.busy = False
-        blocking = time.monotonic() - began
-        if kind == "load":
-            t.loaded(at, blocking, step)
-        elif kind == "save":
-            t.saved(at, blocking, None, step)
-        else:
-            _when_written(result, t, at, blocking, step)
-        return result
-
-    wrapper._megacache_wrapped = True  # type: ignore[attr-defined]
-    return wrapper
-
-
-def _when_written(result: Any, t: Telemetry, at: float, blocking: float, step: int) -> None:
-    """An async save returned: its record goes out when its upload is done, if it worked."""
-    returned = time.monotonic()
-    future = getattr(result, "upload_completion", result)
-
-    def done(f: Any) -> None:
-        try:
-            if not f.cancelled() and f.exception() is None:
-                t.saved(at, blocking, time.monotonic() - returned, step)
-        except Exception as exc:
-            log.debug("megacache: async checkpoint not recorded: %s", exc)
-
-    try:
-        future.add_done_callback(done)
-    except Exception:  # not a future: count what the loop waited
-        t.saved(at, blocking, None, step)
-
-
-def patch_checkpoint_module(module: ModuleType) -> None:
-    """Wrap the package's save, async_save and load (once)."""
-    for name in ("save", "async_save", "load"):
-        fn = getattr(module, name, None)
-        if callable(fn) and not getattr(fn, "_megacache_wrapped", False):
-            setattr(module, name, _timed(name, fn))
-
-
-def watch_checkpoint_module() -> None:
-    """Patch torch.distributed.checkpoint now if imported, else right after its import."""
-    module = sys.modules.get(DCP)
-    if module is not None and hasattr(module, "save"):
-        patch_checkpoint_module(module)
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
-
-
-class _AfterImport:
-    """A meta-path finder that finds nothing itself: it wraps the loader of
-    torch.distributed.checkpoint to patch the package once it has executed."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != DCP:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = None
-        for finder in list(sys.meta_path):  # whoever would have found it without us
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                break
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        original = spec.loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            original(module)
-            try:
-                patch_checkpoint_module(module)
-            except Exception as exc:
-                log.debug("megacache: checkpoint calls not timed: %s", exc)
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
