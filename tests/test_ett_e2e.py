@@ -190,10 +190,14 @@ def compare(truth: dict[str, Any], ett: dict[str, Any]) -> list[str]:
     return problems
 
 
+@pytest.mark.parametrize("kill_rank", [0, 1])
 def test_a_killed_torchrun_job_s_split_matches_its_own_clock(server: ServerProcess,
-                                                              tmp_path: Path) -> None:
+                                                              tmp_path: Path,
+                                                              kill_rank: int) -> None:
+    """Rank 0 killed: its last heartbeat is the failure. Rank 1 killed: rank 0 waits in
+    the step's all-reduce, beating, until torchrun stops it (--monitor-interval 0.1)."""
     job = job_id(tmp_path, "ett")
-    truth, run = torchrun_job(server.url, tmp_path, job)
+    truth, run = torchrun_job(server.url, tmp_path, job, kill_rank)
     assert run.returncode == 0, run.stderr[-4000:]  # attempt 1 finished the job
     assert truth["kill"] is not None and truth["attempts"][1].get("end"), truth
     want = expected(truth)
