@@ -46,7 +46,7 @@ def _timed(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             _inside.busy = False
         blocking = time.monotonic() - began
         if kind == "load":
-            t.loaded(at, blocking, step)
+            t.loaded(at, blocking, None)
         elif kind == "save":
             t.saved(at, blocking, None, step)
         else:

@@ -101,8 +101,9 @@ class Telemetry:
         self.progress.arm()
 
     def loaded(self, at: float, blocking_s: float, step: int | None) -> None:
-        self.emit(records.checkpoint_load_record, at, blocking_s,
-                  self.step if step is None else step)
+        """A restore: the step it resumes from is the trainer's to say (this process's
+        count is not it), None when unknown."""
+        self.emit(records.checkpoint_load_record, at, blocking_s, step)
         self.progress.arm()
 
     def _beat(self) -> None:
