@@ -45,12 +45,15 @@ def _timed(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _inside.busy = False
         blocking = time.monotonic() - began
-        if kind == "load":
-            t.loaded(at, blocking, None)
-        elif kind == "save":
-            t.saved(at, blocking, None, step)
-        else:
-            _when_written(result, t, at, blocking, step)
+        try:
+            if kind == "load":
+                t.loaded(at, blocking, None)
+            elif kind == "save":
+                t.saved(at, blocking, None, step)
+            else:
+                _when_written(result, t, at, blocking, step)
+        except Exception as exc:  # the checkpoint is the trainer's; the record only ours
+            log.debug("megacache: checkpoint not recorded: %s", exc)
         return result
 
     wrapper._megacache_wrapped = True  # type: ignore[attr-defined]
