@@ -283,6 +283,29 @@ def test_the_first_step_sends_what_waited(tmp_path: Path, telemetry_on) -> None:
         assert kinds[0] == "start" and kinds.count("heartbeat") >= 3 and "training" in kinds
 
 
+def test_an_uncaught_exception_ends_failed_after_the_trainer_s_own_hook(
+        tmp_path: Path, telemetry_on, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from megacache_client.torch import telemetry
+
+    seen: list[str] = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(str(value)))
+    monkeypatch.setenv("MEGACACHE_JOB_START", str(NOW - 50))
+    with recording() as peer:
+        t = telemetry.start(config(peer.url, tmp_path), JobIdentity(job_id="job-8", attempt=2),
+                            NOW - 5)
+        assert t is not None
+        telemetry_on.append(t)
+        torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1).step()
+        sys.excepthook(RuntimeError, RuntimeError("boom"), None)
+        recs = peer.records("job-8")
+    assert seen == ["boom"]  # the trainer's hook ran, and first
+    assert recs[-1]["kind"] == "end" and recs[-1]["reason"] == "failed"
+    assert recs[0]["allocation_start"] is None  # a restart is not the allocation
+    assert {b["attempt"] for _, b in peer.batches} == {2}
+
+
 def test_a_hung_server_costs_the_loop_nothing(hanging_server: str, tmp_path: Path,
                                               telemetry_on) -> None:
     """The server accepts and never answers: the sender waits on it in its own thread
