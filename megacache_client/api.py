@@ -1,4 +1,6 @@
-"""The public entry points: `enable()`, `session()` (context manager) and `cached` (decorator)."""
+"""The public entry points: `enable()`, `session()` (context manager) and `cached` (decorator);
+for a job's Effective Training Time, `checkpoint()` (context manager), `checkpoint_saved()`
+and `checkpoint_loaded()` (`torch/telemetry.py`)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -13,9 +16,14 @@ from megacache_client.config import ClientConfig
 from megacache_client.lifecycle import Session
 from megacache_client.results import MegacacheError
 from megacache_client.steps.prefetch import Prefetcher
-from megacache_client.torch import hook, supported
+from megacache_client.torch import hook, supported, telemetry
+from megacache_client.torch.telemetry import checkpoint, checkpoint_loaded, checkpoint_saved
+
+__all__ = ["cached", "checkpoint", "checkpoint_loaded", "checkpoint_saved", "disable", "enable",
+           "session"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("megacache")
 
 
 def enable(*, model: str | None = None, code: str | None = None,
@@ -40,6 +48,7 @@ def enable(*, model: str | None = None, code: str | None = None,
         session.start()
         hook.install(session)
         atexit.register(_close_at_exit, session)
+        _start_telemetry(session)
         if load_now:
             session.load(options=compile_options)
     return session
@@ -72,6 +81,24 @@ def _adopt(new: Session, old: Session | None) -> None:
     else:
         new.prefetcher = old.prefetcher
     old.retire()
+
+
+def _start_telemetry(session: Session) -> None:
+    """Rank 0 of a job sends its progress from now on (registered after the session's exit
+    handler, so the job's end is sent before the exit's publish)."""
+    try:
+        telemetry.start(session.config, session.job, session.clock.started, _model)
+    except Exception as exc:  # never let telemetry break the trainer
+        log.info("megacache: job telemetry off: %s: %s", type(exc).__name__, exc)
+
+
+def _model() -> str | None:
+    """The model the active session compiles (what the job trains), when known."""
+    s = hook.active_session()
+    if s is None:
+        return None
+    fp = s.fp
+    return s.model or (fp.model if fp is not None else None)
 
 
 def disable(session: Session | None = None) -> None:

@@ -7,6 +7,7 @@
     megacache pull KEY            # pre-fetch a node before the job starts
     megacache push bundle.bin --model dlrm-v3 --code $GIT_SHA --cold-compile-s 180
     megacache stats
+    megacache jobs [JOB]          # where each job's time went (ETT), or one job's attempts
     megacache autoload install    # zero-code hook for this environment
 
 Server URL and token come from --url/--token (before or after the subcommand) or
@@ -233,6 +234,41 @@ def _job_cells(row: dict[str, Any]) -> tuple[str, str, str, str]:
     return replayed, seconds("tts_p50_s"), seconds("ttr_p50_s"), str(row.get("restarts", "-"))
 
 
+SPLIT = (("training", "train"), ("startup", "start"), ("compile", "compile"),
+         ("checkpoint_save", "ckpt save"), ("checkpoint_restore", "restore"),
+         ("lost_progress", "lost"), ("recovery", "recover"), ("idle", "idle"))
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    with _remote(_config(args)) as remote:
+        found: Any = remote.job_ett(args.job) if args.job else remote.jobs(limit=args.limit)
+    if args.json:
+        print(json.dumps(found, indent=2))
+        return 0
+    heads = ("ETT %", *(short + " s" for _, short in SPLIT), "failures")
+    if args.job:
+        rows = [(a["attempt"], _pct(a["ett_pct"]), *_split(a["seconds"]),
+                 "failed" if a["failed"] else "live" if a["live"] else a["ended"] or "-")
+                for a in found["attempts"]]
+        rows.append(("TOTAL", _pct(found["ett_pct"]), *_split(found["seconds"]),
+                     found["failures"]))
+        _table(("attempt", *heads[:-1], "state"), rows)
+        return 0
+    rows = [(j["job_id"], (j["ett"] or {}).get("model") or "-", _pct(j["ett"]["ett_pct"]),
+             *_split(j["ett"]["seconds"]), j["ett"]["failures"])
+            for j in found if j.get("ett")]
+    _table(("job", "model", *heads), rows)
+    return 0
+
+
+def _pct(value: float | None) -> str:
+    return f"{value:.1f}" if value is not None else "-"
+
+
+def _split(seconds: dict[str, float]) -> list[str]:
+    return [f"{seconds.get(name, 0.0):.0f}" for name, _ in SPLIT]
+
+
 def cmd_autoload(args: argparse.Namespace) -> int:
     source = Path(__file__).resolve().parent.parent / "megacache_autoload.pth"
     if not source.exists():
@@ -332,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("stats", "runs, hit rate and compile time saved per model")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(fn=cmd_stats)
+
+    p = command("jobs", "where each job's wall time went: ETT %% and its split (docs/ett.md)")
+    p.add_argument("job", nargs="?", help="one job's attempts instead")
+    p.add_argument("--limit", type=int, default=50, help="at most this many jobs")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(fn=cmd_jobs)
 
     p = command("autoload", "install or remove the zero-code .pth hook")
     p.add_argument("action", choices=("install", "remove"))

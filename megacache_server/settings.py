@@ -96,6 +96,11 @@ class Settings(BaseSettings):
         14, gt=0, description="days raw events are kept (totals are kept for good)")
     rollup_retention_days: float = Field(
         400, gt=0, description="days hourly rollups (dashboard history) are kept")
+    progress_rate: float = Field(
+        50, ge=0, description="job progress batches (ETT telemetry) one token may post per "
+        "second, across every worker and replica (0: no limit)")
+    progress_burst: float = Field(
+        500, ge=1, description="job progress batches a token may post at once")
     report_rate: float = Field(
         0.5, ge=0, description="reports of bad blobs or unloadable entries one token may send "
         "per second, across every worker and replica (0: no limit)")

@@ -92,9 +92,9 @@ class ServerProcess(LocalServer):
         return sorted(p.name for p in (self.data_dir / "tmp").glob("*"))
 
     def blob_names(self) -> list[str]:
-        """Digests of the blobs visible in the store."""
+        """Digests of the blobs visible in the store (under `cas/`: not those quarantined)."""
         if self.s3_endpoint:
-            listing = self._s3().list_objects_v2(Bucket=self.s3_bucket)
+            listing = self._s3().list_objects_v2(Bucket=self.s3_bucket, Prefix="cas/")
             return sorted(o["Key"].rsplit("/", 1)[-1] for o in listing.get("Contents", []))
         return sorted(p.name for p in (self.data_dir / "cas").glob("*/*"))
 

@@ -16,6 +16,19 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def assert_chart(path: Path, figsize: tuple[float, float], dpi: int) -> None:
+    """`path` is a PNG of the benchmark's figure (`figsize` inches at `dpi`, as its chart
+    function makes it) that shows something: more than one colour, not a blank canvas."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.load()  # decodes every pixel: a truncated or corrupt file fails here
+        assert image.format == "PNG", image.format
+        assert image.size == (round(figsize[0] * dpi), round(figsize[1] * dpi)), image.size
+        colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
+    assert colours is not None and len(colours) > 1, f"{path} is blank"
+
+
 def test_compile_bench_quick_writes_valid_json(tmp_path: Path):
     need("torch")
     out = tmp_path / "compile.json"
@@ -54,7 +67,7 @@ def test_server_bench_quick_writes_tables_json_and_chart(tmp_path: Path):
     assert all(r["errors"] == 0 and r["requests_s"] > 0 for r in report["lookup"])
     assert report["machine"]["git_commit"] and report["manifest_bytes"] > 0
     assert [g["met"] for g in report["goals"]][0] is None  # 64 MiB x16 is not in --quick
-    assert out.with_suffix(".png").stat().st_size > 0
+    assert_chart(out.with_suffix(".png"), (15, 4.8), dpi=110)  # serverbench/report.py
     assert "| ours GET /v1/ac/{key} | 32 |" in run.stdout  # the lookup table on stdout
 
 
@@ -84,12 +97,16 @@ def test_scale_bench_quick_writes_valid_json(tmp_path: Path):
     gc = row["concurrent"]["gc"]
     assert gc["evicted"] == 200 and gc["lookups"]["n"] > 0  # 10% of 2000 entries went
     # the server's own histogram saw the lookup process's lookups (and the ones before GC)
-    assert gc["server_exact"]["count"] >= gc["lookups"]["n"] > 0
-    assert 0 <= gc["server_exact"]["over_50ms"] <= gc["server_exact"]["count"]
+    seen, sent = gc["server_exact"], gc["client_exact"]
+    assert seen["count"] >= gc["lookups"]["n"] > 0
+    # every lookup the load process timed (and its first, untimed one), no other
+    assert 0 < sent["count"] <= seen["count"] <= sent["count"] + 1, (seen, sent)
+    # the server times a part of each round trip the client timed: never more of them slow
+    assert seen["over_50ms"] <= sent["over_50ms"], (seen, sent)
     assert "would evict 200 entries" in row["gc_plan"]["last_line"]
     assert row["fsck"]["last_line"] == "clean" and row["fsck"]["max_rss_mb"] > 0
     assert row["blob_bytes_per_entry"] >= 1024 and row["index_bytes_per_entry"] > 0
-    assert out.with_suffix(".png").stat().st_size > 0
+    assert_chart(out.with_suffix(".png"), (13, 5), dpi=110)  # scale_bench.chart
     assert "exact p50/p99" in run.stdout  # the table
 
 
@@ -118,7 +135,7 @@ def test_fleet_bench_quick_agrees_and_uploads_once(tmp_path: Path):
             assert carried > 0, row
             assert row["replica_share"] < 0.01 if redirect else row["replica_share"] == 1.0
     assert [g["met"] for g in result["goals"]][:3] == [True, True, True]
-    assert out.with_suffix(".png").stat().st_size > 0
+    assert_chart(out.with_suffix(".png"), (11, 4), dpi=110)  # fleet_bench.chart
     assert "replica MB/node" in run.stdout  # the table
 
 

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from helpers import ServerProcess, make_fingerprint, make_manifest, raw_http, sha256
+from helpers import (
+    LOOPBACK,
+    ServerProcess,
+    make_fingerprint,
+    make_manifest,
+    raw_http,
+    sha256,
+)
 
 MiB = 1024 * 1024
 
@@ -148,22 +158,36 @@ def test_missing_content_length_is_411(server, client):
     assert client.head(f"/v1/cas/{sha256(data)}").status_code == 404
 
 
-def test_truncated_upload_leaves_nothing(server: ServerProcess):
-    data = os.urandom(2 * MiB)
+def _until(what: str, check: Callable[[], object], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_truncated_upload_is_never_visible_and_leaves_nothing(server: ServerProcess):
+    """While the upload streams the blob is not there; once the client hangs up half way,
+    nothing of it is. 17 MiB: over the S3 store's part size, so it streams as a multipart
+    upload there (a temp file on disk): `temp_files()` shows it in flight on both stores."""
+    data = os.urandom(17 * MiB)
     digest = sha256(data)
     head = (f"PUT /v1/cas/{digest} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             f"Content-Length: {len(data)}\r\n\r\n").encode()
-    raw_http(server.port, head + data[: len(data) // 2], close_write=True)
-    with httpx.Client(base_url=server.url) as c:
-        for _ in range(50):  # the server notices the hang-up asynchronously
-            if not server.temp_files():
-                break
-            import time
-            time.sleep(0.1)
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        with socket.create_connection((LOOPBACK, server.port), timeout=30) as s:
+            s.sendall(head + data[: len(data) // 2])
+            _until("the upload to be in flight", server.temp_files)
+            assert c.head(f"/v1/cas/{digest}").status_code == 404
+            assert c.get(f"/v1/cas/{digest}").status_code == 404
+            assert digest not in server.blob_names()
+        # the connection closed with half the body sent: the server notices asynchronously
+        _until("the broken upload's leftovers to go", lambda: not server.temp_files())
         assert c.head(f"/v1/cas/{digest}").status_code == 404
-        assert server.temp_files() == []
+        assert c.get(f"/v1/cas/{digest}").status_code == 404
+        assert digest not in server.blob_names()
         # and the server is still fine
         assert c.put(f"/v1/cas/{digest}", content=data).status_code == 201
+        assert c.get(f"/v1/cas/{digest}").content == data
 
 
 def test_oversize_blob_is_413_before_the_body_is_read(limited_server: ServerProcess):

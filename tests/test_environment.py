@@ -2,11 +2,14 @@
 `need`, for a Python module). Under `CI=true` a missing part fails the run, so a CI image that
 lost torch, a tool or a service cannot turn green by skipping; elsewhere the test skips and
 says what is missing. The rule holds for tests written later: no other skip in tests/.
+And CI runs what the README tells a developer to run: `.ci/run` is the README's test command.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import pytest
 from conftest import environment_missing, need
 
 TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 
 SKIPS = {"skip", "skipif", "importorskip", "SkipTest", "skipTest"}
 """Names that skip a test: pytest's, unittest's, pytest.mark's."""
@@ -94,3 +98,23 @@ def test_the_skip_rule_sees_the_usual_spellings(tmp_path: Path):
                       "    pytest.skip('no GPU')\n")
     assert skips_outside_the_helper(sample) == [(2, "SkipTest"), (3, "importorskip"),
                                                 (4, "skipif"), (6, "skip")]
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"^\*\*Run the tests\*\*.*?^```bash\n(.*?)^```", readme, re.S | re.M)
+    assert block, "the README has no ```bash block under **Run the tests**"
+    [command] = block.group(1).splitlines()
+    ci = ROOT / ".ci" / "run"
+    steps = [line.split("  #")[0] for line in ci.read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    # the README's command and nothing else, in the repository, failing on a missing part
+    assert steps == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', "export CI=true",
+                     command], steps
+    assert os.access(ci, os.X_OK), f"{ci} is not executable"
+    # the Tests section's "everything" line is the same pytest run
+    run_tests = command.rsplit(" && ", 1)[-1]
+    assert re.search(rf"^{re.escape(run_tests)} +# everything: what \.ci/run runs$", readme,
+                     re.M), f"README, Tests: no '{run_tests}  # everything: what .ci/run runs'"
+    # on xdist workers, a file's module-scoped servers stay in one worker
+    assert " -n " not in run_tests or run_tests.endswith(" --dist loadfile"), run_tests

@@ -233,6 +233,15 @@ def until(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
     return got
 
 
+def held_claims(server: ServerProcess) -> float:
+    """How many publish claims the server refused so far (its Prometheus counter)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "megacache_publish_claims_total" and s.labels == {"result": "held"})
+
+
 def entry_bundle(url: str, key: str, node: Path) -> tuple[Any, bytes]:
     """The entry at `key` and its bundle's bytes, downloaded and verified as a load does."""
     from megacache_client.steps.fetch import fetch_blob
@@ -331,12 +340,15 @@ def test_a_skipped_publisher_adds_what_the_claimants_entry_lacks(server, bundles
             for a in (v1, v2)]
     assert keys[0] and keys[1] and not keys[1] <= keys[0]  # the premise: other graphs
 
+    refused = held_claims(server)
     results: list[Any] = []
     b = threading.Thread(target=lambda: results.append(publish_now(
         server.url, tmp_path / "b", fp, bundles[1].read_bytes(),
         MEGACACHE_PUBLISH_WAIT_S="120")))
     b.start()
-    time.sleep(1.5)  # B looked, found the claim held and no entry: it waits
+    # B claimed and was refused, then looked again (no entry, the claim still held): it
+    # waits. Two refusals of the claim on the server's counter show it, within a deadline.
+    until("B to find the claim held twice", lambda: held_claims(server) >= refused + 2)
     assert b.is_alive() and not results
     push(server, bundles[0], tmp_path, model=model)  # the claimant writes its entry
     b.join(timeout=120)

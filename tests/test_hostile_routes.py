@@ -65,7 +65,13 @@ BODIES: dict[str, dict[str, Any]] = {
     "claim": {"holder": "attacker", "lease_s": 60.0},
     "report_blob": {"kind": "digest", "detail": "attack"},
     "report_entry": {"kind": "load", "detail": "attack"},
+    "progress": {"attempt": 0, "records": [
+        {"kind": "start", "at": time.time()},
+        {"kind": "checkpoint_save", "at": time.time(), "step": 1, "blocking_s": 1.0}]},
 }
+VICTIM_PROGRESS = [{"kind": "start", "at": time.time() - 100},
+                   {"kind": "training", "at": time.time() - 90},
+                   {"kind": "end", "at": time.time(), "reason": "finished"}]
 EVENT = {"key": "b" * 64, "model": "attack", "outcome": "hit", "compile_s": 1.0,
          "cold_compile_s": 30.0, "saved_s": 29.0, "bytes_down": 10}
 
@@ -102,6 +108,13 @@ CASES: dict[tuple[str, str], Case] = {
                                  limit=16 * 1024),
     ("GET", "/v1/stats"): Case("read", "/v1/stats", numbers=("?since_hours",), other=200),
     ("GET", "/v1/jobs"): Case("read", "/v1/jobs", numbers=("?limit",), other=200),
+    # a job id names a job of the caller's namespace: the attacker's own (none here)...
+    ("GET", "/v1/jobs/{job}/ett"): Case("read", "/v1/jobs/{job}/ett", numbers=("?since",)),
+    # ... and what it reports is recorded there (the victim's job of that id unchanged)
+    ("POST", "/v1/jobs/{job}/progress"): Case(
+        "write", "/v1/jobs/{job}-2/progress", "progress",
+        ("attempt", "records.0.at", "records.1.step", "records.1.blocking_s"), other=202,
+        limit=128 * 1024),
     ("GET", "/v1/quarantine"): Case("read", "/v1/quarantine", numbers=("?limit",),
                                     other=200),
     ("GET", "/v1/whoami"): Case("read", "/v1/whoami", other=200),
@@ -165,7 +178,7 @@ class World:
 
     def fill(self, target: str, **extra: str) -> str:
         return target.format(key=self.key, digest=self.digest, holder=self.holder,
-                             namespace=self.victim, **extra)
+                             namespace=self.victim, job=self.job, **extra)
 
     def token_for(self, scope: str) -> str:
         """An attacker's token that holds `scope` (a reader for the public routes)."""
@@ -196,6 +209,10 @@ def world(hostile: ServerProcess) -> World:
             == 200
         assert c.post(f"/v1/ac/{m.key}/claim", json={"holder": "victim-holder"}) \
             .status_code == 200
+        for job in ("victim-job", "victim-job-2"):
+            assert c.post(f"/v1/jobs/{job}/progress", json={"attempt": 0, "model": secret_model,
+                                                            "records": VICTIM_PROGRESS}) \
+                .status_code == 202
     w = World(hostile, victim, secret_model, m.key, sha256(data), m.to_json(),
               victim_token=token, attacker=attacker)
     for scopes in ("read", "write", "read,write", "admin"):
@@ -446,11 +463,16 @@ def test_after_every_attack_the_victim_is_whole_and_nothing_was_stored(
         held = c.post(f"/v1/ac/{world.key}/claim", json={"holder": "someone-else"})
         assert held.status_code == 409 and held.json()["error"]["holder"] == world.holder
         assert c.get("/v1/stats").json()["total"]["runs"] == 1
+        for job in ("victim-job", "victim-job-2"):
+            ett = c.get(f"/v1/jobs/{job}/ett").json()
+            assert ett["seconds"]["training"] == 90.0 and ett["wall_s"] == 100.0, ett
+            assert len(ett["attempts"]) == 1 and ett["model"] == world.secret_model
         assert c.get("/v1/quarantine").json()["quarantined"] == []
     attacker = {"authorization": f"Bearer {world.tokens['read']}"}
     with httpx.Client(base_url=server.url, headers=attacker, timeout=30) as c:
         assert c.get("/v1/ac", params={"limit": 1000}).json() == {"entries": []}
         assert c.get("/v1/quarantine").json()["quarantined"] == []
+        assert c.get("/v1/jobs/victim-job/ett").status_code == 404
         assert c.head(f"/v1/cas/{sha256(b'not the victim' + b's bytes')}").status_code == 404
     deadline = time.monotonic() + 5
     while "GET /v1/quarantine" not in server.log() and time.monotonic() < deadline:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from megacache_client.steps.load import _unpack_once
-from megacache_client.torch.packs import PackError, write_pack
+from megacache_client.torch.packs import PackError, unpack, write_pack
 
 
 def _pack(tmp_path: Path) -> Path:
@@ -52,16 +53,37 @@ def test_a_mangled_list_of_placed_files_means_placing_again(tmp_path: Path):
 
 
 def test_a_rank_waits_for_the_rank_placing_the_same_pack(tmp_path: Path):
+    """While another rank of the node holds the pack's lock, a rank neither reads the pack
+    nor places a file; once that rank has placed it, the waiting rank takes its files."""
     pack, root = _pack(tmp_path), tmp_path / "root"
+    good = pack.read_bytes()
     root.mkdir()
-    holder = FileLock(str(root / f".megacache-placing-{pack.name}.lock"))
+    lock = root / f".megacache-placing-{pack.name}.lock"
+    holder = FileLock(str(lock))
     holder.acquire()  # another rank of this node is placing it
-    counts: list[int] = []
-    waiter = threading.Thread(target=lambda: counts.append(
-        _unpack_once(pack, root, (".so",), cap=10**6)))
+    pack.write_bytes(b"not a pack")  # a rank that did not wait would read it and fail
+    outcome: list[int | Exception] = []
+
+    def place() -> None:
+        try:
+            outcome.append(_unpack_once(pack, root, (".so",), cap=10**6))
+        except Exception as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=place)
     waiter.start()
-    waiter.join(timeout=1.0)
-    assert waiter.is_alive() and not (root / "b.so").exists()  # waiting, not unpacking
+    waiter.join(timeout=1.0)  # time enough to have failed on the pack, had it not waited
+    assert outcome == [] and [p.name for p in root.iterdir()] == [lock.name]
+
+    # the other rank places the pack (and lists its files), then lets go
+    pack.write_bytes(good)
+    present: set[str] = set()
+    unpack(pack, root, suffixes=(".so",), cap=10**6, present=present)
+    (root / f".megacache-placed-{pack.name}").write_text(json.dumps(sorted(present)))
+    placed = {n: (root / n).stat().st_ino for n in present}
+    pack.write_bytes(b"not a pack")  # the waiter must take those files, not unpack again
     holder.release()
     waiter.join(timeout=30)
-    assert counts == [2] and (root / "b.so").is_file()
+    assert outcome == [2], outcome
+    assert {n: (root / n).stat().st_ino for n in present} == placed
+    assert (root / "b.so").read_bytes() == (tmp_path / "src" / "b.so").read_bytes()

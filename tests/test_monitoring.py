@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from pathlib import Path
+import time
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import httpx
@@ -75,6 +76,16 @@ def exported_after_traffic(tmp_path: Path) -> set[str]:
                         "tts_s": 20.0 + rank, "job_id": "job-1", "attempt": attempt,
                         "rank": rank, "world_size": 2})
                     assert r.status_code == 202, r.text
+            now = time.time()  # job-1's progress: a failed attempt 0 with a checkpoint
+            for attempt, records in enumerate((
+                    [{"kind": "start", "at": now - 600}, {"kind": "training", "at": now - 560},
+                     {"kind": "checkpoint_save", "at": now - 500, "step": 10,
+                      "blocking_s": 3.0}, {"kind": "heartbeat", "at": now - 400, "step": 20}],
+                    [{"kind": "start", "at": now - 300}, {"kind": "training", "at": now - 250},
+                     {"kind": "heartbeat", "at": now - 10, "step": 40}])):
+                r = c.post("/v1/jobs/job-1/progress", json={"attempt": attempt,
+                                                            "records": records})
+                assert r.status_code == 202, r.text
             text = c.get("/metrics").text
     finally:
         server.stop()
@@ -91,7 +102,9 @@ def test_every_dashboard_query_names_an_exported_series(tmp_path: Path):
                    "megacache_job_restarts_total", "megacache_compile_saved_seconds_total",
                    "megacache_runs_total", "megacache_http_requests_total",
                    "megacache_http_request_duration_seconds_bucket", "megacache_store_bytes",
-                   "megacache_replays_total"):
+                   "megacache_replays_total", "megacache_job_seconds_total",
+                   "megacache_checkpoint_blocking_seconds_bucket",
+                   "megacache_job_lost_seconds_bucket"):
         assert needed in wanted  # what the dashboard is for
     exported = exported_after_traffic(tmp_path)
     assert wanted <= exported, sorted(wanted - exported)
@@ -126,8 +139,12 @@ def test_the_monitoring_profile_provisions_prometheus_and_grafana():
     assert source["url"] == "http://prometheus:9090" and source["type"] == "prometheus"
     [provider] = yaml.safe_load((provisioning / "dashboards" / "megacache.yaml").read_text()
                                 )["providers"]
+    # Grafana loads, and opens first, the very dashboard the tests above check
     dashboards = mounts["grafana"][provider["options"]["path"]]
-    assert (dashboards / DASHBOARD.name).read_bytes() == DASHBOARD.read_bytes()
+    assert dashboards.resolve() == DASHBOARD.parent.resolve(), dashboards
+    home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert PurePosixPath(home).parent == PurePosixPath(provider["options"]["path"]), home
+    assert (dashboards / PurePosixPath(home).name).resolve() == DASHBOARD.resolve(), home
 
 
 @pytest.mark.parametrize("path", sorted((DOCKER / "grafana").rglob("*.json")))

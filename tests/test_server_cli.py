@@ -90,11 +90,33 @@ def test_documented_exit_codes(tmp_path: Path):
 
 
 def _port_free(port: int) -> bool:
+    """Nobody listens on `port`: only a refused connection says so. A timeout (a listener
+    too busy to accept) or any other error is not known free: this fails closed."""
     try:
         socket.create_connection((LOOPBACK, port), timeout=0.5).close()
-    except OSError:
+    except ConnectionRefusedError:
         return True
+    except OSError:
+        return False
     return False
+
+
+def test_port_free_is_only_a_refused_connection():
+    """A listener that never accepts, its backlog full: a connection to it times out."""
+    with socket.create_server((LOOPBACK, 0), backlog=0) as busy:
+        port = busy.getsockname()[1]
+        queued: list[socket.socket] = []
+        try:
+            while True:  # the premise: fill the backlog until a connection times out
+                assert len(queued) < 16, "connections to a full backlog never timed out"
+                queued.append(socket.create_connection((LOOPBACK, port), timeout=0.5))
+        except TimeoutError:
+            pass
+        try:
+            assert not _port_free(port)  # a listener that does not accept is not gone
+        finally:
+            for conn in queued:
+                conn.close()
 
 
 def test_workers_exit_when_their_supervisor_is_killed(tmp_path: Path):

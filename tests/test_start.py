@@ -257,12 +257,16 @@ def test_precompile_is_off_by_default_and_says_so(tmp_path: Path) -> None:
     before = torch._dynamo.config.caching_precompile
     try:
         torch._dynamo.config.caching_precompile = False
+        default = ClientConfig.from_env({"MEGACACHE_URL": "http://127.0.0.1:1"})  # zero-code
+        assert default.precompile is False
+        assert ClientConfig(url="http://127.0.0.1:1").precompile is False
+        said = precompile.turn_on(default)
+        assert torch._dynamo.config.caching_precompile is False  # off by default ...
+        assert said == ("precompiled Dynamo off (MEGACACHE_PRECOMPILE=0, the default; "
+                        "1 turns it on)")  # ... and says so, and how to turn it on
         off = ClientConfig.from_env({"MEGACACHE_URL": "http://127.0.0.1:1",
                                      "MEGACACHE_PRECOMPILE": "0"})
-        assert "MEGACACHE_PRECOMPILE=0" in precompile.turn_on(off)
-        assert torch._dynamo.config.caching_precompile is False
-        assert "the default" in precompile.turn_on(ClientConfig(url="http://127.0.0.1:1"))
-        assert torch._dynamo.config.caching_precompile is False
+        assert precompile.turn_on(off) == said
         on = ClientConfig.from_env({"MEGACACHE_URL": "http://127.0.0.1:1",
                                     "MEGACACHE_PRECOMPILE": "1"})
         assert precompile.turn_on(on) == ""

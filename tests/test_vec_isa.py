@@ -2,8 +2,9 @@
 
 The probe itself is torch's; what is ours is that it runs once, off the trainer's thread, and
 that the trainer's first call waits for it instead of probing again. The probe is replaced
-here by a slow counting stand-in with the same caching, in torch's own module, so a race
-shows as a second probe. The real probe on a real start is covered in test_start.py.
+here by a counting stand-in with the same caching, in torch's own module (held mid-probe
+until the test lets it finish), so a race shows as a second probe. The real probe on a real
+start is covered in test_start.py.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -41,13 +43,33 @@ def stand_in(monkeypatch: pytest.MonkeyPatch, probe: Callable[[], Any]) -> list[
 
 def test_the_trainer_waits_for_the_background_probe_instead_of_probing_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    probing = threading.Event()
-    calls = stand_in(monkeypatch, lambda: (probing.set(), time.sleep(0.5), ["avx2"])[2])
+    probing, release = threading.Event(), threading.Event()
+
+    def probe() -> list[str]:
+        probing.set()
+        release.wait(20)
+        return ["avx2"]
+
+    calls = stand_in(monkeypatch, probe)
     thread = vec_isa.probe_in_background()
     assert thread is not None and thread.name == vec_isa.THREAD_NAME
-    assert probing.wait(10)  # the probe is under way ...
-    assert cpu_vec_isa.valid_vec_isa_list() == ["avx2"]  # ... the trainer's call waits for it
-    assert calls == [vec_isa.THREAD_NAME]  # one probe, not two
+    assert probing.wait(10)  # the probe is under way, held there until `release` ...
+    got: list[Any] = []
+    trainer = threading.Thread(target=lambda: got.append(cpu_vec_isa.valid_vec_isa_list()),
+                               name="trainer")
+    trainer.start()
+    # ... the trainer's call waits for it: its thread stands in the serialising wrapper
+    # (on the lock the probe holds), or it probed again (a second call of torch's probe)
+    wrapper = cpu_vec_isa.valid_vec_isa_list.__code__
+    deadline = time.monotonic() + 20
+    while len(calls) < 2 and getattr(sys._current_frames().get(trainer.ident or 0),
+                                     "f_code", None) is not wrapper:
+        assert time.monotonic() < deadline, "the trainer's call neither waited nor probed"
+        time.sleep(0.01)
+    assert calls == [vec_isa.THREAD_NAME] and got == []  # waiting, not probing again
+    release.set()
+    trainer.join(10)
+    assert got == [["avx2"]] and calls == [vec_isa.THREAD_NAME]  # one probe, not two
     assert vec_isa.probed_on() == vec_isa.THREAD_NAME
     assert vec_isa.probe_in_background() is None  # once per process
     thread.join(5)

@@ -381,9 +381,28 @@ class RemoteCache:
         a = self._exchange(routes.POST_EVENTS, "post event", json=event)
         self._expect(a, (200, 201, 202), "post event")
 
+    def post_progress(self, job: str, batch: bytes) -> None:
+        """Send a job's progress (a `wire.progress.ProgressBatch` as JSON)."""
+        a = self._exchange(routes.JOB_PROGRESS, "post progress", content=batch,
+                           headers={"content-type": "application/json"}, job=job)
+        self._expect(a, (200, 201, 202, 204), "post progress")
+
     def stats(self) -> dict[str, Any]:
         a = self._exchange(routes.STATS, "stats", cap=reader.LISTING_JSON)
         self._expect(a, (200,), "stats")
+        return dict(a.json())
+
+    def jobs(self, *, limit: int = 50) -> list[dict[str, Any]]:
+        """The namespace's jobs that reported last, each with its ETT split (`ett`)."""
+        a = self._exchange(routes.JOBS, "jobs", cap=reader.LISTING_JSON,
+                           params={"limit": limit})
+        self._expect(a, (200,), "jobs")
+        return list(a.json()["jobs"])
+
+    def job_ett(self, job: str) -> dict[str, Any]:
+        """One job's Effective Training Time, per attempt (docs/ett.md)."""
+        a = self._exchange(routes.JOB_ETT, "job ETT", cap=reader.LISTING_JSON, job=job)
+        self._expect(a, (200,), "job ETT")
         return dict(a.json())
 
 

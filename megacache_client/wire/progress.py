@@ -24,6 +24,7 @@ than `MAX_AGE_S`."""
 Duration = Annotated[float, Range(0, 7 * 24 * 3600)]
 Step = Annotated[int, Range(0, 10**12)]
 Attempt = Annotated[int, Range(0, 10**6)]
+ModelName = Annotated[str, Size(1, 256)]
 
 MAX_SKEW_S = 300.0
 """A record timestamped further ahead of the server's clock than this is refused (422)."""
@@ -84,5 +85,5 @@ class ProgressBatch(Schema):
 
     attempt: Attempt
     records: Annotated[list[ProgressRecord], Size(1, MAX_RECORDS)]
-    model: Annotated[str | None, Size(1, 256), Doc("the model the job trains, for ETT per "
-                                                   "model")] = None
+    model: Annotated[ModelName | None, Doc("the model the job trains, for ETT per "
+                                           "model")] = None

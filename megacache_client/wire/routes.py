@@ -44,6 +44,8 @@ RELEASE_CLAIM = Route("DELETE", "/v1/ac/{key}/claim")
 POST_EVENTS = Route("POST", "/v1/events")
 STATS = Route("GET", "/v1/stats")
 JOBS = Route("GET", "/v1/jobs")
+JOB_PROGRESS = Route("POST", "/v1/jobs/{job}/progress")
+JOB_ETT = Route("GET", "/v1/jobs/{job}/ett")
 QUARANTINE = Route("GET", "/v1/quarantine")
 WHOAMI = Route("GET", "/v1/whoami")
 # operators: dashboard, metrics, health, docs

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megacache_client.wire.events import Event
 from megacache_client.wire.manifest import Manifest
+from megacache_client.wire.progress import ProgressBatch
 from megacache_server import __version__
 from megacache_server.api import supervisor
 from megacache_server.api.docs import add_offline_docs
@@ -33,6 +34,7 @@ from megacache_server.api.routes.events import router as events_router
 from megacache_server.api.routes.health import router as health_router
 from megacache_server.api.routes.jobs import router as jobs_router
 from megacache_server.api.routes.observability import router as observe_router
+from megacache_server.api.routes.progress import router as progress_router
 from megacache_server.api.routes.trust import router as trust_router
 from megacache_server.errors import ApiError, BadRequest, error_body
 from megacache_server.service.cache import Cache
@@ -111,6 +113,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.include_router(ac_router)
     app.include_router(jobs_router)
     app.include_router(events_router)
+    app.include_router(progress_router)
     app.include_router(trust_router)
     app.include_router(observe_router)
     app.include_router(health_router)
@@ -197,7 +200,8 @@ def _openapi_with_models(app: FastAPI) -> None:
             return app.openapi_schema
         schema = base()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (Manifest, Event):  # pydantic reads the rules of megacache_client.wire.schema
+        # pydantic reads the rules of megacache_client.wire.schema
+        for model in (Manifest, Event, ProgressBatch):
             spec = TypeAdapter(model).json_schema(ref_template="#/components/schemas/{model}")
             components.update(spec.pop("$defs", {}))
             components[model.__name__] = spec

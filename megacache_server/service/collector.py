@@ -70,7 +70,7 @@ class LocalCollector:
     async def collect(self, budget: int | None = None, *,
                       gc_plan: GcPlan | None = None) -> GcResult | None:
         """Evict and delete as `gc_plan` says (made now when not given), then prune old
-        events and expired job records."""
+        events, expired job records and the progress of jobs silent for the retention."""
         index = self.storage.index
         if not await index.acquire_lock(GC_LOCK, ttl_s=GC_LOCK_TTL_S):
             return None
@@ -84,6 +84,7 @@ class LocalCollector:
                 raw_before=now - self.settings.event_retention_days * 86400,
                 rollups_before=now - self.settings.rollup_retention_days * 86400)
             await index.prune_jobs(now)
+            await index.prune_progress(now - self.settings.event_retention_days * 86400)
             return done
         finally:
             await index.release_lock(GC_LOCK)

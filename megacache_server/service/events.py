@@ -5,14 +5,16 @@ stats, jobs, the dashboard and /metrics read only the caller's namespace (all, a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megacache_client.wire.events import Event
 from megacache_client.wire.schema import SchemaError, parse_json
 from megacache_server.errors import Unprocessable
-from megacache_server.service import reports
+from megacache_server.service import ett_report, reports
 from megacache_server.service.auth import Principal
+from megacache_server.service.ett import JobSplit
+from megacache_server.service.progress import Progress
 from megacache_server.service.quarantine import Quarantine
 from megacache_server.service.quotas import Quotas
 from megacache_server.settings import Settings
@@ -44,14 +46,17 @@ class Figures:
     """Quarantines by reason (shared by every replica: from the index)."""
     store: StoreFigures | None
     """None for a reader confined to a namespace."""
+    jobs: list[JobSplit] = field(default_factory=list)
+    """The ETT split of the jobs that reported progress last (`progress.MAX_ETT_JOBS`)."""
 
 
 class Events:
     """Recording client runs, and the reports made of them."""
 
     def __init__(self, settings: Settings, storage: Storage, quotas: Quotas,
-                 quarantine: Quarantine) -> None:
+                 quarantine: Quarantine, progress: Progress) -> None:
         self.settings = settings
+        self.progress = progress
         self.storage = storage
         self.index = storage.index
         self.quotas = quotas
@@ -69,17 +74,26 @@ class Events:
 
     async def stats(self, principal: Principal, *, since: float | None) -> dict[str, Any]:
         found = await reports.stats(self.index, scope=principal.namespace, since=since)
-        return {**found, "quarantine": await self.quarantine.quarantine_summary(principal)}
+        return {**found, "quarantine": await self.quarantine.quarantine_summary(principal),
+                "ett": await self.progress.report(principal, since=since)}
 
     async def jobs(self, principal: Principal, *, limit: int) -> list[dict[str, Any]]:
-        """The caller's jobs that reported last, with their attempts."""
-        return await reports.jobs(self.index, scope=principal.namespace, limit=limit)
+        """The caller's jobs that reported last, with their attempts and, for those that
+        reported progress, their ETT split (`ett`: without its attempts; GET
+        /v1/jobs/{job}/ett has them)."""
+        views = await self.index.recent_jobs(namespace=principal.namespace, limit=limit)
+        splits = await self.progress.splits(principal, since=0.0, limit=limit, views=views)
+        return reports.job_rows(views, splits, limit)
 
     async def dashboard(self, principal: Principal, *, hours: float) -> dict[str, Any]:
         """Everything the dashboard shows, from rollups: cost independent of history."""
         found = await reports.dashboard(self.index, scope=principal.namespace,
                                         budget=self.settings.budget(), hours=hours)
-        return {**found, "quarantine": await self.quarantine.quarantines(principal, limit=20)}
+        since = found["generated_at"] - hours * 3600
+        splits = await self.progress.splits(principal, since=since)
+        return {**found, "quarantine": await self.quarantine.quarantines(principal, limit=20),
+                "ett": ett_report.tiles(splits, since, found["generated_at"],
+                                       reports.JOBS_SHOWN)}
 
     async def figures(self, principal: Principal) -> Figures:
         """The numbers /metrics shows this caller: its namespace's, and the store's as a
@@ -98,4 +112,5 @@ class Events:
         summary = await self.quarantine.quarantine_summary(principal)
         return Figures(index=self.index.name, blobs=self.storage.blobs.name, models=models,
                        entries=entries, entry_bytes=entry_bytes,
-                       quarantined=summary["by_reason"], store=store)
+                       quarantined=summary["by_reason"], store=store,
+                       jobs=await self.progress.splits(principal, since=0.0))

@@ -40,6 +40,8 @@ RESOLUTIONS = Counter("megacache_job_resolutions_total",
 CLAIMS = Counter("megacache_publish_claims_total", "Publish claims, by answer", ["result"])
 REPORTS = Counter("megacache_reports_total", "Client reports of bad blobs and unloadable "
                   "entries, by the server's verdict", ["verdict"])
+PROGRESS = Counter("megacache_job_progress_batches_total",
+                   "Job progress batches (ETT telemetry) by result", ["result"])
 EVICTIONS = Counter("megacache_evictions_total", "Entries evicted and blobs collected",
                     ["kind"])
 
@@ -59,8 +61,8 @@ class MeteredCollector:
 
 
 class MeteredTenantCache:
-    """A `TenantCache` counting uploads, entry writes and lookups, events, resolutions,
-    claims and reports: same calls, same results."""
+    """A `TenantCache` counting uploads, entry writes and lookups, events, progress
+    batches, resolutions, claims and reports: same calls, same results."""
 
     def __init__(self, inner: TenantCache) -> None:
         self.inner = inner
@@ -122,7 +124,19 @@ class MeteredTenantCache:
             raise
         EVENTS.labels("recorded").inc()
 
+    async def add_progress(self, job: str, body: bytes) -> int:
+        try:
+            n = await self.inner.add_progress(job, body)
+        except Exception:
+            PROGRESS.labels("rejected").inc()
+            raise
+        PROGRESS.labels("recorded").inc()
+        return n
+
     # -- handed on unchanged --------------------------------------------------------------
+    async def job_ett(self, job: str, *, since_s: float | None = None) -> dict[str, Any]:
+        return await self.inner.job_ett(job, since_s=since_s)
+
     @property
     def settings(self) -> Settings:
         return self.inner.settings

@@ -22,6 +22,7 @@ from prometheus_client.utils import floatToGoString
 
 from megacache_client.wire.events import REPLAYS
 from megacache_server import __version__
+from megacache_server.service.ett_metrics import ett_families
 from megacache_server.service.events import Figures
 from megacache_server.service.tenant import TenantCache
 from megacache_server.store.index import rollups
@@ -79,7 +80,8 @@ async def cache_metrics(cache: TenantCache) -> bytes:
     # rendered in a worker thread: with hundreds of models that is 100+ ms of Python, which
     # on the event loop every lookup would wait for.
     return await to_thread.run_sync(
-        lambda: _render([*families, *_model_families(models)]) + _job_histograms(models))
+        lambda: _render([*families, *_model_families(models)]) + _job_histograms(models)
+        + ett_families(figures.jobs))
 
 
 def _trust_families(figures: Figures) -> list[Any]:

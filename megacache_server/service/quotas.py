@@ -3,8 +3,8 @@
 Every limit a caller can run into is decided here, so each kind of limit has one place to
 change: the pending quota (uploads no manifest names yet), a namespace's quota of entries
 and bytes, the store budget, a namespace's live job records, and the rates of events,
-reports and job requests per token. Each is kept in the index, so it holds across every
-worker and replica.
+reports, job requests and job progress per token. Each is kept in the index, so it holds
+across every worker and replica.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ class Quotas:
         self.reports = Limit("reports", "reports", settings.report_rate, settings.report_burst)
         self.jobs = Limit("jobs", "job resolves and claims", settings.job_rate,
                           settings.job_burst)
+        self.progress = Limit("progress", "job progress batches", settings.progress_rate,
+                              settings.progress_burst)
 
     # -- bytes ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -134,6 +136,11 @@ class Quotas:
         """Per token; auth off (loopback, one trusted caller) has none and is not limited."""
         if principal.namespace is not None:
             await admit(self.index, self.events, principal)
+
+    async def admit_progress(self, principal: Principal) -> None:
+        """Per token; auth off (loopback, one trusted caller) is not limited."""
+        if principal.namespace is not None:
+            await admit(self.index, self.progress, principal)
 
     async def admit_report(self, principal: Principal) -> None:
         """Per token (per caller name with auth off, where there is one caller)."""

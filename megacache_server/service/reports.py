@@ -12,6 +12,7 @@ from dataclasses import asdict, fields
 from typing import Any
 
 from megacache_client.wire.events import REPLAYS
+from megacache_server.service.ett import JobSplit
 from megacache_server.store.index import rollups
 from megacache_server.store.index.base import EntryInfo, Index, JobView, ModelStats
 
@@ -28,6 +29,28 @@ async def stats(index: Index, *, scope: str | None, since: float | None) -> dict
 async def jobs(index: Index, *, scope: str | None, limit: int) -> list[dict[str, Any]]:
     """The `limit` jobs of `scope` that reported last, with their latest attempts."""
     return [_job_row(j) for j in await index.recent_jobs(namespace=scope, limit=limit)]
+
+
+def job_rows(views: list[JobView], splits: list[JobSplit], limit: int
+             ) -> list[dict[str, Any]]:
+    """The jobs that reported last, by their events (`views`) or their progress (`splits`),
+    each with its attempts as the events tell them and its ETT (None without progress)."""
+    ett = {(s.namespace, s.job): s for s in splits}
+    rows = [{**_job_row(v), "ett": _ett_row(ett.pop((v.namespace, v.job_id), None))}
+            for v in views]
+    rows += [{"namespace": s.namespace, "job_id": s.job, "last_seen": s.last_seen,
+              "restarts": max((a.attempt for a in s.attempts), default=0), "attempts": [],
+              "ett": _ett_row(s)} for s in ett.values()]
+    rows.sort(key=lambda r: -r["last_seen"])
+    return rows[:limit]
+
+
+def _ett_row(split: JobSplit | None) -> dict[str, Any] | None:
+    if split is None:
+        return None
+    row = split.row()
+    del row["attempts"], row["namespace"], row["job_id"], row["last_seen"]
+    return row
 
 
 def _job_row(job: JobView) -> dict[str, Any]:

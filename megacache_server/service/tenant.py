@@ -23,6 +23,7 @@ from megacache_server.service.jobs import (
     FallbackRule,
     Jobs,
 )
+from megacache_server.service.progress import Progress
 from megacache_server.service.provenance import ProducerClaims
 from megacache_server.service.quarantine import Quarantine
 from megacache_server.service.quotas import Quotas
@@ -35,8 +36,8 @@ __all__ = ["BoundCache", "Parts", "Precondition", "StoredEntry", "TenantCache"]
 
 class TenantCache(Protocol):
     """Every call a route makes, as one caller. Each is the method of the same name on the
-    part that owns it (`Blobs`, `Entries`, `Jobs`, `Quarantine`, `Events`), where its rules
-    are documented, with the caller's principal added."""
+    part that owns it (`Blobs`, `Entries`, `Jobs`, `Quarantine`, `Events`, `Progress`),
+    where its rules are documented, with the caller's principal added."""
 
     @property
     def settings(self) -> Settings: ...
@@ -73,6 +74,8 @@ class TenantCache(Protocol):
     async def quarantines(self, *, limit: int = 100) -> list[dict[str, Any]]: ...
 
     async def add_event(self, body: bytes) -> None: ...
+    async def add_progress(self, job: str, body: bytes) -> int: ...
+    async def job_ett(self, job: str, *, since_s: float | None = None) -> dict[str, Any]: ...
     async def stats(self, *, since: float | None) -> dict[str, Any]: ...
     async def jobs(self, *, limit: int) -> list[dict[str, Any]]: ...
     async def dashboard(self, *, hours: float) -> dict[str, Any]: ...
@@ -90,6 +93,7 @@ class Parts:
     jobs: Jobs
     quarantine: Quarantine
     events: Events
+    progress: Progress
 
     @classmethod
     def build(cls, settings: Settings, storage: Storage, collector: Collector) -> Parts:
@@ -97,8 +101,9 @@ class Parts:
         blobs = Blobs(settings, storage, quotas)
         entries = Entries(storage.index, blobs, quotas)
         quarantine = Quarantine(settings, storage, blobs, entries, quotas)
+        progress = Progress(storage.index, quotas)
         return cls(settings, blobs, entries, Jobs(storage.index, entries, quotas), quarantine,
-                   Events(settings, storage, quotas, quarantine))
+                   Events(settings, storage, quotas, quarantine, progress), progress)
 
 
 class BoundCache:
@@ -177,6 +182,12 @@ class BoundCache:
 
     async def add_event(self, body: bytes) -> None:
         await self.parts.events.add_event(self.principal, body)
+
+    async def add_progress(self, job: str, body: bytes) -> int:
+        return await self.parts.progress.add_progress(self.principal, job, body)
+
+    async def job_ett(self, job: str, *, since_s: float | None = None) -> dict[str, Any]:
+        return await self.parts.progress.job_ett(self.principal, job, since_s=since_s)
 
     async def stats(self, *, since: float | None) -> dict[str, Any]:
         return await self.parts.events.stats(self.principal, since=since)

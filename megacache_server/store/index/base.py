@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megacache_client.wire.events import OUTCOMES, REPLAYS, Event
+from megacache_client.wire.progress import ProgressRecord
 from megacache_server.errors import InsufficientStorage, PreconditionFailed
 from megacache_server.store.index import rollups
+from megacache_server.store.index.progress import JobProgress
 
 
 @dataclass(frozen=True)
@@ -431,6 +433,10 @@ class EventLog(ABC):
     async def recent_jobs(self, *, namespace: str | None, limit: int) -> list[JobView]:
         """The `limit` jobs that reported last, each with its latest attempts."""
 
+    @abstractmethod
+    async def job_view(self, namespace: str, job: str) -> JobView | None:
+        """One job of `namespace` with its latest attempts; None if it never reported."""
+
 
 class RateStore(ABC):
     """Token buckets shared by every worker and replica: a caller's rate limit holds
@@ -639,8 +645,37 @@ class TrustStore(ABC):
         verified when uploaded; 0 for records older than this bookkeeping)."""
 
 
+class ProgressStore(ABC):
+    """What trainers report of their jobs' time (`POST /v1/jobs/{job}/progress`), per
+    (namespace, job, attempt) as a bounded summary (`progress.AttemptProgress`, folded by
+    `progress.merge`), shared by every worker and replica. The same job id in two
+    namespaces is two jobs."""
+
+    @abstractmethod
+    async def add_progress(self, namespace: str, job: str, attempt: int, model: str | None,
+                           records: list[ProgressRecord], now: float) -> None:
+        """Fold `records` into the attempt's summary, atomically across processes (two
+        batches of one attempt at once lose neither). A job keeps its newest
+        `progress.MAX_ATTEMPTS` attempts, a namespace the `progress.MAX_JOBS` jobs that
+        reported last: whatever a caller sends, what is kept stays bounded."""
+
+    @abstractmethod
+    async def job_progress(self, namespace: str, job: str) -> JobProgress | None:
+        """A job's attempts, oldest first; None for a job this namespace never reported."""
+
+    @abstractmethod
+    async def recent_progress(self, *, namespace: str | None, since: float,
+                              limit: int) -> list[JobProgress]:
+        """Up to `limit` jobs of `namespace` (None: every namespace) that reported at or
+        after `since` (server clock), the latest first."""
+
+    @abstractmethod
+    async def prune_progress(self, before: float) -> int:
+        """Drop jobs that have not reported since `before`; how many went."""
+
+
 class Index(EntryStore, BlobLedger, QuotaStore, TokenStore, EventLog, RateStore, LockStore,
-            JobStore, ClaimStore, TrustStore):
+            JobStore, ClaimStore, TrustStore, ProgressStore):
     """Every protocol above, with the calls that span them and the index's lifecycle."""
 
     name: str = "abstract"

@@ -16,6 +16,7 @@ from megacache_server.store.index.redis.entries import RedisEntries
 from megacache_server.store.index.redis.events import RedisEvents
 from megacache_server.store.index.redis.jobs import RedisJobs
 from megacache_server.store.index.redis.locks import RedisLocks
+from megacache_server.store.index.redis.progress import RedisProgress
 from megacache_server.store.index.redis.quotas import RedisQuotas
 from megacache_server.store.index.redis.rates import RedisRates
 from megacache_server.store.index.redis.tokens import RedisTokens
@@ -23,7 +24,7 @@ from megacache_server.store.index.redis.trust import RedisTrust
 
 
 class RedisIndex(RedisEntries, RedisQuotas, RedisBlobs, RedisTokens, RedisEvents, RedisRates,
-                 RedisLocks, RedisJobs, RedisTrust, Index):
+                 RedisLocks, RedisJobs, RedisTrust, RedisProgress, Index):
     name = "redis"
 
     async def eviction_facts(self, digests: list[str], now: float

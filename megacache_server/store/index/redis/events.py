@@ -15,16 +15,7 @@ from anyio import to_thread
 from redis.exceptions import WatchError
 
 from megacache_client.wire.events import Event
-from megacache_server.store.index import rollups
-from megacache_server.store.index.base import (
-    MAX_VIEW_ATTEMPTS,
-    AttemptRecord,
-    EventLog,
-    JobView,
-    MissReason,
-    ModelStats,
-    TimelineSlot,
-)
+from megacache_server.store.index import base, rollups
 from megacache_server.store.index.period_sums import Period, PeriodSums, Sums, add_up
 from megacache_server.store.index.redis.connection import RedisConnection, text
 
@@ -34,7 +25,7 @@ JOB_RECORD_TTL_S = 30 * 24 * 3600
 """A job attempt record unreported this long expires even if no server prunes it."""
 
 
-class RedisEvents(RedisConnection, EventLog):
+class RedisEvents(RedisConnection, base.EventLog):
     def __init__(self, url: str, prefix: str = "megacache:") -> None:
         super().__init__(url, prefix)
         self._sums = PeriodSums()
@@ -152,29 +143,34 @@ class RedisEvents(RedisConnection, EventLog):
                 pipe.delete(attempts, *(self.keys.attempt(namespace, job, n) for n in numbers))
                 await pipe.execute()
 
-    async def recent_jobs(self, *, namespace: str | None, limit: int) -> list[JobView]:
-        async def op() -> list[JobView]:
+    async def recent_jobs(self, *, namespace: str | None, limit: int) -> list[base.JobView]:
+        async def op() -> list[base.JobView]:
             found: list[tuple[float, str, str]] = []
             for ns in await self._namespaces(namespace):
                 found += [(seen, ns, text(job) or "") for job, seen in await self.r.zrevrange(
                     self.keys.jobs(ns), 0, limit - 1, withscores=True)]
             found.sort(key=lambda t: (-t[0], t[2]))
-            out = []
-            for seen, ns, job in found[:limit]:
-                numbers = [int(a) for a in await self.r.zrevrange(
-                    self.keys.job_attempts(ns, job), 0, MAX_VIEW_ATTEMPTS - 1)]
-                records = await self._hashes([self.keys.attempt(ns, job, n) for n in numbers])
-                attempts = []
-                for n, raw in zip(numbers, records, strict=True):
-                    st = _state(raw)
-                    if st is not None:
-                        attempts.append(AttemptRecord(
-                            n, st.model, st.outcome, st.tts_s, st.compile_s, st.reports,
-                            st.world_size, st.first_seen, st.last_seen))
-                out.append(JobView(ns, job, seen, attempts))
-            return out
+            return [await self._view(ns, job, seen) for seen, ns, job in found[:limit]]
 
         return await self._do(op)
+
+    async def job_view(self, namespace: str, job: str) -> base.JobView | None:
+        async def op() -> base.JobView | None:
+            seen = await self.r.zscore(self.keys.jobs(namespace), job)
+            return await self._view(namespace, job, float(seen)) if seen is not None else None
+
+        return await self._do(op)
+
+    async def _view(self, ns: str, job: str, seen: float) -> base.JobView:
+        numbers = [int(a) for a in await self.r.zrevrange(
+            self.keys.job_attempts(ns, job), 0, base.MAX_VIEW_ATTEMPTS - 1)]
+        records = await self._hashes([self.keys.attempt(ns, job, n) for n in numbers])
+        attempts = [base.AttemptRecord(n, st.model, st.outcome, st.tts_s, st.compile_s,
+                                       st.reports, st.world_size, st.first_seen,
+                                       st.last_seen)
+                    for n, raw in zip(numbers, records, strict=True)
+                    if (st := _state(raw)) is not None]
+        return base.JobView(ns, job, seen, attempts)
 
     async def _admitted(self, namespace: str, event: Event, hour: int, day: int,
                         miss: bool) -> tuple[str, tuple[str, str]]:
@@ -249,8 +245,8 @@ class RedisEvents(RedisConnection, EventLog):
              for (_, key, _, settled), g in zip(periods, generations, strict=True)], fetch)
 
     async def stats(self, *, namespace: str | None, since: float | None = None
-                    ) -> list[ModelStats]:
-        async def op() -> list[ModelStats]:
+                    ) -> list[base.ModelStats]:
+        async def op() -> list[base.ModelStats]:
             rows: list[tuple[str, Sums]] = []
             for ns in await self._namespaces(namespace):
                 if since is None:
@@ -263,8 +259,8 @@ class RedisEvents(RedisConnection, EventLog):
         return await self._do(op)
 
     async def timeline(self, *, namespace: str | None, since: float,
-                       daily: bool = False) -> list[TimelineSlot]:
-        async def op() -> list[TimelineSlot]:
+                       daily: bool = False) -> list[base.TimelineSlot]:
+        async def op() -> list[base.TimelineSlot]:
             rows: list[tuple[int, dict[bytes, bytes]]] = []
             days_from = await self._daily_since()
             for ns in await self._namespaces(namespace):
@@ -276,8 +272,8 @@ class RedisEvents(RedisConnection, EventLog):
         return await self._do(op)
 
     async def top_misses(self, *, namespace: str | None, since: float,
-                         limit: int) -> list[MissReason]:
-        async def op() -> list[MissReason]:
+                         limit: int) -> list[base.MissReason]:
+        async def op() -> list[base.MissReason]:
             rows = [await self._summed("misses", ns, since, self._zset_sums)
                     for ns in await self._namespaces(namespace)]
             return await to_thread.run_sync(_top_misses, rows, limit)
@@ -324,7 +320,7 @@ def _decoded(pairs: Iterable[tuple[bytes, Any]]) -> Sums:
     return {text(name) or "": float(value) for name, value in pairs}
 
 
-def _model_stats(rows: list[tuple[str, Sums]]) -> list[ModelStats]:
+def _model_stats(rows: list[tuple[str, Sums]]) -> list[base.ModelStats]:
     """Per-(namespace, model) sums of `{model}\t{counter}` rollup fields, most runs first."""
     by_model: dict[tuple[str, str], dict[str, float]] = {}
     for ns, fields in rows:
@@ -334,13 +330,13 @@ def _model_stats(rows: list[tuple[str, Sums]]) -> list[ModelStats]:
             sums[counter] = sums.get(counter, 0.0) + value
     out = []
     for (ns, model), sums in by_model.items():
-        s = ModelStats(ns, model)
+        s = base.ModelStats(ns, model)
         s.add(sums)
         out.append(s)
     return sorted(out, key=lambda s: (-s.runs, s.namespace, s.model))
 
 
-def _timeline(rows: list[tuple[int, dict[bytes, bytes]]]) -> list[TimelineSlot]:
+def _timeline(rows: list[tuple[int, dict[bytes, bytes]]]) -> list[base.TimelineSlot]:
     """Per-period sums of the `hourly` hashes of every namespace, periods with runs only."""
     slots: dict[int, dict[str, float]] = {}
     for hour, data in rows:
@@ -348,16 +344,17 @@ def _timeline(rows: list[tuple[int, dict[bytes, bytes]]]) -> list[TimelineSlot]:
         for field, value in data.items():
             counter = text(field) or ""
             slot[counter] = slot.get(counter, 0.0) + float(value)
-    return [TimelineSlot(h, int(s.get("runs", 0)), int(s.get("hit", 0) + s.get("fallback", 0)),
-                         s.get("saved_s", 0.0), s.get("tts_s", 0.0), int(s.get("tts_n", 0)))
+    return [base.TimelineSlot(h, int(s.get("runs", 0)),
+                              int(s.get("hit", 0) + s.get("fallback", 0)),
+                              s.get("saved_s", 0.0), s.get("tts_s", 0.0), int(s.get("tts_n", 0)))
             for h, s in sorted(slots.items()) if s.get("runs")]
 
 
-def _top_misses(rows: list[Sums], limit: int) -> list[MissReason]:
+def _top_misses(rows: list[Sums], limit: int) -> list[base.MissReason]:
     """The `limit` most frequent [model, outcome, reason] members over the miss zsets."""
     top = sorted(add_up(rows).items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
     out = []
     for name, n in top:
         model, outcome, reason = json.loads(name)
-        out.append(MissReason(model, outcome, reason, int(n)))
+        out.append(base.MissReason(model, outcome, reason, int(n)))
     return out

@@ -52,6 +52,10 @@
   claim:{ns}:{key}       hash   a publish claim: holder, expires_at (expires)
   jobrecs:{ns}           zset   job:… and claim:… key -> expiry: a namespace's live records,
                                 counted against MEGACACHE_NAMESPACE_JOB_RECORDS (expires)
+  progress:{ns}:{job}    hash   attempt -> the attempt's progress summary (JSON,
+                                progress.AttemptProgress; at most progress.MAX_ATTEMPTS)
+  progress_jobs:{ns}     zset   job id -> last progress batch (at most progress.MAX_JOBS)
+  progress_ns            set    namespaces that reported progress
   rate:{bucket}          hash   a token bucket: tokens, at (expires once it would be full)
   heartbeat              float  the last write readiness made
 
@@ -194,6 +198,15 @@ class Keys:
 
     def claim(self, namespace: str, key: str) -> str:
         return self._name("claim", namespace, key)
+
+    def progress(self, namespace: str, job: str) -> str:
+        return self._name("progress", namespace, job)
+
+    def progress_jobs(self, namespace: str) -> str:
+        return self._name("progress_jobs", namespace)
+
+    def progress_namespaces(self) -> str:
+        return self._name("progress_ns")
 
     def rate(self, bucket: str) -> str:
         return self._name("rate", bucket)

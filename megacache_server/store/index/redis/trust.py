@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import json
 
-from megacache_server.store.index.base import (
-    MAX_QUARANTINE_RECORDS,
-    BlobRecord,
-    QuarantineRecord,
-    TrustStore,
-)
+from megacache_server.store.index import base
 from megacache_server.store.index.redis.connection import SCAN, RedisConnection, text
 
 LOAD_REPORT_TTL_S = 7 * 86400
 """A version's load reports are forgotten this long after the last one."""
 
 
-class RedisTrust(RedisConnection, TrustStore):
+class RedisTrust(RedisConnection, base.TrustStore):
     async def entries_naming(self, digest: str) -> list[str]:
         return sorted(text(k) or "" for k in await self._do(
             lambda: self.r.smembers(self.keys.refs(digest))))
@@ -27,7 +22,7 @@ class RedisTrust(RedisConnection, TrustStore):
         return sorted(text(n) or "" for n in await self._do(
             lambda: self.r.smembers(self.keys.blob_owners(digest))))
 
-    async def add_quarantine(self, record: QuarantineRecord) -> None:
+    async def add_quarantine(self, record: base.QuarantineRecord) -> None:
         raw = json.dumps({"digest": record.digest, "reason": record.reason,
                           "detail": record.detail, "reporter": record.reporter,
                           "at": record.at, "size": record.size,
@@ -38,7 +33,7 @@ class RedisTrust(RedisConnection, TrustStore):
         async def op() -> None:
             async with self.r.pipeline(transaction=True) as pipe:
                 pipe.lpush(self.keys.quarantine(), raw)
-                pipe.ltrim(self.keys.quarantine(), 0, MAX_QUARANTINE_RECORDS - 1)
+                pipe.ltrim(self.keys.quarantine(), 0, base.MAX_QUARANTINE_RECORDS - 1)
                 pipe.hincrby(self.keys.quarantine_counts(), record.reason, 1)
                 if record.digest:
                     pipe.sadd(self.keys.quarantined(), record.digest)
@@ -47,14 +42,15 @@ class RedisTrust(RedisConnection, TrustStore):
         await self._do(op)
 
     async def quarantines(self, *, namespace: str | None, limit: int
-                          ) -> list[QuarantineRecord]:
+                          ) -> list[base.QuarantineRecord]:
         rows = await self._do(lambda: self.r.lrange(self.keys.quarantine(), 0, -1))
         found = []
         for raw in rows:
             d = json.loads(raw)
-            record = QuarantineRecord(d["digest"], d["reason"], d["detail"], d["reporter"],
-                                      float(d["at"]), int(d["size"]), tuple(d["namespaces"]),
-                                      tuple(d["withdrawn"]), d.get("reporter_namespace", ""))
+            record = base.QuarantineRecord(
+                d["digest"], d["reason"], d["detail"], d["reporter"], float(d["at"]),
+                int(d["size"]), tuple(d["namespaces"]), tuple(d["withdrawn"]),
+                d.get("reporter_namespace", ""))
             if namespace is None or namespace in record.namespaces:
                 found.append(record)
                 if len(found) >= limit:
@@ -94,8 +90,8 @@ class RedisTrust(RedisConnection, TrustStore):
 
         await self._do(op)
 
-    async def least_verified(self, limit: int) -> list[tuple[BlobRecord, float]]:
-        async def op() -> list[tuple[BlobRecord, float]]:
+    async def least_verified(self, limit: int) -> list[tuple[base.BlobRecord, float]]:
+        async def op() -> list[tuple[base.BlobRecord, float]]:
             if await self.r.zcard(self.keys.blob_verified()) < \
                     await self.r.hlen(self.keys.blobs()):
                 await self._seed_verified()
@@ -108,7 +104,7 @@ class RedisTrust(RedisConnection, TrustStore):
                 pipe.hmget(self.keys.blobs(), digests)
                 pipe.zmscore(self.keys.blob_touched(), digests)
                 sizes, touched = await pipe.execute()
-            return [(BlobRecord(d, int(size), float(t or 0.0)), float(at))
+            return [(base.BlobRecord(d, int(size), float(t or 0.0)), float(at))
                     for d, (_, at), size, t in zip(digests, ranked, sizes, touched, strict=True)
                     if size is not None]
 

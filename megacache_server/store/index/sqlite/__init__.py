@@ -12,6 +12,7 @@ from megacache_server.store.index.sqlite.entries import SqliteEntries
 from megacache_server.store.index.sqlite.events import SqliteEvents
 from megacache_server.store.index.sqlite.jobs import SqliteJobs
 from megacache_server.store.index.sqlite.locks import SqliteLocks
+from megacache_server.store.index.sqlite.progress import SqliteProgress
 from megacache_server.store.index.sqlite.quotas import SqliteQuotas
 from megacache_server.store.index.sqlite.rates import SqliteRates
 from megacache_server.store.index.sqlite.tokens import SqliteTokens
@@ -19,7 +20,7 @@ from megacache_server.store.index.sqlite.trust import SqliteTrust
 
 
 class SqliteIndex(SqliteEntries, SqliteBlobs, SqliteQuotas, SqliteTokens, SqliteEvents,
-                  SqliteRates, SqliteLocks, SqliteJobs, SqliteTrust, Index):
+                  SqliteRates, SqliteLocks, SqliteJobs, SqliteTrust, SqliteProgress, Index):
     name = "sqlite"
 
 

@@ -100,14 +100,15 @@ class SqliteEvents(SqliteConnection, EventLog):
                 seen.setdefault((ns, job), last)
                 if len(seen) >= limit:
                     break
-            out = []
-            for (ns, job), last in seen.items():
-                rows = c.execute(
-                    "SELECT attempt, model, outcome, tts_s, compile_s, reports, world_size, "
-                    "first_seen, last_seen FROM job_attempts WHERE namespace=? AND job=? "
-                    "ORDER BY attempt DESC LIMIT ?", (ns, job, MAX_VIEW_ATTEMPTS)).fetchall()
-                out.append(JobView(ns, job, last, [AttemptRecord(*row) for row in rows]))
-            return out
+            return [_view(c, ns, job, last) for (ns, job), last in seen.items()]
+
+        return await self._run(op)
+
+    async def job_view(self, namespace: str, job: str) -> JobView | None:
+        def op(c: sqlite3.Connection) -> JobView | None:
+            last = c.execute("SELECT MAX(last_seen) FROM job_attempts WHERE namespace=? AND "
+                             "job=?", (namespace, job)).fetchone()[0]
+            return _view(c, namespace, job, last) if last is not None else None
 
         return await self._run(op)
 
@@ -223,3 +224,11 @@ def _model_stats(rows: list[tuple[Any, ...]]) -> list[ModelStats]:
         s.add(dict(zip(rollups.COUNTERS, sums, strict=True)))
         out.append(s)
     return sorted(out, key=lambda s: (-s.runs, s.namespace, s.model))
+
+
+def _view(c: sqlite3.Connection, namespace: str, job: str, last: float) -> JobView:
+    rows = c.execute(
+        "SELECT attempt, model, outcome, tts_s, compile_s, reports, world_size, "
+        "first_seen, last_seen FROM job_attempts WHERE namespace=? AND job=? "
+        "ORDER BY attempt DESC LIMIT ?", (namespace, job, MAX_VIEW_ATTEMPTS)).fetchall()
+    return JobView(namespace, job, last, [AttemptRecord(*row) for row in rows])

@@ -147,6 +147,22 @@ CREATE TABLE IF NOT EXISTS sequences (
     key       TEXT PRIMARY KEY,
     sequence  INTEGER NOT NULL
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS progress (
+    namespace   TEXT NOT NULL,
+    job         TEXT NOT NULL,
+    attempt     INTEGER NOT NULL,
+    summary     TEXT NOT NULL,
+    received_at REAL NOT NULL,
+    PRIMARY KEY (namespace, job, attempt)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS progress_jobs (
+    namespace   TEXT NOT NULL,
+    job         TEXT NOT NULL,
+    last_seen   REAL NOT NULL,
+    PRIMARY KEY (namespace, job)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS progress_jobs_by_seen ON progress_jobs (namespace, last_seen);
+CREATE INDEX IF NOT EXISTS progress_jobs_by_age ON progress_jobs (last_seen);
 CREATE TABLE IF NOT EXISTS claims (
     namespace   TEXT NOT NULL,
     key         TEXT NOT NULL,

@@ -1,0 +1,284 @@
+"""Effective Training Time: a job's wall time split into what it was spent on. Pure: facts
+in (`JobProgress`, compile seconds per attempt from the events), figures out.
+
+Every second of a job's wall time (from its allocation, or its first process start, to
+the last fact any attempt reported) gets exactly one category, the first of these that
+covers it:
+
+  checkpoint_restore  a checkpoint load's blocking time
+  checkpoint_save     a checkpoint save's blocking time (the loop waited on it)
+  compile             the attempt's compile seconds, just before its first step
+  lost_progress       training a failure threw away: from the last durable checkpoint's
+                      snapshot (its `at`; the loop went on at `at + blocking_s`) to the
+                      failure; a checkpoint is durable at `at + blocking_s + background_s`
+  training            from the attempt's first optimizer step to its last fact
+  recovery            from a failure (the failed attempt's last fact) to the next
+                      attempt's first step
+  startup             the first attempt: from allocation (or process start) to its first step
+  idle                anything else (gaps nobody reported; data loading we do not measure)
+
+So the categories sum to the wall time, none is negative, and ETT% = training / wall can
+never pass 100: a trainer that lies about its times can only move its own job's seconds
+between categories, within the span its records cover. An attempt failed when a later one
+exists or it ended with reason `failed`; a live attempt has not failed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from megacache_server.store.index.progress import AttemptProgress, JobProgress
+
+CATEGORIES = ("training", "startup", "compile", "checkpoint_save", "checkpoint_restore",
+              "lost_progress", "recovery", "idle")
+_PRIORITY = ("checkpoint_restore", "checkpoint_save", "compile", "lost_progress",
+             "training", "recovery", "startup")
+"""Highest first: what a second covered by several intervals counts as."""
+LIVE_S = 300.0
+"""An attempt that has not ended and reported within this long (server clock) is live."""
+
+Segment = tuple[float, float, str]
+
+
+@dataclass
+class AttemptSplit:
+    attempt: int
+    start: float
+    end: float
+    seconds: dict[str, float]
+    failed: bool
+    live: bool
+    ended: str | None
+    time_to_start_s: float | None
+    time_to_recover_s: float | None
+    saves: int
+    loads: int
+    save_interval: tuple[float, int] | None
+    """(seconds from the first to the last save, intervals between them): the mean time
+    between saves, summed over attempts before dividing."""
+    save_buckets: tuple[int, ...] = ()
+    """Saves by blocking seconds, as reported (`progress.SAVE_BUCKETS`, then +Inf)."""
+    saves_blocking_s: float = 0.0
+
+    @property
+    def wall_s(self) -> float:
+        return self.end - self.start
+
+    def row(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "start": self.start, "end": self.end,
+                "wall_s": _r(self.wall_s), "seconds": {k: _r(v) for k, v in
+                                                       self.seconds.items()},
+                "ett_pct": ett_pct(self.seconds), "failed": self.failed, "live": self.live,
+                "ended": self.ended, "time_to_start_s": _r(self.time_to_start_s),
+                "time_to_recover_s": _r(self.time_to_recover_s),
+                "lost_s": _r(self.seconds["lost_progress"]) if self.failed else None,
+                "checkpoint_saves": self.saves, "checkpoint_loads": self.loads,
+                "checkpoint_blocking_s": _r(self.seconds["checkpoint_save"]),
+                "checkpoint_restore_s": _r(self.seconds["checkpoint_restore"])}
+
+
+@dataclass
+class JobSplit:
+    namespace: str
+    job: str
+    model: str | None
+    last_seen: float
+    attempts: list[AttemptSplit]
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        return total(a.seconds for a in self.attempts)
+
+    @property
+    def live(self) -> bool:
+        return bool(self.attempts) and self.attempts[-1].live
+
+    def lost_per_failure(self) -> list[float]:
+        return [a.seconds["lost_progress"] for a in self.attempts if a.failed]
+
+    def row(self) -> dict[str, Any]:
+        seconds = self.seconds
+        wall = sum(seconds.values())
+        return {"namespace": self.namespace, "job_id": self.job, "model": self.model,
+                "last_seen": self.last_seen, "live": self.live,
+                "start": self.attempts[0].start if self.attempts else None,
+                "end": self.attempts[-1].end if self.attempts else None,
+                "wall_s": _r(wall), "ett_pct": ett_pct(seconds),
+                "seconds": {k: _r(v) for k, v in seconds.items()},
+                "failures": sum(a.failed for a in self.attempts),
+                "lost_s_per_failure": [_r(x) for x in self.lost_per_failure()],
+                "attempts": [a.row() for a in self.attempts]}
+
+
+def split(job: JobProgress, *, compile_s: dict[int, float] | None = None,
+          now: float | None = None) -> JobSplit:
+    """The job's wall time, split per attempt (see the module's rules)."""
+    attempts = list(job.attempts)
+    out = JobSplit(job.namespace, job.job, job.model, job.last_seen, [])
+    if not attempts:
+        return out
+    compile_s = compile_s or {}
+    spans = [_span(a, first=i == 0) for i, a in enumerate(attempts)]
+    wall = (spans[0][0], max(hi for _, hi in spans))
+    intervals: list[Segment] = []
+    reclassify: list[tuple[float, float, float]] = []
+    for i, (a, (lo, hi)) in enumerate(zip(attempts, spans, strict=True)):
+        failed = i < len(attempts) - 1 or a.end_reason == "failed"
+        intervals += _intervals(a, lo, hi, failed, compile_s.get(a.attempt, 0.0),
+                                recover_from=spans[i - 1][1] if i else None)
+        dropped = a.saves_blocking_s - sum(s.blocking_s for s in a.saves)
+        if dropped > 0 and a.saves:  # saves older than the kept ones: their sum only
+            reclassify.append((a.training_at or lo, a.saves[0].at, dropped))
+    segments = _paint(intervals, *wall)
+    for start, end, seconds in reclassify:
+        segments = _convert(segments, start, end, seconds)
+    out.segments = segments
+    edges = [wall[0], *_cummax([hi for _, hi in spans[:-1]]), wall[1]]
+    for i, a in enumerate(attempts):
+        zone = (max(edges[i], wall[0]), max(edges[i + 1], edges[i]))
+        out.attempts.append(_attempt(a, i, zone, spans, segments, attempts, now))
+    return out
+
+
+def _span(a: AttemptProgress, *, first: bool) -> tuple[float, float]:
+    lo = a.first_at
+    if first and a.allocation_start is not None:
+        lo = min(lo, a.allocation_start)
+    return lo, max(lo, a.last_at)
+
+
+def _intervals(a: AttemptProgress, lo: float, hi: float, failed: bool, compile_s: float,
+               recover_from: float | None) -> list[Segment]:
+    train = _clamp(a.training_at, lo, hi)
+    ready = train if train is not None else hi
+    out: list[Segment] = [(recover_from, ready, "recovery") if recover_from is not None
+                          else (lo, ready, "startup")]
+    if train is not None:
+        out.append((train, hi, "training"))
+        if compile_s > 0:
+            out.append((max(lo, train - compile_s), train, "compile"))
+        if failed:
+            out.append((_snapshot(a, hi, train), hi, "lost_progress"))
+    out += [(s.at, s.at + s.blocking_s, "checkpoint_save") for s in a.saves]
+    out += [(k.at, k.at + k.blocking_s, "checkpoint_restore") for k in a.loads]
+    return [(max(s, lo if c != "recovery" else s), min(e, hi), c) for s, e, c in out]
+
+
+def _snapshot(a: AttemptProgress, failure: float, train: float) -> float:
+    """Where the training a failure lost begins: the snapshot of the last checkpoint durable
+    by the failure, else the attempt's first step (it resumed from an older checkpoint)."""
+    durable = [s for s in a.saves if s.durable_at <= failure]
+    if durable:
+        return max(train, durable[-1].at)
+    if a.saves_n > len(a.saves):  # durable ones were dropped: the kept ones came after
+        return max(train, a.saves[0].at)
+    return train
+
+
+def _clamp(t: float | None, lo: float, hi: float) -> float | None:
+    return None if t is None else min(max(t, lo), hi)
+
+
+def _paint(intervals: list[Segment], lo: float, hi: float) -> list[Segment]:
+    """Each second of [lo, hi] under the highest-priority interval covering it (else idle),
+    as merged segments: a sweep over the intervals' edges."""
+    edges: list[tuple[float, int, str]] = []
+    for s, e, c in intervals:
+        s, e = max(s, lo), min(e, hi)
+        if e > s:
+            edges += [(s, 1, c), (e, -1, c)]
+    edges.sort(key=lambda x: x[0])
+    active = dict.fromkeys(_PRIORITY, 0)
+    out: list[Segment] = []
+    at = lo
+    for t, delta, c in [*edges, (hi, 0, "idle")]:
+        if t > at:
+            now = next((p for p in _PRIORITY if active[p] > 0), "idle")
+            if out and out[-1][2] == now and out[-1][1] == at:
+                out[-1] = (out[-1][0], t, now)
+            else:
+                out.append((at, t, now))
+            at = t
+        if delta:
+            active[c] += delta
+    return out
+
+
+def _convert(segments: list[Segment], start: float, end: float,
+             seconds: float) -> list[Segment]:
+    """Up to `seconds` of training within [start, end] counted as checkpoint_save (saves too
+    old to be kept one by one), the same share of each training segment there."""
+    inside = sum(min(e, end) - max(s, start) for s, e, c in segments
+                 if c == "training" and e > start and s < end)
+    if inside <= 0:
+        return segments
+    share = min(1.0, seconds / inside)
+    out: list[Segment] = []
+    for s, e, c in segments:
+        if c != "training" or e <= start or s >= end:
+            out.append((s, e, c))
+            continue
+        a, b = max(s, start), min(e, end)
+        cut = b - (b - a) * share
+        out += [x for x in ((s, cut, "training"), (cut, b, "checkpoint_save"),
+                            (b, e, "training")) if x[1] > x[0]]
+    return out
+
+
+def _cummax(values: list[float]) -> list[float]:
+    out, top = [], -math.inf
+    for v in values:
+        top = max(top, v)
+        out.append(top)
+    return out
+
+
+def _attempt(a: AttemptProgress, i: int, zone: tuple[float, float],
+             spans: list[tuple[float, float]], segments: list[Segment],
+             attempts: list[AttemptProgress], now: float | None) -> AttemptSplit:
+    lo, hi = spans[i]
+    failed = i < len(attempts) - 1 or a.end_reason == "failed"
+    train = _clamp(a.training_at, lo, hi)
+    live = (not failed and a.end_at is None and now is not None
+            and now - a.received_at <= LIVE_S)
+    saves = sorted(a.saves, key=lambda s: s.at)
+    interval = ((saves[-1].at - a.first_save_at, a.saves_n - 1)
+                if a.saves_n > 1 and saves and a.first_save_at is not None else None)
+    return AttemptSplit(
+        attempt=a.attempt, start=zone[0], end=zone[1], seconds=clip(segments, *zone),
+        failed=failed, live=live, ended=a.end_reason,
+        time_to_start_s=train - lo if i == 0 and train is not None else None,
+        time_to_recover_s=(max(0.0, train - spans[i - 1][1])
+                           if i and train is not None else None),
+        saves=a.saves_n, loads=a.loads_n, save_interval=interval,
+        save_buckets=a.save_buckets, saves_blocking_s=a.saves_blocking_s)
+
+
+def clip(segments: list[Segment], lo: float, hi: float) -> dict[str, float]:
+    """Seconds per category of the segments within [lo, hi] (a window, an attempt's zone)."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for s, e, c in segments:
+        if e > lo and s < hi:
+            out[c] += min(e, hi) - max(s, lo)
+    return out
+
+
+def total(parts: Any) -> dict[str, float]:
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for seconds in parts:
+        for k, v in seconds.items():
+            out[k] += v
+    return out
+
+
+def ett_pct(seconds: dict[str, float]) -> float | None:
+    """Training over wall time, in percent (None for no wall time); never above 100."""
+    wall = sum(seconds.values())
+    return round(min(100.0, 100.0 * seconds["training"] / wall), 3) if wall > 0 else None
+
+
+def _r(value: float | None) -> float | None:
+    return round(value, 3) if value is not None else None

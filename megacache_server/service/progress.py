@@ -1,0 +1,152 @@
+"""Job progress in (`POST /v1/jobs/{job}/progress`), Effective Training Time out.
+
+A batch is recorded in the caller's namespace (a job id names a job within a namespace: the
+same id in another namespace is another job, never visible from here), once it passes the
+wire schema (`wire.progress`: finite, in-range numbers, at most MAX_RECORDS records) and the
+server's clock: a record more than MAX_SKEW_S ahead of it, or more than MAX_AGE_S behind,
+is refused with the whole batch (422, nothing stored). Batches are rate-limited per token
+(`MEGACACHE_PROGRESS_RATE`), and what the index keeps of them is bounded however many come
+(`store.index.progress`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from anyio import to_thread
+
+from megacache_client.wire.events import JOB_ID_PATTERN
+from megacache_client.wire.progress import MAX_AGE_S, MAX_SKEW_S, ProgressBatch
+from megacache_client.wire.schema import SchemaError, parse_json
+from megacache_server.errors import NotFound, Unprocessable
+from megacache_server.service import ett, ett_report
+from megacache_server.service.auth import Principal
+from megacache_server.service.quotas import Quotas
+from megacache_server.store.index.base import Index, JobView
+from megacache_server.store.index.progress import JobProgress
+
+MAX_ETT_JOBS = 1000
+"""Jobs an ETT report over a window reads (those that reported last)."""
+MAX_CACHED = 20_000
+"""Job splits this process remembers (the oldest remembered go first)."""
+LIVE_CACHE_S = 15.0
+
+
+class Progress:
+    """Recording job progress, and splitting jobs' time from it."""
+
+    def __init__(self, index: Index, quotas: Quotas) -> None:
+        self.index = index
+        self.quotas = quotas
+        self._cache: dict[tuple[str, str], tuple[Any, float, ett.JobSplit]] = {}
+
+    async def add_progress(self, principal: Principal, job: str, body: bytes) -> int:
+        """Record a batch for `job` in the caller's namespace; how many records it held."""
+        _check_job(job)
+        await self.quotas.admit_progress(principal)
+        try:
+            batch = parse_json(ProgressBatch, body)
+        except SchemaError as exc:
+            raise Unprocessable("progress does not match the schema", code="invalid_progress",
+                                errors=exc.errors) from None
+        now = time.time()
+        for i, record in enumerate(batch.records):
+            for name in ("at", "allocation_start"):
+                _check_clock(getattr(record, name), now, f"records[{i}].{name}")
+        await self.index.add_progress(principal.home, job, batch.attempt, batch.model,
+                                      batch.records, now)
+        return len(batch.records)
+
+    async def job_ett(self, principal: Principal, job: str, *,
+                      since_s: float | None = None) -> dict[str, Any]:
+        """A job's split, per attempt and in total, with checkpoint advice from its own
+        attempts, and with `since_s` its split within the last `since_s` seconds
+        (`window`); 404 for a job the caller's namespace never reported."""
+        _check_job(job)
+        found = await self.index.job_progress(principal.home, job)
+        if found is None:
+            raise NotFound(f"no progress reported for job {job!r}", code="job_not_found")
+        view = await self.index.job_view(principal.home, job)
+        now = time.time()
+        done = ett.split(found, compile_s=_compile_s(view), now=now)
+        row = {**done.row(), "advice": ett_report.advice([done]),
+               "timeline": [[round(a, 3), round(b, 3), c] for a, b, c in done.segments]}
+        events = {a.attempt: a for a in view.attempts} if view is not None else {}
+        for attempt in row["attempts"]:  # what the cache did for it, where ranks reported
+            a = events.get(attempt["attempt"])
+            attempt["cache"] = None if a is None else {
+                "outcome": a.outcome, "compile_s": a.compile_s, "tts_s": a.tts_s,
+                "ranks": a.reports}
+        if since_s is not None:
+            seconds = ett.clip(done.segments, now - since_s, now)
+            row["window"] = {"since": now - since_s, "until": now,
+                             "wall_s": round(sum(seconds.values()), 3),
+                             "ett_pct": ett.ett_pct(seconds),
+                             "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+        return row
+
+    async def splits(self, principal: Principal, *, since: float,
+                     limit: int = MAX_ETT_JOBS,
+                     views: list[JobView] | None = None) -> list[ett.JobSplit]:
+        """The splits of the caller's jobs that reported since `since`, the latest first;
+        compile seconds from `views` (the events' job attempts) where given."""
+        scope = principal.namespace
+        found = await self.index.recent_progress(namespace=scope, since=since, limit=limit)
+        if views is None:
+            views = await self.index.recent_jobs(namespace=scope, limit=min(limit, 500))
+        by_job = {(v.namespace, v.job_id): v for v in views}
+        now = time.time()
+        # off the event loop: a thousand jobs are a few hundred ms of Python
+        return await to_thread.run_sync(lambda: [
+            self._split(j, _compile_s(by_job.get((j.namespace, j.job))), now) for j in found])
+
+    def _split(self, job: JobProgress, compile_s: dict[int, float], now: float) -> ett.JobSplit:
+        """`ett.split`, remembered until the job reports again (or its compile seconds
+        change); a live job's for LIVE_CACHE_S only (it stops being live by the clock)."""
+        key, stamp = (job.namespace, job.job), (job.last_seen, sorted(compile_s.items()))
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == stamp and (
+                not hit[2].live or now - hit[1] < LIVE_CACHE_S):
+            return hit[2]
+        done = ett.split(job, compile_s=compile_s, now=now)
+        self._cache[key] = (stamp, now, done)
+        while len(self._cache) > MAX_CACHED:
+            self._cache.pop(next(iter(self._cache)), None)
+        return done
+
+    async def report(self, principal: Principal, *, since: float | None) -> dict[str, Any]:
+        """ETT of the caller's jobs within [since, now] (since None: as far as kept)."""
+        now = time.time()
+        splits = await self.splits(principal, since=since or 0.0)
+        start = since if since is not None else min((s.attempts[0].start for s in splits
+                                                     if s.attempts), default=now)
+        found = ett_report.window(splits, start, now)
+        del found["since"], found["until"]  # the same answer until a job reports again
+        return found
+
+
+def _compile_s(view: JobView | None) -> dict[int, float]:
+    return {a.attempt: a.compile_s for a in view.attempts} if view is not None else {}
+
+
+def _check_job(job: str) -> None:
+    if not re.fullmatch(JOB_ID_PATTERN, job):
+        raise Unprocessable("a job id is 1-128 of letters, digits, '.', '_', '-', starting "
+                            "with a letter or digit", code="invalid_job")
+
+
+def _check_clock(at: float | None, now: float, where: str) -> None:
+    if at is None:
+        return
+    if at > now + MAX_SKEW_S:
+        raise Unprocessable(
+            f"{where} is {at - now:.0f} s ahead of the server's clock (at most {MAX_SKEW_S:g} "
+            "s): is the trainer's clock right?", code="invalid_progress",
+            errors=[{"loc": where.split("."), "msg": "in the future", "type": "clock"}])
+    if at < now - MAX_AGE_S:
+        raise Unprocessable(
+            f"{where} is {(now - at) / 86400:.1f} days old (at most {MAX_AGE_S / 86400:g} "
+            "days)", code="invalid_progress",
+            errors=[{"loc": where.split("."), "msg": "too old", "type": "clock"}])

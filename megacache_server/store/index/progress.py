@@ -1,0 +1,168 @@
+"""What the index keeps of a job's progress (`ProgressStore`): a bounded summary per job
+attempt, and the one rule that folds a batch of records into it, shared by every backend.
+
+A trainer heartbeats every few seconds for weeks; the index keeps none of those records,
+only what the split (`service.ett`) needs: the attempt's first process start, allocation
+start, first training step, first and last heartbeat, the latest `MAX_SAVES` checkpoint
+saves (older ones as a count, a sum and histogram buckets), the latest `MAX_LOADS` loads
+(the same), and its end. However many records a flood sends, an attempt's summary stays
+a few KiB; a job keeps its newest `MAX_ATTEMPTS` attempts, a namespace its latest
+`MAX_JOBS` jobs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from megacache_client.wire.progress import ProgressRecord
+
+MAX_SAVES = 32
+"""Checkpoint saves kept one by one per attempt (the latest); older ones are aggregated."""
+MAX_LOADS = 8
+"""Checkpoint loads kept one by one per attempt (the latest)."""
+MAX_ATTEMPTS = 64
+"""Attempts kept per job (the newest numbers); an older one goes when a newer one comes."""
+MAX_JOBS = 20_000
+"""Jobs kept per namespace (those that reported last)."""
+SAVE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""Upper bounds of the checkpoint-blocking histogram (seconds); one more bucket: +Inf."""
+
+
+@dataclass(frozen=True)
+class Save:
+    at: float
+    step: int
+    blocking_s: float
+    background_s: float
+
+    @property
+    def durable_at(self) -> float:
+        return self.at + self.blocking_s + self.background_s
+
+
+@dataclass(frozen=True)
+class Load:
+    at: float
+    blocking_s: float
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class AttemptProgress:
+    """One attempt's time line, summarised. Times are the trainer's clock, as sent (the
+    server refused what was too far from its own); the split clamps what it reads."""
+
+    attempt: int
+    first_at: float
+    """The earliest and latest time of any record: the attempt's observed span."""
+    last_at: float
+    received_at: float
+    """The server's clock when the last batch arrived."""
+    model: str | None = None
+    start_at: float | None = None
+    allocation_start: float | None = None
+    training_at: float | None = None
+    first_heartbeat: tuple[float, int] | None = None
+    last_heartbeat: tuple[float, int] | None = None
+    saves: tuple[Save, ...] = ()
+    saves_n: int = 0
+    saves_blocking_s: float = 0.0
+    first_save_at: float | None = None
+    save_buckets: tuple[int, ...] = field(default=(0,) * (len(SAVE_BUCKETS) + 1))
+    loads: tuple[Load, ...] = ()
+    loads_n: int = 0
+    loads_blocking_s: float = 0.0
+    end_at: float | None = None
+    end_reason: str | None = None
+    records: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> AttemptProgress:
+        d: dict[str, Any] = json.loads(raw)
+        d["saves"] = tuple(Save(**s) for s in d["saves"])
+        d["loads"] = tuple(Load(**s) for s in d["loads"])
+        for name in ("first_heartbeat", "last_heartbeat"):
+            d[name] = tuple(d[name]) if d[name] is not None else None
+        d["save_buckets"] = tuple(d["save_buckets"])
+        return cls(**d)
+
+    @property
+    def failed_by_itself(self) -> bool:
+        return self.end_reason == "failed"
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """A job's attempts (oldest first), in one namespace."""
+
+    namespace: str
+    job: str
+    last_seen: float
+    attempts: tuple[AttemptProgress, ...]
+
+    @property
+    def model(self) -> str | None:
+        return next((a.model for a in reversed(self.attempts) if a.model), None)
+
+
+def _min(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def merge(state: AttemptProgress | None, attempt: int, model: str | None,
+          records: list[ProgressRecord], now: float) -> AttemptProgress:
+    """`state` (None: the attempt's first batch) with `records` folded in. Idempotent for a
+    batch sent twice (a client retrying): heartbeats keep extremes, a save or load already
+    kept (same time and step) is not counted again."""
+    times = [r.at for r in records]
+    s = state or AttemptProgress(attempt=attempt, first_at=min(times), last_at=max(times),
+                                 received_at=now)
+    s = replace(s, first_at=min(s.first_at, *times), last_at=max(s.last_at, *times),
+                received_at=now, model=model or s.model, records=s.records + len(records))
+    saves, loads = list(s.saves), list(s.loads)
+    buckets = list(s.save_buckets)
+    for r in sorted(records, key=lambda r: r.at):
+        if r.kind == "start":
+            s = replace(s, start_at=_min(s.start_at, r.at),
+                        allocation_start=_min(s.allocation_start, r.allocation_start))
+        elif r.kind == "training":
+            s = replace(s, training_at=_min(s.training_at, r.at))
+        elif r.kind == "heartbeat":
+            beat = (r.at, int(r.step or 0))
+            if s.first_heartbeat is None or beat < s.first_heartbeat:
+                s = replace(s, first_heartbeat=beat)
+            if s.last_heartbeat is None or beat > s.last_heartbeat:
+                s = replace(s, last_heartbeat=beat)
+        elif r.kind == "checkpoint_save":
+            save = Save(r.at, int(r.step or 0), float(r.blocking_s or 0.0),
+                        float(r.background_s or 0.0))
+            if any(k.at == save.at and k.step == save.step for k in saves):
+                continue
+            saves.append(save)
+            buckets[_bucket(save.blocking_s)] += 1
+            s = replace(s, saves_n=s.saves_n + 1,
+                        saves_blocking_s=s.saves_blocking_s + save.blocking_s,
+                        first_save_at=_min(s.first_save_at, save.at))
+        elif r.kind == "checkpoint_load":
+            load = Load(r.at, float(r.blocking_s or 0.0), r.step)
+            if any(k.at == load.at for k in loads):
+                continue
+            loads.append(load)
+            s = replace(s, loads_n=s.loads_n + 1,
+                        loads_blocking_s=s.loads_blocking_s + load.blocking_s)
+        elif r.kind == "end" and (s.end_at is None or r.at >= s.end_at):
+            s = replace(s, end_at=r.at, end_reason=r.reason)
+    saves.sort(key=lambda k: k.at)
+    loads.sort(key=lambda k: k.at)
+    return replace(s, saves=tuple(saves[-MAX_SAVES:]), loads=tuple(loads[-MAX_LOADS:]),
+                   save_buckets=tuple(buckets))
+
+
+def _bucket(seconds: float) -> int:
+    return next((i for i, bound in enumerate(SAVE_BUCKETS) if seconds <= bound),
+                len(SAVE_BUCKETS))

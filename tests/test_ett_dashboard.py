@@ -1,0 +1,59 @@
+"""The dashboard shows ETT in a real headless Chromium: the ETT% tile, a stacked bar per job
+whose parts are the API's seconds, and the checkpoint advice per model."""
+
+from __future__ import annotations
+
+import html
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ensure_tools
+from dashboard_shot import dump_dom
+from helpers import ServerProcess
+
+from megacache_client.wire import routes
+
+
+@pytest.mark.e2e
+def test_dashboard_shows_ett(tmp_path: Path) -> None:
+    ensure_tools({"chromium": "chromium"})
+    server = ServerProcess(tmp_path / "data").start()
+    try:
+        now = time.time()
+        base = now - 1100
+        with httpx.Client(base_url=server.url) as c:
+            for attempt, records in enumerate((
+                    [{"kind": "start", "at": base}, {"kind": "training", "at": base + 30},
+                     {"kind": "checkpoint_save", "at": base + 100, "step": 7,
+                      "blocking_s": 4.0},
+                     {"kind": "heartbeat", "at": base + 350, "step": 30}],
+                    [{"kind": "start", "at": base + 400}, {"kind": "training", "at": base + 450},
+                     {"kind": "checkpoint_save", "at": base + 700, "step": 50,
+                      "blocking_s": 6.0},
+                     {"kind": "heartbeat", "at": now - 5, "step": 90}])):
+                r = c.post(routes.JOB_PROGRESS.url(job="live-job"),
+                           json={"attempt": attempt, "records": records, "model": "llm"})
+                assert r.status_code == 202, r.text
+            api = c.get("/v1/dashboard").json()["ett"]
+        dom = dump_dom(server.url + "/", tmp_path / "chromium")
+    finally:
+        server.stop()
+    assert 'data-loaded="true"' in dom, dom[:2000]
+    assert api["live"] == 1 and api["jobs"] == 1
+    tile = re.search(r'data-testid="ett-pct"[^>]*>([^<]*)<', dom)
+    assert tile and tile.group(1) == f"{api['ett_pct']:.1f}%"
+    (job,) = api["shown"]
+    row = re.search(r'<tr data-job="live-job">(.*?)</tr>', dom, re.S)
+    assert row, dom[:3000]
+    parts = dict(re.findall(r'data-category="([a-z_]+)" data-seconds="([0-9.]+)"',
+                            row.group(1)))
+    assert {k: float(v) for k, v in parts.items()} == {
+        k: v for k, v in job["seconds"].items() if v}
+    assert set(parts) >= {"training", "startup", "lost_progress", "recovery"}
+    assert ">live<" in row.group(1)
+    advice = re.search(r'<tr data-model="llm">(.*?)</tr>', dom.split('data-testid="ett-advice"')[1],
+                       re.S)
+    assert advice and "low" in html.unescape(advice.group(1))

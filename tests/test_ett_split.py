@@ -1,0 +1,203 @@
+"""The split of a job's wall time (`service.ett`), on hand-made timelines whose answers are
+worked out by hand here: every category, failures, lost progress, recovery, and a lying
+trainer that cannot push ETT past 100% or any category below zero."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megacache_client.wire.progress import ProgressRecord
+from megacache_server.service import ett, ett_report
+from megacache_server.store.index.progress import MAX_SAVES, JobProgress, merge
+
+T0 = 1_800_000_000.0
+
+
+def rec(kind: str, at: float, **fields: object) -> ProgressRecord:
+    return ProgressRecord(kind=kind, at=T0 + at, **fields)  # type: ignore[arg-type]
+
+
+def job(*attempts: list[ProgressRecord], model: str = "llm") -> JobProgress:
+    summaries = tuple(merge(None, n, model, records, T0 + max(r.at for r in records) - T0)
+                      for n, records in enumerate(attempts))
+    return JobProgress("ns", "j", T0, summaries)
+
+
+def approx(seconds: dict[str, float], **want: float) -> None:
+    expected = dict.fromkeys(ett.CATEGORIES, 0.0) | want
+    assert seconds == pytest.approx(expected, abs=1e-6)
+
+
+def test_one_finished_attempt() -> None:
+    # allocated at 0, process at 10, compile 20 s before the first step at 40, two saves
+    # of 5 s blocking (the second also 10 s in the background), finished at 1000
+    one = job([rec("start", 10, allocation_start=T0), rec("training", 40),
+               rec("checkpoint_save", 200, step=100, blocking_s=5.0),
+               rec("heartbeat", 300, step=150),
+               rec("checkpoint_save", 500, step=300, blocking_s=5.0, background_s=10.0),
+               rec("end", 1000, reason="finished")])
+    got = ett.split(one, compile_s={0: 20.0})
+    # startup 0-20, compile 20-40, training 40-1000 less 10 s of saves
+    approx(got.seconds, startup=20, compile=20, training=950, checkpoint_save=10)
+    row = got.row()
+    assert row["wall_s"] == 1000 and row["ett_pct"] == 95.0 and row["failures"] == 0
+    (a,) = row["attempts"]
+    assert a["time_to_start_s"] == 40 and a["failed"] is False and a["lost_s"] is None
+    assert a["checkpoint_saves"] == 2 and a["checkpoint_blocking_s"] == 10
+
+
+def test_a_killed_attempt_then_a_recovery() -> None:
+    first = [rec("start", 0), rec("training", 30),
+             rec("checkpoint_save", 100, step=70, blocking_s=4.0),  # durable at 104
+             rec("checkpoint_save", 300, step=250, blocking_s=4.0, background_s=100.0),
+             rec("heartbeat", 350, step=300)]  # killed: its last fact; save 2 not durable
+    second = [rec("start", 400), rec("checkpoint_load", 410, blocking_s=20.0, step=70),
+              rec("training", 450), rec("checkpoint_save", 700, step=500, blocking_s=6.0),
+              rec("end", 1000, reason="finished")]
+    got = ett.split(job(first, second), compile_s={1: 10.0})
+    # attempt 0: startup 0-30, training 30-100, lost 100-350 less both saves' 8 s
+    # attempt 1: recovery 350-450 less restore 410-430 and compile 440-450; training
+    # 450-1000 less its save
+    approx(got.seconds, startup=30, training=70 + 544, checkpoint_save=8 + 6,
+           lost_progress=242, checkpoint_restore=20, compile=10, recovery=70)
+    row = got.row()
+    assert row["wall_s"] == 1000 and row["ett_pct"] == 61.4
+    assert row["failures"] == 1 and row["lost_s_per_failure"] == [242]
+    a0, a1 = row["attempts"]
+    assert (a0["start"], a0["end"], a1["start"], a1["end"]) == (T0, T0 + 350, T0 + 350,
+                                                                T0 + 1000)
+    assert a0["failed"] and not a1["failed"] and a0["time_to_start_s"] == 30
+    assert a1["time_to_recover_s"] == 100 and a1["time_to_start_s"] is None
+    assert a0["seconds"]["lost_progress"] == 242 and a1["seconds"]["training"] == 544
+
+
+def test_a_clean_failure_with_no_checkpoint_loses_all_its_training() -> None:
+    got = ett.split(job([rec("start", 0), rec("training", 10), rec("heartbeat", 50, step=5),
+                         rec("end", 60, reason="failed")]))
+    approx(got.seconds, startup=10, lost_progress=50)
+    assert got.row()["ett_pct"] == 0.0 and got.row()["failures"] == 1
+
+
+def test_a_live_attempt_has_not_failed() -> None:
+    records = [rec("start", 0), rec("training", 10), rec("heartbeat", 100, step=9)]
+    got = ett.split(job(records), now=T0 + 130)
+    approx(got.seconds, startup=10, training=90)
+    assert got.live and got.row()["failures"] == 0
+    assert not ett.split(job(records), now=T0 + 100 + ett.LIVE_S + 1).live
+
+
+def test_saves_too_old_to_keep_one_by_one_still_count() -> None:
+    n = MAX_SAVES + 20
+    records = [rec("start", 0), rec("training", 10)]
+    records += [rec("checkpoint_save", 100 + 10 * k, step=k, blocking_s=1.0) for k in range(n)]
+    records.append(rec("end", 100 + 10 * n, reason="finished"))
+    got = ett.split(job(records))
+    wall = 100 + 10 * n
+    approx(got.seconds, startup=10, checkpoint_save=n, training=wall - 10 - n)
+    a = got.attempts[0]
+    assert a.saves == n and a.save_interval == (10.0 * (n - 1), n - 1)
+
+
+def test_gaps_nobody_reported_are_idle_and_the_attempt_never_trained() -> None:
+    # attempt 0 never reached a step and failed; attempt 1 started 100 s later
+    got = ett.split(job([rec("start", 0), rec("heartbeat", 40, step=0)],
+                        [rec("start", 140), rec("training", 150),
+                         rec("end", 200, reason="finished")]))
+    approx(got.seconds, startup=40, recovery=110, training=50)
+    assert got.row()["lost_s_per_failure"] == [0]
+
+
+def test_a_lying_trainer_cannot_pass_100_percent_nor_go_negative() -> None:
+    rng = random.Random(41)
+    kinds = ("start", "training", "heartbeat", "checkpoint_save", "checkpoint_load", "end")
+    for _ in range(300):
+        attempts = []
+        for _ in range(rng.randint(1, 4)):
+            records = []
+            for _ in range(rng.randint(1, 12)):
+                kind = rng.choice(kinds)
+                at = rng.uniform(0, 5000)
+                fields: dict[str, object] = {}
+                if kind in ("heartbeat", "checkpoint_save"):
+                    fields["step"] = rng.randint(0, 10**6)
+                if kind in ("checkpoint_save", "checkpoint_load"):
+                    fields["blocking_s"] = rng.choice([0.0, 1.0, 600.0, 7 * 24 * 3600.0])
+                    fields["background_s"] = rng.choice([None, 0.0, 3600.0])
+                if kind == "start" and rng.random() < 0.5:
+                    fields["allocation_start"] = T0 + at - rng.uniform(0, 10**6)
+                if kind == "end":
+                    fields["reason"] = rng.choice(["finished", "failed"])
+                records.append(rec(kind, at, **fields))
+            attempts.append(records)
+        compile_s = {n: rng.choice([0.0, 50.0, 10**6]) for n in range(len(attempts))}
+        got = ett.split(job(*attempts), compile_s=compile_s, now=T0 + 6000)
+        row = got.row()
+        seconds = got.seconds
+        assert all(v >= -1e-9 for v in seconds.values()), seconds
+        wall = row["end"] - row["start"]
+        assert sum(seconds.values()) == pytest.approx(wall, abs=1e-6)
+        assert row["ett_pct"] is None or 0 <= row["ett_pct"] <= 100
+        for a in got.attempts:
+            assert all(v >= -1e-9 for v in a.seconds.values())
+            assert sum(a.seconds.values()) == pytest.approx(a.wall_s, abs=1e-6)
+
+
+def test_windows_clip_segments() -> None:
+    got = ett.split(job([rec("start", 0), rec("training", 100),
+                         rec("end", 1000, reason="finished")]))
+    approx(ett.clip(got.segments, T0 + 50, T0 + 150), startup=50, training=50)
+    approx(ett.clip(got.segments, T0 + 2000, T0 + 3000))
+
+
+def killed_then_recovered() -> JobProgress:
+    return job([rec("start", 0), rec("training", 30),
+                rec("checkpoint_save", 100, step=70, blocking_s=4.0),
+                rec("checkpoint_save", 300, step=250, blocking_s=4.0, background_s=100.0),
+                rec("heartbeat", 350, step=300)],
+               [rec("start", 400), rec("checkpoint_load", 410, blocking_s=20.0, step=70),
+                rec("training", 450), rec("checkpoint_save", 700, step=500, blocking_s=6.0),
+                rec("end", 1000, reason="finished")])
+
+
+def test_checkpoint_advice_by_hand() -> None:
+    got = ett_report.advice([ett.split(killed_then_recovered())])
+    assert got is not None
+    # b: 14 s of blocking over 3 saves; λ: 1 failure over 614 + 242 + 14 s of running;
+    # T: attempt 0 saved at 100 and 300 (attempt 1 once: no interval)
+    b, rate, interval = 14 / 3, 1 / 870, 200.0
+    best = (2 * b / rate) ** 0.5  # √(2 · 4.667 · 870) = 90.1 s
+    gain = ((b / interval + rate * interval / 2) - (b / best + rate * best / 2)) * 100
+    assert gain == pytest.approx(3.47, abs=0.01)
+    assert got == {"blocking_per_save_s": 4.667, "saves": 3, "failures": 1, "run_s": 870.0,
+                   "failures_per_hour": round(3600 / 870, 6), "interval_s": 200.0,
+                   "best_interval_s": round(best, 3), "ett_gain_pct": round(gain, 3),
+                   "confidence": "low"}
+
+
+def test_no_failure_or_no_save_no_advice() -> None:
+    finished = job([rec("start", 0), rec("training", 10),
+                    rec("checkpoint_save", 50, step=5, blocking_s=2.0),
+                    rec("end", 100, reason="finished")])
+    assert ett_report.advice([ett.split(finished)]) is None
+    unsaved = job([rec("start", 0), rec("training", 10), rec("end", 100, reason="failed")])
+    assert ett_report.advice([ett.split(unsaved)]) is None
+
+
+def test_a_window_per_model_and_namespace() -> None:
+    a = ett.split(killed_then_recovered())
+    other = JobProgress("ns2", "k", T0, (merge(None, 0, "vit", [
+        rec("start", 0), rec("training", 500), rec("end", 1000, reason="finished")], T0),))
+    b = ett.split(other)
+    got = ett_report.window([a, b], T0 + 0, T0 + 500)
+    # job a's first 500 s: startup 0-30, training 30-100, lost 100-350 (less saves' 8 s),
+    # recovery 350-450 less restore 410-430 (no compile known), training 450-500;
+    # job b's: startup 0-500
+    assert got["wall_s"] == 1000 and got["ett_pct"] == 12.0
+    assert got["seconds"]["startup"] == 530 and got["seconds"]["recovery"] == 80
+    assert got["seconds"]["lost_progress"] == 242 and got["seconds"]["checkpoint_save"] == 8
+    models = {m["model"]: m for m in got["models"]}
+    assert models["llm"]["ett_pct"] == 24.0 and models["vit"]["ett_pct"] == 0.0
+    assert models["llm"]["advice"]["failures"] == 1 and models["vit"]["advice"] is None
+    assert [n["namespace"] for n in got["namespaces"]] == ["ns", "ns2"]

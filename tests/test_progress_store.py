@@ -1,0 +1,177 @@
+"""The ProgressStore contract, run against every index backend (SQLite and Redis): batches
+fold into one bounded summary per attempt, a flood stays bounded, namespaces never mix."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from services import LocalRedis
+
+from megacache_client.wire.progress import ProgressRecord
+from megacache_server.store.index import progress
+from megacache_server.store.index.base import Index
+from megacache_server.store.index.sqlite import SqliteIndex
+
+T0 = 1_800_000_000.0
+_n = iter(range(10**6))
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def make_index(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], Index]]:
+    if request.param == "sqlite":
+        yield lambda: SqliteIndex(tmp_path / "index.sqlite3")
+        return
+    from megacache_server.store.index.redis import RedisIndex
+
+    redis: LocalRedis = request.getfixturevalue("redis_service")
+    prefix = f"progress{next(_n)}:"
+    yield lambda: RedisIndex(f"redis://127.0.0.1:{redis.port}/0", prefix=prefix)
+
+
+def run(make_index: Callable[[], Index], body: Callable[[Index], Awaitable[None]]) -> None:
+    async def main() -> None:
+        index = make_index()
+        await index.open()
+        try:
+            await body(index)
+        finally:
+            await index.close()
+
+    asyncio.run(main())
+
+
+def beat(at: float, step: int) -> ProgressRecord:
+    return ProgressRecord(kind="heartbeat", at=at, step=step)
+
+
+def save(at: float, step: int, blocking: float, background: float = 0.0) -> ProgressRecord:
+    return ProgressRecord(kind="checkpoint_save", at=at, step=step, blocking_s=blocking,
+                          background_s=background)
+
+
+def test_batches_fold_into_one_summary_per_attempt(make_index: Callable[[], Index]) -> None:
+    async def body(index: Index) -> None:
+        assert await index.job_progress("a", "j1") is None
+        await index.add_progress("a", "j1", 0, "llm", [
+            ProgressRecord(kind="start", at=T0 + 5, allocation_start=T0),
+            ProgressRecord(kind="training", at=T0 + 20), beat(T0 + 30, 10)], T0 + 31)
+        await index.add_progress("a", "j1", 0, None, [
+            beat(T0 + 40, 20), save(T0 + 41, 20, 2.0), beat(T0 + 50, 30)], T0 + 51)
+        again = [save(T0 + 41, 20, 2.0), beat(T0 + 50, 30)]  # a retried batch: no change
+        await index.add_progress("a", "j1", 0, None, again, T0 + 52)
+        await index.add_progress("a", "j1", 1, None, [
+            ProgressRecord(kind="start", at=T0 + 70),
+            ProgressRecord(kind="checkpoint_load", at=T0 + 75, blocking_s=3.0, step=20),
+            ProgressRecord(kind="end", at=T0 + 90, reason="finished")], T0 + 91)
+        job = await index.job_progress("a", "j1")
+        assert job is not None and job.model == "llm" and job.last_seen == T0 + 91
+        first, second = job.attempts
+        assert (first.attempt, second.attempt) == (0, 1)
+        assert first.allocation_start == T0 and first.start_at == T0 + 5
+        assert first.training_at == T0 + 20
+        assert first.first_heartbeat == (T0 + 30, 10)
+        assert first.last_heartbeat == (T0 + 50, 30)
+        assert first.saves == (progress.Save(T0 + 41, 20, 2.0, 0.0),)
+        assert first.saves_n == 1 and first.saves_blocking_s == 2.0
+        assert (first.first_at, first.last_at) == (T0 + 5, T0 + 50)
+        assert second.loads == (progress.Load(T0 + 75, 3.0, 20),)
+        assert (second.end_at, second.end_reason) == (T0 + 90, "finished")
+        # another namespace's job of the same id is another job
+        assert await index.job_progress("b", "j1") is None
+        await index.add_progress("b", "j1", 0, "secret", [beat(T0 + 1, 1)], T0 + 2)
+        mine = await index.recent_progress(namespace="a", since=0, limit=10)
+        assert [(j.namespace, j.job) for j in mine] == [("a", "j1")]
+        assert mine[0].attempts == job.attempts
+        every = await index.recent_progress(namespace=None, since=0, limit=10)
+        assert [(j.namespace, j.job) for j in every] == [("a", "j1"), ("b", "j1")]
+        assert await index.recent_progress(namespace="a", since=T0 + 92, limit=10) == []
+
+    run(make_index, body)
+
+
+def test_a_flood_stays_bounded(make_index: Callable[[], Index]) -> None:
+    async def body(index: Index) -> None:
+        n = progress.MAX_SAVES * 3
+        for i in range(0, n, 16):
+            await index.add_progress("a", "j", 0, None,
+                                     [save(T0 + 10 * k, k, 1.0 + k) for k in range(i, i + 16)]
+                                     + [beat(T0 + 10 * k + 5, k) for k in range(i, i + 16)],
+                                     T0 + 10 * i)
+        job = await index.job_progress("a", "j")
+        assert job is not None
+        (a,) = job.attempts
+        assert len(a.saves) == progress.MAX_SAVES and a.saves_n == n
+        assert [s.step for s in a.saves] == list(range(n - progress.MAX_SAVES, n))
+        assert a.saves_blocking_s == sum(1.0 + k for k in range(n))
+        assert sum(a.save_buckets) == n and a.first_save_at == T0
+        assert a.last_heartbeat == (T0 + 10 * (n - 1) + 5, n - 1) and a.records == 2 * n
+        # attempts: the newest MAX_ATTEMPTS stay, an older one arriving late is not kept
+        for attempt in range(progress.MAX_ATTEMPTS + 5):
+            await index.add_progress("a", "k", attempt, None, [beat(T0 + attempt, 1)], T0)
+        await index.add_progress("a", "k", 0, None, [beat(T0, 1)], T0)
+        job = await index.job_progress("a", "k")
+        assert job is not None
+        assert [x.attempt for x in job.attempts] == list(range(5, progress.MAX_ATTEMPTS + 5))
+
+    run(make_index, body)
+
+
+def test_jobs_per_namespace_are_capped_and_pruned(make_index: Callable[[], Index],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("megacache_server.store.index.sqlite.progress.MAX_JOBS", 3)
+    monkeypatch.setattr("megacache_server.store.index.redis.progress.MAX_JOBS", 3)
+
+    async def body(index: Index) -> None:
+        for i in range(5):
+            await index.add_progress("a", f"j{i}", 0, None, [beat(T0 + i, 1)], T0 + i)
+        await index.add_progress("b", "other", 0, None, [beat(T0, 1)], T0)
+        kept = await index.recent_progress(namespace="a", since=0, limit=10)
+        assert [j.job for j in kept] == ["j4", "j3", "j2"]
+        assert await index.job_progress("a", "j0") is None
+        assert await index.prune_progress(T0 + 3.5) == 3  # j2, j3 and b's job
+        assert [j.job for j in await index.recent_progress(namespace=None, since=0,
+                                                           limit=10)] == ["j4"]
+
+    run(make_index, body)
+
+
+def test_concurrent_batches_of_one_attempt_lose_nothing(
+        make_index: Callable[[], Index]) -> None:
+    async def body(index: Index) -> None:
+        other = make_index()
+        await other.open()
+        try:
+            await asyncio.gather(*[
+                (index if k % 2 else other).add_progress(
+                    "a", "j", 0, None, [save(T0 + k, k, 1.0)], T0 + k) for k in range(20)])
+        finally:
+            await other.close()
+        job = await index.job_progress("a", "j")
+        assert job is not None and job.attempts[0].saves_n == 20
+
+    run(make_index, body)
+
+
+def test_job_view_is_one_job_of_the_events(make_index: Callable[[], Index]) -> None:
+    from megacache_client.wire.events import Event
+    from megacache_client.wire.schema import parse
+
+    async def body(index: Index) -> None:
+        assert await index.job_view("a", "j") is None
+        for attempt, compile_s in ((0, 30.0), (1, 5.0)):
+            await index.add_event("a", parse(Event, {
+                "key": "b" * 64, "model": "llm", "outcome": "miss", "compile_s": compile_s,
+                "job_id": "j", "attempt": attempt, "rank": 0, "world_size": 1}))
+        await index.add_event("b", parse(Event, {
+            "key": "b" * 64, "model": "x", "outcome": "hit", "compile_s": 1.0,
+            "job_id": "j", "attempt": 0, "rank": 0, "world_size": 1}))
+        view = await index.job_view("a", "j")
+        assert view is not None and (view.namespace, view.job_id) == ("a", "j")
+        assert {a.attempt: a.compile_s for a in view.attempts} == {0: 30.0, 1: 5.0}
+        other = await index.job_view("b", "j")
+        assert other is not None and [a.model for a in other.attempts] == ["x"]
+
+    run(make_index, body)
