@@ -26,21 +26,8 @@ from importlib import util
 from pathlib import Path
 from typing import Any
 
-from benchlib import (  # benchmarks/benchlib.py, next to this script
-    generated_by,
-    grouped_bars,
-    image_link,
-    log,
-    machine_info,
-    machine_line,
-    markdown_table,
-    pyplot,
-    save_figure,
-    temp_root,
-    text_table,
-    utc_now,
-    write_json,
-)
+import benchlib  # benchmarks/benchlib.py, next to this script
+from benchlib import log
 from benchlib import median_of_present as median
 from jobs import GxxCounter, Machine, TritonCounter, nothing_loaded, run_job
 from other_path import DEFAULT_VENV, OtherPath
@@ -478,11 +465,11 @@ def table_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
 
 
 def render_text(rows: Sequence[dict[str, Any]]) -> str:
-    return text_table(HEADER, table_cells(rows))
+    return benchlib.text_table(HEADER, table_cells(rows))
 
 
 def render_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    return markdown_table(HEADER, table_cells(rows))
+    return benchlib.markdown_table(HEADER, table_cells(rows))
 
 
 def over_goal(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -548,14 +535,15 @@ def render_split(rows: Sequence[dict[str, Any]]) -> str:
 
 def compile_machine_info() -> dict[str, Any]:
     """What the numbers depend on: the machine, torch, g++ and the Redis reference."""
-    return machine_info(packages={"torch": "torch", "redis_py": "redis"},
-                        tools={"gxx": ("g++", "--version"),
-                               "redis_server": (redis_server_exe() or "redis-server", "--version")})
+    return benchlib.machine_info(
+        packages={"torch": "torch", "redis_py": "redis"},
+        tools={"gxx": ("g++", "--version"),
+               "redis_server": (redis_server_exe() or "redis-server", "--version")})
 
 
 def write_chart(rows: Sequence[dict[str, Any]], path: Path) -> bool:
     """Grouped bars of median time-to-first-step; skipped (False) without matplotlib."""
-    plt = pyplot()
+    plt = benchlib.pyplot()
     if plt is None:
         return False
     models = list(dict.fromkeys(r["model"] for r in rows))
@@ -570,12 +558,12 @@ def write_chart(rows: Sequence[dict[str, Any]], path: Path) -> bool:
         errors[name] = [[mid - (by_model[m]["ttfs_min_s"] or 0) for m, mid in pairs],
                         [(by_model[m]["ttfs_max_s"] or 0) - mid for m, mid in pairs]]
     fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(models)), 4.5))
-    grouped_bars(ax, models, series, errors, tick_fontsize=None)
+    benchlib.grouped_bars(ax, models, series, errors, tick_fontsize=None)
     ax.set_ylabel("time to first step, s (median, min-max)")
     ax.set_title("torch.compile: time to first training step on a new job")
     ax.legend(fontsize="small")
     ax.grid(axis="y", alpha=0.3)
-    save_figure(plt, fig, path, dpi=120)
+    benchlib.save_figure(plt, fig, path, dpi=120)
     return True
 
 
@@ -600,9 +588,9 @@ def write_results_md(report: dict[str, Any], chart: Path | None,
     lines = [
         f"# {title}",
         "",
-        *generated_by("compile_bench.py", report["argv"]),
+        *benchlib.generated_by("compile_bench.py", report["argv"]),
         f"- date: {report['date']}",
-        machine_line(m),
+        benchlib.machine_line(m),
         f"- torch {m['torch']}, Python {m['python']}, {m['gxx']}, "
         f"redis-py {m['redis_py']}, {m['redis_server'] or 'no redis-server'}",
         f"- commit {m['git_commit']}; {report['repeats']} repeats of {report['steps']} "
@@ -630,7 +618,7 @@ def write_results_md(report: dict[str, Any], chart: Path | None,
                   "its event (`tts_*_s`, medians; see docs/how-it-works.md, Time to start):", "",
                   render_split(rows), ""]
     if chart is not None:
-        lines += [image_link("time to first step", chart), ""]
+        lines += [benchlib.image_link("time to first step", chart), ""]
     misses = over_goal(rows)
     if misses:
         lines += ["Over the goal: " + ", ".join(
@@ -689,7 +677,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    with temp_root("compile_bench.", args.keep_temp) as root:
+    with benchlib.temp_root("compile_bench.", args.keep_temp) as root:
         log(f"temp root {root}; models {','.join(args.models)}; scenarios "
             f"{','.join(args.scenarios)}; {args.repeats} repeats of {args.steps} steps")
         other = OtherPath(args.other_venv).ensure(log) if OTHER_PATH in args.scenarios \
@@ -702,12 +690,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs = run_benchmark(bench, args.models, args.scenarios, args.repeats)
     rows = summarize(jobs, args.models, args.scenarios)
     report = {
-        "date": utc_now(), "argv": argv, "repeats": args.repeats, "steps": args.steps,
+        "date": benchlib.utc_now(), "argv": argv, "repeats": args.repeats, "steps": args.steps,
         "machine": compile_machine_info(), "summary": rows, "jobs": jobs,
         "device": args.device,
         "gpu": next((j["gpu"] for j in jobs if j.get("gpu")), None),
     }
-    write_json(args.out, report)
+    benchlib.write_json(args.out, report)
     chart = args.out.with_suffix(".png")
     have_chart = write_chart(rows, chart)
     print(render_text(rows))
