@@ -26,23 +26,10 @@ from importlib import util
 from pathlib import Path
 from typing import Any
 
-from benchlib import (  # benchmarks/benchlib.py, next to this script
-    generated_by,
-    grouped_bars,
-    image_link,
-    log,
-    machine_info,
-    machine_line,
-    markdown_table,
-    pyplot,
-    save_figure,
-    temp_root,
-    text_table,
-    utc_now,
-    write_json,
-)
+import benchlib  # benchmarks/benchlib.py, next to this script
+from benchlib import log
 from benchlib import median_of_present as median
-from jobs import GxxCounter, Machine, run_job
+from jobs import GxxCounter, Machine, TritonCounter, nothing_loaded, run_job
 from other_path import DEFAULT_VENV, OtherPath
 from results_md import write_section
 from services import LocalRedis, LocalServer, redis_server_exe
@@ -52,7 +39,9 @@ REPO = BENCH_DIR.parent
 DEFAULT_OUT = BENCH_DIR / "results" / "compile.json"
 RESULTS_MD = BENCH_DIR / "RESULTS.md"
 
-MODELS = ("mlp", "transformer", "dlrm", "conv")
+MODELS = ("mlp", "transformer", "dlrm", "conv", "gpt2")
+DEFAULT_MODELS = MODELS[:4]
+"""gpt2 (transformers' GPT-2 from a config: a third-party model) only when asked for."""
 # Scenario -> what a job of it is; the order is the run order within a repeat.
 SCENARIOS = {
     "eager": "the same trainer without torch.compile, on a new machine: what a start would "
@@ -137,6 +126,9 @@ class Bench:
     timeout_s: float
     gxx: GxxCounter
     other: OtherPath | None = None
+    device: str = "cpu"
+    triton: TritonCounter | None = None
+    """Counts Triton compilations (ptxas runs) of `--device cuda` jobs."""
 
     def machine(self, *parts: str) -> Machine:
         """A new machine: empty Inductor, Triton, TMPDIR and node-cache dirs."""
@@ -155,9 +147,12 @@ class Bench:
         # Inductor runs config.cpp.cxx = $CXX or "g++" through PATH (cpp_builder
         # .get_cpp_compiler -> cpp_compiler_search): pinning CXX to the default "g++" keeps
         # a CXX of the calling shell from bypassing the counting wrapper first on PATH.
-        run = run_job(machine, "--steps", str(self.steps), *args, env={**env, "CXX": "g++"},
-                      gxx=self.gxx, timeout=self.timeout_s, runner=runner)
-        record: dict[str, Any] = {"wall_s": round(run.wall_s, 3), "gxx_builds": run.gxx_builds}
+        run = run_job(machine, "--steps", str(self.steps), "--device", self.device, *args,
+                      env={**env, "CXX": "g++"}, gxx=self.gxx, timeout=self.timeout_s,
+                      runner=runner, triton=self.triton)
+        record: dict[str, Any] = {"wall_s": round(run.wall_s, 3), "gxx_builds": run.gxx_builds,
+                                  "triton_compiles": run.triton_compiles,
+                                  "triton_kernels": run.triton_kernels}
         if run.returncode == 0 and run.result:
             record.update(run.result, ok=True)
             if run.warnings():
@@ -368,7 +363,11 @@ def summarize(jobs: Sequence[dict[str, Any]], models: Sequence[str],
                       for name in SCENARIOS if name in scenarios]
         medians = {row["scenario"]: row["ttfs_median_s"] for row in model_rows}
         for row in model_rows:
+            nothing = bool(row["ok"]) and len(row["missed"]) == row["ok"]
             for base in ("warm-local", "cold", "eager"):
+                if nothing:  # no ratio: it would read as a speed-up the cache did not give
+                    row[f"vs_{base}"] = None
+                    continue
                 same_init = base + "+init5" if row["scenario"].endswith("+init5") else base
                 b = medians.get(same_init) if base == "eager" else \
                     medians.get(same_init) or medians.get(base)
@@ -378,11 +377,26 @@ def summarize(jobs: Sequence[dict[str, Any]], models: Sequence[str],
     return rows
 
 
+def missed(name: str, job: dict[str, Any]) -> str:
+    """Why a job of a scenario that should start warm loaded nothing ("" when it did, and
+    for the cold and eager baselines, which load nothing by design)."""
+    if name in ("cold", "eager"):
+        return ""
+    if name.startswith("megacache"):
+        return nothing_loaded(job)
+    c = job.get("counters") or {}
+    if c.get("fxgraph_hit", 0) + c.get("aot_hit", 0) + (job.get("precompile_hit") or 0):
+        return ""
+    return "torch's caches served none of its graphs (FX graph, AOTAutograd and Dynamo " \
+        "hits all 0)"
+
+
 def summarize_one(model: str, name: str, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ok = [j for j in runs if j.get("ok")]
     ttfs = [j["time_to_first_step_s"] for j in ok]
     return {
         "model": model, "scenario": name, "runs": len(runs), "ok": len(ok),
+        "missed": [why for j in ok if (why := missed(name, j))],
         "errors": [j.get("error") or j.get("skipped") for j in runs if not j.get("ok")],
         "ttfs_median_s": median(ttfs),
         "ttfs_min_s": min(ttfs) if ttfs else None,
@@ -393,6 +407,8 @@ def summarize_one(model: str, name: str, runs: Sequence[dict[str, Any]]) -> dict
         "counters": {k: median([j["counters"][k] for j in ok])
                      for k in ("fxgraph_hit", "fxgraph_miss", "aot_hit", "aot_miss")},
         "gxx_builds": median([j["gxx_builds"] for j in ok]),
+        "triton_compiles": median([j.get("triton_compiles") for j in ok]),
+        "triton_kernels": median([j.get("triton_kernels") for j in ok]),
         "mb_down": median([mb(j["megacache"].get("bytes_down")) for j in ok
                            if j.get("megacache")]),
         "outcomes": sorted({j["megacache"].get("outcome") for j in ok if j.get("megacache")}),
@@ -408,8 +424,14 @@ def summarize_one(model: str, name: str, runs: Sequence[dict[str, Any]]) -> dict
 
 
 HEADER = ("model", "scenario", "ttfs med s", "min-max s", "1st step s", "compile s",
-          "fx hit/miss", "aot hit/miss", "g++ builds", "MB down", "x eager", "x warm",
-          "x cold")
+          "fx hit/miss", "aot hit/miss", "g++ builds", "triton compiles", "MB down",
+          "x eager", "x warm", "x cold")
+
+
+def no_load(_: float | None) -> str:
+    """The ratio cell of a row whose runs all loaded nothing: a ratio would read as a
+    speed-up the cache did not give."""
+    return "no load"
 
 
 def table_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
@@ -427,6 +449,7 @@ def table_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
                          + [""] * (len(HEADER) - 4))
             continue
         c = r["counters"]
+        ratio = no_load if r["missed"] and len(r["missed"]) == r["ok"] else num
         spread = f"{r['ttfs_min_s']:.2f}-{r['ttfs_max_s']:.2f}"
         if r["ok"] < r["runs"]:
             spread += f" ({r['runs'] - r['ok']} failed)"
@@ -434,18 +457,19 @@ def table_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
             r["model"], r["scenario"], num(r["ttfs_median_s"]), spread,
             num(r["first_step_s"]), num(r["compile_s"]),
             pair(c["fxgraph_hit"], c["fxgraph_miss"]), pair(c["aot_hit"], c["aot_miss"]),
-            num(r["gxx_builds"], "{:g}"), num(r["mb_down"]), num(r.get("vs_eager")),
-            num(r.get("vs_warm-local")), num(r.get("vs_cold")),
+            num(r["gxx_builds"], "{:g}"), num(r.get("triton_compiles"), "{:g}"),
+            num(r["mb_down"]), ratio(r.get("vs_eager")),
+            ratio(r.get("vs_warm-local")), ratio(r.get("vs_cold")),
         ])
     return cells
 
 
 def render_text(rows: Sequence[dict[str, Any]]) -> str:
-    return text_table(HEADER, table_cells(rows))
+    return benchlib.text_table(HEADER, table_cells(rows))
 
 
 def render_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    return markdown_table(HEADER, table_cells(rows))
+    return benchlib.markdown_table(HEADER, table_cells(rows))
 
 
 def over_goal(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -453,10 +477,26 @@ def over_goal(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             and r["vs_warm-local"] > GOAL_VS_WARM]
 
 
-def start_goals(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """One line per model and time-to-start goal: met or missed, with the figure."""
+def missed_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per row some of whose runs loaded nothing: how many, and why."""
     lines = []
     for r in rows:
+        if r.get("missed"):
+            reasons = "; ".join(sorted(set(r["missed"])))[:400]
+            lines.append(f"{r['model']} {r['scenario']}: {len(r['missed'])} of {r['ok']} "
+                         f"runs loaded nothing, no speed-up claimed for them ({reasons})")
+    return lines
+
+
+def start_goals(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per model and time-to-start goal: met or missed, with the figure (a row
+    whose runs all loaded nothing has no figure: the goal is missed)."""
+    lines = []
+    for r in rows:
+        if r.get("missed") and len(r["missed"]) == r["ok"] and (
+                r["scenario"] in EAGER_GOALS or r["scenario"] in START_GOALS):
+            lines.append(f"{r['model']} {r['scenario']}: MISSED, nothing loaded")
+            continue
         eager_goal = EAGER_GOALS.get(r["scenario"])
         if eager_goal is not None and r.get("vs_eager") is not None:
             ok = r["vs_eager"] <= eager_goal and (r.get("vs_warm-local") or 0) <= 1.0
@@ -495,14 +535,15 @@ def render_split(rows: Sequence[dict[str, Any]]) -> str:
 
 def compile_machine_info() -> dict[str, Any]:
     """What the numbers depend on: the machine, torch, g++ and the Redis reference."""
-    return machine_info(packages={"torch": "torch", "redis_py": "redis"},
-                        tools={"gxx": ("g++", "--version"),
-                               "redis_server": (redis_server_exe() or "redis-server", "--version")})
+    return benchlib.machine_info(
+        packages={"torch": "torch", "redis_py": "redis"},
+        tools={"gxx": ("g++", "--version"),
+               "redis_server": (redis_server_exe() or "redis-server", "--version")})
 
 
 def write_chart(rows: Sequence[dict[str, Any]], path: Path) -> bool:
     """Grouped bars of median time-to-first-step; skipped (False) without matplotlib."""
-    plt = pyplot()
+    plt = benchlib.pyplot()
     if plt is None:
         return False
     models = list(dict.fromkeys(r["model"] for r in rows))
@@ -517,12 +558,12 @@ def write_chart(rows: Sequence[dict[str, Any]], path: Path) -> bool:
         errors[name] = [[mid - (by_model[m]["ttfs_min_s"] or 0) for m, mid in pairs],
                         [(by_model[m]["ttfs_max_s"] or 0) - mid for m, mid in pairs]]
     fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(models)), 4.5))
-    grouped_bars(ax, models, series, errors, tick_fontsize=None)
+    benchlib.grouped_bars(ax, models, series, errors, tick_fontsize=None)
     ax.set_ylabel("time to first step, s (median, min-max)")
     ax.set_title("torch.compile: time to first training step on a new job")
     ax.legend(fontsize="small")
     ax.grid(axis="y", alpha=0.3)
-    save_figure(plt, fig, path, dpi=120)
+    benchlib.save_figure(plt, fig, path, dpi=120)
     return True
 
 
@@ -547,13 +588,15 @@ def write_results_md(report: dict[str, Any], chart: Path | None,
     lines = [
         f"# {title}",
         "",
-        *generated_by("compile_bench.py", report["argv"]),
+        *benchlib.generated_by("compile_bench.py", report["argv"]),
         f"- date: {report['date']}",
-        machine_line(m),
+        benchlib.machine_line(m),
         f"- torch {m['torch']}, Python {m['python']}, {m['gxx']}, "
         f"redis-py {m['redis_py']}, {m['redis_server'] or 'no redis-server'}",
         f"- commit {m['git_commit']}; {report['repeats']} repeats of {report['steps']} "
         "training steps, each job a fresh process with fresh cache dirs",
+        *([f"- device {report.get('device')}: {report['gpu']['name']} (compute capability "
+           f"{report['gpu']['major']}.{report['gpu']['minor']})"] if report.get("gpu") else []),
         "",
         "`ttfs` is the time from process start to the end of the first training step "
         "(imports included). Medians over repeats; `x eager` / `x warm` / `x cold` divide the "
@@ -565,6 +608,9 @@ def write_results_md(report: dict[str, Any], chart: Path | None,
         render_markdown(rows),
         "",
     ]
+    if nothing := missed_lines(rows):
+        lines += ["Loaded nothing (`no load`: no ratio shown):", ""] + \
+            [f"- {n}" for n in nothing] + [""]
     goals = start_goals(rows)
     if goals:
         lines += ["Time-to-start goals:", ""] + [f"- {g}" for g in goals] + [""]
@@ -572,7 +618,7 @@ def write_results_md(report: dict[str, Any], chart: Path | None,
                   "its event (`tts_*_s`, medians; see docs/how-it-works.md, Time to start):", "",
                   render_split(rows), ""]
     if chart is not None:
-        lines += [image_link("time to first step", chart), ""]
+        lines += [benchlib.image_link("time to first step", chart), ""]
     misses = over_goal(rows)
     if misses:
         lines += ["Over the goal: " + ", ".join(
@@ -584,13 +630,18 @@ def write_results_md(report: dict[str, Any], chart: Path | None,
     lines += [f"- `{name}`: {what}" for name, what in SCENARIOS.items()]
     lines += ["", "Every job runs with a `g++` wrapper first on PATH; `g++ builds` counts the "
               "calls that wrote a kernel `.so` or a precompiled header (version queries and "
-              "Inductor's `-E` pass over its header, which keys the `.gch`, excluded).", ""]
+              "Inductor's `-E` pass over its header, which keys the `.gch`, excluded; `gcc`'s "
+              "too: Triton's launchers on a GPU). `triton compiles` (`--device cuda`) counts "
+              "ptxas runs: Triton kernels compiled, not restored from a bundle.", ""]
     write_section(section, "\n".join(lines), RESULTS_MD)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS),
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: train on GPU 0; every machine has its own empty Triton "
+                             "cache dir, Triton compilations are counted (ptxas runs)")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
                         help=f"comma-separated, from {', '.join(MODELS)}")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help=f"comma-separated, from {', '.join(SCENARIOS)}")
@@ -626,23 +677,29 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    with temp_root("compile_bench.", args.keep_temp) as root:
+    with benchlib.temp_root("compile_bench.", args.keep_temp) as root:
         log(f"temp root {root}; models {','.join(args.models)}; scenarios "
             f"{','.join(args.scenarios)}; {args.repeats} repeats of {args.steps} steps")
         other = OtherPath(args.other_venv).ensure(log) if OTHER_PATH in args.scenarios \
             else None
-        bench = Bench(root, args.steps, args.timeout, GxxCounter(root / "bin"), other)
+        triton = TritonCounter(root / "bin") if args.device == "cuda" else None
+        if triton is not None and not triton.available:
+            log("no ptxas of Triton's found: Triton compilations are not counted")
+        bench = Bench(root, args.steps, args.timeout, GxxCounter(root / "bin"), other,
+                      args.device, triton)
         jobs = run_benchmark(bench, args.models, args.scenarios, args.repeats)
     rows = summarize(jobs, args.models, args.scenarios)
     report = {
-        "date": utc_now(), "argv": argv, "repeats": args.repeats, "steps": args.steps,
+        "date": benchlib.utc_now(), "argv": argv, "repeats": args.repeats, "steps": args.steps,
         "machine": compile_machine_info(), "summary": rows, "jobs": jobs,
+        "device": args.device,
+        "gpu": next((j["gpu"] for j in jobs if j.get("gpu")), None),
     }
-    write_json(args.out, report)
+    benchlib.write_json(args.out, report)
     chart = args.out.with_suffix(".png")
     have_chart = write_chart(rows, chart)
     print(render_text(rows))
-    for line in start_goals(rows):
+    for line in missed_lines(rows) + start_goals(rows):
         print(line)
     for r in over_goal(rows):
         print(f"note: {r['model']} {r['scenario']} is {r['vs_warm-local']:.2f}x warm-local "

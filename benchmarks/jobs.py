@@ -40,7 +40,10 @@ class Machine:
 
 
 class GxxCounter:
-    """A `g++` first on PATH that logs each call to a per-job file, then runs the real one."""
+    """A `g++` first on PATH that logs each call to a per-job file, then runs the real one.
+
+    `gcc` is wrapped the same way (same log) where there is one: on a GPU, Triton builds
+    the C launcher of each kernel signature with it (CPU jobs never call it)."""
 
     def __init__(self, bin_dir: Path) -> None:
         real = shutil.which("g++")
@@ -48,13 +51,16 @@ class GxxCounter:
             raise RuntimeError("g++ not found: Inductor's CPU backend needs it")
         self.bin_dir = bin_dir
         bin_dir.mkdir(parents=True, exist_ok=True)
-        wrapper = bin_dir / "g++"
-        wrapper.write_text(
-            "#!/bin/sh\n"
-            'case "$*" in *--version*|*-dumpversion*) ;; '
-            '*) [ -n "$GXX_LOG" ] && echo "$*" >> "$GXX_LOG";; esac\n'
-            f'exec {real} "$@"\n')
-        wrapper.chmod(0o755)
+        for name, path in (("g++", real), ("gcc", shutil.which("gcc"))):
+            if path is None:
+                continue
+            wrapper = bin_dir / name
+            wrapper.write_text(
+                "#!/bin/sh\n"
+                'case "$*" in *--version*|*-dumpversion*) ;; '
+                '*) [ -n "$GXX_LOG" ] && echo "$*" >> "$GXX_LOG";; esac\n'
+                f'exec "{path}" "$@"\n')
+            wrapper.chmod(0o755)
 
     def env(self, log: Path) -> dict[str, str]:
         return {"PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -66,6 +72,70 @@ class GxxCounter:
         return sum(1 for call in calls if BUILD_OUTPUT.search(call))
 
 
+FIND_PTXAS = """
+import os, sys
+try:
+    import triton
+except Exception:
+    sys.exit(0)
+try:
+    from triton import knobs
+    found = knobs.nvidia.ptxas.path
+except Exception:
+    found = None
+bins = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+for name, path in (("ptxas", found or os.path.join(bins, "ptxas")),
+                   ("ptxas-blackwell", os.path.join(bins, "ptxas-blackwell"))):
+    if path and os.access(path, os.X_OK):
+        print(name, path)
+"""
+"""Prints the ptxas binaries the job's Triton runs (nothing without Triton or on ROCm)."""
+PTXAS_ENV = {"ptxas": "TRITON_PTXAS_PATH", "ptxas-blackwell": "TRITON_PTXAS_BLACKWELL_PATH"}
+
+
+class TritonCounter:
+    """Triton compilations of a job, counted as g++ builds are: a logging `ptxas` that
+    Triton runs instead of its own (TRITON_PTXAS_PATH), one call per kernel compiled for a
+    CUDA GPU, whether in the trainer or in Inductor's compile workers. A kernel restored
+    from a bundle (torch's Triton bundler writes its cubin into Triton's cache dir) runs no
+    ptxas. `kernels` counts what Triton's own cache dir holds after the job, compiled and
+    restored alike."""
+
+    def __init__(self, bin_dir: Path, python: str = sys.executable) -> None:
+        found = subprocess.run([python, "-c", FIND_PTXAS], capture_output=True, text=True,
+                               timeout=120).stdout.split()
+        self.env_vars: dict[str, str] = {}
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        for name, real in zip(found[::2], found[1::2], strict=True):
+            wrapper = bin_dir / name
+            wrapper.write_text(
+                "#!/bin/sh\n"
+                'case "$*" in *--version*) ;; '
+                '*) [ -n "$PTXAS_LOG" ] && echo "$*" >> "$PTXAS_LOG";; esac\n'
+                f'exec "{real}" "$@"\n')
+            wrapper.chmod(0o755)
+            self.env_vars[PTXAS_ENV[name]] = str(wrapper)
+
+    @property
+    def available(self) -> bool:
+        return bool(self.env_vars)
+
+    def env(self, log: Path) -> dict[str, str]:
+        return {**self.env_vars, "PTXAS_LOG": str(log)} if self.env_vars else {}
+
+    @staticmethod
+    def compiles(log: Path) -> int:
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    @staticmethod
+    def kernels(cache_dir: Path) -> int:
+        """Kernels in a Triton cache dir: its per-kernel directories holding a binary."""
+        if not cache_dir.is_dir():
+            return 0
+        return sum(1 for d in cache_dir.iterdir() if d.is_dir() and any(
+            f.suffix in (".cubin", ".hsaco", ".zebin") for f in d.iterdir()))
+
+
 @dataclass
 class JobRun:
     result: dict[str, Any]
@@ -73,6 +143,10 @@ class JobRun:
     returncode: int
     gxx_builds: int | None
     wall_s: float
+    triton_compiles: int | None = None
+    """ptxas runs (Triton kernels compiled for a CUDA GPU); None when not counted."""
+    triton_kernels: int | None = None
+    """Kernels in the machine's Triton cache dir after the job (compiled or restored)."""
 
     @property
     def mc(self) -> dict[str, Any]:
@@ -90,13 +164,16 @@ def clean_env() -> dict[str, str]:
 
 def run_job(machine: Machine, *args: str, env: dict[str, str] | None = None,
             gxx: GxxCounter | None = None, runner: list[str] | None = None,
-            timeout: float = 900) -> JobRun:
+            timeout: float = 900, triton: TritonCounter | None = None) -> JobRun:
     """Run train_job.py (or `runner` + args) on `machine` in a fresh process."""
     full_env = clean_env()
     full_env.update(machine.env())
     log = machine.root / f"gxx-{time.monotonic_ns()}.log"
+    ptxas_log = log.with_name("ptxas" + log.name[3:])
     if gxx is not None:
         full_env.update(gxx.env(log))
+    if triton is not None:
+        full_env.update(triton.env(ptxas_log))
     full_env.update(env or {})
     cmd = (runner or [sys.executable, str(TRAIN_JOB)]) + list(args)
     started = time.monotonic()
@@ -109,4 +186,34 @@ def run_job(machine: Machine, *args: str, env: dict[str, str] | None = None,
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     result = json.loads(lines[-1]) if lines else {}
     builds = GxxCounter.builds(log) if gxx is not None else None
-    return JobRun(result, proc.stderr, proc.returncode, builds, time.monotonic() - started)
+    counted = triton is not None and triton.available
+    return JobRun(result, proc.stderr, proc.returncode, builds, time.monotonic() - started,
+                  TritonCounter.compiles(ptxas_log) if counted else None,
+                  TritonCounter.kernels(machine.root / "triton") if counted else None)
+
+
+def nothing_loaded(result: dict[str, Any]) -> str:
+    """Why a job loaded nothing torch used from megacache ("" when it did).
+
+    A speed-up is claimed only for a run whose cache lookup gave torch something it then
+    used: the outcome is a hit or a fallback *and* torch's own counters show hits (FX
+    graph, AOTAutograd, or precompiled Dynamo). Anything else saved nothing, whatever the
+    clock says (a second run is often faster from the OS's file cache alone)."""
+    mc = result.get("megacache") or {}
+    outcome = mc.get("outcome")
+    if outcome not in ("hit", "fallback"):
+        why = mc.get("reason") or "no reason given"
+        return f"megacache {outcome or 'not used'}: {why}"
+    c = result.get("counters") or {}
+    hits = c.get("fxgraph_hit", 0) + c.get("aot_hit", 0) + (result.get("precompile_hit") or 0)
+    if hits == 0:
+        return (f"megacache {outcome}, but torch used none of the bundle (FX graph, "
+                "AOTAutograd and precompiled Dynamo hits all 0)")
+    return ""
+
+
+def compiled_anew(result: dict[str, Any]) -> str:
+    """What torch compiled itself in a run: its cache misses, as a phrase."""
+    c = result.get("counters") or {}
+    return (f"{c.get('fxgraph_miss', 0)} FX graph and {c.get('aot_miss', 0)} AOTAutograd "
+            "cache misses")

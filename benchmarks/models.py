@@ -78,8 +78,40 @@ def _classify(batch: int, make_input: Callable[[int], tuple[torch.Tensor, ...]]
     return lambda b: (make_input(b or batch), torch.randint(0, 10, (b or batch,)))
 
 
-def build(name: str) -> tuple[nn.Module, Callable[[int], Batch], Callable[..., torch.Tensor]]:
-    """(model, make_batch(batch_size or 0 for the default), loss_fn) for a model name."""
+class GPT2(nn.Module):
+    """A third-party model: Hugging Face transformers' GPT-2, built from a config in code (no
+    hub download), 2 layers, d 128, seq 64; the logits of the last position classify."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64,
+                            bos_token_id=0, eos_token_id=0, use_cache=False)
+        self.lm = GPT2LMHeadModel(config)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=tokens).logits[:, -1, :]
+
+
+Model = tuple[nn.Module, Callable[[int], Batch], Callable[..., torch.Tensor]]
+
+
+def build(name: str, device: str = "cpu") -> Model:
+    """(model, make_batch(batch_size or 0 for the default), loss_fn) for a model name, the
+    model's parameters and every batch on `device` (`cpu`, `cuda`)."""
+    model, make_batch, loss_fn = _build(name)
+    if device == "cpu":
+        return model, make_batch, loss_fn
+
+    def on_device(b: int) -> Batch:
+        inputs, target = make_batch(b)  # made on the CPU: the same numbers on any device
+        return tuple(t.to(device) for t in inputs), target.to(device)
+
+    return model.to(device), on_device, loss_fn
+
+
+def _build(name: str) -> Model:
     torch.manual_seed(0)
     ce = nn.functional.cross_entropy
     if name == "mlp":
@@ -94,7 +126,11 @@ def build(name: str) -> tuple[nn.Module, Callable[[int], Batch], Callable[..., t
             inputs = (torch.randn(b, 13), torch.randint(0, 1000, (b, 8, 4)))
             return inputs, torch.rand(b)
         return DLRM(), dlrm_batch, nn.functional.binary_cross_entropy_with_logits
-    raise ValueError(f"unknown model {name!r}: mlp, transformer, dlrm, conv")
+    if name == "gpt2":
+        batch = _classify(8, lambda b: (torch.randint(0, 1000, (b, 64)),))
+        return GPT2(), lambda b: (batch(b)[0], torch.randint(0, 1000, (b or 8,))), ce
+    raise ValueError(f"unknown model {name!r}: {', '.join(MODELS)}")
 
 
-MODELS = ("mlp", "transformer", "dlrm", "conv")
+MODELS = ("mlp", "transformer", "dlrm", "conv", "gpt2")
+"""gpt2 needs `transformers` (the [dev] extra; gpu_check.sh installs it)."""

@@ -43,6 +43,8 @@ def main() -> int:
                         help="train an eager copy side by side; report the largest loss gap")
     parser.add_argument("--eager", action="store_true",
                         help="no torch.compile at all: the floor a compile cache works toward")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the model trains (cuda: GPU 0, Triton kernels)")
     parser.add_argument("--precompile", action="store_true",
                         help="torch alone: turn torch._dynamo.config.caching_precompile on")
     args = parser.parse_args()
@@ -64,7 +66,11 @@ def main() -> int:
         time.sleep(args.init_s)  # the trainer's own set-up; prefetch overlaps it
 
     marks["initialised_s"] = time.time() - PROCESS_START
-    model, make_batch, loss_fn = models.build(args.model)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"train_job: --device cuda, but torch {torch.__version__} sees no CUDA GPU",
+              file=sys.stderr)
+        return 3
+    model, make_batch, loss_fn = models.build(args.model, args.device)
     marks["built_s"] = time.time() - PROCESS_START
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     eager = copy.deepcopy(model) if args.eager_check else None
@@ -91,6 +97,8 @@ def main() -> int:
             eager_gap = max(eager_gap, abs(float(eager_loss.detach()) - losses[-1]))
         opt.step()
         opt.zero_grad()
+        if args.device == "cuda":
+            torch.cuda.synchronize()  # the step has ended when the GPU has finished it
         step_times.append(time.time() - t)
         if first_step_end is None:
             first_step_end = time.time()
@@ -114,6 +122,8 @@ def main() -> int:
         "losses": losses,
         "eager_gap": eager_gap if eager is not None else None,
         "marks": {k: round(v, 3) for k, v in marks.items()},  # seconds from process start
+        "device": args.device,
+        "gpu": torch_env.device_description() if args.device == "cuda" else None,
     }
     if args.save_bundle:
         saved = torch.compiler.save_cache_artifacts()

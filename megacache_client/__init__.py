@@ -4,7 +4,9 @@
     megacache_client.enable(url="http://cache:8787", model="dlrm-v3", code=GIT_SHA)
 
 or set MEGACACHE_URL (and optionally MEGACACHE_MODEL, MEGACACHE_CODE, ...) and let the
-autoload hook do it in every process, `torchrun` workers included.
+autoload hook do it in every process, `torchrun` workers included. Rank 0 of a job then
+sends the job's progress too (steps, heartbeats, DCP checkpoints); a trainer that
+checkpoints another way adds one line: `with megacache_client.checkpoint(): save(...)`.
 
 The names below are imported on first use, not with the package: the server imports
 `megacache_client.wire` (the wire contract) and must not load the trainer's side with it.
@@ -16,17 +18,27 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megacache_client.api import cached, disable, enable, session
+    from megacache_client.api import (
+        cached,
+        checkpoint,
+        checkpoint_loaded,
+        checkpoint_saved,
+        disable,
+        enable,
+        session,
+    )
     from megacache_client.config import ClientConfig
     from megacache_client.lifecycle import MegacacheError, Session
     from megacache_client.wire.version import __version__
 
-_WHERE = {"cached": "api", "disable": "api", "enable": "api", "session": "api",
+_WHERE = {"cached": "api", "checkpoint": "api", "checkpoint_loaded": "api",
+          "checkpoint_saved": "api", "disable": "api", "enable": "api", "session": "api",
           "ClientConfig": "config", "MegacacheError": "lifecycle", "Session": "lifecycle",
           "__version__": "wire.version"}
 
-__all__ = ["ClientConfig", "MegacacheError", "Session", "cached", "disable", "enable",
-           "session", "__version__"]
+__all__ = ["ClientConfig", "MegacacheError", "Session", "cached", "checkpoint",
+           "checkpoint_loaded", "checkpoint_saved", "disable", "enable", "session",
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:

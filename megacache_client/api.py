@@ -1,19 +1,29 @@
-"""The public entry points: `enable()`, `session()` (context manager) and `cached` (decorator)."""
+"""The public entry points: `enable()`, `session()` (context manager) and `cached` (decorator);
+for a job's Effective Training Time, `checkpoint()` (context manager), `checkpoint_saved()`
+and `checkpoint_loaded()` (`torch/telemetry.py`)."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from megacache_client.config import ClientConfig
 from megacache_client.lifecycle import Session
+from megacache_client.results import MegacacheError
 from megacache_client.steps.prefetch import Prefetcher
-from megacache_client.torch import hook
+from megacache_client.torch import hook, supported, telemetry
+from megacache_client.torch.telemetry import checkpoint, checkpoint_loaded, checkpoint_saved
+
+__all__ = ["cached", "checkpoint", "checkpoint_loaded", "checkpoint_saved", "disable", "enable",
+           "session"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("megacache")
 
 
 def enable(*, model: str | None = None, code: str | None = None,
@@ -24,17 +34,34 @@ def enable(*, model: str | None = None, code: str | None = None,
     Configuration comes from keyword arguments, else `MEGACACHE_*` variables (`url`, `token`,
     `mode`, ...). The first `torch.compile` call loads the matching bundle; the process exit
     (or `session.close()`) publishes what was compiled and reports the run. With no URL, or
-    `mode="off"`, this returns a session that does nothing.
+    `mode="off"`, this returns a session that does nothing; so does a torch outside
+    `supported.SUPPORTED_TORCH` (one warning, no network traffic, outcome `inert`).
     """
     cfg = ClientConfig.from_env(model=model, code=code, **config)
+    if cfg.enabled:
+        why = supported.problem()
+        if why:
+            return _inert(cfg, why, compile_options)
     session = Session(cfg, compile_options=compile_options)
     if cfg.enabled:
         _adopt(session, hook.active_session())
         session.start()
         hook.install(session)
         atexit.register(_close_at_exit, session)
+        _start_telemetry(session)
         if load_now:
             session.load(options=compile_options)
+    return session
+
+
+def _inert(cfg: ClientConfig, why: str, compile_options: dict[str, Any] | None) -> Session:
+    """A session that does nothing, for a torch the client does not support: its load
+    result says `inert` and why; nothing is installed, fetched, published or reported."""
+    if cfg.mode == "required":
+        raise MegacacheError(f"megacache inert: {why}")
+    supported.warn_once(why)
+    session = Session(dataclasses.replace(cfg, mode="off"), compile_options=compile_options)
+    session.load_result.outcome, session.load_result.reason = "inert", why
     return session
 
 
@@ -54,6 +81,24 @@ def _adopt(new: Session, old: Session | None) -> None:
     else:
         new.prefetcher = old.prefetcher
     old.retire()
+
+
+def _start_telemetry(session: Session) -> None:
+    """Rank 0 of a job sends its progress from now on (registered after the session's exit
+    handler, so the job's end is sent before the exit's publish)."""
+    try:
+        telemetry.start(session.config, session.job, session.clock.started, _model)
+    except Exception as exc:  # never let telemetry break the trainer
+        log.info("megacache: job telemetry off: %s: %s", type(exc).__name__, exc)
+
+
+def _model() -> str | None:
+    """The model the active session compiles (what the job trains), when known."""
+    s = hook.active_session()
+    if s is None:
+        return None
+    fp = s.fp
+    return s.model or (fp.model if fp is not None else None)
 
 
 def disable(session: Session | None = None) -> None:

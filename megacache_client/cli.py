@@ -1,6 +1,7 @@
 """`megacache`: the client from a terminal — inspect, pre-fetch and publish bundles.
 
     megacache fingerprint --model dlrm-v3 --code $GIT_SHA
+    megacache explain --model dlrm-v3 --code $GIT_SHA   # what a job here would load
     megacache ls --model dlrm-v3
     megacache show KEY
     megacache pull KEY            # pre-fetch a node before the job starts
@@ -33,7 +34,7 @@ from megacache_client.transport.client import RemoteCache, TransportError
 from megacache_client.wire import exitcodes
 from megacache_client.wire.events import REPLAYS
 from megacache_client.wire.exitcodes import ExitCode
-from megacache_client.wire.manifest import is_hex64
+from megacache_client.wire.manifest import Fingerprint, is_hex64
 
 
 class ProgressBar:
@@ -71,15 +72,76 @@ def _remote(config: ClientConfig) -> RemoteCache:
     return RemoteCache(config, CircuitBreaker())
 
 
-def cmd_fingerprint(args: argparse.Namespace) -> int:
+def _torch_problem() -> str:
+    """Why this environment's torch cannot use the cache ("" when it can)."""
+    from megacache_client.torch import supported
+
+    return supported.problem()
+
+
+def _here(args: argparse.Namespace, config: ClientConfig) -> Fingerprint:
     from megacache_client.steps.fingerprint import compute
 
     options = {"mode": args.compile_mode} if args.compile_mode else None
+    return compute(namespace=config.namespace, options=options, model=config.model,
+                   code=config.code)
+
+
+def cmd_fingerprint(args: argparse.Namespace) -> int:
+    if why := _torch_problem():
+        raise ConfigError(f"{why}: a job here would not use the cache")
     config = ClientConfig.from_env(model=args.model, code=args.code)  # no server needed
-    fp = compute(namespace=config.namespace, options=options, model=config.model,
-                 code=config.code)
+    fp = _here(args, config)
     print(json.dumps({"key": fp.key(), **fp.to_dict()}, indent=2))
     return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """What a job with this fingerprint would load here, and what that could save; with
+    nothing to load, what was missed and why, and no saving claimed. Exit 0 when a job
+    would load an entry, 1 when it would compile cold."""
+    from megacache_client.results import LoadResult
+    from megacache_client.steps.fetch import find_entry
+
+    config = _config(args, model=args.model, code=args.code)
+    if why := _torch_problem():
+        return _explained({"outcome": "inert", "reason": why}, args.json)
+    fp = _here(args, config)
+    result = LoadResult()
+    with _remote(config) as remote:
+        found = find_entry(remote, fp, result, config.fallback)
+    report: dict[str, Any] = {"key": fp.key(), "model": fp.model, "code": fp.code,
+                              "outcome": result.outcome, "reason": result.reason,
+                              "differing": result.differing}
+    if found is not None:
+        m = found.manifest
+        report["entry"] = {"key": m.key, "torch": m.torch_version, "code": m.fingerprint.code,
+                           "artifacts": m.artifact_counts, "cold_compile_s": m.cold_compile_s,
+                           "created_at": m.created_at.isoformat()}
+    return _explained(report, args.json)
+
+
+def _explained(report: dict[str, Any], as_json: bool) -> int:
+    loads = report["outcome"] in ("hit", "fallback")
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return 0 if loads else 1
+    if "key" in report:
+        print(f"fingerprint  {report['key']} (model {report['model']!r}, code "
+              f"{report['code']!r})")
+    print(f"lookup       {report['outcome']}: {report['reason']}")
+    entry = report.get("entry")
+    if loads and entry is not None:
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(entry["artifacts"].items()))
+        print(f"entry        {entry['key'][:16]} (code {entry['code']!r}, torch "
+              f"{entry['torch']}, {counts or 'no artifact counts'})")
+        print(f"could save   up to {entry['cold_compile_s']:.1f} s of torch compile (the "
+              "entry's cold compile), for the graphs torch finds in it; the run's event "
+              "says how many it used (replay full/partial/rebuilt)")
+    else:
+        print("could save   nothing: a job here loads nothing from megacache and compiles "
+              "cold")
+    return 0 if loads else 1
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -272,6 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--code", help=CODE_HELP)
     p.add_argument("--compile-mode", help="torch.compile mode the job uses")
     p.set_defaults(fn=cmd_fingerprint)
+
+    p = command("explain", "what a job here would load and could save, or why nothing "
+                "(exit 1 when it would compile cold)")
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument("--code", help=CODE_HELP)
+    p.add_argument("--compile-mode", help="torch.compile mode the job uses")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(fn=cmd_explain)
 
     p = command("ls", "list entries, newest first")
     p.add_argument("--model", help="only entries of this model")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from megacache_client.wire.progress import HEARTBEAT_S
 from megacache_client.wire.signing import SigningError, public_key_bytes
 from megacache_client.wire.writers import WriterPolicy
 
@@ -70,6 +71,10 @@ class ClientConfig:
     trusted_writers: str = ""
     """Whose entries this process runs (`steps/verify.py`): token names, `ci-*`, `scope:admin`;
     empty runs anyone's."""
+    telemetry: bool = True
+    """Rank 0 of a job sends its progress (steps, heartbeats, checkpoints) for the job's
+    Effective Training Time (`torch/telemetry.py`); `MEGACACHE_TELEMETRY=0` turns it off."""
+    heartbeat_s: float = HEARTBEAT_S
 
     @property
     def enabled(self) -> bool:
@@ -113,6 +118,8 @@ class ClientConfig:
                               "server's limit)")
         if not 0 <= self.prefetch_wait_s <= 3600:
             raise ConfigError("MEGACACHE_PREFETCH_WAIT_S must be between 0 and 3600 seconds")
+        if not 0 < self.heartbeat_s <= 3600:
+            raise ConfigError("MEGACACHE_HEARTBEAT_S must be above 0 and at most 3600 seconds")
         if self.retries < 0:
             raise ConfigError(f"MEGACACHE_RETRIES must be 0 or more, not {self.retries}")
         if self.verify_key:

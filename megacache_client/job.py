@@ -15,16 +15,22 @@ find the same entry).
 | local rank | `LOCAL_RANK`, `SLURM_LOCALID`; else 0 |
 | world size | `WORLD_SIZE`, `SLURM_NTASKS`; else 1 |
 
+The job's allocation start (when the scheduler gave it its resources, for its Effective
+Training Time) is `MEGACACHE_JOB_START` (unix seconds or ISO 8601), else
+`SLURM_JOB_START_TIME` (unix seconds): `allocation_start()`.
+
 torchrun's default run id `none` is no job id: it is the same for every job started
 without `--rdzv-id`. A process without a job id behaves as a lone process always has.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 
 MAX_JOB_ID = 128
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -87,6 +93,29 @@ class JobIdentity:
         """What an event or a manifest's producer record carries of it."""
         return {"job_id": self.job_id, "attempt": self.attempt, "rank": self.rank,
                 "world_size": self.world_size}
+
+
+def allocation_start(env: Mapping[str, str] | None = None) -> float | None:
+    """When the job's resources were allocated, from `MEGACACHE_JOB_START` (unix seconds or
+    ISO 8601 with a zone) or `SLURM_JOB_START_TIME`; None when neither reads as a time."""
+    env = os.environ if env is None else env
+    for name in ("MEGACACHE_JOB_START", "SLURM_JOB_START_TIME"):
+        text = env.get(name, "").strip()
+        if not text:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            try:
+                when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            if when.tzinfo is None:
+                continue  # a time without a zone is no instant
+            value = when.timestamp()
+        if math.isfinite(value) and value > 0:
+            return value
+    return None
 
 
 def _first(env: Mapping[str, str], *names: str) -> str | None:

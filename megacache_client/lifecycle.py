@@ -43,7 +43,7 @@ from megacache_client.steps.publish import save_for_shipping, snapshot, upload
 from megacache_client.steps.report import REPORT_DEADLINE_S, post_events, send_finding, start_fields
 from megacache_client.steps.report import events as track_events
 from megacache_client.torch import env as torch_env
-from megacache_client.torch import precompile, start_clock
+from megacache_client.torch import precompile, start_clock, supported
 from megacache_client.torch.packs import PackError
 from megacache_client.transport.client import (
     CorruptBlobError,
@@ -168,7 +168,9 @@ class Session:
             except Exception as exc:  # a model whose source cannot be read, ...
                 if not self.tracks:
                     self._no_track.load = result
-                self._fail(result, "error", f"fingerprint: {type(exc).__name__}: {exc}")
+                self._fail(result, "error", supported.explain_api_error(exc)
+                           if isinstance(exc, AttributeError) and "torch" in str(exc)
+                           else f"fingerprint: {type(exc).__name__}: {exc}")
                 return result
             result.key = fp.key()
             if result.key in self.tracks:

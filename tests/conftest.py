@@ -5,7 +5,7 @@ import itertools
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import NoReturn, TypeVar
@@ -18,6 +18,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 from helpers import ServerProcess  # noqa: E402
 from services import LocalRedis, LocalSeaweedS3, leftover_groups  # noqa: E402
+
+from megacache_server.store.index.base import Index  # noqa: E402
+from megacache_server.store.index.sqlite import SqliteIndex  # noqa: E402
 
 _names = itertools.count()
 
@@ -174,6 +177,20 @@ def events_server(request: pytest.FixtureRequest,
     yield proc
     proc.stop()
     assert "Traceback" not in proc.log(), proc.log()
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def make_index(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], Index]]:
+    """A maker of index clients on one fresh store, once per index backend (the contract
+    tests of every index protocol run on both)."""
+    if request.param == "sqlite":
+        yield lambda: SqliteIndex(tmp_path / "index.sqlite3")
+        return
+    from megacache_server.store.index.redis import RedisIndex
+
+    redis: LocalRedis = request.getfixturevalue("redis_service")
+    prefix = f"index{next(_names)}:"
+    yield lambda: RedisIndex(f"redis://127.0.0.1:{redis.port}/0", prefix=prefix)
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import http.server
@@ -9,7 +10,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from services import LOOPBACK, LocalServer, free_port
 
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 from megacache_client.wire.schema import parse
+from megacache_server.store.index.base import Index
 
 __all__ = ["LOOPBACK", "ServerProcess", "SlowLink", "free_port", "functions_job",
            "make_fingerprint", "make_manifest", "raw_http", "sha256"]
@@ -343,3 +345,16 @@ def token_client(server: ServerProcess, scopes: str, namespace: str = "default"
     token = server.token(scopes, namespace=namespace, name=f"{namespace}-{scopes}")
     return httpx.Client(base_url=server.url, timeout=30,
                         headers={"authorization": f"Bearer {token}"})
+
+
+def run(make_index: Callable[[], Index], body: Callable[[Index], Awaitable[None]]) -> None:
+    """`body` on a fresh, opened index of the `make_index` fixture, closed after."""
+    async def main() -> None:
+        index = make_index()
+        await index.open()
+        try:
+            await body(index)
+        finally:
+            await index.close()
+
+    asyncio.run(main())

@@ -152,3 +152,41 @@ def test_scrub_bench_quick_measures_both_phases(tmp_path: Path):
         assert row["lookups"] == 200 and 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
         assert all(v is not None for v in row["oldest_unverified_s"]), row
     assert result["p99_ratio"] > 0 and "p99 with the scrub on / off" in run.stdout
+
+
+def _job(scenario: str, ttfs: float, outcome: str | None, fx_hit: int) -> dict:
+    """One job record as compile_bench keeps it (train_job.py's result, ok)."""
+    job = {"model": "mlp", "scenario": scenario, "repeat": 1, "ok": True, "wall_s": ttfs,
+           "gxx_builds": 0 if fx_hit else 9, "time_to_first_step_s": ttfs,
+           "first_step_s": 1.0, "steady_step_s": 0.01, "compile_s": 1.0, "precompile_hit": 0,
+           "counters": {"fxgraph_hit": fx_hit, "fxgraph_miss": 0 if fx_hit else 3,
+                        "aot_hit": fx_hit, "aot_miss": 0 if fx_hit else 3}}
+    if outcome is not None:
+        job["megacache"] = {"outcome": outcome, "reason": "no entry for model 'mlp' yet",
+                            "bytes_down": 0, "tts": {}}
+    return job
+
+
+def test_compile_bench_claims_no_ratio_for_a_run_that_loaded_nothing():
+    """A megacache job that missed (faster than cold anyway: a warm OS file cache) gets no
+    ratio, a note saying what was missed and why, and a missed goal."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import compile_bench
+
+    jobs = [_job("cold", 20.0, None, 0), _job("warm-local", 5.0, None, 2),
+            _job("megacache", 15.0, "miss", 0)]
+    rows = compile_bench.summarize(jobs, ["mlp"], ["cold", "warm-local", "megacache"])
+    mega = next(r for r in rows if r["scenario"] == "megacache")
+    assert mega["vs_cold"] is None and mega["vs_warm-local"] is None
+    assert mega["missed"] == ["megacache miss: no entry for model 'mlp' yet"]
+    text = compile_bench.render_text(rows)
+    assert "no load" in next(line for line in text.splitlines() if "megacache" in line)
+    assert compile_bench.missed_lines(rows) == [
+        "mlp megacache: 1 of 1 runs loaded nothing, no speed-up claimed for them (megacache "
+        "miss: no entry for model 'mlp' yet)"]
+    # a hit torch used none of is no load either; a real hit keeps its ratios
+    inert = _job("megacache", 15.0, "hit", 0)
+    assert compile_bench.missed("megacache", inert).startswith("megacache hit, but torch used")
+    rows = compile_bench.summarize([*jobs[:2], _job("megacache", 5.0, "hit", 2)], ["mlp"],
+                                   ["cold", "warm-local", "megacache"])
+    assert next(r for r in rows if r["scenario"] == "megacache")["vs_cold"] == 0.25

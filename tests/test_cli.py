@@ -165,6 +165,7 @@ def test_cli_ls_with_url_after_the_subcommand_talks_to_that_server():
 @pytest.mark.parametrize("command, options", [
     ("fingerprint", ("--model", "--code")), ("ls", ("--model", "--json", "--url")),
     ("stats", ("--json", "--token")), ("push", ("--model", "--code")),
+    ("explain", ("--model", "--code", "--compile-mode", "--json")),
 ])
 def test_cli_options_have_help(command: str, options: tuple[str, ...]):
     from megacache_client.cli import build_parser
@@ -173,3 +174,36 @@ def test_cli_options_have_help(command: str, options: tuple[str, ...]):
     helps = {opt: action.help for action in sub._actions for opt in action.option_strings}
     for option in options:
         assert helps[option], f"megacache {command} {option} has no help text"
+
+
+def test_explain_claims_a_saving_only_for_what_a_job_would_load(server: ServerProcess,
+                                                                 tmp_path: Path):
+    """`megacache explain`: a hit names the entry and what it could save; a miss says what
+    was missed and why, and claims nothing (exit 1); an unsupported torch is inert."""
+    need("torch")
+    env = {"MEGACACHE_URL": server.url, "MEGACACHE_NODE_CACHE_DIR": str(tmp_path / "node")}
+    bundle = tmp_path / "bundle.bin"
+    bundle.write_bytes(os.urandom(1000))
+    pushed = megacache("push", str(bundle), "--model", "explained", "--code", "c1",
+                       "--cold-compile-s", "42", env=env)
+    assert pushed.returncode == 0, pushed.stderr
+    hit = megacache("explain", "--model", "explained", "--code", "c1", env=env)
+    assert hit.returncode == 0, hit.stderr
+    assert "lookup       hit: exact fingerprint" in hit.stdout
+    assert "up to 42.0 s of torch compile" in hit.stdout, hit.stdout
+    fallback = megacache("explain", "--model", "explained", "--code", "c2", "--json", env=env)
+    found = json.loads(fallback.stdout)
+    assert fallback.returncode == 0 and found["outcome"] == "fallback", found
+    assert found["differing"] == ["code"] and found["entry"]["code"] == "c1"
+    miss = megacache("explain", "--model", "never-published", env=env)
+    assert miss.returncode == 1, miss.stderr
+    assert "lookup       miss: no entry for model 'never-published' yet" in miss.stdout
+    assert "could save   nothing" in miss.stdout and "up to" not in miss.stdout
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('__version__ = "2.5.1"\n')
+    inert = megacache("explain", "--model", "explained", "--code", "c1",
+                      env={**env, "PYTHONPATH": f"{fake.parent}:{ROOT}"})
+    assert inert.returncode == 1, inert.stderr
+    assert "lookup       inert: torch 2.5.1 is outside the range" in inert.stdout, inert.stdout
+    assert "could save   nothing" in inert.stdout

@@ -24,3 +24,20 @@ def test_demo_shows_a_warm_start(tmp_path: Path):
     assert lines["g++ builds"].split()[-1] == "0"
     assert "Compile time saved on the new machine" in proc.stdout
     assert "machine B: same job on a new machine" in proc.stderr  # progress is shown
+
+
+def test_demo_claims_no_speed_up_when_the_new_machine_loads_nothing(tmp_path: Path):
+    """Machine B asks an empty server: a miss. The report says so, and why, and claims no
+    faster start, although machine B's clock is usually better (warm OS file cache)."""
+    need("torch")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "demo.py"), "--steps", "2",
+                           "--warm-from", "empty", "--keep", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = {line.split("  ")[0]: line for line in proc.stdout.splitlines()}
+    assert lines["megacache"].split()[1:] == ["miss", "miss"]
+    assert "faster start" not in proc.stdout and "Compile time saved" not in proc.stdout
+    verdict = proc.stdout.strip().splitlines()[-1]
+    assert verdict.startswith("No speed-up from megacache: machine B loaded nothing"), verdict
+    assert "megacache miss: no entry for model 'demo-mlp' yet" in verdict, verdict
+    assert "It compiled cold (" in verdict and "g++ builds" in verdict, verdict

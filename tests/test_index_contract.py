@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
+from helpers import run
 from services import LocalRedis
 
 from megacache_client.wire.events import Event
@@ -29,34 +29,9 @@ from megacache_server.store.index.base import (
     StoredEntry,
     TokenRecord,
 )
-from megacache_server.store.index.sqlite import SqliteIndex
 
 INDEXES = ["sqlite", "redis"]
 _n = iter(range(10**6))
-
-
-@pytest.fixture(params=INDEXES)
-def make_index(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], Index]]:
-    if request.param == "sqlite":
-        yield lambda: SqliteIndex(tmp_path / "index.sqlite3")
-        return
-    from megacache_server.store.index.redis import RedisIndex
-
-    redis: LocalRedis = request.getfixturevalue("redis_service")
-    prefix = f"contract{next(_n)}:"
-    yield lambda: RedisIndex(f"redis://127.0.0.1:{redis.port}/0", prefix=prefix)
-
-
-def run(make_index: Callable[[], Index], body: Callable[[Index], Awaitable[None]]) -> None:
-    async def main() -> None:
-        index = make_index()
-        await index.open()
-        try:
-            await body(index)
-        finally:
-            await index.close()
-
-    asyncio.run(main())
 
 
 def entry(key: str, *, namespace: str = "ns", model: str = "m", env: str = "e", hw: str = "h",

@@ -9,7 +9,7 @@ import json
 import time
 
 import pytest
-from test_index_contract import make_index, run  # noqa: F401 - the fixture, both backends
+from helpers import run
 
 from megacache_client.wire.events import Event
 from megacache_client.wire.schema import SchemaError, parse_json
@@ -51,7 +51,7 @@ def test_quantiles_interpolate_within_buckets():
     assert rollups.quantile(counts, 0.9) == rollups.BUCKETS[-1]
 
 
-def test_each_attempt_counts_once_at_its_slowest_rank(make_index):  # noqa: F811
+def test_each_attempt_counts_once_at_its_slowest_rank(make_index):
     async def body(ix: Index) -> None:
         # job A: attempt 0 on 4 ranks (the slowest 70 s), then attempt 1 (recovery, 8 s)
         for rank, tts in enumerate((5.0, 70.0, 12.0, 3.0)):
@@ -95,7 +95,7 @@ def test_each_attempt_counts_once_at_its_slowest_rank(make_index):  # noqa: F811
     run(make_index, body)
 
 
-def test_ranks_reporting_at_once_count_once(make_index):  # noqa: F811
+def test_ranks_reporting_at_once_count_once(make_index):
     async def body(ix: Index) -> None:
         await asyncio.gather(*(ix.add_event("ns", ev(job="J", attempt=0, rank=r,
                                                        tts=float(r + 1), world_size=16))
@@ -141,7 +141,7 @@ def test_an_older_sqlite_file_gains_the_job_counters(tmp_path):
     asyncio.run(reopen())
 
 
-def test_job_records_are_bounded(make_index, monkeypatch):  # noqa: F811
+def test_job_records_are_bounded(make_index, monkeypatch):
     """At most MAX_JOBS jobs' records per namespace (the latest reporting), whatever a
     tenant sends; the rollups keep counting every attempt."""
     monkeypatch.setattr(rollups, "MAX_JOBS", 3)

@@ -4,45 +4,16 @@ fold into one bounded summary per attempt, a flood stays bounded, namespaces nev
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
-from services import LocalRedis
+from helpers import run
 
 from megacache_client.wire.progress import ProgressRecord
 from megacache_server.store.index import progress
 from megacache_server.store.index.base import Index
-from megacache_server.store.index.sqlite import SqliteIndex
 
 T0 = 1_800_000_000.0
-_n = iter(range(10**6))
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-def make_index(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], Index]]:
-    if request.param == "sqlite":
-        yield lambda: SqliteIndex(tmp_path / "index.sqlite3")
-        return
-    from megacache_server.store.index.redis import RedisIndex
-
-    redis: LocalRedis = request.getfixturevalue("redis_service")
-    prefix = f"progress{next(_n)}:"
-    yield lambda: RedisIndex(f"redis://127.0.0.1:{redis.port}/0", prefix=prefix)
-
-
-def run(make_index: Callable[[], Index], body: Callable[[Index], Awaitable[None]]) -> None:
-    async def main() -> None:
-        index = make_index()
-        await index.open()
-        try:
-            await body(index)
-        finally:
-            await index.close()
-
-    asyncio.run(main())
-
-
 def beat(at: float, step: int) -> ProgressRecord:
     return ProgressRecord(kind="heartbeat", at=at, step=step)
 

@@ -63,15 +63,49 @@ def hw_component() -> dict[str, Scalar]:
         "arch": platform.machine(),
         "cpu_isa": str(torch.backends.cpu.get_cpu_capability()).lower(),
         "cxx": cxx_version(),
-        "gpu": None,
-        "cc": None,
     }
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(0)
-        hw["gpu"] = torch.cuda.get_device_name(0)
-        hw["cc"] = f"{major}.{minor}"
-        if getattr(torch.version, "hip", None):
-            hw["gcn_arch"] = getattr(torch.cuda.get_device_properties(0), "gcnArchName", None)
+    return {**hw, **gpu_component(device_description())}
+
+
+DeviceDescription = dict[str, Any]
+"""What the fingerprint reads of GPU 0: name, major, minor (compute capability), driver
+(the CUDA driver API version, e.g. 12040), hip and gcn_arch (ROCm)."""
+
+
+def device_description() -> DeviceDescription | None:
+    """GPU 0 as torch sees it, or None on a machine without one."""
+    torch = torch_module()
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(0)
+    driver = getattr(torch._C, "_cuda_getDriverVersion", None)
+    try:
+        driver_version = int(driver()) if driver is not None else None
+    except Exception:  # a ROCm build, an old torch
+        driver_version = None
+    hip = getattr(torch.version, "hip", None)
+    return {"name": torch.cuda.get_device_name(0), "major": major, "minor": minor,
+            "driver": driver_version, "hip": hip,
+            "gcn_arch": getattr(torch.cuda.get_device_properties(0), "gcnArchName", None)
+            if hip else None}
+
+
+def gpu_component(device: DeviceDescription | None) -> dict[str, Scalar]:
+    """The fingerprint's GPU fields. Triton's cubins (in the bundle's FX graph entries)
+    and autotune results are built for one compute capability (`cc`); a bundle made on
+    another is another key, so a consumer never loads it (a clean miss, no fallback: the
+    fallback needs the same hw). `cuda_driver` is the CUDA version the driver supports
+    (`12.4`, not the driver build): a cubin built by a newer ptxas may need a newer driver.
+    A CPU machine keeps `gpu` and `cc` at None and has no driver field, as before."""
+    if device is None:
+        return {"gpu": None, "cc": None}
+    hw: dict[str, Scalar] = {"gpu": str(device["name"]),
+                             "cc": f"{device['major']}.{device['minor']}"}
+    driver = device.get("driver")
+    if device.get("hip"):
+        hw["gcn_arch"] = device.get("gcn_arch")
+    elif isinstance(driver, int) and driver > 0:
+        hw["cuda_driver"] = f"{driver // 1000}.{driver % 1000 // 10}"
     return hw
 
 

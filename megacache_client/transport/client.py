@@ -381,6 +381,12 @@ class RemoteCache:
         a = self._exchange(routes.POST_EVENTS, "post event", json=event)
         self._expect(a, (200, 201, 202), "post event")
 
+    def post_progress(self, job: str, batch: bytes) -> None:
+        """Send a job's progress (a `wire.progress.ProgressBatch` as JSON)."""
+        a = self._exchange(routes.JOB_PROGRESS, "post progress", content=batch,
+                           headers={"content-type": "application/json"}, job=job)
+        self._expect(a, (200, 201, 202, 204), "post progress")
+
     def stats(self) -> dict[str, Any]:
         a = self._exchange(routes.STATS, "stats", cap=reader.LISTING_JSON)
         self._expect(a, (200,), "stats")

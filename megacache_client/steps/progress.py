@@ -1,0 +1,256 @@
+"""The progress step: a job's time line (`wire.progress`), sent in the background.
+
+Rank 0 of a job attempt records facts (`torch/telemetry.py` hooks them: the start, the
+first optimizer step, heartbeats, checkpoints, the end) and `Progress.put`s them here. One
+thread, never the trainer's, sends them in batches of up to `MAX_RECORDS` through the
+client's one transport (`RemoteCache`: its deadline, retries and the node's circuit breaker
+apply). A server that is down or slow costs the trainer nothing: `put` never blocks; the
+queue is bounded and drops its oldest record when full (the oldest heartbeat first: a later
+one says more), counting what it dropped; a batch that could not be sent goes back to the
+front of the queue and is tried again after a pause. A batch the server refuses (4xx) is
+dropped; a server without the progress route (404/405) or a token without the right
+(401/403) stops the sending for the process. Nothing is sent before `arm()`: records wait
+(in the same bounded queue) until the process shows it trains.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from megacache_client.config import ClientConfig
+from megacache_client.errors import TransportError
+from megacache_client.transport.client import Deadline, RemoteCache
+from megacache_client.wire.progress import MAX_RECORDS, ProgressBatch, ProgressRecord, Reason
+
+log = logging.getLogger("megacache")
+
+QUEUE_RECORDS = 4096
+"""Records kept while the server cannot take them: ~11 h of heartbeats every 10 s."""
+MAX_DURATION_S = 7 * 24 * 3600.0
+STOP_STATUSES = (401, 403, 404, 405)
+"""A server without the progress route, or a token without the right: stop sending."""
+
+
+# -- the records ----------------------------------------------------------------------------
+def _duration(seconds: float | None) -> float | None:
+    """A duration as the wire takes it: finite, 0 to 7 days, ms resolution."""
+    if seconds is None or not math.isfinite(seconds):
+        return None
+    return round(min(max(seconds, 0.0), MAX_DURATION_S), 3)
+
+
+def start_record(started: float, allocation_start: float | None = None) -> ProgressRecord:
+    """The process started at `started`; the job's resources came at `allocation_start`
+    (dropped when it is after the start: a clock or a setting that is wrong)."""
+    if allocation_start is not None and not allocation_start <= started:
+        allocation_start = None
+    return ProgressRecord(kind="start", at=started, allocation_start=allocation_start)
+
+
+def training_record(at: float) -> ProgressRecord:
+    """The attempt's first optimizer step ended at `at`."""
+    return ProgressRecord(kind="training", at=at)
+
+
+def heartbeat_record(at: float, step: int) -> ProgressRecord:
+    return ProgressRecord(kind="heartbeat", at=at, step=max(step, 0))
+
+
+def checkpoint_save_record(at: float, step: int, blocking_s: float,
+                           background_s: float | None = None) -> ProgressRecord:
+    """A checkpoint of `step` began at `at`, held the loop `blocking_s`, and was written
+    `background_s` more off the loop."""
+    return ProgressRecord(kind="checkpoint_save", at=at, step=max(step, 0),
+                          blocking_s=_duration(blocking_s) or 0.0,
+                          background_s=_duration(background_s))
+
+
+def checkpoint_load_record(at: float, blocking_s: float, step: int | None = None
+                           ) -> ProgressRecord:
+    return ProgressRecord(kind="checkpoint_load", at=at, blocking_s=_duration(blocking_s) or 0.0,
+                          step=None if step is None else max(step, 0))
+
+
+def end_record(at: float, reason: Reason) -> ProgressRecord:
+    return ProgressRecord(kind="end", at=at, reason=reason)
+
+
+# -- the queue ------------------------------------------------------------------------------
+class ProgressQueue:
+    """Bounded, never blocks the putter: when full, the oldest heartbeat (else the oldest
+    record) is dropped and counted."""
+
+    def __init__(self, limit: int = QUEUE_RECORDS) -> None:
+        self.limit = max(1, limit)
+        self.dropped = 0
+        self.added = 0
+        self._items: collections.deque[ProgressRecord] = collections.deque()
+        self._ready = threading.Condition(threading.Lock())
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, record: ProgressRecord) -> None:
+        with self._ready:
+            self._make_room(1)
+            self._items.append(record)
+            self.added += 1
+            self._ready.notify()
+
+    def put_back(self, records: list[ProgressRecord]) -> None:
+        """Records taken but not sent go back in front, in their order, room permitting."""
+        with self._ready:
+            for record in reversed(records[-self.limit:]):
+                self._make_room(1)
+                self._items.appendleft(record)
+            self.dropped += max(0, len(records) - self.limit)
+
+    def take(self, n: int, timeout: float) -> list[ProgressRecord]:
+        """Up to `n` records, oldest first; waits up to `timeout` for the first one."""
+        with self._ready:
+            if not self._items:
+                self._ready.wait(timeout)
+            return [self._items.popleft() for _ in range(min(n, len(self._items)))]
+
+    def _make_room(self, n: int) -> None:
+        while len(self._items) + n > self.limit:
+            old = next((r for r in self._items if r.kind == "heartbeat"), None)
+            if old is not None:
+                self._items.remove(old)
+            else:
+                self._items.popleft()
+            self.dropped += 1
+
+
+# -- the sender -----------------------------------------------------------------------------
+class Progress:
+    """A job attempt's progress: `put` from any thread, sent by one daemon thread."""
+
+    def __init__(self, config: ClientConfig, job: str, attempt: int,
+                 model: Callable[[], str | None] = lambda: None,
+                 queue: ProgressQueue | None = None, retry_s: float | None = None,
+                 armed: bool = True) -> None:
+        self.config = config
+        self.job = job
+        self.attempt = attempt
+        self.model = model
+        self.queue = queue or ProgressQueue()
+        self.retry_s = retry_s if retry_s is not None else min(max(config.heartbeat_s, 1.0), 60.0)
+        """The pause after a batch could not be sent."""
+        self.sent = 0
+        self.refused = 0
+        self.failing = False
+        """The last try to send failed (the server is down or slow): the exit does not wait."""
+        self.stopped = ""
+        self.armed = armed
+        """Nothing is sent before: records wait until the process shows it trains."""
+        self._done = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._remote: RemoteCache | None = None
+        """One client for the sender's life (one connection kept), a deadline per batch."""
+
+    def start(self) -> Progress:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="megacache-progress",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def arm(self) -> None:
+        """Send what was put, and from now on what is put."""
+        self.armed = True
+
+    def put(self, record: ProgressRecord | None) -> None:
+        if record is not None and not self.stopped:
+            self.queue.put(record)
+
+    def put_all(self, records: Iterable[ProgressRecord]) -> None:
+        for record in records:
+            self.put(record)
+
+    @property
+    def settled(self) -> int:
+        """Records put that are gone: sent, refused or dropped."""
+        return self.sent + self.refused + self.queue.dropped
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to `timeout` for what was put so far to be sent (or refused, or
+        dropped); True if it was. Returns at once before `arm()` or after `stop()`."""
+        end = time.monotonic() + timeout
+        target = self.queue.added
+        with self._done:
+            while self.settled < target and self.armed and not self.stopped:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._done.wait(min(left, 0.05))
+        return True
+
+    def stop(self, why: str) -> None:
+        self.stopped = why
+        self._stop.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.armed:
+                    self._stop.wait(0.05)
+                    continue
+                records = self.queue.take(MAX_RECORDS, 0.2)
+                if not records:
+                    continue
+                ok = self._send(records)
+                with self._done:
+                    self._done.notify_all()
+                if not ok and not self.stopped:
+                    self.queue.put_back(records)
+                    self._stop.wait(self.retry_s)
+        finally:
+            if self._remote is not None:
+                self._remote.close()
+
+    def _send(self, records: list[ProgressRecord]) -> bool:
+        """POST one batch; False when it should be tried again later."""
+        try:
+            model = self.model()
+        except Exception:  # the session changing under us: the next batch names it
+            model = None
+        try:
+            batch = ProgressBatch(attempt=self.attempt, records=records,
+                                  model=model[:256] if model else None)
+        except Exception as exc:  # nothing a retry would mend
+            self.refused += len(records)
+            log.info("megacache: %d progress records dropped: %s", len(records), exc)
+            return True
+        try:
+            if self._remote is None:
+                self._remote = RemoteCache(self.config)
+            self._remote.deadline = Deadline(self.config.load_deadline_s)
+            self._remote.post_progress(self.job, batch.to_json())
+        except TransportError as exc:
+            status = exc.status or 0
+            if status in STOP_STATUSES:
+                self.stop(f"the server refused progress: {exc}")
+                log.info("megacache: job progress not sent: %s", self.stopped)
+                return True
+            if 400 <= status < 500:
+                self.refused += len(records)
+                log.info("megacache: %d progress records refused: %s", len(records), exc)
+                return True
+            self.failing = True
+            log.debug("megacache: progress not sent (will try again): %s", exc)
+            return False
+        except Exception as exc:  # never let telemetry break the trainer
+            self.failing = True
+            log.debug("megacache: progress not sent (will try again): %s: %s",
+                      type(exc).__name__, exc)
+            return False
+        self.sent += len(records)
+        self.failing = False
+        return True

@@ -1,0 +1,249 @@
+"""Job telemetry: rank 0 tells the server where its job's time goes (Effective Training Time).
+
+Started by `enable()` (so zero-code too), for rank 0 of a job only (a process without a job
+id has no time line to add to), unless `MEGACACHE_TELEMETRY=0`. It sends nothing until the
+process shows that it trains (its first optimizer step, or a checkpoint saved or loaded):
+the records wait until then. A launcher that imports torch with the job's variables
+(torchrun's agent: no RANK, attempt 0 for ever) or a helper script is no trainer, and its
+start, heartbeats and end would spoil the job's time line; a trainer that dies before its
+first step is counted by the server in the next attempt's recovery. Steps are counted by
+the process since its start (a restored checkpoint's step is unknown to it). It hooks,
+without a change to the trainer:
+
+- the start: the process's start time (`start_clock`), and on attempt 0 the job's
+  allocation start (`MEGACACHE_JOB_START`, `SLURM_JOB_START_TIME`);
+- optimizer steps: one global step post hook (`register_optimizer_step_post_hook`) counts
+  them, per optimizer (a step is the most any optimizer took: a GAN's two optimizers count
+  one step each); its cost per step is a dict increment. The first step sends `training`;
+- heartbeats: a daemon thread sends the step count every `heartbeat_s`;
+- checkpoints: `torch.distributed.checkpoint.save`, `async_save` and `load`, timed on the
+  loop and (async) in the background (`checkpoints.py`); trainers that checkpoint another
+  way, or bound `save` before the client was enabled, say so with
+  `megacache_client.checkpoint()` / `checkpoint_saved()` / `checkpoint_loaded()`;
+- the end: `finished` at interpreter exit, `failed` on an uncaught exception
+  (`sys.excepthook`, chained). A killed process sends nothing: the server takes its last
+  heartbeat. `sys.exit(n)` with n != 0 reads as finished (atexit cannot see the code).
+
+Everything here is fail-open: an error is a debug line, and the sending is
+`steps/progress.py`'s thread's business, never the training loop's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any
+
+from megacache_client.config import ClientConfig
+from megacache_client.job import JobIdentity, allocation_start
+from megacache_client.steps import progress as records
+from megacache_client.steps.progress import Progress
+from megacache_client.wire.progress import ProgressRecord, Reason
+
+log = logging.getLogger("megacache")
+
+EXIT_FLUSH_S = 2.0
+"""How long the exit waits for the last records to be sent (not at all when the server
+was failing already)."""
+
+_lock = threading.Lock()
+_active: Telemetry | None = None
+
+
+class Telemetry:
+    """One process's progress: counters the hooks touch, records `Progress` sends."""
+
+    def __init__(self, progress: Progress, heartbeat_s: float) -> None:
+        self.progress = progress
+        self.heartbeat_s = heartbeat_s
+        self.counts: dict[int, int] = {}
+        self.first_step: float | None = None
+        self.ended: Reason | None = None
+        self._stopping = threading.Event()
+        self._handle: Any = None
+        self._previous_hook: Any = None
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps this process finished (the most any one optimizer took)."""
+        try:
+            return max(tuple(self.counts.values()), default=0)
+        except RuntimeError:  # changed size while read: the loop added an optimizer
+            return 0
+
+    # -- the hooks ------------------------------------------------------------------------
+    def on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """The global optimizer step post hook: a counter; the first step sends `training`."""
+        key = id(optimizer)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if self.first_step is None:
+            self.first_step = time.time()
+            self.emit(records.training_record, self.first_step)
+            self.progress.arm()
+
+    def emit(self, build: Callable[..., ProgressRecord], *args: Any) -> None:
+        try:
+            self.progress.put(build(*args))
+        except Exception as exc:  # a clock out of range, ...: this record only
+            log.debug("megacache: progress record not made: %s", exc)
+
+    def saved(self, at: float, blocking_s: float, background_s: float | None,
+              step: int | None) -> None:
+        self.emit(records.checkpoint_save_record, at, self.step if step is None else step,
+                  blocking_s, background_s)
+        self.progress.arm()
+
+    def loaded(self, at: float, blocking_s: float, step: int | None) -> None:
+        """A restore: the step it resumes from is the trainer's to say (this process's
+        count is not it), None when unknown."""
+        self.emit(records.checkpoint_load_record, at, blocking_s, step)
+        self.progress.arm()
+
+    def _beat(self) -> None:
+        while not self._stopping.wait(self.heartbeat_s):
+            if not _rank_zero():
+                self.stop("not rank 0 of the process group")
+                return
+            self.emit(records.heartbeat_record, time.time(), self.step)
+
+    # -- start and end --------------------------------------------------------------------
+    def install(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._handle = register_optimizer_step_post_hook(self.on_step)
+        from megacache_client.torch.checkpoints import watch_checkpoint_module
+
+        watch_checkpoint_module()
+        threading.Thread(target=self._beat, name="megacache-heartbeat", daemon=True).start()
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self._excepthook
+        atexit.register(self.end, "finished")
+        self.progress.start()
+
+    def _excepthook(self, kind: type[BaseException], value: BaseException,
+                    tb: TracebackType | None) -> None:
+        try:
+            (self._previous_hook or sys.__excepthook__)(kind, value, tb)
+        finally:
+            self.end("failed")
+
+    def end(self, reason: Reason, wait: float = EXIT_FLUSH_S) -> None:
+        """The attempt ended: send `end` and wait (bounded) for the records to leave."""
+        if self.ended is not None or _active is not self:
+            return
+        self.ended = reason
+        if not self.progress.armed:  # never trained: no trainer (a launcher, a helper)
+            self.stop("the process never trained")
+            return
+        self.emit(records.end_record, time.time(), reason)
+        self._stopping.set()
+        if not self.progress.failing:
+            self.progress.flush(wait)
+
+    def stop(self, why: str = "stopped") -> None:
+        """No more hooks, heartbeats or sending (tests; a process found not to be rank 0)."""
+        global _active
+        self._stopping.set()
+        self.progress.stop(why)
+        if self._handle is not None:
+            self._handle.remove()
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous_hook
+        atexit.unregister(self.end)
+        with _lock:
+            if _active is self:
+                _active = None
+
+
+def start(config: ClientConfig, job: JobIdentity, started: float,
+          model: Callable[[], str | None] = lambda: None) -> Telemetry | None:
+    """Start the process's telemetry (once; later calls return the running one). None when
+    it is off: `telemetry=False`, the client disabled, no job id, or not rank 0."""
+    global _active
+    with _lock:
+        if _active is not None:
+            return _active
+        if not (config.enabled and config.telemetry) or job.job_id is None or job.rank != 0:
+            return None
+        progress = Progress(config, job.job_id, job.attempt, model, armed=False)
+        telemetry = Telemetry(progress, config.heartbeat_s)
+        alloc = allocation_start() if job.attempt == 0 else None
+        telemetry.emit(records.start_record, started, alloc)
+        _active = telemetry
+    try:
+        telemetry.install()
+    except Exception:
+        telemetry.stop("could not install")
+        raise
+    return telemetry
+
+
+def active() -> Telemetry | None:
+    return _active
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) is no rank 0: its copy of the hooks sends
+    nothing (its threads did not survive the fork anyway)."""
+    global _active
+    if _active is not None:
+        _active.progress.stop("forked child")
+        _active.ended = "finished"
+    _active = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _rank_zero() -> bool:
+    """False once torch.distributed says this process is not rank 0 (a launcher whose
+    rank variable the job identity does not read)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist is None or not dist.is_initialized() or dist.get_rank() == 0
+    except Exception:
+        return True
+
+
+# -- the public one-liners ------------------------------------------------------------------
+def checkpoint_saved(blocking_s: float, background_s: float | None = None,
+                     step: int | None = None) -> None:
+    """A checkpoint just became durable: the loop waited `blocking_s` for it, and it was
+    written `background_s` more in the background. Nothing when telemetry is off."""
+    t = _active
+    if t is not None:
+        try:
+            at = time.time() - blocking_s - (background_s or 0.0)
+        except TypeError:
+            return
+        t.saved(at, blocking_s, background_s, step)
+
+
+def checkpoint_loaded(blocking_s: float, step: int | None = None) -> None:
+    """A checkpoint was just restored, taking `blocking_s`, resuming from `step`."""
+    t = _active
+    if t is not None:
+        try:
+            at = time.time() - blocking_s
+        except TypeError:
+            return
+        t.loaded(at, blocking_s, step)
+
+
+@contextlib.contextmanager
+def checkpoint(step: int | None = None) -> Iterator[None]:
+    """`with checkpoint(): save(...)`: the block's time is the loop's wait for a checkpoint
+    (sent when the block ends without an exception)."""
+    at, began = time.time(), time.monotonic()
+    yield
+    t = _active
+    if t is not None:
+        t.saved(at, time.monotonic() - began, None, step)
