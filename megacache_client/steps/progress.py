@@ -30,7 +30,7 @@ from megacache_client.wire.progress import MAX_RECORDS, ProgressBatch, ProgressR
 log = logging.getLogger("megacache")
 
 QUEUE_RECORDS = 4096
-"""Records kept while the server cannot take them: ~11 h of heartbeats every 10 s."""
+"""Records kept while the server cannot take them: ~34 h of heartbeats every 30 s."""
 MAX_DURATION_S = 7 * 24 * 3600.0
 STOP_STATUSES = (401, 403, 404, 405)
 """A server without the progress route, or a token without the right: stop sending."""
