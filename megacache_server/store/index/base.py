@@ -651,13 +651,14 @@ class ProgressStore(ABC):
     `progress.merge`), shared by every worker and replica. The same job id in two
     namespaces is two jobs."""
 
-    @abstractmethod
     async def add_progress(self, namespace: str, job: str, attempt: int, model: str | None,
                            records: list[ProgressRecord], now: float) -> None:
         """Fold `records` into the attempt's summary, atomically across processes (two
         batches of one attempt at once lose neither). A job keeps its newest
         `progress.MAX_ATTEMPTS` attempts, a namespace the `progress.MAX_JOBS` jobs that
         reported last: whatever a caller sends, what is kept stays bounded."""
+        await self.add_progress_many([Fold(namespace, job, attempt, model, records, now,
+                                           len(records))])
 
     @abstractmethod
     async def add_progress_many(self, folds: list[Fold]) -> None:

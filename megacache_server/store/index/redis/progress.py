@@ -9,16 +9,8 @@ from typing import Any
 from anyio import to_thread
 from redis.exceptions import WatchError
 
-from megacache_client.wire.progress import ProgressRecord
+from megacache_server.store.index import progress
 from megacache_server.store.index.base import ProgressStore
-from megacache_server.store.index.progress import (
-    MAX_ATTEMPTS,
-    MAX_JOBS,
-    AttemptProgress,
-    Fold,
-    JobProgress,
-    merge,
-)
 from megacache_server.store.index.redis.connection import RedisConnection, text
 
 WATCH_TRIES = 3
@@ -26,12 +18,7 @@ WATCH_TRIES = 3
 
 
 class RedisProgress(RedisConnection, ProgressStore):
-    async def add_progress(self, namespace: str, job: str, attempt: int, model: str | None,
-                           records: list[ProgressRecord], now: float) -> None:
-        await self.add_progress_many([Fold(namespace, job, attempt, model, records, now,
-                                           len(records))])
-
-    async def add_progress_many(self, folds: list[Fold]) -> None:
+    async def add_progress_many(self, folds: list[progress.Fold]) -> None:
         """Every fold's summary read in one round trip, folded, and written in one MULTI
         under WATCH of every job's hash (a replica writing one of them meanwhile: again;
         after WATCH_TRIES such races, one fold at a time, so a large flush racing busy
@@ -60,33 +47,33 @@ class RedisProgress(RedisConnection, ProgressStore):
         for namespace in sorted(done):
             await self._cap_jobs(namespace)
 
-    async def _fold_all(self, pipe: Any, folds: list[Fold], keys: list[str]) -> set[str]:
+    async def _fold_all(self, pipe: Any, folds: list[progress.Fold], keys: list[str]) -> set[str]:
         """Queue the folds' writes on `pipe` (watching); the namespaces given a new attempt."""
         async with self.r.pipeline(transaction=False) as read:
             for key, f in zip(keys, folds, strict=True):
                 read.hget(key, f.attempt)
                 read.hkeys(key)
             got = await read.execute()
-        summaries: dict[tuple[str, int], AttemptProgress | None] = {}
+        summaries: dict[tuple[str, int], progress.AttemptProgress | None] = {}
         fields: dict[str, list[int]] = {}
         new: set[str] = set()
         for i, (key, f) in enumerate(zip(keys, folds, strict=True)):
             raw, attempts = got[2 * i], fields.setdefault(key, [int(a) for a in got[2 * i + 1]])
             state = summaries.get((key, f.attempt)) or (
-                AttemptProgress.from_json(raw) if raw is not None else None)
+                progress.AttemptProgress.from_json(raw) if raw is not None else None)
             if state is None:
-                if len(attempts) >= MAX_ATTEMPTS and f.attempt < min(attempts):
-                    continue  # the job keeps its newest MAX_ATTEMPTS attempts
+                if len(attempts) >= progress.MAX_ATTEMPTS and f.attempt < min(attempts):
+                    continue  # the job keeps its newest progress.MAX_ATTEMPTS attempts
                 attempts.append(f.attempt)
                 new.add(f.namespace)
-            summaries[(key, f.attempt)] = merge(state, f.attempt, f.model, f.records, f.now,
-                                                f.count)
+            summaries[(key, f.attempt)] = progress.merge(state, f.attempt, f.model, f.records,
+                                                         f.now, f.count)
         pipe.multi()
         for (key, attempt), summary in summaries.items():
             if summary is not None:
                 pipe.hset(key, attempt, summary.to_json())
         for key, attempts in fields.items():
-            drop = sorted(set(attempts))[:-MAX_ATTEMPTS]
+            drop = sorted(set(attempts))[:-progress.MAX_ATTEMPTS]
             if drop:
                 pipe.hdel(key, *drop)
         for f in folds:
@@ -95,10 +82,10 @@ class RedisProgress(RedisConnection, ProgressStore):
         return new
 
     async def _cap_jobs(self, namespace: str) -> None:
-        """Past MAX_JOBS jobs, the namespace's longest silent ones go (replicas racing past
+        """Past progress.MAX_JOBS jobs, the namespace's longest silent ones go (replicas racing past
         the cap overshoot it by at most their number, until the next new attempt)."""
         jobs = self.keys.progress_jobs(namespace)
-        excess = await self.r.zcard(jobs) - MAX_JOBS
+        excess = await self.r.zcard(jobs) - progress.MAX_JOBS
         if excess > 0:
             await self._forget(namespace, [text(j) or "" for j in
                                            await self.r.zrange(jobs, 0, excess - 1)])
@@ -112,8 +99,8 @@ class RedisProgress(RedisConnection, ProgressStore):
             pipe.zrem(self.keys.progress_jobs(namespace), *jobs)
             await pipe.execute()
 
-    async def job_progress(self, namespace: str, job: str) -> JobProgress | None:
-        async def op() -> JobProgress | None:
+    async def job_progress(self, namespace: str, job: str) -> progress.JobProgress | None:
+        async def op() -> progress.JobProgress | None:
             seen = await self.r.zscore(self.keys.progress_jobs(namespace), job)
             if seen is None:
                 return None
@@ -138,8 +125,8 @@ class RedisProgress(RedisConnection, ProgressStore):
 
         return await self._do(op)
 
-    async def jobs_progress(self, jobs: list[tuple[str, str, float]]) -> list[JobProgress]:
-        async def op() -> list[JobProgress]:
+    async def jobs_progress(self, jobs: list[tuple[str, str, float]]) -> list[progress.JobProgress]:
+        async def op() -> list[progress.JobProgress]:
             async with self.r.pipeline(transaction=False) as pipe:
                 for ns, job, _ in jobs:
                     pipe.hgetall(self.keys.progress(ns, job))
@@ -164,7 +151,7 @@ class RedisProgress(RedisConnection, ProgressStore):
         return await self._do(op)
 
 
-def _job(namespace: str, job: str, seen: float, raw: dict[Any, Any]) -> JobProgress:
-    attempts = sorted((AttemptProgress.from_json(v) for v in raw.values()),
+def _job(namespace: str, job: str, seen: float, raw: dict[Any, Any]) -> progress.JobProgress:
+    attempts = sorted((progress.AttemptProgress.from_json(v) for v in raw.values()),
                       key=lambda a: a.attempt)
-    return JobProgress(namespace, job, seen, tuple(attempts))
+    return progress.JobProgress(namespace, job, seen, tuple(attempts))

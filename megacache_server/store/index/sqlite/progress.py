@@ -10,7 +10,6 @@ import sqlite3
 
 from anyio import to_thread
 
-from megacache_client.wire.progress import ProgressRecord
 from megacache_server.store.index.base import ProgressStore
 from megacache_server.store.index.progress import (
     MAX_ATTEMPTS,
@@ -29,11 +28,6 @@ from megacache_server.store.index.sqlite.connection import (
 
 
 class SqliteProgress(SqliteConnection, ProgressStore):
-    async def add_progress(self, namespace: str, job: str, attempt: int, model: str | None,
-                           records: list[ProgressRecord], now: float) -> None:
-        await self.add_progress_many([Fold(namespace, job, attempt, model, records, now,
-                                           len(records))])
-
     async def add_progress_many(self, folds: list[Fold]) -> None:
         def op(c: sqlite3.Connection) -> None:
             with unsynced(c), transaction(c, immediate=True):
