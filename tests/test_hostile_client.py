@@ -47,6 +47,10 @@ CALLS: dict[str, Callable[[RemoteCache, Path], Any]] = {
     "report": lambda r, _: r.report(Finding("digest", DIGEST, KEY, "bad")),
     "post_event": lambda r, _: r.post_event({"key": KEY, "model": "m", "outcome": "miss"}),
     "stats": lambda r, _: r.stats(),
+    "post_progress": lambda r, _: r.post_progress(
+        "j", b'{"attempt":0,"records":[{"kind":"heartbeat","at":1800000000.0,"step":1}]}'),
+    "jobs": lambda r, _: r.jobs(),
+    "job_ett": lambda r, _: r.job_ett("j"),
 }
 """One call of each public method; what it returns must be harmless (below)."""
 
@@ -95,8 +99,8 @@ def test_a_hostile_server_costs_a_call_its_deadline_and_no_memory(
     assert peak < MAX_GROWTH, f"{name} allocated {peak / 2**20:.0f} MiB against {mode}"
     # nothing a hostile answer holds is taken for an entry, a listing or a blob
     assert not isinstance(outcome, ServedEntry | list | dict)
-    if name in ("get_entry", "resolve_entry", "list_entries", "whoami", "stats",
-                "download_blob") and mode != "drip_headers":
+    if name in ("get_entry", "resolve_entry", "list_entries", "whoami", "stats", "jobs",
+                "job_ett", "download_blob") and mode != "drip_headers":
         assert isinstance(outcome, TransportError), (name, mode, outcome)
     assert not (tmp_path / "blob").exists()
 

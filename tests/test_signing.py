@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.server
+import json
 import os
 import subprocess
 import sys
@@ -184,9 +185,12 @@ def test_the_provenance_signature_covers_who_wrote_the_entry(signing: ServerProc
                      headers={"x-megacache-job": "ci-7"}).status_code == 201
         r = c.get(f"/v1/ac/{m.key}")
         resolved = c.post(f"/v1/ac/{m.key}/resolve", json={"job": "j"})
-    provenance = r.headers[headers.PROVENANCE]
-    assert '"job":"ci-7"' in provenance
+    assert '"job":"ci-7"' in r.headers[headers.PROVENANCE]
+    # a resolve answer is the version's provenance naming the attempt it was pinned for
+    assert json.loads(resolved.headers[headers.PROVENANCE]) == json.loads(
+        r.headers[headers.PROVENANCE]) | {"resolved_for": {"job": "j", "attempt": 0}}
     for answer in (r, resolved):
+        provenance = answer.headers[headers.PROVENANCE]
         sig = answer.headers[headers.PROVENANCE_SIGNATURE]
         assert signature_valid(keys[1], m.key, "team-a", answer.content, sig, provenance)
         forged = provenance.replace('"job":"ci-7"', '"job":"ci-8"')
