@@ -193,19 +193,12 @@ class MissReason:
 
 
 @dataclass(frozen=True)
-class AttemptRecord:
+class AttemptRecord(rollups.AttemptState):
     """One job attempt as its ranks reported it: the slowest rank's time to start (attempt
-    0) or recover, that rank's outcome, the most compile seconds of any rank."""
+    0) or recover, that rank's outcome, the most compile seconds of any rank (what the
+    index keeps of it, `rollups.AttemptState`), and which attempt it is."""
 
     attempt: int
-    model: str
-    outcome: str
-    tts_s: float | None
-    compile_s: float
-    reports: int
-    world_size: int | None
-    first_seen: float
-    last_seen: float
 
 
 @dataclass(frozen=True)

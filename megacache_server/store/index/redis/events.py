@@ -6,6 +6,7 @@ process adds up only the periods that changed since it last read them (`period_s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -165,9 +166,7 @@ class RedisEvents(RedisConnection, base.EventLog):
         numbers = [int(a) for a in await self.r.zrevrange(
             self.keys.job_attempts(ns, job), 0, base.MAX_VIEW_ATTEMPTS - 1)]
         records = await self._hashes([self.keys.attempt(ns, job, n) for n in numbers])
-        attempts = [base.AttemptRecord(n, st.model, st.outcome, st.tts_s, st.compile_s,
-                                       st.reports, st.world_size, st.first_seen,
-                                       st.last_seen)
+        attempts = [base.AttemptRecord(**dataclasses.asdict(st), attempt=n)
                     for n, raw in zip(numbers, records, strict=True)
                     if (st := _state(raw)) is not None]
         return base.JobView(ns, job, seen, attempts)

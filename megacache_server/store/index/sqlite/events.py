@@ -228,7 +228,7 @@ def _model_stats(rows: list[tuple[Any, ...]]) -> list[ModelStats]:
 
 def _view(c: sqlite3.Connection, namespace: str, job: str, last: float) -> JobView:
     rows = c.execute(
-        "SELECT attempt, model, outcome, tts_s, compile_s, reports, world_size, "
-        "first_seen, last_seen FROM job_attempts WHERE namespace=? AND job=? "
+        "SELECT model, hour, outcome, tts_s, compile_s, reports, world_size, "
+        "first_seen, last_seen, attempt FROM job_attempts WHERE namespace=? AND job=? "
         "ORDER BY attempt DESC LIMIT ?", (namespace, job, MAX_VIEW_ATTEMPTS)).fetchall()
     return JobView(namespace, job, last, [AttemptRecord(*row) for row in rows])
