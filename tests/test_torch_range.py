@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import need
 
 from megacache_client.torch import supported
 
@@ -108,7 +109,7 @@ def test_versions_in_and_out_of_the_range() -> None:
 
 def test_the_range_is_stated_alike_everywhere() -> None:
     """pyproject (where torch stays out of the dependencies), the README, the docs."""
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    tomllib = need("tomllib", "Python >= 3.11 reads pyproject.toml")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["tool"]["megacache"]["supported-torch"] == supported.SUPPORTED_TORCH
     deps = project["project"]["dependencies"]
