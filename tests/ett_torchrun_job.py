@@ -23,9 +23,11 @@ import time
 
 STARTED = time.time()
 
+import atexit  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
+import sys  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -119,3 +121,11 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # torch's gloo teardown can deadlock at interpreter exit: the DDP Reducer's destructor
+    # (holding the GIL) joins gloo's worker thread, which waits for the GIL to free the
+    # barrier's tensors (seen once in CI: a rank hung for ever after its job had ended).
+    # The exit handlers (megacache's end record among them) run, then the process ends.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
