@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from megacache_client.config import ClientConfig
 from megacache_client.lifecycle import Session
 from megacache_client.results import MegacacheError
+from megacache_client.steps import preemption
 from megacache_client.steps.prefetch import Prefetcher
 from megacache_client.torch import hook, supported, telemetry
 from megacache_client.torch.telemetry import checkpoint, checkpoint_loaded, checkpoint_saved
@@ -49,6 +50,8 @@ def enable(*, model: str | None = None, code: str | None = None,
         hook.install(session)
         atexit.register(_close_at_exit, session)
         _start_telemetry(session)
+        if cfg.term_grace_s > 0:
+            preemption.install(cfg.term_grace_s, [_progress_on_sigterm, _publish_on_sigterm])
         if load_now:
             session.load(options=compile_options)
     return session
@@ -90,6 +93,20 @@ def _start_telemetry(session: Session) -> None:
         telemetry.start(session.config, session.job, session.clock.started, _model)
     except Exception as exc:  # never let telemetry break the trainer
         log.info("megacache: job telemetry off: %s: %s", type(exc).__name__, exc)
+
+
+def _progress_on_sigterm(deadline: float, ending: bool) -> None:
+    """SIGTERM: the job's last sign of life (its end, when the signal ends the process)."""
+    t = telemetry.active()
+    if t is not None:
+        t.preempted(deadline, ending)
+
+
+def _publish_on_sigterm(deadline: float, _ending: bool) -> None:
+    """SIGTERM: the publish under way finished, or one run, by `deadline`."""
+    s = hook.active_session()
+    if s is not None:
+        s.preempted(deadline)
 
 
 def _model() -> str | None:

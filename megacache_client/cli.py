@@ -237,6 +237,9 @@ def _job_cells(row: dict[str, Any]) -> tuple[str, str, str, str]:
 SPLIT = (("training", "train"), ("startup", "start"), ("compile", "compile"),
          ("checkpoint_save", "ckpt save"), ("checkpoint_restore", "restore"),
          ("lost_progress", "lost"), ("recovery", "recover"), ("idle", "idle"))
+REPORT = (("time_to_start_s", "time to start s"), ("time_to_recover_s", "time to recover s"),
+          ("checkpoint_save_s", "ckpt save s"), ("unsaved_training_s", "unsaved training s"))
+"""A job's figures in the ETT report's words (the server's `ett.report_figures`)."""
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
@@ -245,28 +248,32 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(found, indent=2))
         return 0
-    heads = ("ETT %", *(short + " s" for _, short in SPLIT), "failures")
     if args.job:
-        rows = [(a["attempt"], _pct(a["ett_pct"]), *_split(a["seconds"]),
+        rows = [(a["attempt"], _tenths(a["ett_pct"]), *_split(a["seconds"]),
+                 _tenths(a["time_to_start_s"]), _tenths(a["time_to_recover_s"]),
                  "failed" if a["failed"] else "live" if a["live"] else a["ended"] or "-")
                 for a in found["attempts"]]
-        rows.append(("TOTAL", _pct(found["ett_pct"]), *_split(found["seconds"]),
-                     found["failures"]))
-        _table(("attempt", *heads[:-1], "state"), rows)
+        rows.append(("TOTAL", _tenths(found["ett_pct"]), *_split(found["seconds"]),
+                     _tenths(found["time_to_start_s"]), _tenths(found["time_to_recover_s"]),
+                     f"{found['failures']} failed"))
+        _table(("attempt", "ETT %", *(short + " s" for _, short in SPLIT),
+                "time to start s", "time to recover s", "state"), rows)
         return 0
-    rows = [(j["job_id"], (j["ett"] or {}).get("model") or "-", _pct(j["ett"]["ett_pct"]),
-             *_split(j["ett"]["seconds"]), j["ett"]["failures"])
-            for j in found if j.get("ett")]
-    _table(("job", "model", *heads), rows)
+    rows = [(j["job_id"], j["ett"].get("model") or "-", _tenths(j["ett"]["ett_pct"]),
+             _tenths(j["ett"]["wall_s"]), *(_tenths(j["ett"].get(k)) for k, _ in REPORT),
+             j["ett"]["failures"]) for j in found if j.get("ett")]
+    _table(("job", "model", "ETT %", "wall s", *(head for _, head in REPORT), "failures"),
+           rows)
     return 0
 
 
-def _pct(value: float | None) -> str:
+def _tenths(value: float | None) -> str:
+    """A number to a tenth (0.43 s is 0.4, not 0); "-" when there is none."""
     return f"{value:.1f}" if value is not None else "-"
 
 
 def _split(seconds: dict[str, float]) -> list[str]:
-    return [f"{seconds.get(name, 0.0):.0f}" for name, _ in SPLIT]
+    return [_tenths(seconds.get(name, 0.0)) for name, _ in SPLIT]
 
 
 def cmd_autoload(args: argparse.Namespace) -> int:

@@ -75,6 +75,17 @@ class ClientConfig:
     """Rank 0 of a job sends its progress (steps, heartbeats, checkpoints) for the job's
     Effective Training Time (`torch/telemetry.py`); `MEGACACHE_TELEMETRY=0` turns it off."""
     heartbeat_s: float = HEARTBEAT_S
+    publish_early: bool = True
+    """Publish once a compile has settled (the step after it completed), in the background,
+    and again after later compiles (`steps/settle.py`); `MEGACACHE_PUBLISH_EARLY=0`: only at
+    the process's exit, as before (a killed process then leaves nothing behind)."""
+    max_publishes: int = 4
+    """Publish rounds one process may run (settled points and the exit together)."""
+    term_grace_s: float = 5.0
+    """On SIGTERM, how long the client may finish a publish under way and send the job's
+    last progress before the signal goes on to the trainer's (or the default) handler
+    (`steps/preemption.py`); 0 hands it on at once. Below the launcher's own grace
+    (torchrun, Kubernetes and SLURM give 30 s before SIGKILL)."""
 
     @property
     def enabled(self) -> bool:
@@ -120,6 +131,12 @@ class ClientConfig:
             raise ConfigError("MEGACACHE_PREFETCH_WAIT_S must be between 0 and 3600 seconds")
         if not 0 < self.heartbeat_s <= 3600:
             raise ConfigError("MEGACACHE_HEARTBEAT_S must be above 0 and at most 3600 seconds")
+        if not 0 <= self.term_grace_s <= 60:
+            raise ConfigError("MEGACACHE_TERM_GRACE_S must be between 0 and 60 seconds (the "
+                              "launcher's SIGKILL follows within about 30)")
+        if not 1 <= self.max_publishes <= 100:
+            raise ConfigError(f"MEGACACHE_MAX_PUBLISHES must be between 1 and 100, not "
+                              f"{self.max_publishes}")
         if self.retries < 0:
             raise ConfigError(f"MEGACACHE_RETRIES must be 0 or more, not {self.retries}")
         if self.verify_key:

@@ -39,9 +39,16 @@ from megacache_client.steps.load import (
 )
 from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.prefetch import Prefetcher
-from megacache_client.steps.publish import save_for_shipping, snapshot, upload
-from megacache_client.steps.report import REPORT_DEADLINE_S, post_events, send_finding, start_fields
+from megacache_client.steps.publish import shipped, snapshot, upload
+from megacache_client.steps.report import (
+    REPORT_DEADLINE_S,
+    followups,
+    send_events,
+    send_finding,
+    start_fields,
+)
 from megacache_client.steps.report import events as track_events
+from megacache_client.steps.settle import Settler
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import precompile, start_clock, supported
 from megacache_client.torch.packs import PackError
@@ -77,6 +84,14 @@ class Session:
         self._closed = False
         self._warned = False
         self._publisher: threading.Thread | None = None
+        self._round_lock = threading.Lock()
+        """One publish round at a time (a settled point's, the exit's, SIGTERM's)."""
+        self._rounds = 0
+        self.settler: Settler | None = None
+        self._step_hook: Any = None
+        self._report_lock = threading.Lock()
+        self._sent: list[Event] | None = None
+        """The events sent after the first step (None until they went out)."""
         self._reporter: threading.Thread | None = None
         """Sends the report of bad bytes this process met (one per process is enough)."""
         self._lock = threading.RLock()
@@ -100,6 +115,7 @@ class Session:
         trainer's initialisation and torch records Dynamo's output from the first compile.
         """
         self.clock.mark_enabled()
+        self.clock.on_first_step = self._first_step
         try:
             self.precompile_off = precompile.turn_on(self.config)
         except Exception as exc:
@@ -242,20 +258,21 @@ class Session:
 
     # -- step 6: publish what this run compiled ----------------------------------------
     def publish(self, wait: bool = False) -> PublishResult:
-        """Snapshot this run's artifacts now; upload them in a background thread.
+        """Run a publish round in a background thread (after any round under way).
 
-        Uploads only when this run has something a track's loaded entry lacked, only from
-        local rank 0, and never overwrites a newer entry (conditional PUT).
+        A round uploads only when this run has something its tracks' entries lack (and
+        its earlier rounds did not ship), only from local rank 0, and never overwrites a
+        newer entry (conditional PUT). The settled points run rounds on their own
+        (`_first_step`); this is the exit's and the explicit caller's.
         """
         if self._reporter is not None:  # its verdict decides whether this run replaces
             self._reporter.join(REPORT_DEADLINE_S)  # the bad entry (usually long done)
         with self._lock:
-            if self._publisher is None and self._may_publish():
-                snap = self._snapshot()
-                if snap is not None:
-                    self._publisher = threading.Thread(target=self._upload, args=(snap,),
-                                                       name="megacache-publish", daemon=True)
-                    self._publisher.start()
+            busy = self._publisher is not None and self._publisher.is_alive()
+            if not busy and self._may_publish():
+                self._publisher = threading.Thread(target=self._round, name="megacache-publish",
+                                                   daemon=True)
+                self._publisher.start()
         return self._join(wait)
 
     def _may_publish(self) -> bool:
@@ -269,39 +286,76 @@ class Session:
         self._no_track.publish.reason = why or self._no_track.publish.reason
         return not why
 
-    def _snapshot(self) -> Snapshot | None:
-        """Save the Mega-Cache and list compiled files on the caller's thread (fast)."""
-        tracks = list(self.tracks.values())
-        try:
-            shipped = save_for_shipping(self._precompile_keys)
-            if shipped is None:
+    def _round(self) -> bool:
+        """One publish round: snapshot (torch's save is incremental; under Dynamo's compile
+        lock), upload what the tracks' entries lack, remember what shipped. One at a time;
+        at most `max_publishes` per process. True when it reached the server or had
+        nothing to send (False: a later settled point may try again)."""
+        with self._round_lock:
+            tracks = list(self.tracks.values())
+            if self._rounds >= self.config.max_publishes:
                 for track in tracks:
-                    track.publish.reason = "torch recorded no cache artifacts"
-                return None
-            artifacts, self.precompile_shared = shipped
-            return snapshot(artifacts, tracks, self.node, self.config.max_raw_bytes)
-        except Exception as exc:
-            self._warn(f"could not snapshot cache artifacts: {type(exc).__name__}: {exc}")
-            for track in tracks:
-                track.publish.reason = "snapshot failed"
-            return None
+                    track.publish.reason = track.publish.reason or (
+                        f"publish rounds capped at {self.config.max_publishes}")
+                return True
+            try:
+                snap, note = snapshot(self._precompile_keys, tracks, self.node,
+                                      self.config.max_raw_bytes)
+            except Exception as exc:
+                self._warn(f"could not snapshot cache artifacts: {type(exc).__name__}: {exc}")
+                for track in tracks:
+                    track.publish.reason = "snapshot failed"
+                return False
+            self.precompile_shared = note or self.precompile_shared
+            if snap is None:
+                return True
+            self._rounds += 1
+            try:
+                shipped(snap, upload(snap, self.config, self.node, self._first, self.holder))
+            except Exception as exc:
+                for track in snap.tracks:
+                    track.publish.reason = f"publish failed: {type(exc).__name__}: {exc}"
+                self._warn(snap.tracks[0].publish.reason)
+                return False
+            return True
 
-    def _upload(self, snap: Snapshot) -> None:
-        """The publish thread: upload the blobs, write each lacking track's entry."""
-        try:
-            upload(snap, self.config, self.node, self._first, self.holder)
-        except Exception as exc:
-            for track in snap.tracks:
-                track.publish.reason = f"publish failed: {type(exc).__name__}: {exc}"
-            self._warn(snap.tracks[0].publish.reason)
-
-    def _join(self, wait: bool) -> PublishResult:
+    def _join(self, wait: bool, timeout: float | None = None) -> PublishResult:
         if wait and self._publisher is not None:
-            self._publisher.join(self.config.publish_wait_s)
-            if self._publisher.is_alive():
-                self._warn(f"publish still running after {self.config.publish_wait_s:.0f}s; "
-                           "leaving it")
+            limit = self.config.publish_wait_s if timeout is None else timeout
+            self._publisher.join(limit)
+            if self._publisher.is_alive() and timeout is None:
+                self._warn(f"publish still running after {limit:.0f}s; leaving it")
         return self.publish_result
+
+    # -- after the first step: report at once, publish at each settled point -------------
+    def _first_step(self) -> None:
+        """The first compiled step ended (`start_clock`): from a thread of its own, send
+        the run's events (a process killed later has reported its start) and watch for
+        settled points to publish at (`steps/settle.py`)."""
+        threading.Thread(target=self._after_first_step, name="megacache-first-step",
+                         daemon=True).start()
+
+    def _after_first_step(self) -> None:
+        self.report_start()
+        with self._lock:
+            if self._closed or self.settler is not None or not self.config.publish_early \
+                    or not self._may_publish():
+                return
+            self.settler = Settler(torch_env.artifacts_recorded, self._round,
+                                   max_rounds=self.config.max_publishes)
+        try:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._step_hook = register_optimizer_step_post_hook(self.settler.step)
+        except Exception as exc:  # no optimizer hook: settled by quiet time alone
+            log.debug("megacache: no optimizer step hook: %s", exc)
+        self.settler.start()
+
+    def report_start(self) -> None:
+        """Send the run's events now, once (the exit then sends only what changed)."""
+        with self._report_lock:
+            if self._sent is None and not self._closed:
+                self._sent = send_events(self.config, self.events())
 
     # -- step 7: report -----------------------------------------------------------------
     def events(self) -> list[Event]:
@@ -319,14 +373,23 @@ class Session:
         return start_fields(self.clock, note)
 
     def report(self) -> Event | None:
-        """POST this run's events (within the load deadline); returns the first one."""
-        return post_events(self.config, self.events)
+        """POST this run's events (within the load deadline), or, when they went out after
+        the first step, what changed since (`report.followups`); returns the run's first
+        event as it stands now."""
+        with self._report_lock:
+            now = self.events()
+            if self._sent is None:
+                self._sent = send_events(self.config, now)
+            elif now:
+                send_events(self.config, followups(self._sent, now))
+        return now[0] if now else None
 
     # -- the end -------------------------------------------------------------------------
     def retire(self) -> None:
         """Stop without publishing or reporting: another session took this one's place."""
         with self._lock:
             self._closed = True
+        self._stop_settling()
 
     def close(self) -> Event | None:
         """Publish (bounded wait), report, and stop. Safe to call more than once."""
@@ -334,11 +397,32 @@ class Session:
             if self._closed or not self.config.enabled:
                 return None
             self._closed = True
+        self._stop_settling()
         self.publish(wait=True)
         self._forget_precompiled()
         if self.tracks and self._first.load.entry is not None:
             count_toolchain(self.prefetcher, self._first.load, self.config.prefetch_wait_s)
         return self.report()
+
+    def preempted(self, deadline: float) -> None:
+        """SIGTERM (`steps/preemption.py`): by `deadline` (monotonic), finish the publish
+        under way, or run one if a compile has finished and not shipped, and report the
+        start if it has not gone out; what is not done by then is left."""
+        if self._closed or not self.config.enabled:
+            return
+        if self.clock.first_step_end is not None or self.clock.forward_end is not None:
+            threading.Thread(target=self.report_start, name="megacache-report",
+                             daemon=True).start()
+            if self._rounds == 0 and (self.settler is None or self.settler.rounds == 0):
+                self.publish()
+        self._join(True, max(0.0, deadline - time.monotonic()))
+
+    def _stop_settling(self) -> None:
+        if self.settler is not None:
+            self.settler.stop()
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
     def _forget_precompiled(self) -> None:
         """Leave no precompiled entry on local disk for another process to load ungated."""

@@ -74,6 +74,16 @@ class PublishResult:
     reason: str = ""
     bytes_up: int = 0
     key: str | None = None
+    etag: str | None = None
+    """The version of the entry this process wrote last (a later round replaces it)."""
+    merged: bool = False
+    """This process added to another publisher's entry (a later round adds again, never
+    replaces theirs with ours)."""
+    shipped: set[tuple[str, str]] = field(default_factory=set)
+    """The artifact keys (type, key) of what this process's rounds shipped so far."""
+    shipped_kernels: set[str] = field(default_factory=set)
+    rounds: int = 0
+    """Publish rounds that wrote this track's entry."""
 
 
 @dataclass
@@ -94,3 +104,7 @@ class Snapshot:
     kernels: dict[str, Path]
     compile_s: float
     tracks: list[Track]
+    keys: set[tuple[str, str]] = field(default_factory=set)
+    """The (type, key) of every artifact torch had recorded when it was taken."""
+    kernel_ids: set[str] = field(default_factory=set)
+    """The path-free identities of its kernels."""

@@ -44,7 +44,8 @@ def post(c: httpx.Client, job: str, attempt: int, records: list[dict[str, Any]],
 
 
 def timeline(base: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The killed-then-recovered job of test_ett_split, from `base` (1000 s long)."""
+    """The killed-then-recovered job of test_ett_split, from `base` (1000 s long): attempt 0
+    lived until its second save was durable (404 s)."""
     first = [{"kind": "start", "at": base, "allocation_start": base},
              {"kind": "training", "at": base + 30},
              {"kind": "checkpoint_save", "at": base + 100, "step": 70, "blocking_s": 4.0},
@@ -59,8 +60,8 @@ def timeline(base: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return first, second
 
 
-WANT = {"training": 614.0, "startup": 30.0, "compile": 10.0, "checkpoint_save": 14.0,
-        "checkpoint_restore": 20.0, "lost_progress": 242.0, "recovery": 70.0, "idle": 0.0}
+WANT = {"training": 810.0, "startup": 30.0, "compile": 10.0, "checkpoint_save": 14.0,
+        "checkpoint_restore": 20.0, "lost_progress": 100.0, "recovery": 16.0, "idle": 0.0}
 
 
 def test_progress_in_split_out_everywhere(ett_server: ServerProcess) -> None:
@@ -81,12 +82,15 @@ def test_progress_in_split_out_everywhere(ett_server: ServerProcess) -> None:
     got = team_a.get(routes.JOB_ETT.url(job="run-1"))
     assert got.status_code == 200, got.text
     body = got.json()
-    assert body["seconds"] == WANT and body["wall_s"] == 1000.0 and body["ett_pct"] == 61.4
-    assert body["failures"] == 1 and body["lost_s_per_failure"] == [242.0]
+    assert body["seconds"] == WANT and body["wall_s"] == 1000.0 and body["ett_pct"] == 81.0
+    assert body["failures"] == 1 and body["lost_s_per_failure"] == [100.0]
+    # the report's words, the same numbers
+    assert (body["time_to_start_s"], body["time_to_recover_s"], body["checkpoint_save_s"],
+            body["unsaved_training_s"]) == (30.0, 46.0, 14.0, 100.0)
     assert body["model"] == "llm" and body["namespace"] == "team-a" and not body["live"]
     a0, a1 = body["attempts"]
-    assert a0["failed"] and a0["time_to_start_s"] == 30.0 and a0["lost_s"] == 242.0
-    assert a1["time_to_recover_s"] == 100.0 and a1["ended"] == "finished"
+    assert a0["failed"] and a0["time_to_start_s"] == 30.0 and a0["lost_s"] == 100.0
+    assert a1["time_to_recover_s"] == 46.0 and a1["ended"] == "finished"
     assert a0["cache"] is None and a1["cache"] == {"outcome": "miss", "compile_s": 10.0,
                                                    "tts_s": None, "ranks": 1}
     advice = body["advice"]
@@ -109,15 +113,17 @@ def test_progress_in_split_out_everywhere(ett_server: ServerProcess) -> None:
 
     jobs = team_a.get("/v1/jobs").json()["jobs"]
     (row,) = [j for j in jobs if j["job_id"] == "run-1"]
-    assert row["ett"]["ett_pct"] == 61.4 and row["ett"]["seconds"] == WANT
+    assert row["ett"]["ett_pct"] == 81.0 and row["ett"]["seconds"] == WANT
     assert all(j["namespace"] == "team-a" for j in jobs)
     stats = team_a.get("/v1/stats").json()["ett"]
-    assert stats["jobs"] == 1 and stats["ett_pct"] == 61.4
+    assert stats["jobs"] == 1 and stats["ett_pct"] == 81.0
+    assert stats["time_to_recover"] == {"n": 1, "p50_s": 46.0, "p90_s": 46.0}
     (model,) = stats["models"]
     assert model["model"] == "llm" and model["advice"]["failures"] == 1
     dash = team_a.get("/v1/dashboard").json()["ett"]
-    assert dash["ett_pct"] == 61.4 and dash["shown"][0]["job_id"] == "run-1"
+    assert dash["ett_pct"] == 81.0 and dash["shown"][0]["job_id"] == "run-1"
     assert dash["shown"][0]["seconds"] == WANT
+    assert dash["shown"][0]["time_to_recover_s"] == 46.0
 
     scrape = token_client(ett_server, "metrics").get("/metrics").text
     seconds, lost = {}, {}
@@ -130,7 +136,7 @@ def test_progress_in_split_out_everywhere(ett_server: ServerProcess) -> None:
                 lost[s.name + s.labels.get("le", "")] = s.value
     assert seconds == WANT
     assert lost["megacache_job_lost_seconds_count"] == 1
-    assert lost["megacache_job_lost_seconds_sum"] == 242.0
+    assert lost["megacache_job_lost_seconds_sum"] == 100.0
     assert "megacache_checkpoint_blocking_seconds_bucket" in scrape
     # team B sees its own job and nothing of team A's, wherever it looks
     b_scrape = team_b.get("/metrics").text
@@ -255,15 +261,21 @@ def test_megacache_jobs_prints_each_jobs_split(ett_server: ServerProcess) -> Non
         return done.stdout
 
     table = megacache("jobs").splitlines()
-    assert table[0].split()[:4] == ["job", "model", "ETT", "%"]
+    assert table[0].split() == ["job", "model", "ETT", "%", "wall", "s", "time", "to", "start",
+                                "s", "time", "to", "recover", "s", "ckpt", "save", "s",
+                                "unsaved", "training", "s", "failures"]
     row = next(line.split() for line in table if line.startswith("cli-job"))
-    # no compile reported: attempt 1's 10 s of compile count as recovery here
-    assert row[:4] == ["cli-job", "llm", "61.4", "614"] and row[-1] == "1"
-    assert row[4:11] == ["30", "0", "14", "20", "242", "80", "0"]
+    # the report's words, in tenths of a second: time to start, time to recover,
+    # checkpoint save time, unsaved training time
+    assert row == ["cli-job", "llm", "81.0", "1000.0", "30.0", "46.0", "14.0", "100.0", "1"]
     attempts = megacache("jobs", "cli-job").splitlines()
-    assert attempts[2].split()[0] == "0" and attempts[2].split()[-1] == "failed"
-    assert attempts[3].split()[-1] == "finished" and attempts[4].startswith("TOTAL")
-    assert json.loads(megacache("jobs", "cli-job", "--json"))["ett_pct"] == 61.4
+    # no compile reported: attempt 1's 10 s of compile count as recovery here
+    assert attempts[2].split() == ["0", "65.8", "266.0", "30.0", "0.0", "8.0", "0.0",
+                                   "100.0", "0.0", "0.0", "30.0", "-", "failed"]
+    assert attempts[3].split()[-3:] == ["-", "46.0", "finished"]
+    assert attempts[4].split()[:3] == ["TOTAL", "81.0", "810.0"]
+    assert attempts[4].split()[-2:] == ["1", "failed"]  # the failures under "state"
+    assert json.loads(megacache("jobs", "cli-job", "--json"))["ett_pct"] == 81.0
     missing = subprocess.run([sys.executable, "-m", "megacache_client.cli", "jobs", "nope"],
                              capture_output=True, text=True, env=env, timeout=120)
     assert missing.returncode != 0 and "404" in missing.stderr

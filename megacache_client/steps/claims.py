@@ -9,6 +9,7 @@ entry written (the claimant died).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -62,8 +63,11 @@ def claim_first_publishes(remote: RemoteCache, snap: Snapshot, holder: str, leas
     kept: list[Track] = []
     skipped: list[tuple[Track, str]] = []
     for track in snap.tracks:
-        if track.load.outcome == "hit" and track.load.etag:
-            kept.append(track)  # a republish of the entry this run loaded
+        if track.publish.merged:  # add again to the entry we added to: never replace it
+            skipped.append((track, ""))
+            continue
+        if track.publish.etag or (track.load.outcome == "hit" and track.load.etag):
+            kept.append(track)  # a republish of the entry this run loaded or wrote
             continue
         key = track.fp.key()
         try:
@@ -142,8 +146,9 @@ class Follow:
     deadline: float
 
 
-def follow(f: Follow, track: Track, other: str) -> None:
-    """Wait for the claimant's entry (until `f.deadline`), then add what it lacks.
+def follow(f: Follow, track: Track, other: str) -> bool:
+    """Wait for the claimant's entry (until `f.deadline`), then add what it lacks; True
+    when the entry then holds what this run has.
 
     Without this, a node whose run compiled graphs the claimant's did not would drop them
     until some later run loads the entry and republishes. Never raises: the track's reason
@@ -158,8 +163,9 @@ def follow(f: Follow, track: Track, other: str) -> None:
                     f"{_skip_note(other)}; its entry did not appear within publish_wait_s "
                     f"({f.config.publish_wait_s:g}s); a later run that loads the entry adds "
                     "what it lacks")
-                return
+                return False
             time.sleep(wait)
+        return True
     except UntrustedWriterError:
         track.publish.reason = (f"{_skip_note(other)}; the entry written is from an "
                                 "untrusted writer: not adding to it")
@@ -167,6 +173,7 @@ def follow(f: Follow, track: Track, other: str) -> None:
         track.publish.reason = (f"{_skip_note(other)}; then publishing what the entry "
                                 f"lacks failed: {type(exc).__name__}: {exc}")[:500]
         log.warning("megacache: %s", track.publish.reason)
+    return False
 
 
 def _follow_step(f: Follow, track: Track, other: str) -> bool:
@@ -182,7 +189,7 @@ def _follow_step(f: Follow, track: Track, other: str) -> bool:
     try:
         if not _vacant(f.remote, key):
             return False  # written just now: the next look adds to it
-        one = Snapshot(f.snap.raw, f.snap.counts, f.snap.kernels, f.snap.compile_s, [track])
+        one = dataclasses.replace(f.snap, tracks=[track])
         upload_and_write(f.remote, one, f.config, f.node, f.first)
     finally:
         release_claims(f.remote, [key], f.holder)
@@ -222,12 +229,14 @@ def _add_lacking(f: Follow, track: Track, other: str, served: ServedEntry) -> bo
     sent = upload_blobs(f.remote, f.node, ours)
     res.bytes_up += sent
     manifest = build_manifest(track.fp, blobs, counts, f.snap.compile_s, entry)
-    if f.remote.put_entry(manifest, if_match=etag) is None:
+    written = f.remote.put_entry(manifest, if_match=etag)
+    if written is None:
         return False
+    res.etag = written
     added = sum(len(items) for items in new.values())
     what = [f"{added} artifact(s)"] if added else []
     what += [f"its {b.role} pack" for b in extra]
-    res.published = True
+    res.published = res.merged = True
     res.reason = (f"{_skip_note(other)}; added to the claimant's entry what this run compiled "
                   f"and it lacked: {' and '.join(what)} ({sent} bytes uploaded)")
     log.info("megacache: %s", res.reason)

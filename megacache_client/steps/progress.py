@@ -3,13 +3,17 @@
 Rank 0 of a job attempt records facts (`torch/telemetry.py` hooks them: the start, the
 first optimizer step, heartbeats, checkpoints, the end) and `Progress.put`s them here. One
 thread, never the trainer's, sends them in batches of up to `MAX_RECORDS` through the
-client's one transport (`RemoteCache`: its deadline, retries and the node's circuit breaker
-apply). A server that is down or slow costs the trainer nothing: `put` never blocks; the
-queue is bounded and drops its oldest record when full (the oldest heartbeat first: a later
-one says more), counting what it dropped; a batch that could not be sent goes back to the
-front of the queue and is tried again after a pause. A batch the server refuses (4xx) is
-dropped; a server without the progress route (404/405) or a token without the right
-(401/403) stops the sending for the process. Nothing is sent before `arm()`: records wait
+client's one transport (`RemoteCache`: its deadline and retries apply; a breaker of its own,
+not the node's, which stays open 30 s). Each batch ends with a sign of life at its send time
+(a heartbeat), so the server never dates a killed attempt's failure before the last batch
+it sent (a checkpoint's record goes out once the checkpoint is durable). A server that is
+down or slow costs the trainer nothing: `put` never blocks; the queue is bounded and drops
+its oldest record when full (the oldest heartbeat first: a later one says more), counting
+what it dropped; a batch that could not be sent goes back to the front of the queue and is
+tried again after a short pause (0.5 s, doubling up to the heartbeat period: a short
+outage loses nothing and delays little); a flush cuts the pause short. A batch the server
+refuses (4xx) is dropped; a server without the progress route (404/405) or a token without
+the right (401/403) stops the sending for the process. Nothing is sent before `arm()`: records wait
 (in the same bounded queue) until the process shows it trains.
 """
 
@@ -18,12 +22,14 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable
 
 from megacache_client.config import ClientConfig
 from megacache_client.errors import TransportError
+from megacache_client.transport.breaker import CircuitBreaker
 from megacache_client.transport.client import Deadline, RemoteCache
 from megacache_client.wire.progress import MAX_RECORDS, ProgressBatch, ProgressRecord, Reason
 
@@ -31,6 +37,10 @@ log = logging.getLogger("megacache")
 
 QUEUE_RECORDS = 4096
 """Records kept while the server cannot take them: ~34 h of heartbeats every 30 s."""
+RETRY_S = (0.5, 30.0)
+"""After a batch could not be sent: wait 0.5 s, doubling (jittered +-25 %) up to the
+heartbeat period or 30 s, whichever is less. A short outage costs a few seconds of delay,
+not the end of the attempt's records; a long one, one try per period."""
 MAX_DURATION_S = 7 * 24 * 3600.0
 STOP_STATUSES = (401, 403, 404, 405)
 """A server without the progress route, or a token without the right: stop sending."""
@@ -134,14 +144,20 @@ class Progress:
     def __init__(self, config: ClientConfig, job: str, attempt: int,
                  model: Callable[[], str | None] = lambda: None,
                  queue: ProgressQueue | None = None, retry_s: float | None = None,
-                 armed: bool = True) -> None:
+                 armed: bool = True, alive: Callable[[float], ProgressRecord | None]
+                 = lambda _at: None) -> None:
         self.config = config
         self.job = job
         self.attempt = attempt
         self.model = model
+        self.alive = alive
+        """The record of being alive at a time (a heartbeat), added to each batch as it
+        is sent: a batch carries its send time, and a killed attempt's failure is no
+        earlier than the last batch it sent."""
         self.queue = queue or ProgressQueue()
-        self.retry_s = retry_s if retry_s is not None else min(max(config.heartbeat_s, 1.0), 60.0)
-        """The pause after a batch could not be sent."""
+        self.retry_s = retry_s if retry_s is not None else min(config.heartbeat_s, RETRY_S[1])
+        """The longest pause after a batch could not be sent (the first is RETRY_S[0])."""
+        self._backoff = RETRY_S[0]
         self.sent = 0
         self.refused = 0
         self.failing = False
@@ -151,6 +167,8 @@ class Progress:
         """Nothing is sent before: records wait until the process shows it trains."""
         self._done = threading.Condition()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        """Ends a pause after a failed send (a flush wants the records out now)."""
         self._thread: threading.Thread | None = None
         self._remote: RemoteCache | None = None
         """One client for the sender's life (one connection kept), a deadline per batch."""
@@ -184,6 +202,7 @@ class Progress:
         dropped); True if it was. Returns at once before `arm()` or after `stop()`."""
         end = time.monotonic() + timeout
         target = self.queue.added
+        self._wake.set()
         with self._done:
             while self.settled < target and self.armed and not self.stopped:
                 left = end - time.monotonic()
@@ -195,6 +214,7 @@ class Progress:
     def stop(self, why: str) -> None:
         self.stopped = why
         self._stop.set()
+        self._wake.set()
 
     def _run(self) -> None:
         try:
@@ -208,29 +228,53 @@ class Progress:
                 ok = self._send(records)
                 with self._done:
                     self._done.notify_all()
-                if not ok and not self.stopped:
+                if ok:
+                    self._backoff = RETRY_S[0]
+                elif not self.stopped:
                     self.queue.put_back(records)
-                    self._stop.wait(self.retry_s)
+                    self._pause()
         finally:
             if self._remote is not None:
                 self._remote.close()
 
+    def _pause(self) -> None:
+        """Wait before trying again: short at first (an outage of seconds costs seconds),
+        jittered (a fleet does not come back in step), cut short by a flush."""
+        self._wake.clear()
+        self._wake.wait(self._backoff * random.uniform(0.75, 1.25))
+        self._backoff = min(self._backoff * 2, max(self.retry_s, RETRY_S[0]))
+
+    def _alive(self, records: list[ProgressRecord]) -> list[ProgressRecord]:
+        """The sign of life to send with `records`: none when the batch is full, holds the
+        end, or ends with a heartbeat of the last second anyway."""
+        now = time.time()
+        if len(records) >= MAX_RECORDS or any(r.kind == "end" for r in records) or (
+                records[-1].kind == "heartbeat" and now - records[-1].at < 1.0):
+            return []
+        try:
+            record = self.alive(now)
+        except Exception:  # a clock out of range, ...: the batch goes without
+            return []
+        return [record] if record is not None else []
+
     def _send(self, records: list[ProgressRecord]) -> bool:
-        """POST one batch; False when it should be tried again later."""
+        """POST one batch, with a sign of life at its send time; False when it should be
+        tried again later."""
         try:
             model = self.model()
         except Exception:  # the session changing under us: the next batch names it
             model = None
         try:
-            batch = ProgressBatch(attempt=self.attempt, records=records,
+            batch = ProgressBatch(attempt=self.attempt, records=records + self._alive(records),
                                   model=model[:256] if model else None)
         except Exception as exc:  # nothing a retry would mend
             self.refused += len(records)
             log.info("megacache: %d progress records dropped: %s", len(records), exc)
             return True
         try:
-            if self._remote is None:
-                self._remote = RemoteCache(self.config)
+            if self._remote is None:  # its own breaker: the node's opens for 30 s
+                self._remote = RemoteCache(self.config, breaker=CircuitBreaker(
+                    threshold=1, reset_s=RETRY_S[0]))
             self._remote.deadline = Deadline(self.config.load_deadline_s)
             self._remote.post_progress(self.job, batch.to_json())
         except TransportError as exc:

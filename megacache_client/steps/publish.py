@@ -28,41 +28,62 @@ from megacache_client.wire.manifest import BlobRef, Manifest
 log = logging.getLogger("megacache")
 
 # -- snapshot: what this run has that its entries lack ------------------------------------
-def save_for_shipping(precompile_keys: dict[str, list[str]]
-                      ) -> tuple[torch_env.Artifacts, str] | None:
-    """torch's Mega-Cache of this process as artifacts to ship, and why its precompiled
-    Dynamo output is not among them ("" when it is); None when torch recorded nothing."""
+def snapshot(precompile_keys: dict[str, list[str]], tracks: Sequence[Track], node: NodeCache,
+             cap: int) -> tuple[Snapshot | None, str]:
+    """This run's artifacts and kernels with the tracks whose entries lack some of them
+    (None when none lacks anything, or torch recorded nothing), and why its precompiled
+    Dynamo output is not shipped ("" when it is).
+
+    Cheap when nothing is lacking (a warm run's settled point): torch's save is incremental
+    and says its keys, so the bundle is read back (deserialised) only to ship it. Kernels
+    compare by path-free identity: a consumer whose torch is elsewhere holds the entry's
+    kernels under other names, and must not publish them back as new (thrash).
+    """
     saved = torch_env.save_bundle()
     if saved is None:
-        return None
-    artifacts = torch_env.read_artifacts(saved[0])
+        for track in tracks:
+            track.publish.reason = "torch recorded no cache artifacts"
+        return None, ""
+    raw, keys = saved
+    artifacts: torch_env.Artifacts | None = None
+    note = ""
+    if keys.get(precompile.ARTIFACT_TYPE):  # what may ship decides what is lacking
+        artifacts, note = _shippable(raw, precompile_keys)
+        keys = torch_env.keys_of(artifacts)
+    kernels = shipping.find_files(torch_env.inductor_cache_dir(), KERNEL_SUFFIXES,
+                                  exclude=("triton", "locks"))
+    ids = relocate.recorder().ids_for(kernels)
+    kernels = relocate.dedupe(kernels, ids)
+    new_keys = {(kind, k) for kind, ks in keys.items() for k in ks}
+    kernel_ids = relocate.content_ids(kernels, ids)
+    lacking = [t for t in tracks if _lacks(t, tracks, new_keys, kernel_ids, node, cap)]
+    if not lacking:
+        return None, note
+    if artifacts is None:
+        artifacts, note = _shippable(raw, precompile_keys)
+    artifacts = torch_env.merged(_loaded_artifacts(tracks, node, cap), artifacts)
+    counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()}
+    return Snapshot(torch_env.to_bytes(artifacts), counts, kernels,
+                    torch_env.compile_seconds(), lacking, new_keys, kernel_ids), note
+
+
+def _shippable(raw: bytes, precompile_keys: dict[str, list[str]]
+               ) -> tuple[torch_env.Artifacts, str]:
+    """torch's Mega-Cache bytes as artifacts to ship, and why its precompiled Dynamo output
+    is not among them ("" when it is)."""
+    artifacts = torch_env.read_artifacts(raw)
     if artifacts is None:
         raise ValueError("torch could not read its own Mega-Cache bytes")
     return precompile.for_shipping(artifacts, precompile_keys)
 
 
-def snapshot(artifacts: torch_env.Artifacts, tracks: Sequence[Track], node: NodeCache,
-             cap: int) -> Snapshot | None:
-    """This run's artifacts and kernels, listed on the caller's thread (fast), with the
-    tracks whose entries lack some of them; None when no entry lacks anything.
-
-    Kernels compare by path-free identity: a consumer whose torch is elsewhere holds the
-    entry's kernels under other names, and must not publish them back as new (thrash).
-    """
-    keys = torch_env.keys_of(artifacts)
-    kernels = shipping.find_files(torch_env.inductor_cache_dir(), KERNEL_SUFFIXES,
-                     exclude=("triton", "locks"))
-    ids = relocate.recorder().ids_for(kernels)
-    kernels = relocate.dedupe(kernels, ids)
-    new_keys = {(kind, k) for kind, ks in keys.items() for k in ks}
-    lacking = [t for t in tracks
-               if _lacks(t, tracks, new_keys, relocate.content_ids(kernels, ids), node, cap)]
-    if not lacking:
-        return None
-    artifacts = torch_env.merged(_loaded_artifacts(tracks, node, cap), artifacts)
-    counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()}
-    return Snapshot(torch_env.to_bytes(artifacts), counts, kernels,
-                    torch_env.compile_seconds(), lacking)
+def shipped(snap: Snapshot, done: Sequence[Track]) -> None:
+    """Remember, on each track whose entry holds the snapshot now, what it shipped: a later
+    round that has nothing more uploads nothing (a process publishes the same content
+    once)."""
+    for track in done:
+        track.publish.shipped = set(snap.keys)
+        track.publish.shipped_kernels = set(snap.kernel_ids)
 
 
 def _loaded_artifacts(tracks: Sequence[Track], node: NodeCache, cap: int
@@ -102,6 +123,11 @@ def _lacks(track: Track, tracks: Sequence[Track], new_keys: set[tuple[str, str]]
     if load.outcome in ("invalid", "error") and not healed:
         res.reason = f"not publishing after a failed load ({load.outcome})"
         return False
+    if res.shipped or res.shipped_kernels:  # an earlier round of this process wrote it
+        if new_keys <= res.shipped and kernel_ids <= res.shipped_kernels:
+            res.reason = res.reason or "an earlier round shipped everything this run compiled"
+            return False
+        return True
     if load.outcome == "hit" and load.entry is not None \
             and new_keys <= _loaded_with(tracks, load.entry.blob("megacache")) \
             and kernel_ids <= _entry_pack_ids(load.entry, "kernels", node, cap):
@@ -138,32 +164,39 @@ def _entry_pack_ids(entry: Manifest, role: str, node: NodeCache, cap: int) -> se
 
 # -- upload: the blobs once, then an entry per track --------------------------------------
 def upload(snap: Snapshot, config: ClientConfig, node: NodeCache, first: Track,
-           holder: str = "") -> None:
-    """Upload the blobs once, then write each track's entry (its own key, its own etag).
-    `first` is the session's first track: its entry and fingerprint find a stored
-    toolchain pack to reuse.
+           holder: str = "") -> list[Track]:
+    """Upload the blobs once, then write each track's entry (its own key, its own etag);
+    returns the tracks whose entry now holds what the snapshot has (written, or found
+    complete). `first` is the session's first track: its entry and fingerprint find a
+    stored toolchain pack to reuse.
 
     A first publish of a key is claimed first (`holder` names this process): when a cold
     fleet starts, every node compiles and would upload the same ~20 MB-to-GBs only to lose
     the conditional PUT; the claimant uploads, the others skip. A skipped track then waits
     (within `publish_wait_s`) for the claimant's entry and adds what this run compiled that
     it lacks, or takes the key over if the claim lapses with no entry written (the
-    claimant died). A republish (adding to an entry this run loaded) needs no claim: its
-    conditional PUT orders it.
+    claimant died). A republish (adding to an entry this run loaded or wrote) needs no
+    claim: its conditional PUT orders it, and when another writer's version stands in the
+    way, this run adds to that version what it lacks (the union, as a follower does).
     """
     deadline = time.monotonic() + config.publish_wait_s
+    done: list[Track] = []
     with RemoteCache(config) as remote:
         _keep_off_untrusted(remote, snap, config)
         claimed, skipped = claims.claim_first_publishes(
             remote, snap, holder, config.claim_lease_s) if holder else ([], [])
         try:
             if snap.tracks:
-                shipping.upload_and_write(remote, snap, config, node, first)
+                lost = shipping.upload_and_write(remote, snap, config, node, first)
+                done += [t for t in snap.tracks if t not in lost]
+                skipped += [(t, "") for t in lost if t.publish.etag or t.load.etag]
         finally:
             claims.release_claims(remote, claimed, holder)
         for track, other in skipped:
             follow = claims.Follow(remote, snap, config, node, first, holder, deadline)
-            claims.follow(follow, track, other)
+            if claims.follow(follow, track, other):
+                done.append(track)
+    return done
 
 
 def _keep_off_untrusted(remote: RemoteCache, snap: Snapshot, config: ClientConfig) -> None:

@@ -125,21 +125,48 @@ def _precompile_fields(note: str) -> dict[str, Any]:
             "precompile_reason": note[:500]}
 
 
-def post_events(config: ClientConfig, events: Callable[[], list[Event]]) -> Event | None:
-    """POST this run's events (within the load deadline); returns the first one. A server
-    that cannot take them costs a debug line, never the trainer."""
+def send_events(config: ClientConfig, events: list[Event]) -> list[Event] | None:
+    """POST `events` (within the load deadline); the events sent, None when they could not
+    be (a server that cannot take them costs a debug line, never the trainer)."""
+    if not events:
+        return None
     try:
-        found = events()
-        if not found:
-            return None
         with RemoteCache(config, deadline=Deadline(config.load_deadline_s)) as remote:
-            for event in found:
+            for event in events:
                 remote.post_event(event.to_dict())
-        return found[0]
+        return events
     except Exception as exc:
         log.debug("megacache: could not report the run's events: %s", exc)
-        again = events()
-        return again[0] if again else None
+        return None
+
+
+FOLLOWUP_COUNTS = ("compile_s", "bytes_down", "bytes_up", "fxgraph_hit", "fxgraph_miss")
+"""What a process's exit adds to the events it sent after its first step: compile seconds
+and bytes since, cache lookups since (a later compile), and whether it published."""
+
+
+def followups(sent: list[Event], now: list[Event]) -> list[Event]:
+    """The exit's report when the run's events went out after its first step: per track,
+    what changed since (`Event.followup`: counts no new run, outcome or time to start); a
+    track that compiled only later gets its whole event; nothing for a track unchanged."""
+    first = {e.key: e for e in sent}
+    out = []
+    for event in now:
+        was = first.get(event.key)
+        if was is None:
+            out.append(event)
+            continue
+        more = {name: getattr(event, name) - getattr(was, name) for name in FOLLOWUP_COUNTS}
+        more = {name: round(max(v, 0), 3) if name == "compile_s" else max(int(v), 0)
+                for name, v in more.items()}
+        if not any(more.values()) and event.published == was.published:
+            continue
+        out.append(Event(key=event.key, model=event.model, outcome=was.outcome,
+                         reason=event.reason, entry_key=event.entry_key, followup=True,
+                         published=event.published, job_id=event.job_id,
+                         attempt=event.attempt, rank=event.rank, world_size=event.world_size,
+                         **more))
+    return out
 
 
 def send_finding(config: ClientConfig, finding: Finding, job: JobIdentity | None,

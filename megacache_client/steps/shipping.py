@@ -31,7 +31,9 @@ log = logging.getLogger("megacache")
 
 
 def upload_and_write(remote: RemoteCache, snap: Snapshot, config: ClientConfig,
-                      node: NodeCache, first: Track) -> None:
+                      node: NodeCache, first: Track) -> list[Track]:
+    """Upload the snapshot's blobs, then write each track's entry; the tracks whose entry
+    another writer changed meanwhile (the conditional PUT lost)."""
     blobs = [bundle_blob(node, snap.raw, precompile.producer_meta(snap.counts))]
     if config.ship_kernels and snap.kernels:
         blobs.append(pack_blob(node, "kernels", snap.kernels,
@@ -41,25 +43,31 @@ def upload_and_write(remote: RemoteCache, snap: Snapshot, config: ClientConfig,
         if toolchain is not None:
             blobs.append(toolchain)
     snap.tracks[0].publish.bytes_up += upload_blobs(remote, node, blobs)
-    for track in snap.tracks:
-        _put_entry(remote, track, blobs, snap)
+    return [track for track in snap.tracks if not _put_entry(remote, track, blobs, snap)]
 
 
 def _put_entry(remote: RemoteCache, track: Track, blobs: list[BlobRef], snap: Snapshot
-               ) -> None:
+               ) -> bool:
+    """Write the track's entry; False when another writer's version stands in the way."""
     res, load = track.publish, track.load
     manifest = build_manifest(track.fp, blobs, snap.counts, snap.compile_s, load.entry)
-    # a republish replaces the version it loaded; a trusted writer, the one it refused
-    replaced = load.etag if load.outcome == "hit" and load.etag else load.untrusted_etag
+    # a later round replaces the version this process wrote; a republish, the version it
+    # loaded; a trusted writer, the one it refused
+    replaced = res.etag or (load.etag if load.outcome == "hit" and load.etag
+                            else load.untrusted_etag)
     etag = remote.put_entry(manifest, if_match=replaced or None,
                             if_none_match=None if replaced else "*")
     res.key = manifest.key
     if etag is None:
-        res.reason = "another producer published this key first"
-    else:
-        res.published, res.reason = True, f"published {len(blobs)} blob(s)"
-        log.info("megacache: published %s for %s (%d bytes uploaded)", manifest.key[:12],
-                 track.fp.model, res.bytes_up)
+        res.reason = ("another producer changed this entry since this process wrote it"
+                      if res.etag else "another producer published this key first")
+        return False
+    res.published, res.etag, res.rounds = True, etag, res.rounds + 1
+    res.reason = f"published {len(blobs)} blob(s)" + (
+        f" (round {res.rounds})" if res.rounds > 1 else "")
+    log.info("megacache: published %s for %s (%d bytes uploaded)", manifest.key[:12],
+             track.fp.model, res.bytes_up)
+    return True
 
 
 

@@ -8,6 +8,7 @@ can be reasoned about alone.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -269,11 +270,60 @@ def to_bytes(artifacts: Artifacts) -> bytes:
 
 
 def save_bundle() -> tuple[bytes, dict[str, list[str]]] | None:
-    result = torch_module().compiler.save_cache_artifacts()
-    if result is None:
-        return None
-    raw, info = result
-    return raw, {k: list(v) for k, v in info.artifacts.items()}
+    """torch's Mega-Cache of this process so far (cumulative: torch keeps what it serialised
+    before and appends), with its keys per type; None when torch recorded nothing.
+
+    Safe from a background thread while the trainer runs: Dynamo's compile lock guards
+    torch's record of artifacts, and what a compile outside that lock (a lazily compiled
+    backward) recorded while torch was serialising is queued again for the next save
+    (`_requeue_unsaved`), never dropped."""
+    with compile_lock():
+        result = torch_module().compiler.save_cache_artifacts()
+        if result is None:
+            return None
+        raw, info = result
+        keys = {k: list(v) for k, v in info.artifacts.items()}
+        _requeue_unsaved(keys)
+    return raw, keys
+
+
+def compile_lock() -> Any:
+    """Dynamo's compile lock (held while a frame compiles), or a no-op where torch has none."""
+    try:
+        from torch._dynamo.convert_frame import compile_lock as lock
+    except Exception:
+        return contextlib.nullcontext()
+    return lock if hasattr(lock, "__enter__") else contextlib.nullcontext()
+
+
+def artifacts_recorded() -> int:
+    """How many cache artifacts torch has recorded in this process (compiled or served from
+    a cache): it grows with every compile, so a count that stays put across a training step
+    means the compiles have settled (`steps/settle.py`). Cheap, from any thread; -1 when
+    torch cannot say."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+
+        return len(CacheArtifactManager._seen_artifacts)
+    except Exception:
+        return -1
+
+
+def _requeue_unsaved(saved: dict[str, list[str]]) -> None:
+    """Put back what torch recorded but did not serialise: `serialize` clears its list of
+    new artifacts after writing, so one recorded in between (by a compile that does not
+    hold the compile lock) would be left out of every later save."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager as manager
+
+        have = {(kind, k) for kind, ks in saved.items() for k in ks}
+        for artifact in list(manager._seen_artifacts):
+            kind = artifact.type()
+            queued = manager._new_cache_artifacts.get(kind, [])
+            if (kind, artifact.key) not in have and artifact not in queued:
+                manager._new_cache_artifacts[kind].append(artifact)
+    except Exception:  # torch's internals moved: the next save is as torch makes it
+        return
 
 
 def set_job_id(job_id: str) -> str:

@@ -21,7 +21,8 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 MODULE_LOADED = time.time()
@@ -67,6 +68,9 @@ class TimeToStart:
     fetch_s: float = 0.0
     load_s: float = 0.0
     compile_s: float | None = None
+    on_first_step: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    """Called once, when the first compiled step has ended (the session reports and starts
+    watching for a settled point to publish at); must return at once."""
 
     def __post_init__(self) -> None:
         if not self.started:
@@ -89,6 +93,17 @@ class TimeToStart:
             if self.first_step_end is None:
                 self.first_step_end = time.time()
                 self.compile_s = compile_s
+        self.first_step_over()
+
+    def first_step_over(self) -> None:
+        """The first step is over (its backward ended, or its forward needed none)."""
+        with self._lock:
+            callback, self.on_first_step = self.on_first_step, None
+        if callback is not None:
+            try:
+                callback()
+            except Exception:  # timing must never disturb training
+                return
 
     def fields(self) -> dict[str, float | None]:
         """The Event's tts_* fields (all None until a compiled call has returned)."""
@@ -147,11 +162,11 @@ def _first_output(output: Any, clock: TimeToStart) -> None:
         from megacache_client.torch import env as torch_env
 
         clock.forward_done(torch_env.compile_seconds())
-        if not torch.is_grad_enabled():
-            return
         node = next((leaf.grad_fn for leaf in tree_leaves(output)
-                     if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None), None)
+                     if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None),
+                    None) if torch.is_grad_enabled() else None
         if node is None:
+            clock.first_step_over()
             return
 
         def at_backward_end() -> None:

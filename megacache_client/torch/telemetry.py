@@ -135,7 +135,8 @@ class Telemetry:
             self.end("failed")
 
     def end(self, reason: Reason, wait: float = EXIT_FLUSH_S) -> None:
-        """The attempt ended: send `end` and wait (bounded) for the records to leave."""
+        """The attempt ended: send `end` and wait (bounded) for the records to leave, even
+        when the last sends failed (a server back from a short outage gets the end)."""
         if self.ended is not None or _active is not self:
             return
         self.ended = reason
@@ -144,7 +145,20 @@ class Telemetry:
             return
         self.emit(records.end_record, time.time(), reason)
         self._stopping.set()
-        if not self.progress.failing:
+        self.progress.flush(wait)
+
+    def alive(self, at: float) -> ProgressRecord:
+        """Alive at `at`, `step` steps done: the sign of life each batch carries."""
+        return records.heartbeat_record(at, self.step)
+
+    def preempted(self, deadline: float, ending: bool) -> None:
+        """SIGTERM: a sign of life now (the attempt's `end`, failed, when the signal is about
+        to end the process), sent within a second or by `deadline`."""
+        wait = max(0.0, min(deadline - time.monotonic(), EXIT_FLUSH_S / 2))
+        if ending:
+            self.end("failed", wait)
+        elif self.ended is None and self.progress.armed:
+            self.emit(records.heartbeat_record, time.time(), self.step)
             self.progress.flush(wait)
 
     def stop(self, why: str = "stopped") -> None:
@@ -174,6 +188,7 @@ def start(config: ClientConfig, job: JobIdentity, started: float,
             return None
         progress = Progress(config, job.job_id, job.attempt, model, armed=False)
         telemetry = Telemetry(progress, config.heartbeat_s)
+        progress.alive = telemetry.alive
         alloc = allocation_start() if job.attempt == 0 else None
         telemetry.emit(records.start_record, started, alloc)
         _active = telemetry

@@ -1,4 +1,7 @@
-"""What a client run reports: one event per run, shared schema for client and server."""
+"""What a client run reports, shared schema for client and server: one event per run (per
+fingerprint it compiled under), sent right after its first compiled step, so a process
+killed later has reported its start; its exit then sends only what changed since, as a
+follow-up event (`Event.followup`)."""
 
 from __future__ import annotations
 
@@ -79,9 +82,17 @@ class Event(Schema):
         "AOTAutograd cache misses 0, some hit); partial: some hits, some misses; rebuilt: "
         "no cache hit at all. On the process's first event only; none from older "
         "clients")] = None
+    followup: Annotated[bool, Doc(
+        "what a process's exit adds to the events it sent after its first step: compile "
+        "seconds, bytes and cache lookups since, and whether it published; counts no new "
+        "run, outcome, replay or time to start")] = False
     created_at: datetime = dataclasses.field(default_factory=_now)
 
     def validate(self) -> None:
+        if self.followup and (self.tts_s is not None or self.replay is not None
+                              or self.saved_s):
+            raise ValueError("a follow-up event carries no time to start, replay or "
+                             "seconds saved (its run's first event did)")
         if self.saved_s > (self.cold_compile_s or 0.0):
             raise ValueError("saved_s cannot exceed cold_compile_s (the cold compile it saved)")
         if self.rank is not None and self.world_size is not None \

@@ -99,6 +99,15 @@ class JobSplit:
     def lost_per_failure(self) -> list[float]:
         return [a.seconds["lost_progress"] for a in self.attempts if a.failed]
 
+    @property
+    def time_to_start_s(self) -> float | None:
+        return self.attempts[0].time_to_start_s if self.attempts else None
+
+    def recoveries(self) -> list[float]:
+        """Time to recover of each attempt after a failure that reached its first step."""
+        return [a.time_to_recover_s for a in self.attempts[1:]
+                if a.time_to_recover_s is not None]
+
     def row(self) -> dict[str, Any]:
         seconds = self.seconds
         wall = sum(seconds.values())
@@ -107,10 +116,26 @@ class JobSplit:
                 "start": self.attempts[0].start if self.attempts else None,
                 "end": self.attempts[-1].end if self.attempts else None,
                 "wall_s": _r(wall), "ett_pct": ett_pct(seconds),
+                **report_figures(seconds, self.time_to_start_s, self.recoveries()),
                 "seconds": {k: _r(v) for k, v in seconds.items()},
                 "failures": sum(a.failed for a in self.attempts),
                 "lost_s_per_failure": [_r(x) for x in self.lost_per_failure()],
                 "attempts": [a.row() for a in self.attempts]}
+
+
+def report_figures(seconds: dict[str, float], time_to_start_s: float | None,
+                   recoveries: list[float]) -> dict[str, Any]:
+    """A job's figures in the words of the Meta/PyTorch ETT report, the same wherever they
+    are shown (the job's ETT, `/v1/jobs`, the dashboard, `megacache jobs`): time to start
+    (attempt 0: allocation or process start to its first optimizer step), time to recover
+    (each failure to the next attempt's first step; summed), checkpoint save time (the
+    seconds saves blocked the loop), unsaved training time (training the failures threw
+    away)."""
+    return {"time_to_start_s": _r(time_to_start_s),
+            "time_to_recover_s": _r(sum(recoveries)) if recoveries else None,
+            "recoveries": len(recoveries),
+            "checkpoint_save_s": _r(seconds["checkpoint_save"]),
+            "unsaved_training_s": _r(seconds["lost_progress"])}
 
 
 def split(job: JobProgress, *, compile_s: dict[int, float] | None = None,

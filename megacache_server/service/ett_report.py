@@ -15,7 +15,14 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from megacache_server.service.ett import CATEGORIES, JobSplit, clip, ett_pct, total
+from megacache_server.service.ett import (
+    CATEGORIES,
+    JobSplit,
+    clip,
+    ett_pct,
+    report_figures,
+    total,
+)
 
 
 def window(splits: Iterable[JobSplit], since: float, until: float) -> dict[str, Any]:
@@ -30,13 +37,14 @@ def window(splits: Iterable[JobSplit], since: float, until: float) -> dict[str, 
         by_namespace.setdefault(j.namespace, []).append(seconds)
     models = []
     for model, rows in sorted(by_model.items()):
+        found = [j for j, _ in rows]
         models.append({"model": model or None, "jobs": len(rows),
-                       **_figures(total(s for _, s in rows)),
+                       **_figures(total(s for _, s in rows)), **starts(found),
                        "failures": sum(sum(a.failed for a in j.attempts) for j, _ in rows),
-                       "advice": advice([j for j, _ in rows])})
+                       "advice": advice(found), "advice_why": no_advice_why(found)})
     return {"since": since, "until": until, "jobs": len(jobs),
             "live": sum(j.live for j in jobs),
-            **_figures(total(s for _, s in per_job)),
+            **_figures(total(s for _, s in per_job)), **starts(jobs),
             "namespaces": [{"namespace": ns, "jobs": len(rows), **_figures(total(rows))}
                            for ns, rows in sorted(by_namespace.items())],
             "models": models}
@@ -51,6 +59,7 @@ def tiles(splits: list[JobSplit], since: float, until: float, shown: int
         seconds = clip(j.segments, since, until)
         jobs.append({"job_id": j.job, "namespace": j.namespace, "model": j.model,
                      "live": j.live, "last_seen": j.last_seen, **_figures(seconds),
+                     **report_figures(seconds, j.time_to_start_s, j.recoveries()),
                      "failures": sum(a.failed for a in j.attempts),
                      "lost_s_per_failure": [round(x, 3) for x in j.lost_per_failure()],
                      "attempts": len(j.attempts)})
@@ -59,7 +68,44 @@ def tiles(splits: list[JobSplit], since: float, until: float, shown: int
 
 def _figures(seconds: dict[str, float]) -> dict[str, Any]:
     return {"wall_s": round(sum(seconds.values()), 3), "ett_pct": ett_pct(seconds),
+            "checkpoint_save_s": round(seconds["checkpoint_save"], 3),
+            "unsaved_training_s": round(seconds["lost_progress"], 3),
             "seconds": {k: round(seconds[k], 3) for k in CATEGORIES}}
+
+
+def starts(jobs: list[JobSplit]) -> dict[str, Any]:
+    """Time to start (per job) and time to recover (per recovery) over `jobs`: median, p90
+    and how many, read off the values themselves (nearest rank), never a histogram's
+    buckets: one 14.8 s recovery is 14.8 s."""
+    return {"time_to_start": _quantiles([t for j in jobs
+                                         if (t := j.time_to_start_s) is not None]),
+            "time_to_recover": _quantiles([t for j in jobs for t in j.recoveries()])}
+
+
+def _quantiles(values: list[float]) -> dict[str, Any]:
+    ordered = sorted(values)
+
+    def at(q: float) -> float | None:
+        return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 3) if ordered else None
+
+    return {"n": len(ordered), "p50_s": at(0.5), "p90_s": at(0.9)}
+
+
+def no_advice_why(jobs: Iterable[JobSplit]) -> str | None:
+    """Why `advice` has none for these jobs (None when it has some)."""
+    attempts = [a for j in jobs for a in j.attempts]
+    failures = sum(a.failed for a in attempts)
+    saves = sum(a.saves for a in attempts)
+    if failures and saves and sum(a.seconds["checkpoint_save"] for a in attempts) > 0:
+        return None
+    if not failures and not saves:
+        return "no failure and no checkpoint save seen yet"
+    if not failures:
+        return "no failure seen yet: nothing to weigh the saves against"
+    if not saves:
+        return (f"{failures} failure{'s' if failures > 1 else ''} but no checkpoint save "
+                "seen: report saves (DCP, or megacache_client.checkpoint())")
+    return "the saves blocked the loop for no measurable time"
 
 
 def advice(jobs: Iterable[JobSplit]) -> dict[str, Any] | None:

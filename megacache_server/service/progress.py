@@ -80,6 +80,7 @@ class Progress:
         now = time.time()
         done = ett.split(found, compile_s=_compile_s(view), now=now)
         row = {**done.row(), "advice": ett_report.advice([done]),
+               "advice_why": ett_report.no_advice_why([done]),
                "timeline": [[round(a, 3), round(b, 3), c] for a, b, c in done.segments]}
         events = {a.attempt: a for a in view.attempts} if view is not None else {}
         for attempt in row["attempts"]:  # what the cache did for it, where ranks reported

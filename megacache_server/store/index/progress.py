@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megacache_client.wire.progress import ProgressRecord
+from megacache_client.wire.progress import MAX_SKEW_S, ProgressRecord
 
 MAX_SAVES = 32
 """Checkpoint saves kept one by one per attempt (the latest); older ones are aggregated."""
@@ -155,9 +155,10 @@ def merge(state: AttemptProgress | None, attempt: int, model: str | None,
     retrying): heartbeats keep extremes, a save or load already kept (same time and step) is
     not counted again."""
     times = [r.at for r in records]
-    s = state or AttemptProgress(attempt=attempt, first_at=min(times), last_at=max(times),
+    lives = [*times, *(alive_at(r, now) for r in records)]
+    s = state or AttemptProgress(attempt=attempt, first_at=min(times), last_at=max(lives),
                                  received_at=now)
-    s = replace(s, first_at=min(s.first_at, *times), last_at=max(s.last_at, *times),
+    s = replace(s, first_at=min(s.first_at, *times), last_at=max(s.last_at, *lives),
                 received_at=now, model=model or s.model,
                 records=s.records + (len(records) if count is None else count))
     saves, loads = list(s.saves), list(s.loads)
@@ -197,6 +198,19 @@ def merge(state: AttemptProgress | None, attempt: int, model: str | None,
     loads.sort(key=lambda k: k.at)
     return replace(s, saves=tuple(saves[-MAX_SAVES:]), loads=tuple(loads[-MAX_LOADS:]),
                    save_buckets=tuple(buckets))
+
+
+def alive_at(record: ProgressRecord, now: float) -> float:
+    """The latest time `record` shows its attempt alive at: a checkpoint's record is sent
+    once the checkpoint is durable (a save) or restored (a load), so the attempt lived until
+    then, not only at its `at` (when the save began). Never past the server's clock (plus
+    the skew it allows): a lying duration cannot stretch the attempt into the future."""
+    done = record.at + (record.blocking_s or 0.0)
+    if record.kind == "checkpoint_save":
+        done += record.background_s or 0.0
+    elif record.kind != "checkpoint_load":
+        return record.at
+    return max(record.at, min(done, now + MAX_SKEW_S))
 
 
 def _bucket(seconds: float) -> int:

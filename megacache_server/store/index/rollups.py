@@ -108,6 +108,8 @@ def attempt_update(prev: AttemptState | None, event: Event, model: str, hour: in
     deltas: dict[str, float] = {}
     histogram = "recover" if event.job_id is not None and (event.attempt or 0) > 0 \
         else "start"
+    if event.followup and prev is not None:  # counted with the run's first event
+        return replace(prev, last_seen=max(prev.last_seen, now)), deltas
     if prev is None:
         deltas["attempts"] = 1.0
         if histogram == "recover":
@@ -146,13 +148,23 @@ def quantile(buckets: list[float], q: float) -> float | None:
     return BUCKETS[-1]
 
 
+def counts_miss(event: Event) -> bool:
+    """Whether the event adds to its model's miss reasons: a run that did not start warm
+    (its follow-up adds nothing: its first event counted it)."""
+    return event.outcome not in ("hit", "fallback") and not event.followup
+
+
 def event_counters(event: Event) -> dict[str, float]:
     """The increments one event adds to its rollup rows (its job attempt's are
-    `attempt_update`'s)."""
-    tts = getattr(event, "tts_s", None)
+    `attempt_update`'s). A follow-up adds only its compile seconds and bytes: its run,
+    outcome, replay and time to start were counted with its first event."""
     counters = dict.fromkeys(COUNTERS, 0.0)
-    counters.update(runs=1.0, compile_s=event.compile_s, saved_s=event.saved_s,
-                    bytes_down=float(event.bytes_down), bytes_up=float(event.bytes_up))
+    counters.update(compile_s=event.compile_s, bytes_down=float(event.bytes_down),
+                    bytes_up=float(event.bytes_up))
+    if event.followup:
+        return counters
+    tts = getattr(event, "tts_s", None)
+    counters.update(runs=1.0, saved_s=event.saved_s)
     counters[event.outcome] = 1.0
     if event.replay is not None:
         counters[replay_counter(event.replay)] = 1.0

@@ -48,7 +48,7 @@ class RedisEvents(RedisConnection, base.EventLog):
         hour = rollups.event_hour(event, time.time())
         day = hour // rollups.DAY * rollups.DAY
         counters = rollups.event_counters(event)
-        miss = event.outcome not in ("hit", "fallback")
+        miss = rollups.counts_miss(event)
 
         async def op() -> None:
             await self._daily_since()  # before the first daily write

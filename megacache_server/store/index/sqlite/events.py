@@ -45,7 +45,7 @@ class SqliteEvents(SqliteConnection, EventLog):
                     elif deltas:  # a later rank: its attempt's counts stay where they began
                         _add_rollups(c, namespace, state.model, state.hour, deltas)
                 _add_rollups(c, namespace, model, hour, own)
-                if event.outcome not in ("hit", "fallback"):
+                if rollups.counts_miss(event):
                     for table, column, period in (("miss_reasons", "hour", hour),
                                                   ("miss_reasons_daily", "day", day)):
                         row = (namespace, period, model, event.outcome, event.reason[:200])
