@@ -12,7 +12,7 @@ import pytest
 from helpers import ServerProcess, token_client
 from prometheus_client.parser import text_string_to_metric_families
 
-HISTOGRAMS = ("megacache_job_time_to_start_seconds", "megacache_job_time_to_recover_seconds",
+HISTOGRAMS = ("megacache_run_first_step_seconds", "megacache_rerun_first_step_seconds",
               "megacache_job_compile_seconds")
 
 
@@ -64,12 +64,12 @@ def test_job_attempts_in_metrics_stats_jobs_and_dashboard(events_server: ServerP
         assert [v for _, v in les] == sorted(v for _, v in les)  # cumulative: monotone
         counts[name] += samples["count"]
     # every job attempt once: 3 attempts 0 + 1 run of its own are starts, 2 recoveries
-    assert counts["megacache_job_time_to_start_seconds"] == 4
-    assert counts["megacache_job_time_to_recover_seconds"] == 2
+    assert counts["megacache_run_first_step_seconds"] == 4
+    assert counts["megacache_rerun_first_step_seconds"] == 2
     assert counts["megacache_job_compile_seconds"] == 6  # every attempt: starts + recoveries
-    llm = found[("megacache_job_time_to_start_seconds", "team-a", "llm")]
+    llm = found[("megacache_run_first_step_seconds", "team-a", "llm")]
     assert llm["sum"] == 95.0 and llm["90.0"] == 0 and llm["120.0"] == 1
-    ttr = found[("megacache_job_time_to_recover_seconds", "team-a", "llm")]
+    ttr = found[("megacache_rerun_first_step_seconds", "team-a", "llm")]
     assert ttr["sum"] == 14.0 + 9.0 and ttr["count"] == 2
 
     def sample(name: str, **labels: str) -> float:

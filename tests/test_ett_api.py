@@ -131,10 +131,17 @@ def test_progress_in_split_out_everywhere(ett_server: ServerProcess) -> None:
         for s in family.samples:
             if s.name == "megacache_job_seconds_total" and s.labels["namespace"] == "team-a":
                 seconds[s.labels["category"]] = s.value
-            if s.name.startswith("megacache_job_lost_seconds") \
+            if s.name.startswith(("megacache_job_lost_seconds", "megacache_job_time_to_")) \
                     and s.labels["namespace"] == "team-a":
                 lost[s.name + s.labels.get("le", "")] = s.value
     assert seconds == WANT
+    # time to start and to recover: the job's own figures (ETT's), as histograms
+    assert (lost["megacache_job_time_to_start_seconds_count"],
+            lost["megacache_job_time_to_start_seconds_sum"]) == (1, 30.0)
+    assert (lost["megacache_job_time_to_recover_seconds_count"],
+            lost["megacache_job_time_to_recover_seconds_sum"]) == (1, 46.0)
+    assert lost["megacache_job_time_to_recover_seconds_bucket45.0"] == 0
+    assert lost["megacache_job_time_to_recover_seconds_bucket60.0"] == 1
     assert lost["megacache_job_lost_seconds_count"] == 1
     assert lost["megacache_job_lost_seconds_sum"] == 100.0
     assert "megacache_checkpoint_blocking_seconds_bucket" in scrape

@@ -54,6 +54,50 @@ def test_dashboard_shows_ett(tmp_path: Path) -> None:
         k: v for k, v in job["seconds"].items() if v}
     assert set(parts) >= {"training", "startup", "lost_progress", "recovery"}
     assert ">live<" in row.group(1)
+    cells = [html.unescape(c) for c in re.findall(r"<td[^>]*>([^<]*)<", row.group(1))]
+    # the report's words, per job: time to start, to recover, checkpoint save time,
+    # unsaved training time (30 s, 100 s, 10 s, 246 s)
+    assert job["time_to_start_s"] == 30 and job["time_to_recover_s"] == 100
+    assert (job["checkpoint_save_s"], job["unsaved_training_s"]) == (10, 246)
+    assert cells[-6:-2] == ["30.0 s", "100.0 s", "10.0 s", "4.1 min"], cells
+
+    def tile(testid: str) -> str:
+        found = re.search(rf'data-testid="{testid}"[^>]*>([^<]*)<', dom)
+        assert found, testid
+        return html.unescape(found.group(1))
+
+    # the tiles: ETT's figures (one recovery of 100 s is 100 s, not a histogram's guess)
+    assert (tile("ett-tts-p50"), tile("ett-tts-p90")) == ("30.0 s", "30.0 s")
+    assert (tile("ett-ttr-p50"), tile("ett-ttr-p90"), tile("ett-ttr-n")) == (
+        "100.0 s", "100.0 s", "1 recoveries")
+    assert (tile("ett-ckpt-save"), tile("ett-unsaved")) == ("10.0 s", "4.1 min")
     advice = re.search(r'<tr data-model="llm">(.*?)</tr>', dom.split('data-testid="ett-advice"')[1],
                        re.S)
     assert advice and "low" in html.unescape(advice.group(1))
+
+
+@pytest.mark.e2e
+def test_the_advice_row_says_why_there_is_none(tmp_path: Path) -> None:
+    """A model with a failure but no checkpoint save: the row says so (it said "no
+    failure seen yet" beside "failures seen: 1")."""
+    ensure_tools({"chromium": "chromium"})
+    server = ServerProcess(tmp_path / "data").start()
+    try:
+        base = time.time() - 600
+        with httpx.Client(base_url=server.url) as c:
+            for attempt, records in enumerate((
+                    [{"kind": "start", "at": base}, {"kind": "training", "at": base + 10},
+                     {"kind": "heartbeat", "at": base + 100, "step": 30}],
+                    [{"kind": "start", "at": base + 200}, {"kind": "training", "at": base + 210},
+                     {"kind": "end", "at": base + 300, "reason": "finished"}])):
+                r = c.post(routes.JOB_PROGRESS.url(job="unsaved-job"),
+                           json={"attempt": attempt, "records": records, "model": "nosave"})
+                assert r.status_code == 202, r.text
+        dom = dump_dom(server.url + "/", tmp_path / "chromium")
+    finally:
+        server.stop()
+    advice = re.search(r'<tr data-model="nosave">(.*?)</tr>',
+                       dom.split('data-testid="ett-advice"')[1], re.S)
+    assert advice, dom[:3000]
+    text = html.unescape(advice.group(1))
+    assert "1 failure but no checkpoint save seen" in text and "no failure seen" not in text

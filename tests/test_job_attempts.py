@@ -174,7 +174,7 @@ def test_histogram_text_parses_whatever_the_model_name():
     m.jobs[rollups.bucket_counter("start", len(rollups.BUCKETS))] = 1.0
     m.jobs["start_sum"] = 4000.0
     families = {f.name: f for f in text_string_to_metric_families(_job_histograms([m]).decode())}
-    start = families["megacache_job_time_to_start_seconds"]
+    start = families["megacache_run_first_step_seconds"]
     assert start.type == "histogram"
     values = {s.labels.get("le", s.name.rsplit("_", 1)[1]): s.value for s in start.samples}
     assert {s.labels["model"] for s in start.samples} == {m.model}

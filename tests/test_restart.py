@@ -74,8 +74,8 @@ def test_a_restart_resolves_afresh_and_counts_as_one_recovery(cache: ServerProce
     assert model["ttr_p50_s"] < model["tts_p50_s"], model
 
     metrics = httpx.get(f"{cache.url}/metrics", timeout=30).text
-    for name, attempts_counted in (("megacache_job_time_to_start_seconds", 1),
-                                   ("megacache_job_time_to_recover_seconds", 1)):
+    for name, attempts_counted in (("megacache_run_first_step_seconds", 1),
+                                   ("megacache_rerun_first_step_seconds", 1)):
         buckets = [(float(s.labels["le"]), s.value)
                    for f in text_string_to_metric_families(metrics) for s in f.samples
                    if s.name == f"{name}_bucket" and s.labels.get("model") == "TinyNet"]

@@ -361,9 +361,13 @@ def test_a_dead_server_costs_the_exit_nothing(tmp_path: Path, telemetry_on) -> N
     deadline = time.monotonic() + 10
     while not t.progress.failing and time.monotonic() < deadline:  # type: ignore[attr-defined]
         time.sleep(0.02)
+    tries = t.progress.tries  # type: ignore[attr-defined]
     began = time.monotonic()
     t.end("finished")  # type: ignore[attr-defined]
-    assert time.monotonic() - began < 0.1
+    # the end is tried once more at once (a server back from an outage gets it), and a
+    # refused connection ends the wait
+    assert time.monotonic() - began < 1.0
+    assert t.progress.tries > tries  # type: ignore[attr-defined]
 
 
 def test_a_checkpoint_module_imported_later_is_patched_on_import() -> None:

@@ -160,6 +160,8 @@ class Progress:
         self._backoff = RETRY_S[0]
         self.sent = 0
         self.refused = 0
+        self.tries = 0
+        """Batches the sender has tried to send (sent or not)."""
         self.failing = False
         """The last try to send failed (the server is down or slow): the exit does not wait."""
         self.stopped = ""
@@ -199,14 +201,17 @@ class Progress:
 
     def flush(self, timeout: float) -> bool:
         """Wait up to `timeout` for what was put so far to be sent (or refused, or
-        dropped); True if it was. Returns at once before `arm()` or after `stop()`."""
+        dropped); True if it was. Tries at once even after failures (a pause is cut
+        short), and gives up after one more failed try: a server that is down costs a
+        refused connection, one that hangs at most `timeout`. Returns at once before
+        `arm()` or after `stop()`."""
         end = time.monotonic() + timeout
-        target = self.queue.added
+        target, tries = self.queue.added, self.tries
         self._wake.set()
         with self._done:
             while self.settled < target and self.armed and not self.stopped:
                 left = end - time.monotonic()
-                if left <= 0:
+                if left <= 0 or (self.tries > tries and self.failing):
                     return False
                 self._done.wait(min(left, 0.05))
         return True
@@ -227,6 +232,7 @@ class Progress:
                     continue
                 ok = self._send(records)
                 with self._done:
+                    self.tries += 1
                     self._done.notify_all()
                 if ok:
                     self._backoff = RETRY_S[0]

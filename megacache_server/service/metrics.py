@@ -143,12 +143,14 @@ def _replay_family(models: list[ModelStats]) -> Any:
 
 
 JOB_HISTOGRAMS = {
-    "start": ("megacache_job_time_to_start_seconds",
+    "start": ("megacache_run_first_step_seconds",
               "Job attempts 0 (and runs without a job): process start to the first compiled "
-              "step of the slowest rank"),
-    "recover": ("megacache_job_time_to_recover_seconds",
+              "step of the slowest rank (the cache's part of time to start; time to start "
+              "itself is megacache_job_time_to_start_seconds)"),
+    "recover": ("megacache_rerun_first_step_seconds",
                 "Job attempts after the first: process start to the first compiled step of "
-                "the slowest rank"),
+                "the slowest rank (the cache's part of time to recover; time to recover "
+                "itself is megacache_job_time_to_recover_seconds)"),
     "compile": ("megacache_job_compile_seconds",
                 "Compile seconds of the job attempt's slowest-compiling rank"),
 }
