@@ -299,8 +299,8 @@ class Session:
                         f"publish rounds capped at {self.config.max_publishes}")
                 return True
             try:
-                snap, note = snapshot(self._precompile_keys, tracks, self.node,
-                                      self.config.max_raw_bytes)
+                keys = None if self.precompile_off else self._precompile_keys
+                snap, note = snapshot(keys, tracks, self.node, self.config.max_raw_bytes)
             except Exception as exc:
                 self._warn(f"could not snapshot cache artifacts: {type(exc).__name__}: {exc}")
                 for track in tracks:
@@ -413,8 +413,7 @@ class Session:
         if self.clock.first_step_end is not None or self.clock.forward_end is not None:
             threading.Thread(target=self.report_start, name="megacache-report",
                              daemon=True).start()
-            if self._rounds == 0 and (self.settler is None or self.settler.rounds == 0):
-                self.publish()
+            self.publish()  # after the round under way, if any: only what it lacks
         self._join(True, max(0.0, deadline - time.monotonic()))
 
     def _stop_settling(self) -> None:

@@ -252,6 +252,33 @@ def test_a_flood_gets_429_and_stays_bounded(ett_server: ServerProcess) -> None:
     assert post(other, "calm", 0, [{"kind": "start", "at": now}]).status_code == 202
 
 
+def test_a_killed_attempt_is_dated_by_its_last_durable_save(ett_server: ServerProcess
+                                                             ) -> None:
+    """The issue's timeline (#46), over HTTP with the default heartbeat: start t0, first
+    step t0+10, heartbeats t0+35/65, saves at t0+40 (1 s) and t0+70 (1 s blocking + 2 s in
+    the background), then nothing (SIGKILL); a restart at t0+90. The second save's record
+    went out once it was durable (t0+73): the attempt lived until then. The server said
+    29 s lost and 1.0 s of save blocking; the truth is at most ~9 s and exactly 2.0 s."""
+    c = token_client(ett_server, "read,write", "team-kill")
+    t0 = time.time() - 200
+    first = [{"kind": "start", "at": t0}, {"kind": "training", "at": t0 + 10},
+             {"kind": "heartbeat", "at": t0 + 35, "step": 20},
+             {"kind": "checkpoint_save", "at": t0 + 40, "step": 25, "blocking_s": 1.0},
+             {"kind": "heartbeat", "at": t0 + 65, "step": 50},
+             {"kind": "checkpoint_save", "at": t0 + 70, "step": 55, "blocking_s": 1.0,
+              "background_s": 2.0}]
+    for batch in (first[:3], first[3:5], first[5:]):  # as the client sends them
+        assert post(c, "killed", 0, batch).status_code == 202
+    assert post(c, "killed", 1, [{"kind": "start", "at": t0 + 90},
+                                 {"kind": "training", "at": t0 + 100}]).status_code == 202
+    body = c.get(routes.JOB_ETT.url(job="killed")).json()
+    a0 = body["attempts"][0]
+    assert a0["failed"] and a0["end"] == pytest.approx(t0 + 73, abs=1e-3), a0
+    assert (a0["lost_s"], a0["checkpoint_blocking_s"]) == (2.0, 2.0), a0
+    assert body["unsaved_training_s"] == 2.0 and body["checkpoint_save_s"] == 2.0
+    assert body["time_to_recover_s"] == 27.0
+
+
 def test_megacache_jobs_prints_each_jobs_split(ett_server: ServerProcess) -> None:
     token = ett_server.token("read,write", namespace="team-cli", name="cli")
     c = token_client(ett_server, "read,write", "team-cli")

@@ -165,6 +165,8 @@ class Progress:
         self.failing = False
         """The last try to send failed (the server is down or slow): the exit does not wait."""
         self.stopped = ""
+        self.earlier: list[tuple[int, ProgressRecord]] = []
+        """Records of the job's earlier attempts to send once armed (their last signs)."""
         self.armed = armed
         """Nothing is sent before: records wait until the process shows it trains."""
         self._done = threading.Condition()
@@ -227,6 +229,7 @@ class Progress:
                 if not self.armed:
                     self._stop.wait(0.05)
                     continue
+                self._send_earlier()
                 records = self.queue.take(MAX_RECORDS, 0.2)
                 if not records:
                     continue
@@ -267,16 +270,41 @@ class Progress:
         """POST one batch, with a sign of life at its send time; False when it should be
         tried again later."""
         try:
-            model = self.model()
-        except Exception:  # the session changing under us: the next batch names it
-            model = None
-        try:
             batch = ProgressBatch(attempt=self.attempt, records=records + self._alive(records),
-                                  model=model[:256] if model else None)
+                                  model=self._model())
         except Exception as exc:  # nothing a retry would mend
             self.refused += len(records)
             log.info("megacache: %d progress records dropped: %s", len(records), exc)
             return True
+        result = self._post(batch)
+        if result == "refused":
+            self.refused += len(records)
+        elif result == "sent":
+            self.sent += len(records)
+        return result != "again"
+
+    def _send_earlier(self) -> None:
+        """The last signs of the job's earlier attempts that ended without saying so
+        (`steps/lifeline.py`), each as a heartbeat of its own attempt; one try each."""
+        while self.earlier and self.armed and not self.stopped:
+            attempt, record = self.earlier.pop(0)
+            try:
+                batch = ProgressBatch(attempt=attempt, records=[record], model=self._model())
+            except Exception as exc:
+                log.debug("megacache: an earlier attempt's last sign not sent: %s", exc)
+                continue
+            self._post(batch)
+
+    def _model(self) -> str | None:
+        try:
+            model = self.model()
+        except Exception:  # the session changing under us: the next batch names it
+            return None
+        return model[:256] if model else None
+
+    def _post(self, batch: ProgressBatch) -> str:
+        """One POST: "sent", "refused" (4xx: dropped), "stopped" (the server has no
+        progress route, or the token no right) or "again" (to be tried again later)."""
         try:
             if self._remote is None:  # its own breaker: the node's opens for 30 s
                 self._remote = RemoteCache(self.config, breaker=CircuitBreaker(
@@ -288,19 +316,18 @@ class Progress:
             if status in STOP_STATUSES:
                 self.stop(f"the server refused progress: {exc}")
                 log.info("megacache: job progress not sent: %s", self.stopped)
-                return True
+                return "stopped"
             if 400 <= status < 500:
-                self.refused += len(records)
-                log.info("megacache: %d progress records refused: %s", len(records), exc)
-                return True
+                log.info("megacache: %d progress records refused: %s", len(batch.records),
+                         exc)
+                return "refused"
             self.failing = True
             log.debug("megacache: progress not sent (will try again): %s", exc)
-            return False
+            return "again"
         except Exception as exc:  # never let telemetry break the trainer
             self.failing = True
             log.debug("megacache: progress not sent (will try again): %s: %s",
                       type(exc).__name__, exc)
-            return False
-        self.sent += len(records)
+            return "again"
         self.failing = False
-        return True
+        return "sent"

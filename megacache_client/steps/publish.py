@@ -28,18 +28,20 @@ from megacache_client.wire.manifest import BlobRef, Manifest
 log = logging.getLogger("megacache")
 
 # -- snapshot: what this run has that its entries lack ------------------------------------
-def snapshot(precompile_keys: dict[str, list[str]], tracks: Sequence[Track], node: NodeCache,
-             cap: int) -> tuple[Snapshot | None, str]:
+def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Track],
+             node: NodeCache, cap: int) -> tuple[Snapshot | None, str]:
     """This run's artifacts and kernels with the tracks whose entries lack some of them
     (None when none lacks anything, or torch recorded nothing), and why its precompiled
     Dynamo output is not shipped ("" when it is).
 
-    Cheap when nothing is lacking (a warm run's settled point): torch's save is incremental
-    and says its keys, so the bundle is read back (deserialised) only to ship it. Kernels
+    `precompile_keys`: torch's precompile key of each compiled callable, None when this
+    process records no precompiled Dynamo output. Cheap when nothing is lacking (a warm
+    run's settled point): torch's save is incremental and says its keys, so the bundle is
+    read back (deserialised) only to ship it. Kernels
     compare by path-free identity: a consumer whose torch is elsewhere holds the entry's
     kernels under other names, and must not publish them back as new (thrash).
     """
-    saved = torch_env.save_bundle()
+    saved = torch_env.save_bundle(precompile=precompile_keys is not None)
     if saved is None:
         for track in tracks:
             track.publish.reason = "torch recorded no cache artifacts"
@@ -67,14 +69,14 @@ def snapshot(precompile_keys: dict[str, list[str]], tracks: Sequence[Track], nod
                     torch_env.compile_seconds(), lacking, new_keys, kernel_ids), note
 
 
-def _shippable(raw: bytes, precompile_keys: dict[str, list[str]]
+def _shippable(raw: bytes, precompile_keys: dict[str, list[str]] | None
                ) -> tuple[torch_env.Artifacts, str]:
     """torch's Mega-Cache bytes as artifacts to ship, and why its precompiled Dynamo output
     is not among them ("" when it is)."""
     artifacts = torch_env.read_artifacts(raw)
     if artifacts is None:
         raise ValueError("torch could not read its own Mega-Cache bytes")
-    return precompile.for_shipping(artifacts, precompile_keys)
+    return precompile.for_shipping(artifacts, precompile_keys or {})
 
 
 def shipped(snap: Snapshot, done: Sequence[Track]) -> None:

@@ -269,16 +269,22 @@ def to_bytes(artifacts: Artifacts) -> bytes:
     return bytes(writer.to_bytes())
 
 
-def save_bundle() -> tuple[bytes, dict[str, list[str]]] | None:
+def save_bundle(precompile: bool = False) -> tuple[bytes, dict[str, list[str]]] | None:
     """torch's Mega-Cache of this process so far (cumulative: torch keeps what it serialised
     before and appends), with its keys per type; None when torch recorded nothing.
+    `precompile`: this process records precompiled Dynamo output (its packages are saved
+    into the Mega-Cache first).
 
     Safe from a background thread while the trainer runs: Dynamo's compile lock guards
     torch's record of artifacts, and what a compile outside that lock (a lazily compiled
     backward) recorded while torch was serialising is queued again for the next save
-    (`_requeue_unsaved`), never dropped."""
-    with compile_lock():
-        result = torch_module().compiler.save_cache_artifacts()
+    (`_requeue_unsaved`), never dropped. torch's settings are per thread (the trainer's
+    `caching_precompile` is not this thread's), hence `precompile` is said, not read."""
+    torch = torch_module()
+    patch = torch._dynamo.config.patch(caching_precompile=True) if precompile \
+        else contextlib.nullcontext()
+    with compile_lock(), patch:
+        result = torch.compiler.save_cache_artifacts()
         if result is None:
             return None
         raw, info = result

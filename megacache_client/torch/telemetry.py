@@ -44,6 +44,7 @@ from typing import Any
 from megacache_client.config import ClientConfig
 from megacache_client.job import JobIdentity, allocation_start
 from megacache_client.steps import progress as records
+from megacache_client.steps.lifeline import LIFELINE_S, Lifeline
 from megacache_client.steps.progress import Progress
 from megacache_client.wire.progress import ProgressRecord, Reason
 
@@ -60,9 +61,12 @@ _active: Telemetry | None = None
 class Telemetry:
     """One process's progress: counters the hooks touch, records `Progress` sends."""
 
-    def __init__(self, progress: Progress, heartbeat_s: float) -> None:
+    def __init__(self, progress: Progress, heartbeat_s: float,
+                 lifeline: Lifeline | None = None) -> None:
         self.progress = progress
         self.heartbeat_s = heartbeat_s
+        self.lifeline = lifeline
+        """This attempt's life on the node (`steps/lifeline.py`), renewed while it trains."""
         self.counts: dict[int, int] = {}
         self.first_step: float | None = None
         self.ended: Reason | None = None
@@ -107,11 +111,25 @@ class Telemetry:
         self.progress.arm()
 
     def _beat(self) -> None:
-        while not self._stopping.wait(self.heartbeat_s):
+        """Every `heartbeat_s` a heartbeat to the server; every `LIFELINE_S`, while the
+        process trains, its lifeline on the node renewed."""
+        tick = min(LIFELINE_S, self.heartbeat_s)
+        due = time.monotonic() + self.heartbeat_s
+        looked = False
+        while not self._stopping.wait(tick):
             if not _rank_zero():
                 self.stop("not rank 0 of the process group")
                 return
-            self.emit(records.heartbeat_record, time.time(), self.step)
+            if self.lifeline is not None and self.progress.armed:
+                if not looked:  # a trainer: it reports what earlier attempts left
+                    looked = True
+                    self.progress.earlier += [
+                        (s.attempt, records.heartbeat_record(s.at, s.step))
+                        for s in self.lifeline.orphans()]
+                self.lifeline.renew(time.time(), self.step)
+            if time.monotonic() >= due:
+                due += self.heartbeat_s
+                self.emit(records.heartbeat_record, time.time(), self.step)
 
     # -- start and end --------------------------------------------------------------------
     def install(self) -> None:
@@ -145,6 +163,8 @@ class Telemetry:
             return
         self.emit(records.end_record, time.time(), reason)
         self._stopping.set()
+        if self.lifeline is not None:
+            self.lifeline.end()
         self.progress.flush(wait)
 
     def alive(self, at: float) -> ProgressRecord:
@@ -187,7 +207,8 @@ def start(config: ClientConfig, job: JobIdentity, started: float,
         if not (config.enabled and config.telemetry) or job.job_id is None or job.rank != 0:
             return None
         progress = Progress(config, job.job_id, job.attempt, model, armed=False)
-        telemetry = Telemetry(progress, config.heartbeat_s)
+        lifeline = Lifeline(config.node_cache_dir, job.job_id, job.attempt)
+        telemetry = Telemetry(progress, config.heartbeat_s, lifeline)
         progress.alive = telemetry.alive
         alloc = allocation_start() if job.attempt == 0 else None
         telemetry.emit(records.start_record, started, alloc)

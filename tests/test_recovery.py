@@ -1,0 +1,188 @@
+"""Recovery (#46): a failed attempt leaves its compile and its time line behind, with the
+default settings, against a real server.
+
+- A torchrun job (2 ranks, `model.compile()`, zero-code) whose rank 0 is SIGKILLed mid-run
+  restarts as on new machines (fresh caches for each attempt) and starts warm: FX graph
+  hits, no miss, no g++ build. The killed attempt reported its start.
+- SIGTERM: with Python's default action the process still ends by SIGTERM, within the grace,
+  having finished its publish and sent the attempt's end; a trainer's own handler still runs
+  (ours hands the signal on); a main thread stuck in native code still ends promptly.
+- A short outage near the end loses no save and not the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import need
+from helpers import ServerProcess, free_port
+from jobs import GxxCounter, Machine, clean_env, run_job
+
+from megacache_client.wire import routes
+
+pytestmark = pytest.mark.e2e
+
+HERE = Path(__file__).resolve().parent
+GRACE_S = 5.0  # the default MEGACACHE_TERM_GRACE_S
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tmp_path_factory.mktemp("recovery") / "data").start()
+    yield proc
+    proc.stop()
+    assert "Traceback" not in proc.log(), proc.log()
+
+
+def name(tmp_path: Path, what: str) -> str:
+    return f"{what}-{tmp_path.name[-10:]}-{int(time.time() * 1000) % 10**8}".replace("_", "-")
+
+
+def test_a_killed_rank_leaves_its_compile_behind(cache: ServerProcess, tmp_path: Path) -> None:
+    need("torch", "the job compiles a real model")
+    job, model = name(tmp_path, "killed"), name(tmp_path, "tiny")
+    results, machines = tmp_path / "results", tmp_path / "machines"
+    results.mkdir()
+    runner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+              "--max-restarts", "1", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", job,
+              str(HERE / "recovery_job.py")]
+    run = run_job(Machine(tmp_path / "launcher"), runner=runner, timeout=900,
+                  gxx=GxxCounter(tmp_path / "bin"),
+                  env={"MEGACACHE_URL": cache.url, "MEGACACHE_MODEL": model,
+                       "MEGACACHE_JOB_ID": job, "OMP_NUM_THREADS": "1",
+                       "RESULT_DIR": str(results), "MACHINES": str(machines),
+                       "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent / 'benchmarks'}"})
+    assert run.returncode == 0, run.stderr[-4000:]  # attempt 1 finished the job
+    assert "rank 0 killed after step" in run.stderr, run.stderr[-4000:]
+    assert GxxCounter.builds(machines / "attempt0" / "gxx.log") > 0  # a cold compile
+    for rank in (0, 1):  # the restart, on new machines: warm, compiling nothing
+        seen = json.loads((results / f"rank{rank}-attempt1.json").read_text())
+        assert seen["fxgraph_hit"] >= 1 and seen["fxgraph_miss"] == 0, seen
+    assert GxxCounter.builds(machines / "attempt1" / "gxx.log") == 0
+    # the killed attempt sent its cache event right after its first step: its start counts
+    (record,) = [j for j in httpx.get(f"{cache.url}/v1/jobs", timeout=30).json()["jobs"]
+                 if j["job_id"] == job]
+    attempts = {a["attempt"]: a for a in record["attempts"]}
+    assert attempts[0]["outcome"] == "miss" and attempts[0]["seconds"] is not None, record
+    assert attempts[1]["outcome"] == "hit", record
+
+
+# -- SIGTERM and outages: one trainer process each ----------------------------------------
+def start(cache_url: str, tmp_path: Path, mode: str, job: str, **env: str
+          ) -> tuple[subprocess.Popen[str], Path]:
+    need("torch", "the trainer is torch's")
+    machine = Machine(tmp_path / "node")
+    ready = tmp_path / "ready"
+    full = {**clean_env(), **machine.env(), "MEGACACHE_URL": cache_url,
+            "MEGACACHE_JOB_ID": job, "MODE": mode, "READY": str(ready),
+            "OMP_NUM_THREADS": "1", **env}
+    proc = subprocess.Popen([sys.executable, str(HERE / "preempt_job.py")], env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the trainer never got ready: {proc.communicate()[1]}")
+        time.sleep(0.05)
+    return proc, ready
+
+
+def terminate(proc: subprocess.Popen[str]) -> tuple[float, float]:
+    """SIGTERM now; (when it was sent, seconds until the process ended)."""
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("SIGTERM did not end the trainer within 60 s") from None
+    return sent, time.time() - sent
+
+
+def ett(url: str, job: str, ended: bool = True, timeout: float = 20.0) -> dict[str, Any]:
+    end = time.monotonic() + timeout
+    found: dict[str, Any] = {}
+    while time.monotonic() < end:
+        r = httpx.get(f"{url}{routes.JOB_ETT.url(job=job)}", timeout=10)
+        if r.status_code == 200:
+            found = r.json()
+            if not ended or found["attempts"][-1]["ended"]:
+                return found
+        time.sleep(0.2)
+    raise AssertionError(f"no ended split of {job}: {found}")
+
+
+def test_sigterm_finishes_the_publish_sends_the_end_and_ends_the_process(
+        cache: ServerProcess, tmp_path: Path) -> None:
+    job, model = name(tmp_path, "term"), name(tmp_path, "term-model")
+    proc, _ = start(cache.url, tmp_path, "default", job, COMPILE="1",
+                    MEGACACHE_MODEL=model)
+    sent, took = terminate(proc)
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, stderr[-3000:])
+    assert took < GRACE_S + 3, (took, stderr[-3000:])
+    entries = httpx.get(f"{cache.url}/v1/ac", params={"model": model}, timeout=10).json()
+    assert entries["entries"], "the compile was not published before the process ended"
+    (attempt,) = ett(cache.url, job)["attempts"]
+    assert attempt["ended"] == "failed" and attempt["failed"], attempt
+    assert abs(attempt["end"] - sent) < 1.5, (attempt["end"], sent)
+
+
+def test_sigterm_goes_on_to_the_trainer_s_own_handler(cache: ServerProcess,
+                                                      tmp_path: Path) -> None:
+    job = name(tmp_path, "own")
+    marker = tmp_path / "marker"
+    proc, _ = start(cache.url, tmp_path, "own", job, MARKER=str(marker))
+    sent, took = terminate(proc)
+    assert proc.returncode == 3, proc.stderr.read() if proc.stderr else ""
+    assert marker.exists() and took < GRACE_S + 3
+    (attempt,) = ett(cache.url, job)["attempts"]
+    # ours ran first: a sign of life at the signal; the trainer's handler then exited
+    # cleanly (sys.exit), which reads as finished
+    assert attempt["ended"] == "finished" and abs(attempt["end"] - sent) < 1.5, attempt
+
+
+def test_sigterm_ends_a_trainer_stuck_in_native_code(cache: ServerProcess,
+                                                     tmp_path: Path) -> None:
+    """Python runs handlers between bytecodes only: without the watcher thread, a SIGTERM
+    to a main thread inside a long native call would wait for the call (here ~minutes)."""
+    job = name(tmp_path, "stuck")
+    proc, _ = start(cache.url, tmp_path, "stuck", job)
+    time.sleep(0.5)  # inside the native call by now
+    sent, took = terminate(proc)
+    assert proc.returncode == -signal.SIGTERM and took < GRACE_S + 3, (proc.returncode, took)
+    (attempt,) = ett(cache.url, job)["attempts"]
+    assert attempt["ended"] == "failed" and abs(attempt["end"] - sent) < 1.5, attempt
+
+
+def test_a_short_outage_near_the_end_loses_no_save_and_not_the_end(
+        tmp_path: Path) -> None:
+    server = ServerProcess(tmp_path / "data").start()
+    try:
+        job = name(tmp_path, "outage")
+        proc, _ = start(server.url, tmp_path, "outage", job, SAVES="20")
+        server.stop()  # down after the third save for ~4-5 s; the job ends ~5 s later
+        down = time.monotonic()
+        time.sleep(2.0)
+        server.start()
+        up = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        ended = time.monotonic()
+        assert proc.returncode == 0, err[-3000:]
+        assert ended > up, "the job ended during the outage: nothing could reach the server"
+        (attempt,) = ett(server.url, job)["attempts"]
+        assert attempt["checkpoint_saves"] == 20, (attempt, up - down, ended - up)
+        assert attempt["ended"] == "finished" and not attempt["live"], attempt
+    finally:
+        server.stop()
