@@ -78,6 +78,43 @@ def test_a_killed_rank_leaves_its_compile_behind(cache: ServerProcess, tmp_path:
     assert attempts[1]["outcome"] == "hit", record
 
 
+def entry_puts(url: str) -> float:
+    """Entry writes the server counted (`PUT /v1/ac/{key}`, any status)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("megacache_http_requests_total{")
+               and 'method="PUT"' in line and 'route="/v1/ac/{key}"' in line)
+
+
+@pytest.mark.parametrize("rounds", [4, 1])
+def test_later_compiles_publish_again_once_each_within_the_cap(
+        tmp_path: Path, rounds: int) -> None:
+    """Two waves of compiles: the first settled point publishes the first, the next one
+    the second (the union); the exit has nothing new and writes nothing. With a cap of one
+    round, the second wave stays unpublished."""
+    need("torch", "the job compiles a real model")
+    server = ServerProcess(tmp_path / "data").start()
+    try:
+        model = name(tmp_path, "waves")
+        run = run_job(Machine(tmp_path / "node"), runner=[sys.executable,
+                                                          str(HERE / "rounds_job.py")],
+                      env={"MEGACACHE_URL": server.url, "MEGACACHE_MODEL": model,
+                           "MEGACACHE_MAX_PUBLISHES": str(rounds), "OMP_NUM_THREADS": "1",
+                           "ROUNDS_WAIT": "60" if rounds > 1 else "5"},
+                      timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        first, second = run.result["first"], run.result["second"]
+        assert first is not None and second is not None, run.result
+        if rounds > 1:
+            assert second["inductor"] > first["inductor"], run.result  # the union
+            assert entry_puts(server.url) == 2  # one write per wave, none at exit
+        else:
+            assert second == first, run.result
+            assert entry_puts(server.url) == 1
+    finally:
+        server.stop()
+
+
 # -- SIGTERM and outages: one trainer process each ----------------------------------------
 def start(cache_url: str, tmp_path: Path, mode: str, job: str, **env: str
           ) -> tuple[subprocess.Popen[str], Path]:

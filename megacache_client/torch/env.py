@@ -223,11 +223,31 @@ Artifacts = dict[str, list[Any]]
 
 
 def read_artifacts(raw: bytes) -> Artifacts | None:
-    """Mega-Cache bytes as torch's artifacts, or None if torch could not read them."""
-    from torch.compiler._cache import CacheArtifactManager
+    """Mega-Cache bytes as torch's artifacts, or None if torch could not read them.
 
-    artifacts = CacheArtifactManager.deserialize(raw)
-    return dict(artifacts) if artifacts is not None else None
+    The bytes of a process that saved more than once hold one chunk per type per save
+    (torch appends); torch's own reader makes a dict of the chunks, so each type keeps
+    only its last save's artifacts. Here the chunks of a type are joined (one artifact per
+    key, the latest), so a second publish round ships the first round's graphs too."""
+    from torch.compiler import _cache
+
+    try:
+        register = getattr(_cache.CacheArtifactManager, "_ensure_cache_artifacts_registered",
+                           lambda: None)
+        read_one = _cache._deserialize_single_cache
+        from torch.utils._appending_byte_serializer import AppendingByteSerializer
+    except (AttributeError, ImportError):  # another torch: its own reader, as it reads
+        artifacts = _cache.CacheArtifactManager.deserialize(raw)
+        return dict(artifacts) if artifacts is not None else None
+    try:
+        register()
+        chunks = AppendingByteSerializer.to_list(raw, deserialize_fn=read_one)
+    except Exception:
+        return None
+    out: dict[str, dict[str, Any]] = {}
+    for kind, items in chunks:
+        out.setdefault(kind, {}).update((a.key, a) for a in items)
+    return {kind: list(by_key.values()) for kind, by_key in out.items()}
 
 
 def populate(artifacts: Artifacts) -> dict[str, list[str]]:
