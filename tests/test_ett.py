@@ -129,3 +129,50 @@ def test_bad_job_fields_are_refused(events_server: ServerProcess, bad: dict[str,
         r = c.post("/v1/events", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 422, r.text
         assert [j["job_id"] for j in c.get("/v1/jobs").json()["jobs"]] == ["ok-1"]
+
+
+def test_a_follow_up_adds_what_changed_and_counts_no_new_run(events_server: ServerProcess
+                                                             ) -> None:
+    """A process reports right after its first step, then at exit only what changed since
+    (`followup`): compile seconds and bytes add up, the run, its outcome, its miss reason
+    and its time to start count once."""
+    c = token_client(events_server, "read,write", "team-follow")
+    first = event("fu", job_id="fj", attempt=0, rank=0, world_size=1, tts_s=20.0,
+                  compile_s=10.0, bytes_down=100, reason="no entry yet")
+    later = {"key": "b" * 64, "model": "fu", "outcome": "miss", "followup": True,
+             "compile_s": 2.5, "bytes_up": 4000, "published": True, "job_id": "fj",
+             "attempt": 0, "rank": 0, "world_size": 1}
+    for body in (first, later):
+        assert c.post("/v1/events", json=body).status_code == 202
+    (model,) = c.get("/v1/stats").json()["models"]
+    assert (model["runs"], model["outcomes"]["miss"], model["tts_n"]) == (1, 1, 1), model
+    assert (model["compile_s"], model["bytes_down"], model["bytes_up"]) == (12.5, 100, 4000)
+    (job,) = c.get("/v1/jobs").json()["jobs"]
+    (attempt,) = job["attempts"]
+    assert (attempt["seconds"], attempt["reports"], attempt["compile_s"]) == (20.0, 1, 10.0)
+    misses = c.get("/v1/dashboard", params={"hours": 24}).json()["top_misses"]
+    assert [m["count"] for m in misses] == [1], misses
+    # a follow-up claims no time to start, replay or seconds saved
+    for bad in ({"tts_s": 3.0}, {"replay": "full"}, {"saved_s": 1.0, "cold_compile_s": 5.0}):
+        r = c.post("/v1/events", json={**later, **bad})
+        assert r.status_code == 422 and "follow-up" in r.text, (bad, r.text)
+
+
+def test_the_exit_sends_only_what_changed_since_the_first_step() -> None:
+    from megacache_client.steps.report import followups
+    from megacache_client.wire.events import Event
+
+    first = Event(key="a" * 64, model="m", outcome="hit", compile_s=1.5, bytes_down=900,
+                  fxgraph_hit=2, tts_s=4.0, replay="full", job_id="j", attempt=1)
+    other = Event(key="c" * 64, model="m2", outcome="miss")
+    same = Event(key="a" * 64, model="m", outcome="hit", compile_s=1.5, bytes_down=900,
+                 fxgraph_hit=2, tts_s=4.0, replay="full", job_id="j", attempt=1)
+    assert followups([first], [same]) == []  # nothing changed: nothing sent
+    later = Event(key="a" * 64, model="m", outcome="hit", compile_s=4.0, bytes_down=900,
+                  bytes_up=5000, fxgraph_hit=3, fxgraph_miss=1, tts_s=4.0, replay="partial",
+                  published=True, job_id="j", attempt=1)
+    (more, new) = followups([first], [later, other])
+    assert more.followup and (more.compile_s, more.bytes_up, more.bytes_down) == (2.5, 5000, 0)
+    assert (more.fxgraph_hit, more.fxgraph_miss, more.published) == (1, 1, True)
+    assert (more.tts_s, more.replay, more.saved_s, more.job_id) == (None, None, 0.0, "j")
+    assert new is other and not new.followup  # a track first compiled later: its whole event
