@@ -71,7 +71,7 @@ def join_group(rank: int, attempt: int) -> None:
                             rank=rank, world_size=world, timeout=timeout)
 
 
-def main() -> None:
+def main() -> Any:
     rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     steps, every = int(os.environ["STEPS"]), int(os.environ["CKPT_EVERY"])
     step_s, kill_at = float(os.environ["STEP_S"]), int(os.environ["KILL_AT"])
@@ -117,14 +117,16 @@ def main() -> None:
     dist.barrier()
     dist.destroy_process_group()
     truth.write("end", at=time.time(), step=steps)
+    return model  # kept alive by the caller: see below
 
 
 if __name__ == "__main__":
-    main()
-    # torch's gloo teardown can deadlock at interpreter exit: the DDP Reducer's destructor
-    # (holding the GIL) joins gloo's worker thread, which waits for the GIL to free the
-    # barrier's tensors (seen once in CI: a rank hung for ever after its job had ended).
-    # The exit handlers (megacache's end record among them) run, then the process ends.
+    KEPT = main()
+    # torch's gloo teardown can deadlock: the DDP Reducer's destructor (holding the GIL)
+    # joins gloo's worker thread, which waits for the GIL to free the barrier's tensors
+    # (seen in CI: a rank hung for ever after its job had ended; py-spy showed the main
+    # thread in ~Reducer as main()'s locals were freed). So the model is never freed: the
+    # exit handlers (megacache's end record among them) run, then the process ends.
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
