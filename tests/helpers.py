@@ -339,6 +339,23 @@ def uploads_at_once(urls: list[str], headers: dict[str, str], n: int, size: int
         return list(pool.map(upload, range(n))), blobs
 
 
+def ett_of(url: str, job: str, attempts: int | None = None, timeout: float = 15.0
+           ) -> dict[str, Any]:
+    """The server's split of `job` once it has `attempts` attempts (any number: None) and
+    the last has ended (the end is sent at the trainer's exit, at most 2 s on)."""
+    end = time.monotonic() + timeout
+    found: dict[str, Any] = {}
+    while time.monotonic() < end:
+        r = httpx.get(f"{url}/v1/jobs/{job}/ett", timeout=30)
+        if r.status_code == 200:
+            found = r.json()
+            rows = found.get("attempts", [])
+            if rows and attempts in (None, len(rows)) and rows[-1].get("ended"):
+                return found
+        time.sleep(0.25)
+    raise AssertionError(f"the server has no ended split of {job}: {found or r.text}")
+
+
 def token_client(server: ServerProcess, scopes: str, namespace: str = "default"
                  ) -> httpx.Client:
     """An HTTP client of `server` holding a new token of `scopes` in `namespace`."""

@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from conftest import need
-from helpers import ServerProcess, free_port
+from helpers import ServerProcess, ett_of, free_port
 from jobs import Machine, run_job
 
 pytestmark = pytest.mark.e2e
@@ -43,22 +42,6 @@ JOB_ENV = {"OMP_NUM_THREADS": "1", "MEGACACHE_MODE": "read-only"}
 
 def job_id(tmp_path: Path, what: str) -> str:
     return f"{what}-{tmp_path.name[-10:]}-{int(time.time() * 1000) % 10**8}".replace("_", "-")
-
-
-def ett_of(url: str, job: str, attempts: int, timeout: float = 15.0) -> dict[str, Any]:
-    """The server's split of `job` once its last attempt has ended (the end is sent at the
-    trainer's exit, at most 2 s on)."""
-    end = time.monotonic() + timeout
-    found: dict[str, Any] = {}
-    while time.monotonic() < end:
-        r = httpx.get(f"{url}/v1/jobs/{job}/ett", timeout=30)
-        if r.status_code == 200:
-            found = r.json()
-            rows = found.get("attempts", [])
-            if len(rows) == attempts and rows[-1].get("ended"):
-                return found
-        time.sleep(0.25)
-    raise AssertionError(f"the server has no ended split of {job}: {found or r.text}")
 
 
 # -- one process ----------------------------------------------------------------------------

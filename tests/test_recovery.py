@@ -20,15 +20,12 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from conftest import need
-from helpers import ServerProcess, free_port
+from helpers import ServerProcess, ett_of, free_port
 from jobs import GxxCounter, Machine, clean_env, run_job
-
-from megacache_client.wire import routes
 
 pytestmark = pytest.mark.e2e
 
@@ -147,19 +144,6 @@ def terminate(proc: subprocess.Popen[str]) -> tuple[float, float]:
     return sent, time.time() - sent
 
 
-def ett(url: str, job: str, ended: bool = True, timeout: float = 20.0) -> dict[str, Any]:
-    end = time.monotonic() + timeout
-    found: dict[str, Any] = {}
-    while time.monotonic() < end:
-        r = httpx.get(f"{url}{routes.JOB_ETT.url(job=job)}", timeout=10)
-        if r.status_code == 200:
-            found = r.json()
-            if not ended or found["attempts"][-1]["ended"]:
-                return found
-        time.sleep(0.2)
-    raise AssertionError(f"no ended split of {job}: {found}")
-
-
 def test_sigterm_finishes_the_publish_sends_the_end_and_ends_the_process(
         cache: ServerProcess, tmp_path: Path) -> None:
     job, model = name(tmp_path, "term"), name(tmp_path, "term-model")
@@ -171,7 +155,7 @@ def test_sigterm_finishes_the_publish_sends_the_end_and_ends_the_process(
     assert took < GRACE_S + 3, (took, stderr[-3000:])
     entries = httpx.get(f"{cache.url}/v1/ac", params={"model": model}, timeout=10).json()
     assert entries["entries"], "the compile was not published before the process ended"
-    (attempt,) = ett(cache.url, job)["attempts"]
+    (attempt,) = ett_of(cache.url, job)["attempts"]
     assert attempt["ended"] == "failed" and attempt["failed"], attempt
     assert abs(attempt["end"] - sent) < 1.5, (attempt["end"], sent)
 
@@ -184,7 +168,7 @@ def test_sigterm_goes_on_to_the_trainer_s_own_handler(cache: ServerProcess,
     sent, took = terminate(proc)
     assert proc.returncode == 3, proc.stderr.read() if proc.stderr else ""
     assert marker.exists() and took < GRACE_S + 3
-    (attempt,) = ett(cache.url, job)["attempts"]
+    (attempt,) = ett_of(cache.url, job)["attempts"]
     # ours ran first: a sign of life at the signal; the trainer's handler then exited
     # cleanly (sys.exit), which reads as finished
     assert attempt["ended"] == "finished" and abs(attempt["end"] - sent) < 1.5, attempt
@@ -199,7 +183,7 @@ def test_sigterm_ends_a_trainer_stuck_in_native_code(cache: ServerProcess,
     time.sleep(0.5)  # inside the native call by now
     sent, took = terminate(proc)
     assert proc.returncode == -signal.SIGTERM and took < GRACE_S + 3, (proc.returncode, took)
-    (attempt,) = ett(cache.url, job)["attempts"]
+    (attempt,) = ett_of(cache.url, job)["attempts"]
     assert attempt["ended"] == "failed" and abs(attempt["end"] - sent) < 1.5, attempt
 
 
@@ -218,7 +202,7 @@ def test_a_short_outage_near_the_end_loses_no_save_and_not_the_end(
         ended = time.monotonic()
         assert proc.returncode == 0, err[-3000:]
         assert ended > up, "the job ended during the outage: nothing could reach the server"
-        (attempt,) = ett(server.url, job)["attempts"]
+        (attempt,) = ett_of(server.url, job)["attempts"]
         assert attempt["checkpoint_saves"] == 20, (attempt, up - down, ended - up)
         assert attempt["ended"] == "finished" and not attempt["live"], attempt
     finally:
