@@ -33,8 +33,10 @@ def enable(*, model: str | None = None, code: str | None = None,
     """Turn the cache on for this process.
 
     Configuration comes from keyword arguments, else `MEGACACHE_*` variables (`url`, `token`,
-    `mode`, ...). The first `torch.compile` call loads the matching bundle; the process exit
-    (or `session.close()`) publishes what was compiled and reports the run. With no URL, or
+    `mode`, ...). The first `torch.compile` call loads the matching bundle; after the first
+    compiled step the run is reported and, once the compile has settled, published in the
+    background; the process exit (or `session.close()`), and SIGTERM within a bounded grace,
+    publish what is left and report what changed. With no URL, or
     `mode="off"`, this returns a session that does nothing; so does a torch outside
     `supported.SUPPORTED_TORCH` (one warning, no network traffic, outcome `inert`).
     """
@@ -128,7 +130,8 @@ def disable(session: Session | None = None) -> None:
 
 @contextlib.contextmanager
 def session(**kwargs: Any) -> Iterator[Session]:
-    """`with megacache_client.session(model="mlp"): ...` — publish and report at exit."""
+    """`with megacache_client.session(model="mlp"): ...` — what is left published and
+    reported at the block's exit."""
     s = enable(**kwargs)
     try:
         yield s

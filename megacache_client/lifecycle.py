@@ -9,6 +9,12 @@ entry, fetch its blobs), `load.py` (place the packs, load into torch), `publish.
 (snapshot, claim, upload, write the entries; with `shipping.py` and `claims.py`) and
 `report.py` (the events); they raise, and the session decides what a failure costs.
 
+Publishing and reporting do not wait for the exit: a process killed with SIGKILL runs no exit
+handler. Right after the first compiled step the run's events go out, and each settled point
+(`steps/settle.py`: the step after a compile completed) runs a publish round in the
+background; the exit, and SIGTERM (`steps/preemption.py`), run a last one and report what
+changed.
+
 A process may compile several things (a model and its loss, a trainer and its EMA copy):
 each distinct fingerprint is a `Track` with its own entry, load and publish. Torch keeps one
 Mega-Cache per process, so every published entry carries the process's whole bundle: the

@@ -21,8 +21,11 @@ without a change to the trainer:
   way, or bound `save` before the client was enabled, say so with
   `megacache_client.checkpoint()` / `checkpoint_saved()` / `checkpoint_loaded()`;
 - the end: `finished` at interpreter exit, `failed` on an uncaught exception
-  (`sys.excepthook`, chained). A killed process sends nothing: the server takes its last
-  heartbeat. `sys.exit(n)` with n != 0 reads as finished (atexit cannot see the code).
+  (`sys.excepthook`, chained) and on a SIGTERM that ends the process (`preempted`). A
+  process killed with SIGKILL sends nothing: the server dates its failure by the last thing
+  it is known to have done, its last batch (each ends with a heartbeat at its send time) or
+  its lifeline on the node (`steps/lifeline.py`), which the next attempt there reports.
+  `sys.exit(n)` with n != 0 reads as finished (atexit cannot see the code).
 
 Everything here is fail-open: an error is a debug line, and the sending is
 `steps/progress.py`'s thread's business, never the training loop's.
