@@ -12,13 +12,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from megacache_client.config import ClientConfig
 from megacache_client.job import RESOLUTION_TTL_S, JobIdentity
 from megacache_client.results import LoadResult
 from megacache_client.steps.fingerprint import COMPONENTS, describe, differing
 from megacache_client.steps.nodecache import NodeCache
+from megacache_client.steps.prefetched import Prefetching, PrefetchResult
 from megacache_client.steps.verify import Admitted, ServedEntry
 from megacache_client.torch import relocate
 from megacache_client.torch.packs import PackError
@@ -31,13 +31,9 @@ from megacache_client.transport.client import (
 )
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest, component_digest
 
-if TYPE_CHECKING:  # what the prefetch thread fetched is taken from it
-    from megacache_client.steps.prefetch import Prefetcher, PrefetchResult
-
-
 
 # -- what the prefetch thread already fetched ----------------------------------------------
-def await_prefetch(prefetcher: Prefetcher | None, wait_s: float, result: LoadResult,
+def await_prefetch(prefetcher: Prefetching | None, wait_s: float, result: LoadResult,
                    warn: Callable[[str], None]) -> PrefetchResult | None:
     """Wait (bounded) for a prefetch still running; None when there is none or it failed."""
     if prefetcher is None:
@@ -50,7 +46,7 @@ def await_prefetch(prefetcher: Prefetcher | None, wait_s: float, result: LoadRes
     return None if done.error else done
 
 
-def failure_reason(prefetcher: Prefetcher | None, exc: Exception) -> str:
+def failure_reason(prefetcher: Prefetching | None, exc: Exception) -> str:
     """Why the load failed, the root cause first: when it found the server marked down
     because this process's own prefetch (or the earlier one it continued) gave up on it,
     that prefetch's error is the reason, not the breaker it opened."""

@@ -15,20 +15,18 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from filelock import FileLock, Timeout
 
 from megacache_client.errors import blamed_on
 from megacache_client.results import LoadResult
+from megacache_client.steps.prefetched import Prefetching, PrefetchResult
 from megacache_client.steps.verify import Admitted
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import precompile, relocate, vec_isa
 from megacache_client.torch.packs import PackError, decompress_bytes, read_index, safe_name, unpack
 from megacache_client.wire.manifest import Manifest
-
-if TYPE_CHECKING:  # the prefetcher places with this module's helpers
-    from megacache_client.steps.prefetch import Prefetcher, PrefetchResult
 
 log = logging.getLogger("megacache")
 
@@ -175,7 +173,7 @@ def read_bundle(bundle: Admitted, cap: int) -> bytes:
 
 
 # -- the headers the prefetch thread places last ------------------------------------------
-def await_toolchain(prefetcher: Prefetcher | None, entry: Manifest | None, result: LoadResult,
+def await_toolchain(prefetcher: Prefetching | None, entry: Manifest | None, result: LoadResult,
                     wait_s: float, prefetched: PrefetchResult | None = None) -> None:
     """Make torch wait (bounded) for the toolchain pack the prefetch thread places after
     the rest, when this entry names it. Even an exact hit needs it: Inductor precompiles
@@ -198,7 +196,7 @@ def await_toolchain(prefetcher: Prefetcher | None, entry: Manifest | None, resul
         wait_for_headers()
 
 
-def count_toolchain(prefetcher: Prefetcher | None, result: LoadResult, timeout: float
+def count_toolchain(prefetcher: Prefetching | None, result: LoadResult, timeout: float
                     ) -> None:
     """The prefetch's toolchain pack, once in place, counted in `result`."""
     if prefetcher is None or not prefetcher.wait_toolchain(timeout):

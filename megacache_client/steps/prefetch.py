@@ -34,14 +34,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from megacache_client.config import ClientConfig
 from megacache_client.errors import UntrustedEntryError, UntrustedWriterError
 from megacache_client.steps.fetch import fetch_blob, skip_reason
 from megacache_client.steps.load import place, read_bundle
 from megacache_client.steps.nodecache import NodeCache
+from megacache_client.steps.prefetched import PrefetchResult
 from megacache_client.steps.verify import ServedEntry
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import relocate
@@ -54,34 +53,6 @@ Wanted = tuple[ServedEntry, BlobRef]
 """A blob to fetch, with the admitted entry that names it (what the gate admits it by)."""
 TOOLCHAIN_NOMINEES = 3
 """Entries of the listing whose toolchain pack is tried, each read by key."""
-
-
-@dataclass
-class PrefetchResult:
-    """What the prefetch left in the node cache, and how it went."""
-
-    paths: dict[str, Path] = field(default_factory=dict)
-    """digest -> verified local path, for every blob fetched or found on disk."""
-    placed: dict[str, int] = field(default_factory=dict)
-    """digest -> files unpacked from that kernels/toolchain pack."""
-    bundles: dict[str, bytes] = field(default_factory=dict)
-    """digest -> the Mega-Cache bundle, decompressed and checked (`read_bundle`): the load
-    hands it to torch without reading, decompressing or hashing it again."""
-    bytes_down: int = 0
-    """Downloaded before `wait` returns (the toolchain pack counts in `toolchain_bytes`)."""
-    toolchain_bytes: int = 0
-    seconds: float = 0.0
-    error: str = ""
-    entry_key: str | None = None
-    entry: ServedEntry | None = None
-    """The configured model's newest entry, read by key as the load reads an exact hit
-    (through the gate, access recorded): a load whose fingerprint is this key uses it
-    instead of asking again."""
-    toolchain: str | None = None
-    """Digest of the toolchain pack this prefetch downloads and places *after* the rest is
-    ready (`Prefetcher.wait`): the first compile loads the bundle and graphs while ~150 MB
-    of headers are unpacked, and waits for them only at torch's header."""
-    toolchain_error: str = ""
 
 
 class Prefetcher:

@@ -7,6 +7,9 @@ its record goes out once the checkpoint is durable, and not at all when it faile
 wrapper costs nothing while telemetry is off (it calls through). Only the package's
 attributes are wrapped: a name bound before (`from torch.distributed.checkpoint import
 save` ahead of an explicit `enable()`) keeps calling the unwrapped function.
+
+This module knows nothing of telemetry: `watch_checkpoint_module` is handed the function
+that names the process's recorder (`telemetry.active`), so the arrow runs one way only.
 """
 
 from __future__ import annotations
@@ -18,12 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
-
-from megacache_client.torch import telemetry
-
-if TYPE_CHECKING:
-    from megacache_client.torch.telemetry import Telemetry
+from typing import Any, Protocol
 
 log = logging.getLogger("megacache")
 
@@ -32,10 +30,30 @@ _inside = threading.local()
 """Set while a wrapped checkpoint call runs: a wrapped call inside another is not counted."""
 
 
+class Recorder(Protocol):
+    """Who is told of checkpoints (the process's `telemetry.Telemetry`)."""
+
+    @property
+    def step(self) -> int: ...
+
+    def saved(self, at: float, blocking_s: float, background_s: float | None,
+              step: int | None) -> None: ...
+
+    def loaded(self, at: float, blocking_s: float, step: int | None) -> None: ...
+
+
+def _nobody() -> Recorder | None:
+    return None
+
+
+_recorder: Callable[[], Recorder | None] = _nobody
+"""The recorder of the moment, or None (telemetry off): the wrappers then call through."""
+
+
 def _timed(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t = telemetry.active()
+        t = _recorder()
         if t is None or getattr(_inside, "busy", False):
             return fn(*args, **kwargs)
         at, began, step = time.time(), time.monotonic(), t.step
@@ -60,7 +78,7 @@ def _timed(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _when_written(result: Any, t: Telemetry, at: float, blocking: float, step: int) -> None:
+def _when_written(result: Any, t: Recorder, at: float, blocking: float, step: int) -> None:
     """An async save returned: its record goes out when its upload is done, if it worked."""
     returned = time.monotonic()
     future = getattr(result, "upload_completion", result)
@@ -86,8 +104,11 @@ def patch_checkpoint_module(module: ModuleType) -> None:
             setattr(module, name, _timed(name, fn))
 
 
-def watch_checkpoint_module() -> None:
-    """Patch torch.distributed.checkpoint now if imported, else right after its import."""
+def watch_checkpoint_module(recorder: Callable[[], Recorder | None]) -> None:
+    """Patch torch.distributed.checkpoint now if imported, else right after its import; its
+    calls are told to whoever `recorder()` names when they run."""
+    global _recorder
+    _recorder = recorder
     module = sys.modules.get(DCP)
     if module is not None and hasattr(module, "save"):
         patch_checkpoint_module(module)

@@ -49,6 +49,7 @@ from megacache_client.job import JobIdentity, allocation_start
 from megacache_client.steps import progress as records
 from megacache_client.steps.lifeline import LIFELINE_S, Lifeline
 from megacache_client.steps.progress import Progress
+from megacache_client.torch.checkpoints import watch_checkpoint_module
 from megacache_client.wire.progress import ProgressRecord, Reason
 
 log = logging.getLogger("megacache")
@@ -139,9 +140,7 @@ class Telemetry:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._handle = register_optimizer_step_post_hook(self.on_step)
-        from megacache_client.torch.checkpoints import watch_checkpoint_module
-
-        watch_checkpoint_module()
+        watch_checkpoint_module(active)
         threading.Thread(target=self._beat, name="megacache-heartbeat", daemon=True).start()
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
