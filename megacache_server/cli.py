@@ -45,7 +45,12 @@ from megacache_server.service.cache import Cache
 from megacache_server.service.collector import GC_NICE
 from megacache_server.service.signing import signer_for, write_new_key
 from megacache_server.settings import Settings
-from megacache_server.store.storage import Storage, build_storage
+from megacache_server.store.storage import (
+    Storage,
+    build_storage,
+    local_paths,
+    removed_on_failure,
+)
 
 log = logging.getLogger("megacache.server")
 
@@ -279,12 +284,14 @@ def _http_protocol() -> str:
     return "megacache_server.api.connection_guard:BoundedHttpToolsProtocol"
 
 
-async def storage_problem(settings: Settings) -> str | None:
-    """Why the configured index or blob store cannot be used now, or None."""
+async def storage_problem(settings: Settings, *, with_blobs: bool = True) -> str | None:
+    """Why the configured index or blob store cannot be used now, or None. Storage found
+    unusable leaves nothing created on disk (no empty data dir beside a dead index)."""
     try:
-        async with opened_storage(settings) as storage:
-            for part in (storage.blobs, storage.index):
-                await part.ping()
+        with removed_on_failure(local_paths(settings, with_blobs=with_blobs)):
+            async with opened_storage(settings, with_blobs=with_blobs) as storage:
+                for part in (storage.blobs, storage.index) if with_blobs else (storage.index,):
+                    await part.ping()
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -319,9 +326,10 @@ def _export(settings: Settings) -> None:
 
 
 @contextlib.asynccontextmanager
-async def opened_storage(settings: Settings) -> AsyncIterator[Storage]:
+async def opened_storage(settings: Settings, *, with_blobs: bool = True
+                         ) -> AsyncIterator[Storage]:
     """The configured storage, opened for a maintenance command and closed after it."""
-    storage = build_storage(settings)
+    storage = build_storage(settings, with_blobs=with_blobs)
     await storage.open()
     try:
         yield storage
@@ -330,39 +338,48 @@ async def opened_storage(settings: Settings) -> AsyncIterator[Storage]:
 
 
 @contextlib.asynccontextmanager
-async def opened_cache(settings: Settings) -> AsyncIterator[Cache]:
+async def opened_cache(settings: Settings, *, with_blobs: bool = True
+                       ) -> AsyncIterator[Cache]:
     """The cache service over the configured storage: what every maintenance command uses."""
-    async with opened_storage(settings) as storage:
+    async with opened_storage(settings, with_blobs=with_blobs) as storage:
         yield Cache(settings, storage)
 
 
 StorageCommand = Callable[[Cache, argparse.Namespace], Awaitable[int]]
 
 
-def on_storage(command: StorageCommand) -> Callable[[argparse.Namespace], int]:
+def on_storage(command: StorageCommand, *, with_blobs: bool = True
+               ) -> Callable[[argparse.Namespace], int]:
     """A command run on the configured storage through the cache service: settings checked,
     storage reachable (else UNAVAILABLE), opened for the command and closed after it. A
     refusal of the service ends it with UNAVAILABLE when storage is down (503), else
-    PROBLEM."""
+    PROBLEM. A command that fails leaves nothing it created (`removed_on_failure`)."""
 
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
         settings = configured(args)
-        problem = asyncio.run(storage_problem(settings))
-        if problem:
-            raise CommandFailed(ExitCode.UNAVAILABLE, f"storage unavailable: {problem}")
 
         async def on_cache() -> int:
-            async with opened_cache(settings) as cache:
+            async with opened_cache(settings, with_blobs=with_blobs) as cache:
                 return await command(cache, args)
 
-        try:
-            return asyncio.run(on_cache())
-        except ApiError as exc:
-            raise CommandFailed(ExitCode.UNAVAILABLE if exc.status == 503
-                                else ExitCode.PROBLEM, exc.message) from exc
+        with removed_on_failure(local_paths(settings, with_blobs=with_blobs)):
+            problem = asyncio.run(storage_problem(settings, with_blobs=with_blobs))
+            if problem:
+                raise CommandFailed(ExitCode.UNAVAILABLE, f"storage unavailable: {problem}")
+            try:
+                return asyncio.run(on_cache())
+            except ApiError as exc:
+                raise CommandFailed(ExitCode.UNAVAILABLE if exc.status == 503
+                                    else ExitCode.PROBLEM, exc.message) from exc
 
     return run
+
+
+def on_index(command: StorageCommand) -> Callable[[argparse.Namespace], int]:
+    """`on_storage` for a command on the index alone (tokens): the blob store is neither
+    opened nor created."""
+    return on_storage(command, with_blobs=False)
 
 
 @on_storage
@@ -420,7 +437,7 @@ async def cmd_fsck(cache: Cache, args: argparse.Namespace) -> int:
     return ExitCode.OK if report.clean or args.repair else ExitCode.PROBLEM
 
 
-@on_storage
+@on_index
 async def cmd_token_create(cache: Cache, args: argparse.Namespace) -> int:
     scopes = tuple(s.strip() for s in args.scopes.split(",") if s.strip())
     try:
@@ -436,7 +453,7 @@ async def cmd_token_create(cache: Cache, args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-@on_storage
+@on_index
 async def cmd_token_list(cache: Cache, args: argparse.Namespace) -> int:
     now = time.time()
     for t in await cache.tokens():
@@ -446,7 +463,7 @@ async def cmd_token_list(cache: Cache, args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-@on_storage
+@on_index
 async def cmd_token_revoke(cache: Cache, args: argparse.Namespace) -> int:
     if not await cache.revoke_token(args.token_id):
         raise CommandFailed(ExitCode.PROBLEM, f"no token {args.token_id}")

@@ -23,11 +23,11 @@ from megacache_client.wire.exitcodes import ExitCode
 from megacache_server.settings import Settings
 
 
-def server_cli(*args: str, env: dict[str, str] | None = None,
-               timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def server_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
+               cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("MEGACACHE_")}
     return subprocess.run([sys.executable, "-m", "megacache_server", *args], capture_output=True,
-                          text=True, env={**base, **(env or {})}, timeout=timeout)
+                          text=True, env={**base, **(env or {})}, timeout=timeout, cwd=cwd)
 
 
 def test_help_is_short_and_relevant_per_command():
@@ -78,8 +78,6 @@ def test_documented_exit_codes(tmp_path: Path):
                           "--port", str(free_port()))
         assert down.returncode == ExitCode.UNAVAILABLE, (workers, down.stderr)
         assert "storage unavailable" in down.stderr
-    assert server_cli("token", "list", "--index", dead_redis).returncode == \
-        ExitCode.UNAVAILABLE
     with socket.socket() as taken:
         taken.bind((LOOPBACK, 0))
         taken.listen()
@@ -87,6 +85,28 @@ def test_documented_exit_codes(tmp_path: Path):
         for workers in ("1", "2"):
             out = server_cli("--workers", workers, "--port", port, "--data-dir", data)
             assert out.returncode == ExitCode.STARTUP, (workers, out.stderr)
+
+
+def test_a_command_that_fails_creates_nothing(tmp_path: Path):
+    """A command against a store that is down, or one that is refused, leaves no data dir,
+    no index file and no blob folders where it ran (the default data dir is relative)."""
+    dead_redis = f"redis://{LOOPBACK}:{free_port()}/0"
+    here = tmp_path / "cwd"
+    here.mkdir()
+    runs = [server_cli("token", "list", "--index", dead_redis, cwd=here),
+            server_cli("fsck", "--index", dead_redis, "--data-dir", "a/b", cwd=here),
+            server_cli("--index", dead_redis, "--port", str(free_port()), cwd=here)]
+    assert [r.returncode for r in runs] == [ExitCode.UNAVAILABLE] * 3, [r.stderr for r in runs]
+    refused = server_cli("token", "revoke", "no-such-token", cwd=here)  # the sqlite default
+    assert refused.returncode == ExitCode.PROBLEM and "no token" in refused.stderr
+    assert sorted(here.rglob("*")) == []
+    kept = here / "kept"  # what was there before stays, even when the command fails
+    kept.mkdir()
+    server_cli("token", "revoke", "no-such-token", "--data-dir", str(kept), cwd=here)
+    assert kept.is_dir() and list(kept.iterdir()) == []
+    listed = server_cli("token", "list", "--data-dir", str(kept), cwd=here)
+    assert listed.returncode == ExitCode.OK, listed.stderr
+    assert sorted(p.name for p in kept.iterdir()) == ["index.sqlite3"]  # no blob folders
 
 
 def _port_free(port: int) -> bool:
