@@ -51,12 +51,28 @@ class ProgressBar:
             return
         self._last = now
         frac = done / total if total else 1.0
-        rate = done / max(now - self.started, 1e-6) / 1e6
+        rate = done / max(now - self.started, 1e-6)
         bar = "#" * int(frac * 30)
         end = "\n" if done >= total else ""
+        scale, unit = byte_unit(total)
         sys.stderr.write(f"\r{self.label:<24} [{bar:<30}] {frac:6.1%} "
-                         f"{done / 1e6:8.1f}/{total / 1e6:.1f} MB {rate:7.1f} MB/s{end}")
+                         f"{done / scale:8.1f}/{total / scale:.1f} {unit} "
+                         f"{rate / byte_unit(rate)[0]:7.1f} {byte_unit(rate)[1]}/s{end}")
         sys.stderr.flush()
+
+
+def _size(n: float) -> str:
+    scale, unit = byte_unit(n)
+    return f"{n / scale:.1f} {unit}"
+
+
+def byte_unit(n: float) -> tuple[float, str]:
+    """The decimal unit a byte count reads best in (B, kB, MB, GB): a 40 kB blob is not
+    "0.0 MB"."""
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n >= scale:
+            return scale, unit
+    return 1.0, "B"
 
 
 def _config(args: argparse.Namespace, **overrides: Any) -> ClientConfig:
@@ -151,15 +167,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps([json.loads(m.to_json()) for m in entries], indent=2))
         return 0
     rows = [(m.key[:16], m.fingerprint.model, m.fingerprint.code[:20], m.torch_version,
-             f"{sum(b.size for b in m.blobs) / 1e6:.1f}", f"{m.cold_compile_s:.1f}",
+             _size(sum(b.size for b in m.blobs)), f"{m.cold_compile_s:.1f}",
              m.created_at.strftime("%Y-%m-%d %H:%M")) for m in entries]
-    _table(("key", "model", "code", "torch", "MB", "cold s", "created"), rows)
+    _table(("key", "model", "code", "torch", "size", "cold s", "created"), rows)
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     with _remote(_config(args)) as remote:
-        found = remote.get_entry(_key(args.key))
+        found = remote.get_entry(_key(remote, args.key))
     if found is None:
         print(f"megacache: no entry {args.key}", file=sys.stderr)
         return 1
@@ -171,7 +187,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     config = _config(args)
     node = NodeCache(config.node_cache_dir, config.lock_timeout_s)
     with _remote(config) as remote:
-        found = remote.get_entry(_key(args.key))
+        found = remote.get_entry(_key(remote, args.key))
         if found is None:
             print(f"megacache: no entry {args.key}", file=sys.stderr)
             return 1
@@ -295,19 +311,56 @@ class UsageError(ValueError):
     """An argument argparse could not check itself (exit 2, like argparse's own errors)."""
 
 
-def _key(value: str) -> str:
-    if not is_hex64(value):
-        raise UsageError(f"a key is 64 lowercase hex characters, not {value!r}")
-    return value
+class NotFound(LookupError):
+    """What the command was asked about is not there (exit 1)."""
+
+
+MIN_PREFIX = 4
+PREFIX_SCAN = 1000
+"""Entries a key prefix is looked up among (the newest; the most one listing returns)."""
+
+
+def _key(remote: RemoteCache, value: str) -> str:
+    """The entry key `value` names: a whole key, or a unique prefix of one as `ls` prints
+    it. A prefix is looked up among the namespace's newest PREFIX_SCAN entries."""
+    if is_hex64(value):
+        return value
+    if not (MIN_PREFIX <= len(value) < 64 and all(c in "0123456789abcdef" for c in value)):
+        raise UsageError(f"a key is 64 lowercase hex characters, or a unique prefix of one "
+                         f"(at least {MIN_PREFIX}, as `megacache ls` prints it), not {value!r}")
+    matches = sorted({m.key for m in remote.list_entries(limit=PREFIX_SCAN)
+                      if m.key.startswith(value)})
+    if len(matches) > 1:
+        raise UsageError(f"key prefix {value} is ambiguous: {len(matches)} entries start "
+                         "with it:\n  " + "\n  ".join(matches) + "\ngive more of the key")
+    if not matches:
+        raise NotFound(f"no entry whose key starts with {value} among the newest "
+                       f"{PREFIX_SCAN} (`megacache ls --json` prints whole keys)")
+    return matches[0]
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Columns as wide as their widest cell; a column of figures is right-aligned, so its
+    digits line up (blank and "-" cells count as figures)."""
     cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    right = [all(_figure(r[i]) for r in cells[1:]) and len(cells) > 1
+             for i in range(len(header))]
     for n, row in enumerate(cells):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        print("  ".join(c.rjust(w) if r else c.ljust(w)
+                        for c, w, r in zip(row, widths, right, strict=True)).rstrip())
         if n == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def _figure(cell: str) -> bool:
+    """A number as the tables print them: 12, 3.4, 56%, 1.2 kB, or none ("", "-")."""
+    text = cell.removesuffix("%").split(" ")[0]
+    try:
+        float(text)
+    except ValueError:
+        return cell in ("", "-")
+    return True
 
 
 MODEL_HELP = "model name in the fingerprint [MEGACACHE_MODEL] (default: derived from the " \
@@ -315,6 +368,7 @@ MODEL_HELP = "model name in the fingerprint [MEGACACHE_MODEL] (default: derived 
 CODE_HELP = "code version in the fingerprint, e.g. a git sha [MEGACACHE_CODE] (default: a " \
     "hash of the model's source)"
 JSON_HELP = "print JSON instead of a table"
+KEY_HELP = "the entry's 64-hex key, or a unique prefix of it as `ls` prints it"
 
 
 def _global_options(parser: argparse.ArgumentParser, default: Any) -> None:
@@ -357,11 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_ls)
 
     p = command("show", "print an entry's manifest")
-    p.add_argument("key", help="the entry's 64-hex key")
+    p.add_argument("key", help=KEY_HELP)
     p.set_defaults(fn=cmd_show)
 
     p = command("pull", "download an entry's blobs into the node cache")
-    p.add_argument("key", help="the entry's 64-hex key")
+    p.add_argument("key", help=KEY_HELP)
     p.set_defaults(fn=cmd_pull)
 
     p = command("push", "publish a Mega-Cache bundle file for this environment")
@@ -393,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # a bad command line exits 2 (USAGE) here
     try:
         return int(args.fn(args))
-    except (UsageError, ConfigError, TransportError, OSError) as exc:
+    except (UsageError, NotFound, ConfigError, TransportError, OSError) as exc:
         print(f"megacache: {exc}", file=sys.stderr)
         return int(exit_code(exc))
 
@@ -406,7 +460,7 @@ def exit_code(exc: Exception) -> ExitCode:
         return ExitCode.CONFIG
     if isinstance(exc, TransportError):
         return transport_exit_code(exc)
-    return ExitCode.PROBLEM  # OSError: a local file (the bundle to push, the node cache)
+    return ExitCode.PROBLEM  # NotFound; OSError: a local file (the bundle, the node cache)
 
 
 def transport_exit_code(exc: TransportError) -> ExitCode:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -12,9 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import need
-from helpers import ServerProcess, free_port
+from helpers import ServerProcess, free_port, make_fingerprint, make_manifest, sha256
 
 from megacache_client.wire.exitcodes import ExitCode
+from megacache_client.wire.manifest import Fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,13 +67,18 @@ def test_push_ls_show_pull_stats(server: ServerProcess, tmp_path: Path):
     assert pushed.returncode == 0, pushed.stderr
     key = pushed.stdout.split()[1]
     listing = megacache("ls", "--model", "cli-model", env=env)
-    assert key[:16] in listing.stdout and "42.0" in listing.stdout
-    shown = json.loads(megacache("show", key, env=env).stdout)
+    row = listing.stdout.splitlines()[2].split()
+    assert row[0] == key[:16] and "42.0" in row, listing.stdout
+    assert row[4:6] == ["300.0", "kB"]  # a size in the unit it reads best in
+    head, line = listing.stdout.splitlines()[0], listing.stdout.splitlines()[2]
+    assert head.index("cold s") + 6 == line.index("42.0") + 4  # figures right-aligned
+    shown = json.loads(megacache("show", row[0], env=env).stdout)  # the key as ls printed it
     assert shown["key"] == key and shown["cold_compile_s"] == 42.0
     assert shown["blobs"][0]["raw_size"] == 300_000
     env["MEGACACHE_NODE_CACHE_DIR"] = str(tmp_path / "other-node")  # another machine
-    pulled = megacache("pull", key, env=env)
+    pulled = megacache("pull", row[0], env=env)
     assert pulled.returncode == 0 and "downloaded" in pulled.stdout
+    assert "kB" in pulled.stderr and "0.0/0.0" not in pulled.stderr, pulled.stderr
     digest = shown["blobs"][0]["digest"]
     assert (tmp_path / "other-node" / "blobs" / digest).stat().st_size == shown["blobs"][0]["size"]
     again = megacache("pull", key, env=env)
@@ -86,6 +93,33 @@ def test_push_ls_show_pull_stats(server: ServerProcess, tmp_path: Path):
     assert "1/0/0" in row.split(), row
 
 
+@pytest.mark.parametrize("server", ["sqlite+fs"], indirect=True)  # the client's rule alone
+def test_a_key_prefix_names_one_entry_or_lists_the_ones_it_could_be(server: ServerProcess):
+    seen: dict[str, Fingerprint] = {}
+    for i in itertools.count():  # two fingerprints whose keys share their first 4 hex digits
+        fp = make_fingerprint(model="cli-prefix", code=f"c{i}")
+        if (twin := seen.setdefault(fp.key()[:4], fp)) is not fp:
+            break
+    bundle = os.urandom(1000)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        assert client.put(f"/v1/cas/{sha256(bundle)}", content=bundle).status_code in (200, 201)
+        for f in (twin, fp):
+            m = make_manifest({"megacache": bundle}, f)
+            assert client.put(f"/v1/ac/{m.key}", content=m.to_json(), headers={
+                "content-type": "application/json"}).status_code in (200, 201)
+    keys = sorted((twin.key(), fp.key()))
+    env = {"MEGACACHE_URL": server.url}
+    both = megacache("show", keys[0][:4], env=env)
+    assert both.returncode == ExitCode.USAGE and "ambiguous" in both.stderr
+    assert keys[0] in both.stderr and keys[1] in both.stderr
+    unique = next(n for n in range(4, 64) if keys[0][:n] != keys[1][:n])
+    shown = megacache("show", keys[1][:unique], env=env)
+    assert shown.returncode == 0 and json.loads(shown.stdout)["key"] == keys[1], shown.stderr
+    absent = next(p for p in ("0000", "ffff") if not any(k.startswith(p) for k in keys))
+    none = megacache("pull", absent, env=env)
+    assert none.returncode == ExitCode.PROBLEM and f"starts with {absent}" in none.stderr
+
+
 def test_cli_errors_are_clear(tmp_path: Path):
     """Each failure has its documented exit code (megacache_client.wire.exitcodes)."""
     r = megacache("ls")
@@ -94,6 +128,8 @@ def test_cli_errors_are_clear(tmp_path: Path):
     assert r.returncode == 0
     r = megacache("--url", "http://127.0.0.1:1", "show", "nothex")
     assert r.returncode == ExitCode.USAGE and "64 lowercase hex" in r.stderr
+    r = megacache("--url", "http://127.0.0.1:1", "pull", "abc")  # too short to be a prefix
+    assert r.returncode == ExitCode.USAGE and "at least 4" in r.stderr
     r = megacache("ls", "--bogus-flag")
     assert r.returncode == ExitCode.USAGE
     r = megacache("--url", f"http://127.0.0.1:{free_port()}", "ls",
