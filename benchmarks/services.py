@@ -238,8 +238,10 @@ class LocalSeaweedS3(_LocalService):
             "filer.port", "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc")}
         self.filer_port = ports["-filer.port"]
         niced = ["nice", "-n", str(nice)] if nice else []
-        self._spawn([*niced, exe, "mini", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-dir={data}",
-                     f"-s3.port={self.port}", *(f"{k}={v}" for k, v in ports.items()),
+        # its logs beside its data (glog's default is the temp dir, where they outlive it)
+        self._spawn([*niced, exe, f"-logdir={self.workdir}", "mini", f"-ip={LOOPBACK}",
+                     f"-ip.bind={LOOPBACK}", f"-dir={data}", f"-s3.port={self.port}",
+                     *(f"{k}={v}" for k, v in ports.items()),
                      "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
                      # a bucket is a collection with volumes of its own: the default
                      # slots ran out after ~77 buckets (a suite's servers), then PUTs failed
