@@ -11,6 +11,7 @@ import contextlib
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 
 import zstandard
@@ -111,8 +112,25 @@ class HostilePeer:
         self._sock.settimeout(0.2)
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self._stop = threading.Event()
+        self._counts = threading.Condition()
+        self._accepted = self._read = 0
+        self._marker = f"GET /settled-{uuid.uuid4().hex} "
+        self._marked = False
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Return once every connection made to this peer before the call has had its head
+        read, so `requests` holds all they sent (or will ever send): a marker connection
+        queues behind them (connections are accepted in the order they were made), and
+        the wait ends when it and every connection accepted so far have been read."""
+        with socket.create_connection(self._sock.getsockname(), timeout=timeout) as marker:
+            marker.sendall(f"{self._marker}HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+            with self._counts:
+                if not self._counts.wait_for(
+                        lambda: self._marked and self._read == self._accepted, timeout):
+                    raise TimeoutError(f"{self.url}: connections still unread")
+                self._marked = False
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -120,11 +138,22 @@ class HostilePeer:
                 conn, _ = self._sock.accept()
             except (TimeoutError, OSError):
                 continue
+            with self._counts:
+                self._accepted += 1
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def _answer(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError), conn:
-            head = _read_head(conn)
+            head = ""
+            try:
+                head = _read_head(conn)
+            finally:
+                with self._counts:
+                    self._read += 1
+                    self._marked |= head.startswith(self._marker)
+                    self._counts.notify_all()
+            if head.startswith(self._marker):
+                return
             self.requests.append(head)
             if self.mode.startswith("redirect:"):
                 conn.sendall(_head("302 Found", {"location": self.mode[len("redirect:"):],

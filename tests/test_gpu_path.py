@@ -5,6 +5,7 @@ lookup), and the GPU check script stopping at once on a machine without a GPU.""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import need
+from conftest import environment_missing, need
 from helpers import ServerProcess
 
 from megacache_client.config import ClientConfig
@@ -53,14 +54,22 @@ def test_the_fingerprint_names_the_gpu_its_architecture_and_driver() -> None:
     assert gpu_fp({**H100, "name": "NVIDIA H100 80GB HBM3"}).key() == gpu_fp(H100).key()
 
 
-def test_this_machine_describes_its_device_as_torch_sees_it() -> None:
+def test_this_machine_describes_its_device_as_its_driver_does() -> None:
+    """Held against what the machine says without torch: no GPU device node on a CPU
+    machine; nvidia-smi's name and compute capability of GPU 0 on an NVIDIA one."""
     need("torch", "the device description is read from torch")
-    described = torch_env.device_description()
-    import torch
-
-    assert (described is None) == (not torch.cuda.is_available())
-    hw = torch_env.hw_component()
-    assert {"gpu", "cc"} <= set(hw) and (hw["cc"] is None) == (described is None)
+    described, hw = torch_env.device_description(), torch_env.hw_component()
+    if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):  # no GPU
+        assert described is None and (hw["gpu"], hw["cc"]) == (None, None), hw
+        return
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        environment_missing("nvidia-smi", "a GPU machine's description is held against it")
+    name, cap = subprocess.run(
+        [smi, "--query-gpu=name,compute_cap", "--format=csv,noheader", "--id=0"],
+        capture_output=True, text=True, check=True, timeout=60).stdout.strip().split(", ")
+    assert described is not None and described["name"] == name, (described, name)
+    assert (hw["gpu"], hw["cc"]) == (name, cap), hw
 
 
 @pytest.fixture(scope="module")

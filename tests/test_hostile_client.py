@@ -110,7 +110,8 @@ def test_redirects_are_followed_for_blob_downloads_only_and_never_carry_the_toke
         name: str, tmp_path: Path) -> None:
     with hostile("silent") as elsewhere, hostile(f"redirect:{elsewhere.url}/x") as peer:
         elapsed, _, outcome = _run(CALLS[name], peer.url, tmp_path)
-        time.sleep(0.2)
+        peer.settle()
+        elsewhere.settle()  # every connection the call made there has been read
         assert elapsed <= DEADLINE_S + SLACK_S
         followed = elsewhere.requests
     if name == "download_blob":  # a presigned object-store URL, without the bearer token

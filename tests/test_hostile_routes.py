@@ -28,6 +28,7 @@ import os
 import select
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -474,10 +475,15 @@ def test_after_every_attack_the_victim_is_whole_and_nothing_was_stored(
         assert c.get("/v1/quarantine").json()["quarantined"] == []
         assert c.get("/v1/jobs/victim-job/ett").status_code == 404
         assert c.head(f"/v1/cas/{sha256(b'not the victim' + b's bytes')}").status_code == 404
-    deadline = time.monotonic() + 5
-    while "GET /v1/quarantine" not in server.log() and time.monotonic() < deadline:
+        # the last request, named: once its line is in the log (one worker, written in
+        # order), so is every attack's before it
+        last = f"last-request-{uuid.uuid4().hex}"
+        assert c.get("/healthz", params={"probe": last}).status_code == 200
+    deadline = time.monotonic() + 10
+    while last not in server.log() and time.monotonic() < deadline:
         time.sleep(0.1)
     log = server.log()
+    assert last in log, f"the last request never reached the log: {log[-3000:]}"
     assert "Traceback" not in log, log[-3000:]
     for token in (*world.tokens.values(), world.victim_token):
         assert token.split("_", 2)[2] not in log

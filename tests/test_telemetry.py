@@ -193,6 +193,22 @@ def telemetry_on(tmp_path: Path) -> Iterator[list[object]]:
     assert telemetry.active() is None
 
 
+def heartbeats(t: object, n: int) -> threading.Event:
+    """Set once `t` (a running `Telemetry`) has made `n` more heartbeats: what a test waits
+    on instead of sleeping for as long as it guesses they take."""
+    done, made, emit = threading.Event(), [0], t.emit  # type: ignore[attr-defined]
+
+    def counting(build: object, *args: object) -> None:
+        emit(build, *args)
+        if build is p.heartbeat_record:
+            made[0] += 1
+            if made[0] >= n:
+                done.set()
+
+    t.emit = counting  # type: ignore[attr-defined]
+    return done
+
+
 def start_here(url: str, tmp_path: Path, started: list[object], **kw: object) -> object:
     from megacache_client.torch import telemetry
 
@@ -238,7 +254,7 @@ def test_steps_checkpoints_and_the_end_reach_the_peer(tmp_path: Path, telemetry_
         said = time.time()
         megacache_client.checkpoint_saved(0.5, background_s=1.5, step=100)
         megacache_client.checkpoint_loaded(0.25, step=40)
-        time.sleep(0.35)  # some heartbeats
+        assert heartbeats(t, 2).wait(10)
         t.end("finished")  # type: ignore[attr-defined]
         recs = peer.records("job-7")
     kinds = [r["kind"] for r in recs]
@@ -261,13 +277,14 @@ def test_a_process_that_never_trains_sends_nothing(tmp_path: Path, telemetry_on)
     start, heartbeats and exit must not enter the job's time line."""
     with recording() as peer:
         t = start_here(peer.url, tmp_path, telemetry_on, heartbeat_s=0.05)
-        time.sleep(0.5)
+        assert heartbeats(t, 5).wait(10)
         assert len(t.progress.queue) >= 5  # type: ignore[attr-defined]  # kept, not sent
         began = time.monotonic()
         t.end("finished")  # type: ignore[attr-defined]
         assert time.monotonic() - began < 0.1
-        time.sleep(0.3)
-        assert peer.batches == []
+        sender = t.progress._thread  # type: ignore[attr-defined]
+        sender.join(10)  # the sender has ended: nothing can be sent after this
+        assert not sender.is_alive() and peer.batches == []
 
 
 def test_the_first_step_sends_what_waited(tmp_path: Path, telemetry_on) -> None:
@@ -275,7 +292,7 @@ def test_the_first_step_sends_what_waited(tmp_path: Path, telemetry_on) -> None:
 
     with recording() as peer:
         t = start_here(peer.url, tmp_path, telemetry_on, heartbeat_s=0.05)
-        time.sleep(0.3)
+        assert heartbeats(t, 3).wait(10)
         assert peer.batches == []
         torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1).step()
         assert t.progress.flush(5)  # type: ignore[attr-defined]
