@@ -3,6 +3,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import os
+import shutil
 import socket
 import sys
 from collections.abc import Callable, Iterator
@@ -87,6 +88,29 @@ def hanging_server() -> Iterator[str]:
     listener.listen(64)
     yield f"http://127.0.0.1:{listener.getsockname()[1]}"
     listener.close()
+
+
+SESSION_DIRS = ("redis", "seaweed")
+"""The temp dirs of the session's services (below): they outlive every module."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_temp_removed(request: pytest.FixtureRequest,
+                        tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What a module's fixtures made in the temp dir (servers' stores, machines' caches)
+    goes when the module ends, unless one of its tests failed (then it stays for a look).
+    tmp_path_retention_policy (pyproject.toml) removes a passed test's tmp_path only; left
+    to the end of the run, the modules' dirs held ~2 GB at once. Set up before the
+    module's other fixtures, so torn down after them: their servers have stopped."""
+    base = tmp_path_factory.getbasetemp()
+    before, failed = set(base.iterdir()), request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed:
+        return
+    for path in set(base.iterdir()) - before:
+        if path.is_dir() and not path.is_symlink() \
+                and path.name.rstrip("0123456789") not in SESSION_DIRS:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
