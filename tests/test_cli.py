@@ -212,6 +212,8 @@ def test_cli_options_have_help(command: str, options: tuple[str, ...]):
         assert helps[option], f"megacache {command} {option} has no help text"
 
 
+# one backend: the rule is the client's, and each of its 5 processes imports torch
+@pytest.mark.parametrize("server", ["sqlite+fs"], indirect=True)
 def test_explain_claims_a_saving_only_for_what_a_job_would_load(server: ServerProcess,
                                                                  tmp_path: Path):
     """`megacache explain`: a hit names the entry and what it could save; a miss says what
