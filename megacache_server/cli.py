@@ -456,11 +456,20 @@ async def cmd_token_create(cache: Cache, args: argparse.Namespace) -> int:
 @on_index
 async def cmd_token_list(cache: Cache, args: argparse.Namespace) -> int:
     now = time.time()
-    for t in await cache.tokens():
-        state = "revoked" if t.revoked else "expired" if t.expired(now) else \
-            f"active until {_when(t.expires_at)}"
-        print(f"{t.token_id}  {t.name:<24} {','.join(t.scopes):<16} {t.namespace:<16} {state}")
+    rows = [(t.token_id, t.name, ",".join(t.scopes), t.namespace,
+             "revoked" if t.revoked else "expired" if t.expired(now) else
+             f"active until {_when(t.expires_at)}") for t in await cache.tokens()]
+    if rows:  # none: nothing on stdout
+        _columns([("id", "name", "scopes", "namespace", "state"), *rows])
     return ExitCode.OK
+
+
+def _columns(rows: Sequence[Sequence[str]]) -> None:
+    """Rows (a header first) in columns as wide as their widest cell: a long name does not
+    push the rest of its row out of line."""
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 @on_index

@@ -69,7 +69,11 @@ def test_revoked_token_is_refused(secure: ServerProcess):
     token = secure.token("read")
     assert httpx.get(f"{secure.url}/v1/stats", headers=bearer(token)).status_code == 200
     token_id = token.split("_")[1]
-    assert token_id in secure.cli("token", "list")
+    listed = secure.cli("token", "list").splitlines()
+    assert any(line.startswith(token_id) for line in listed), listed
+    head = listed[0]  # a table: every row's state starts under the header's
+    assert head.split() == ["id", "name", "scopes", "namespace", "state"], head
+    assert {line.index(line.split()[4]) for line in listed[1:]} == {head.index("state")}
     secure.cli("token", "revoke", token_id)
     r = httpx.get(f"{secure.url}/v1/stats", headers=bearer(token))
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_token"
