@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("megacache_client", "megacache_server")
 MAX_TOP_LEVEL_MODULES = 12
 MAX_MODULE_LINES = 500
+MAX_README_LINES = 400
 
 
 def _layout_block() -> str:
@@ -56,3 +57,9 @@ def test_no_module_is_over_500_lines() -> None:
     long = [f"{p.relative_to(ROOT)}: {n}" for p in _modules("megacache_client")
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
     assert not long, long
+
+
+def test_the_readme_stays_short() -> None:
+    """The front page a newcomer reads whole; the rest lives in docs/."""
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= MAX_README_LINES, f"README.md is {lines} lines (at most {MAX_README_LINES})"
