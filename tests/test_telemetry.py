@@ -377,7 +377,9 @@ def test_a_checkpoint_module_imported_later_is_patched_on_import() -> None:
     code = ("import sys, torch\n"
             "from megacache_client.torch import checkpoints\n"
             "assert 'torch.distributed.checkpoint' not in sys.modules\n"
-            "checkpoints.watch_checkpoint_module()\n"
+            "assert 'transformers' not in sys.modules and 'lightning' not in sys.modules\n"
+            "checkpoints.watch_checkpoints(lambda: None)\n"
+            "assert 'transformers' not in sys.modules  # watched, never imported by us\n"
             "import torch.distributed.checkpoint as dcp\n"
             "print(all(getattr(getattr(dcp, n), '_megacache_wrapped', False)"
             " for n in ('save', 'async_save', 'load')))\n")
