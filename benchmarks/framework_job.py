@@ -1,6 +1,6 @@
 """A trainer on a framework (FRAMEWORK: hf, accelerate, lightning or pytorch_lightning),
-zero-code, for the
-framework ETT test (tests/test_frameworks.py): killed after a checkpoint and resumed.
+zero-code, for the framework ETT test and benchmark (tests/test_frameworks.py,
+benchmarks/frameworks_ett.py): killed after a checkpoint and resumed.
 
 MEGACACHE_URL, MEGACACHE_JOB_ID and MEGACACHE_ATTEMPT come from the environment; nothing
 here calls megacache. A tiny linear model trains STEPS optimizer steps on batches whose
