@@ -1,15 +1,16 @@
 """Index in Redis: shared by many stateless server replicas.
 
-One module per storage protocol of `base.py`, each a class on the shared connection of
-`connection.py`; the names of every key are in `keys.py`, the server-side scripts in
-`scripts/`. `RedisIndex` is made of those classes.
+One module per storage protocol of `protocols/` (of the same name), each a class on the
+shared connection of `connection.py`; the names of every key are in `keys.py`, the
+server-side scripts in `scripts/`. `RedisIndex` is made of those classes.
 """
 
 from __future__ import annotations
 
 import time
 
-from megacache_server.store.index.base import Index, NewEntry, entry_etag
+from megacache_server.store.index.base import Index
+from megacache_server.store.index.protocols.entries import NewEntry, entry_etag
 from megacache_server.store.index.redis.blobs import UNREF_RESEED_S, RedisBlobs
 from megacache_server.store.index.redis.connection import SCRIPT_BATCH
 from megacache_server.store.index.redis.entries import RedisEntries

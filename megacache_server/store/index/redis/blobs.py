@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from megacache_server.store.index.base import BlobLedger, BlobRecord
+from megacache_server.store.index.protocols.blobs import BlobLedger, BlobRecord
 from megacache_server.store.index.redis.connection import (
     SCAN,
     SCRIPT_BATCH,

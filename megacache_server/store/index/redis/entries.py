@@ -14,16 +14,7 @@ from typing import Any
 
 from redis.exceptions import WatchError
 
-from megacache_server.store.index.base import (
-    EntryInfo,
-    EntryStore,
-    NewEntry,
-    Precondition,
-    StoredEntry,
-    check_precondition,
-    entry_etag,
-    sequenced,
-)
+from megacache_server.store.index.protocols import entries
 from megacache_server.store.index.redis.connection import (
     SCAN,
     SCRIPT_BATCH,
@@ -32,9 +23,9 @@ from megacache_server.store.index.redis.connection import (
 )
 
 
-class RedisEntries(RedisConnection, EntryStore):
-    async def get(self, key: str, *, touch: bool = True) -> StoredEntry | None:
-        async def op() -> StoredEntry | None:
+class RedisEntries(RedisConnection, entries.EntryStore):
+    async def get(self, key: str, *, touch: bool = True) -> entries.StoredEntry | None:
+        async def op() -> entries.StoredEntry | None:
             data = await self.r.hgetall(self.keys.entry(key))
             if not data:
                 return None
@@ -43,10 +34,10 @@ class RedisEntries(RedisConnection, EntryStore):
 
         return await self._do(op)
 
-    async def touch(self, entry: StoredEntry) -> StoredEntry:
+    async def touch(self, entry: entries.StoredEntry) -> entries.StoredEntry:
         return await self._do(lambda: self._touch(entry))
 
-    async def _touch(self, entry: StoredEntry) -> StoredEntry:
+    async def _touch(self, entry: entries.StoredEntry) -> entries.StoredEntry:
         now = time.time()
         async with self.r.pipeline(transaction=False) as pipe:
             # a touch racing a delete leaves a hash without a model, ranked in the LRU:
@@ -57,23 +48,24 @@ class RedisEntries(RedisConnection, EntryStore):
             await pipe.execute()
         return replace(entry, last_access=now)
 
-    async def put(self, entry: NewEntry, condition: Precondition) -> tuple[StoredEntry, bool]:
-        etag = entry_etag(entry.manifest_json)
+    async def put(self, entry: entries.NewEntry, condition: entries.Precondition
+                  ) -> tuple[entries.StoredEntry, bool]:
+        etag = entries.entry_etag(entry.manifest_json)
         key = entry.key
         ekey, skey = self.keys.entry(key), self.keys.sequence(key)
 
-        async def op() -> tuple[StoredEntry, bool]:
+        async def op() -> tuple[entries.StoredEntry, bool]:
             async with self.r.pipeline(transaction=True) as pipe:
                 while True:
                     try:
                         await pipe.watch(ekey, skey)
                         old = await pipe.hgetall(ekey)
                         current = text(old.get(b"etag")) if old else None
-                        check_precondition(condition, current)
+                        entries.check_precondition(condition, current)
                         last = await pipe.get(skey)
                         sequence = max(int(last) + 1 if last else 1, entry.sequence_floor)
-                        version = replace(entry, provenance=sequenced(entry.provenance,
-                                                                      sequence))
+                        version = replace(entry, provenance=entries.sequenced(entry.provenance,
+                                                                              sequence))
                         now = time.time()
                         pinned = text(old.get(b"pinned")) == "1" if old else False
                         pipe.multi()
@@ -82,17 +74,17 @@ class RedisEntries(RedisConnection, EntryStore):
                         pipe.set(skey, sequence)
                         self._write_entry(pipe, version, etag, now, pinned)
                         await pipe.execute()
-                        stored = StoredEntry(key, entry.namespace, entry.model,
-                                             entry.digests, entry.size, entry.created_at,
-                                             now, now, pinned, entry.manifest_json, etag,
-                                             version.provenance)
+                        stored = entries.StoredEntry(key, entry.namespace, entry.model,
+                                                     entry.digests, entry.size, entry.created_at,
+                                                     now, now, pinned, entry.manifest_json, etag,
+                                                     version.provenance)
                         return stored, current is None
                     except WatchError:
                         continue
 
         return await self._do(op)
 
-    def _write_entry(self, pipe: Any, entry: NewEntry, etag: str, now: float,
+    def _write_entry(self, pipe: Any, entry: entries.NewEntry, etag: str, now: float,
                      pinned: bool) -> None:
         """Queue an entry's hash and every secondary key (the ones `_unindex` removes)."""
         key, ns = entry.key, entry.namespace
@@ -136,11 +128,11 @@ class RedisEntries(RedisConnection, EntryStore):
             pipe.srem(self.keys.refs(d), key)
             pipe.sadd(self.keys.unref(), d)
 
-    async def _infos(self, keys: list[str]) -> list[EntryInfo]:
+    async def _infos(self, keys: list[str]) -> list[entries.EntryInfo]:
         """The entries' columns without their manifests, skipping keys with no entry: one
         script per SCRIPT_BATCH keys, whose one flat reply decodes in a fraction of the time
         redis-py spends packing and parsing an HMGET per entry (GC reads 100,000 at 1M)."""
-        found: list[EntryInfo] = []
+        found: list[entries.EntryInfo] = []
         width = len(_INFO_FIELDS)
         for i in range(0, len(keys), SCRIPT_BATCH):
             part = keys[i:i + SCRIPT_BATCH]
@@ -153,7 +145,7 @@ class RedisEntries(RedisConnection, EntryStore):
 
     async def list_entries(self, *, namespace: str | None = None, model: str | None = None,
                            env_digest: str | None = None, hw_digest: str | None = None,
-                           limit: int) -> list[StoredEntry]:
+                           limit: int) -> list[entries.StoredEntry]:
         """Newest first from the narrowest zset the filters allow, each page read and
         filtered by one script: one round trip for a publish-side lookup (`env&hw&limit=20`),
         not one each to read the keys, filter them by env/hw and read the entries."""
@@ -167,8 +159,8 @@ class RedisEntries(RedisConnection, EntryStore):
             zkey = self.keys.created()
         filters = [namespace or "", env_digest or "", hw_digest or ""]
 
-        async def op() -> list[StoredEntry]:
-            found: list[StoredEntry] = []
+        async def op() -> list[entries.StoredEntry]:
+            found: list[entries.StoredEntry] = []
             start, page = 0, min(max(limit, 10), 200)
             while len(found) < limit:
                 flat = await self._run_script("listed", [zkey, str(start),
@@ -186,11 +178,11 @@ class RedisEntries(RedisConnection, EntryStore):
         return await self._do(op)
 
     async def _zset_infos(self, zkey: str, *, reverse: bool, limit: int,
-                          skip_pinned: bool = False, start: int = 0) -> list[EntryInfo]:
+                          skip_pinned: bool = False, start: int = 0) -> list[entries.EntryInfo]:
         """Entries in the zset's order from rank `start`, read in pages that start at the
         size asked for (the dashboard's top 10 reads 10 entries, not a page of 500) and
         double while pinned entries are skipped."""
-        found: list[EntryInfo] = []
+        found: list[entries.EntryInfo] = []
         page = max(1, min(SCAN, limit))
         while len(found) < limit:
             read = self.r.zrevrange if reverse else self.r.zrange
@@ -223,7 +215,8 @@ class RedisEntries(RedisConnection, EntryStore):
                 found.update((key, tuple(d.decode().split(",")) if d else ())
                              for key, d in zip(part, named, strict=True) if d is not None)
 
-    async def largest_entries(self, *, namespace: str | None, limit: int) -> list[EntryInfo]:
+    async def largest_entries(self, *, namespace: str | None, limit: int
+                              ) -> list[entries.EntryInfo]:
         zkey = self.keys.sizes(namespace)
         return await self._do(lambda: self._zset_infos(zkey, reverse=True, limit=limit))
 
@@ -274,10 +267,10 @@ class RedisEntries(RedisConnection, EntryStore):
         return await self._do(op)
 
     async def lru_entries(self, limit: int, *, namespace: str | None = None,
-                          after: EntryInfo | None = None) -> list[EntryInfo]:
+                          after: entries.EntryInfo | None = None) -> list[entries.EntryInfo]:
         zkey = self.keys.lru(namespace)
 
-        async def op() -> list[EntryInfo]:
+        async def op() -> list[entries.EntryInfo]:
             start = 0
             if after is not None:  # the rank after it; by its score if it has gone since
                 rank = await self.r.zrank(zkey, after.key)
@@ -303,8 +296,8 @@ def _digests(data: dict[bytes, bytes]) -> tuple[str, ...]:
     return tuple(raw.split(",")) if raw else ()
 
 
-def _stored(key: str, data: dict[bytes, bytes]) -> StoredEntry:
-    return StoredEntry(
+def _stored(key: str, data: dict[bytes, bytes]) -> entries.StoredEntry:
+    return entries.StoredEntry(
         key=key,
         namespace=text(data.get(b"namespace")) or "default",
         model=text(data.get(b"model")) or "",

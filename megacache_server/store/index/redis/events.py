@@ -16,8 +16,9 @@ from anyio import to_thread
 from redis.exceptions import WatchError
 
 from megacache_client.wire.events import Event
-from megacache_server.store.index import base, rollups
+from megacache_server.store.index import rollups
 from megacache_server.store.index.period_sums import Period, PeriodSums, Sums, add_up
+from megacache_server.store.index.protocols import events
 from megacache_server.store.index.redis.connection import RedisConnection, text
 
 MAX_RAW_EVENTS = 10_000  # per namespace
@@ -26,7 +27,7 @@ JOB_RECORD_TTL_S = 30 * 24 * 3600
 """A job attempt record unreported this long expires even if no server prunes it."""
 
 
-class RedisEvents(RedisConnection, base.EventLog):
+class RedisEvents(RedisConnection, events.EventLog):
     def __init__(self, url: str, prefix: str = "megacache:") -> None:
         super().__init__(url, prefix)
         self._sums = PeriodSums()
@@ -144,8 +145,8 @@ class RedisEvents(RedisConnection, base.EventLog):
                 pipe.delete(attempts, *(self.keys.attempt(namespace, job, n) for n in numbers))
                 await pipe.execute()
 
-    async def recent_jobs(self, *, namespace: str | None, limit: int) -> list[base.JobView]:
-        async def op() -> list[base.JobView]:
+    async def recent_jobs(self, *, namespace: str | None, limit: int) -> list[events.JobView]:
+        async def op() -> list[events.JobView]:
             found: list[tuple[float, str, str]] = []
             for ns in await self._namespaces(namespace):
                 found += [(seen, ns, text(job) or "") for job, seen in await self.r.zrevrange(
@@ -155,21 +156,21 @@ class RedisEvents(RedisConnection, base.EventLog):
 
         return await self._do(op)
 
-    async def job_view(self, namespace: str, job: str) -> base.JobView | None:
-        async def op() -> base.JobView | None:
+    async def job_view(self, namespace: str, job: str) -> events.JobView | None:
+        async def op() -> events.JobView | None:
             seen = await self.r.zscore(self.keys.jobs(namespace), job)
             return await self._view(namespace, job, float(seen)) if seen is not None else None
 
         return await self._do(op)
 
-    async def _view(self, ns: str, job: str, seen: float) -> base.JobView:
+    async def _view(self, ns: str, job: str, seen: float) -> events.JobView:
         numbers = [int(a) for a in await self.r.zrevrange(
-            self.keys.job_attempts(ns, job), 0, base.MAX_VIEW_ATTEMPTS - 1)]
+            self.keys.job_attempts(ns, job), 0, events.MAX_VIEW_ATTEMPTS - 1)]
         records = await self._hashes([self.keys.attempt(ns, job, n) for n in numbers])
-        attempts = [base.AttemptRecord(**dataclasses.asdict(st), attempt=n)
+        attempts = [events.AttemptRecord(**dataclasses.asdict(st), attempt=n)
                     for n, raw in zip(numbers, records, strict=True)
                     if (st := _state(raw)) is not None]
-        return base.JobView(ns, job, seen, attempts)
+        return events.JobView(ns, job, seen, attempts)
 
     async def _admitted(self, namespace: str, event: Event, hour: int, day: int,
                         miss: bool) -> tuple[str, tuple[str, str]]:
@@ -244,8 +245,8 @@ class RedisEvents(RedisConnection, base.EventLog):
              for (_, key, _, settled), g in zip(periods, generations, strict=True)], fetch)
 
     async def stats(self, *, namespace: str | None, since: float | None = None
-                    ) -> list[base.ModelStats]:
-        async def op() -> list[base.ModelStats]:
+                    ) -> list[events.ModelStats]:
+        async def op() -> list[events.ModelStats]:
             rows: list[tuple[str, Sums]] = []
             for ns in await self._namespaces(namespace):
                 if since is None:
@@ -258,8 +259,8 @@ class RedisEvents(RedisConnection, base.EventLog):
         return await self._do(op)
 
     async def timeline(self, *, namespace: str | None, since: float,
-                       daily: bool = False) -> list[base.TimelineSlot]:
-        async def op() -> list[base.TimelineSlot]:
+                       daily: bool = False) -> list[events.TimelineSlot]:
+        async def op() -> list[events.TimelineSlot]:
             rows: list[tuple[int, dict[bytes, bytes]]] = []
             days_from = await self._daily_since()
             for ns in await self._namespaces(namespace):
@@ -271,8 +272,8 @@ class RedisEvents(RedisConnection, base.EventLog):
         return await self._do(op)
 
     async def top_misses(self, *, namespace: str | None, since: float,
-                         limit: int) -> list[base.MissReason]:
-        async def op() -> list[base.MissReason]:
+                         limit: int) -> list[events.MissReason]:
+        async def op() -> list[events.MissReason]:
             rows = [await self._summed("misses", ns, since, self._zset_sums)
                     for ns in await self._namespaces(namespace)]
             return await to_thread.run_sync(_top_misses, rows, limit)
@@ -319,7 +320,7 @@ def _decoded(pairs: Iterable[tuple[bytes, Any]]) -> Sums:
     return {text(name) or "": float(value) for name, value in pairs}
 
 
-def _model_stats(rows: list[tuple[str, Sums]]) -> list[base.ModelStats]:
+def _model_stats(rows: list[tuple[str, Sums]]) -> list[events.ModelStats]:
     """Per-(namespace, model) sums of `{model}\t{counter}` rollup fields, most runs first."""
     by_model: dict[tuple[str, str], dict[str, float]] = {}
     for ns, fields in rows:
@@ -329,13 +330,13 @@ def _model_stats(rows: list[tuple[str, Sums]]) -> list[base.ModelStats]:
             sums[counter] = sums.get(counter, 0.0) + value
     out = []
     for (ns, model), sums in by_model.items():
-        s = base.ModelStats(ns, model)
+        s = events.ModelStats(ns, model)
         s.add(sums)
         out.append(s)
     return sorted(out, key=lambda s: (-s.runs, s.namespace, s.model))
 
 
-def _timeline(rows: list[tuple[int, dict[bytes, bytes]]]) -> list[base.TimelineSlot]:
+def _timeline(rows: list[tuple[int, dict[bytes, bytes]]]) -> list[events.TimelineSlot]:
     """Per-period sums of the `hourly` hashes of every namespace, periods with runs only."""
     slots: dict[int, dict[str, float]] = {}
     for hour, data in rows:
@@ -343,17 +344,17 @@ def _timeline(rows: list[tuple[int, dict[bytes, bytes]]]) -> list[base.TimelineS
         for field, value in data.items():
             counter = text(field) or ""
             slot[counter] = slot.get(counter, 0.0) + float(value)
-    return [base.TimelineSlot(h, int(s.get("runs", 0)),
-                              int(s.get("hit", 0) + s.get("fallback", 0)),
-                              s.get("saved_s", 0.0), s.get("tts_s", 0.0), int(s.get("tts_n", 0)))
+    return [events.TimelineSlot(h, int(s.get("runs", 0)),
+                                int(s.get("hit", 0) + s.get("fallback", 0)),
+                                s.get("saved_s", 0.0), s.get("tts_s", 0.0), int(s.get("tts_n", 0)))
             for h, s in sorted(slots.items()) if s.get("runs")]
 
 
-def _top_misses(rows: list[Sums], limit: int) -> list[base.MissReason]:
+def _top_misses(rows: list[Sums], limit: int) -> list[events.MissReason]:
     """The `limit` most frequent [model, outcome, reason] members over the miss zsets."""
     top = sorted(add_up(rows).items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
     out = []
     for name, n in top:
         model, outcome, reason = json.loads(name)
-        out.append(base.MissReason(model, outcome, reason, int(n)))
+        out.append(events.MissReason(model, outcome, reason, int(n)))
     return out

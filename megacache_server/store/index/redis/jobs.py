@@ -12,22 +12,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from megacache_server.store.index import base
+from megacache_server.store.index.protocols import jobs
+from megacache_server.store.index.protocols.entries import StoredEntry
 from megacache_server.store.index.redis.connection import RedisConnection, text
 
 
-class RedisJobs(RedisConnection, base.JobStore, base.ClaimStore):
+class RedisJobs(RedisConnection, jobs.JobStore, jobs.ClaimStore):
     async def resolve(self, namespace: str, job: str, attempt: int, key: str,
-                      candidate: base.StoredEntry | None, ttl_s: float, now: float, *,
-                      max_records: int | None = None) -> base.Resolution:
-        ttl_s = base.clamp_ttl(ttl_s, base.MAX_RESOLUTION_TTL_S)
+                      candidate: StoredEntry | None, ttl_s: float, now: float, *,
+                      max_records: int | None = None) -> jobs.Resolution:
+        ttl_s = jobs.clamp_ttl(ttl_s, jobs.MAX_RESOLUTION_TTL_S)
         reply = _room(namespace, await self._run_script("resolve", [
             namespace, job, str(attempt), key, repr(now), repr(ttl_s),
             *((candidate.manifest_json, candidate.etag, candidate.namespace,
                ",".join(candidate.digests)) if candidate else ("", "", "", "")),
             _cap(max_records)]))
         manifest, etag, entry_ns, digests, resolved_at, expires_at = reply
-        return base.Resolution(namespace, job, attempt, key,
+        return jobs.Resolution(namespace, job, attempt, key,
                                manifest_json=bytes(manifest or b""),
                                etag=text(etag) or "", entry_namespace=text(entry_ns) or "",
                                digests=tuple(d for d in (text(digests) or "").split(",") if d),
@@ -54,11 +55,11 @@ class RedisJobs(RedisConnection, base.JobStore, base.ClaimStore):
         return 0
 
     async def claim(self, namespace: str, key: str, holder: str, lease_s: float,
-                    now: float, *, max_records: int | None = None) -> base.Claim:
-        lease_s = base.clamp_ttl(lease_s, base.MAX_CLAIM_LEASE_S)
+                    now: float, *, max_records: int | None = None) -> jobs.Claim:
+        lease_s = jobs.clamp_ttl(lease_s, jobs.MAX_CLAIM_LEASE_S)
         granted, current, expires_at = _room(namespace, await self._run_script(
             "claim", [namespace, key, holder, repr(now), repr(lease_s), _cap(max_records)]))
-        return base.Claim(bool(int(granted)), text(current) or "", float(expires_at))
+        return jobs.Claim(bool(int(granted)), text(current) or "", float(expires_at))
 
     async def release(self, namespace: str, key: str, holder: str, now: float) -> bool:
         return bool(int(await self._run_script("release", [namespace, key, holder, repr(now)])))
@@ -71,5 +72,5 @@ def _cap(max_records: int | None) -> str:
 def _room(namespace: str, reply: list[Any]) -> list[Any]:
     """A script's reply, or the refusal it stands for (`['!full', cap]`: nothing written)."""
     if len(reply) == 2 and text(reply[0]) == "!full":
-        raise base.records_full(namespace, int(reply[1]))
+        raise jobs.records_full(namespace, int(reply[1]))
     return reply

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 
-from megacache_server.store.index.base import LockStore
+from megacache_server.store.index.protocols.locks import LockStore
 from megacache_server.store.index.redis.connection import RedisConnection, text
 
 

@@ -10,7 +10,7 @@ from anyio import to_thread
 from redis.exceptions import WatchError
 
 from megacache_server.store.index import progress
-from megacache_server.store.index.base import ProgressStore
+from megacache_server.store.index.protocols.progress import ProgressStore
 from megacache_server.store.index.redis.connection import RedisConnection, text
 
 WATCH_TRIES = 3

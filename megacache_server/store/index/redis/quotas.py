@@ -8,7 +8,7 @@ deciding on a sum that misses it."""
 from __future__ import annotations
 
 from megacache_server.errors import ServiceUnavailable
-from megacache_server.store.index.base import PendingHold, QuotaStore
+from megacache_server.store.index.protocols.quotas import PendingHold, QuotaStore
 from megacache_server.store.index.redis.blobs import RedisBlobs
 
 RETRIES = 20

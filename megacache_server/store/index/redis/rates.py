@@ -3,7 +3,7 @@ replica draws on the same bucket in one round trip."""
 
 from __future__ import annotations
 
-from megacache_server.store.index.base import RateStore
+from megacache_server.store.index.protocols.rates import RateStore
 from megacache_server.store.index.redis.connection import RedisConnection, text
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megacache_server.store.index.base import TokenRecord, TokenStore
+from megacache_server.store.index.protocols.tokens import TokenRecord, TokenStore
 from megacache_server.store.index.redis.connection import RedisConnection, text
 
 

@@ -5,15 +5,22 @@ of reporters per entry version (expiring) and the `blob_verified` zset, longest 
 from __future__ import annotations
 
 import json
+from typing import Any
 
-from megacache_server.store.index import base
+from megacache_server.store.index.protocols.blobs import BlobRecord
+from megacache_server.store.index.protocols.trust import (
+    MAX_QUARANTINE_RECORDS,
+    QuarantineRecord,
+    TrustStore,
+    newest_touching,
+)
 from megacache_server.store.index.redis.connection import SCAN, RedisConnection, text
 
 LOAD_REPORT_TTL_S = 7 * 86400
 """A version's load reports are forgotten this long after the last one."""
 
 
-class RedisTrust(RedisConnection, base.TrustStore):
+class RedisTrust(RedisConnection, TrustStore):
     async def entries_naming(self, digest: str) -> list[str]:
         return sorted(text(k) or "" for k in await self._do(
             lambda: self.r.smembers(self.keys.refs(digest))))
@@ -22,7 +29,7 @@ class RedisTrust(RedisConnection, base.TrustStore):
         return sorted(text(n) or "" for n in await self._do(
             lambda: self.r.smembers(self.keys.blob_owners(digest))))
 
-    async def add_quarantine(self, record: base.QuarantineRecord) -> None:
+    async def add_quarantine(self, record: QuarantineRecord) -> None:
         raw = json.dumps({"digest": record.digest, "reason": record.reason,
                           "detail": record.detail, "reporter": record.reporter,
                           "at": record.at, "size": record.size,
@@ -33,7 +40,7 @@ class RedisTrust(RedisConnection, base.TrustStore):
         async def op() -> None:
             async with self.r.pipeline(transaction=True) as pipe:
                 pipe.lpush(self.keys.quarantine(), raw)
-                pipe.ltrim(self.keys.quarantine(), 0, base.MAX_QUARANTINE_RECORDS - 1)
+                pipe.ltrim(self.keys.quarantine(), 0, MAX_QUARANTINE_RECORDS - 1)
                 pipe.hincrby(self.keys.quarantine_counts(), record.reason, 1)
                 if record.digest:
                     pipe.sadd(self.keys.quarantined(), record.digest)
@@ -42,20 +49,9 @@ class RedisTrust(RedisConnection, base.TrustStore):
         await self._do(op)
 
     async def quarantines(self, *, namespace: str | None, limit: int
-                          ) -> list[base.QuarantineRecord]:
+                          ) -> list[QuarantineRecord]:
         rows = await self._do(lambda: self.r.lrange(self.keys.quarantine(), 0, -1))
-        found = []
-        for raw in rows:
-            d = json.loads(raw)
-            record = base.QuarantineRecord(
-                d["digest"], d["reason"], d["detail"], d["reporter"], float(d["at"]),
-                int(d["size"]), tuple(d["namespaces"]), tuple(d["withdrawn"]),
-                d.get("reporter_namespace", ""))
-            if namespace is None or namespace in record.namespaces:
-                found.append(record)
-                if len(found) >= limit:
-                    break
-        return found
+        return newest_touching((_record(json.loads(raw)) for raw in rows), namespace, limit)
 
     async def quarantine_counts(self) -> dict[str, int]:
         raw = await self._do(lambda: self.r.hgetall(self.keys.quarantine_counts()))
@@ -90,8 +86,8 @@ class RedisTrust(RedisConnection, base.TrustStore):
 
         await self._do(op)
 
-    async def least_verified(self, limit: int) -> list[tuple[base.BlobRecord, float]]:
-        async def op() -> list[tuple[base.BlobRecord, float]]:
+    async def least_verified(self, limit: int) -> list[tuple[BlobRecord, float]]:
+        async def op() -> list[tuple[BlobRecord, float]]:
             if await self.r.zcard(self.keys.blob_verified()) < \
                     await self.r.hlen(self.keys.blobs()):
                 await self._seed_verified()
@@ -104,7 +100,7 @@ class RedisTrust(RedisConnection, base.TrustStore):
                 pipe.hmget(self.keys.blobs(), digests)
                 pipe.zmscore(self.keys.blob_touched(), digests)
                 sizes, touched = await pipe.execute()
-            return [(base.BlobRecord(d, int(size), float(t or 0.0)), float(at))
+            return [(BlobRecord(d, int(size), float(t or 0.0)), float(at))
                     for d, (_, at), size, t in zip(digests, ranked, sizes, touched, strict=True)
                     if size is not None]
 
@@ -119,3 +115,9 @@ class RedisTrust(RedisConnection, base.TrustStore):
                 await self.r.zadd(self.keys.blob_verified(), dict.fromkeys(page, 0.0), nx=True)
             if not cursor:
                 return
+
+
+def _record(d: dict[str, Any]) -> QuarantineRecord:
+    return QuarantineRecord(d["digest"], d["reason"], d["detail"], d["reporter"],
+                            float(d["at"]), int(d["size"]), tuple(d["namespaces"]),
+                            tuple(d["withdrawn"]), d.get("reporter_namespace", ""))

@@ -1,7 +1,8 @@
 """Index in SQLite (WAL): the embedded default, safe across several uvicorn workers.
 
-One module per storage protocol of `base.py`, each a class on the shared connections of
-`connection.py`; the tables are in `schema.py`. `SqliteIndex` is made of those classes.
+One module per storage protocol of `protocols/` (of the same name), each a class on the
+shared connections of `connection.py`; the tables are in `schema.py`. `SqliteIndex` is
+made of those classes.
 """
 
 from __future__ import annotations

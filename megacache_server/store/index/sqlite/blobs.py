@@ -7,7 +7,7 @@ from __future__ import annotations
 import sqlite3
 import time
 
-from megacache_server.store.index.base import BlobLedger, BlobRecord
+from megacache_server.store.index.protocols.blobs import BlobLedger, BlobRecord
 from megacache_server.store.index.sqlite.connection import (
     SCAN_PAGE,
     SqliteConnection,

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from megacache_server.errors import ServiceUnavailable
-from megacache_server.store.index import base
-from megacache_server.store.index.base import EntryInfo, EntryStore, StoredEntry
+from megacache_server.store.index.protocols import entries
 from megacache_server.store.index.sqlite.connection import (
     SqliteConnection,
     batches,
@@ -31,7 +30,7 @@ INFO_COLUMNS = ("key, namespace, model, size, created_at, updated_at, last_acces
 ENTRY_COLUMNS = INFO_COLUMNS + ", manifest, etag, provenance"
 
 
-class SqliteEntries(SqliteConnection, EntryStore):
+class SqliteEntries(SqliteConnection, entries.EntryStore):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self._touched: dict[str, float] = {}
@@ -46,14 +45,14 @@ class SqliteEntries(SqliteConnection, EntryStore):
             await self._run(lambda c: _flush_access(c, pending))
         await super().close()
 
-    async def get(self, key: str, *, touch: bool = True) -> StoredEntry | None:
+    async def get(self, key: str, *, touch: bool = True) -> entries.StoredEntry | None:
         row = await self._read(f"SELECT {ENTRY_COLUMNS} FROM entries WHERE key=?", (key,))
         if row is None:
             return None
         entry = _stored(row)
         return await self.touch(entry) if touch else entry
 
-    async def touch(self, entry: StoredEntry) -> StoredEntry:
+    async def touch(self, entry: entries.StoredEntry) -> entries.StoredEntry:
         now = time.time()
         self._touched[entry.key] = now
         if time.monotonic() - self._flushed_at >= ACCESS_FLUSH_S and self._flushing is None:
@@ -81,22 +80,22 @@ class SqliteEntries(SqliteConnection, EntryStore):
             self._flushed_at = time.monotonic()
             self._flushing = None
 
-    async def put(self, entry: base.NewEntry, condition: base.Precondition
-                  ) -> tuple[StoredEntry, bool]:
-        etag = base.entry_etag(entry.manifest_json)
+    async def put(self, entry: entries.NewEntry, condition: entries.Precondition
+                  ) -> tuple[entries.StoredEntry, bool]:
+        etag = entries.entry_etag(entry.manifest_json)
 
-        def op(c: sqlite3.Connection) -> tuple[StoredEntry, bool]:
+        def op(c: sqlite3.Connection) -> tuple[entries.StoredEntry, bool]:
             now = time.time()
             with transaction(c, immediate=True):
                 row = c.execute("SELECT etag, pinned FROM entries WHERE key=?",
                                 (entry.key,)).fetchone()
-                base.check_precondition(condition, row[0] if row else None)
+                entries.check_precondition(condition, row[0] if row else None)
                 last = c.execute("SELECT sequence FROM sequences WHERE key=?",
                                  (entry.key,)).fetchone()
                 sequence = max(last[0] + 1 if last else 1, entry.sequence_floor)
                 c.execute("INSERT OR REPLACE INTO sequences (key, sequence) VALUES (?, ?)",
                           (entry.key, sequence))
-                provenance = base.sequenced(entry.provenance, sequence)
+                provenance = entries.sequenced(entry.provenance, sequence)
                 c.execute(
                     """INSERT INTO entries (key, manifest, etag, namespace, model, env_digest,
                          hw_digest, size, created_at, updated_at, last_access, provenance)
@@ -113,17 +112,17 @@ class SqliteEntries(SqliteConnection, EntryStore):
                 c.execute("DELETE FROM entry_blobs WHERE key=?", (entry.key,))
                 c.executemany("INSERT INTO entry_blobs (key, digest) VALUES (?, ?)",
                               [(entry.key, d) for d in entry.digests])
-            stored = StoredEntry(entry.key, entry.namespace, entry.model, entry.digests,
-                                 entry.size, entry.created_at, now, now,
-                                 bool(row and row[1]), entry.manifest_json, etag,
-                                 provenance)
+            stored = entries.StoredEntry(entry.key, entry.namespace, entry.model, entry.digests,
+                                         entry.size, entry.created_at, now, now,
+                                         bool(row and row[1]), entry.manifest_json, etag,
+                                         provenance)
             return stored, row is None
 
         return await self._run(op)
 
     async def list_entries(self, *, namespace: str | None = None, model: str | None = None,
                            env_digest: str | None = None, hw_digest: str | None = None,
-                           limit: int) -> list[StoredEntry]:
+                           limit: int) -> list[entries.StoredEntry]:
         where, args = filters(namespace=namespace, model=model, env_digest=env_digest,
                               hw_digest=hw_digest)
         sql = (f"SELECT {ENTRY_COLUMNS} FROM entries{where} "
@@ -141,7 +140,8 @@ class SqliteEntries(SqliteConnection, EntryStore):
 
         return await self._run(op)
 
-    async def largest_entries(self, *, namespace: str | None, limit: int) -> list[EntryInfo]:
+    async def largest_entries(self, *, namespace: str | None, limit: int
+                              ) -> list[entries.EntryInfo]:
         where, args = filters(namespace=namespace)
         sql = f"SELECT {INFO_COLUMNS} FROM entries{where} ORDER BY size DESC, key LIMIT ?"
         return await self._run(lambda c: [_info(r) for r in c.execute(
@@ -173,7 +173,7 @@ class SqliteEntries(SqliteConnection, EntryStore):
             "UPDATE entries SET pinned=? WHERE key=?", (int(pinned), key)).rowcount > 0)
 
     async def lru_entries(self, limit: int, *, namespace: str | None = None,
-                          after: EntryInfo | None = None) -> list[EntryInfo]:
+                          after: entries.EntryInfo | None = None) -> list[entries.EntryInfo]:
         pending, self._touched = self._touched, {}
         where = " AND namespace=?" if namespace is not None else ""
         args: tuple[Any, ...] = (namespace,) if namespace is not None else ()
@@ -181,7 +181,7 @@ class SqliteEntries(SqliteConnection, EntryStore):
             where += " AND (last_access, key) > (?, ?)"
             args += (after.last_access, after.key)
 
-        def op(c: sqlite3.Connection) -> list[EntryInfo]:
+        def op(c: sqlite3.Connection) -> list[entries.EntryInfo]:
             _flush_access(c, pending)
             return [_info(r) for r in c.execute(
                 f"SELECT {INFO_COLUMNS} FROM entries WHERE pinned=0{where} "
@@ -197,13 +197,13 @@ def _flush_access(c: sqlite3.Connection, touched: dict[str, float]) -> None:
                           [(t, k) for k, t in touched.items()])
 
 
-def _info(row: tuple[Any, ...]) -> EntryInfo:
+def _info(row: tuple[Any, ...]) -> entries.EntryInfo:
     key, namespace, model, size, created_at, updated_at, last_access, pinned, digests = row[:9]
-    return EntryInfo(key, namespace, model, tuple(digests.split(",")) if digests else (),
-                     int(size), created_at, updated_at, last_access, bool(pinned))
+    return entries.EntryInfo(key, namespace, model, tuple(digests.split(",")) if digests else (),
+                             int(size), created_at, updated_at, last_access, bool(pinned))
 
 
-def _stored(row: tuple[Any, ...]) -> StoredEntry:
+def _stored(row: tuple[Any, ...]) -> entries.StoredEntry:
     info = _info(row)
-    return StoredEntry(**vars(info), manifest_json=bytes(row[9]), etag=row[10],
-                       provenance=row[11] if len(row) > 11 else "")
+    return entries.StoredEntry(**vars(info), manifest_json=bytes(row[9]), etag=row[10],
+                               provenance=row[11] if len(row) > 11 else "")

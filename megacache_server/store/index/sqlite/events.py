@@ -10,19 +10,11 @@ from typing import Any
 
 from megacache_client.wire.events import Event
 from megacache_server.store.index import rollups
-from megacache_server.store.index.base import (
-    MAX_VIEW_ATTEMPTS,
-    AttemptRecord,
-    EventLog,
-    JobView,
-    MissReason,
-    ModelStats,
-    TimelineSlot,
-)
+from megacache_server.store.index.protocols import events
 from megacache_server.store.index.sqlite.connection import SqliteConnection, filters, transaction
 
 
-class SqliteEvents(SqliteConnection, EventLog):
+class SqliteEvents(SqliteConnection, events.EventLog):
     async def add_event(self, namespace: str, event: Event) -> None:
         now = time.time()
         counters = rollups.event_counters(event)
@@ -56,7 +48,7 @@ class SqliteEvents(SqliteConnection, EventLog):
         await self._run(op)
 
     async def stats(self, *, namespace: str | None, since: float | None = None
-                    ) -> list[ModelStats]:
+                    ) -> list[events.ModelStats]:
         sums = ", ".join(f"TOTAL({c})" for c in rollups.COUNTERS)
         where, args = filters(namespace=namespace)
         if since is None:
@@ -70,26 +62,26 @@ class SqliteEvents(SqliteConnection, EventLog):
         return _model_stats(found)
 
     async def timeline(self, *, namespace: str | None, since: float,
-                       daily: bool = False) -> list[TimelineSlot]:
+                       daily: bool = False) -> list[events.TimelineSlot]:
         rows, args = _windowed("runs, hit + fallback AS warm, saved_s, tts_s, tts_n", "rollup",
                                namespace, rollups.window(since, time.time(), days=daily))
         found = await self._rows(
             "SELECT period, TOTAL(runs), TOTAL(warm), TOTAL(saved_s), TOTAL(tts_s), "
             f"TOTAL(tts_n) FROM ({rows}) GROUP BY period ORDER BY period", args)
-        return [TimelineSlot(int(h), int(r), int(w), s, t, int(n))
+        return [events.TimelineSlot(int(h), int(r), int(w), s, t, int(n))
                 for h, r, w, s, t, n in found]
 
     async def top_misses(self, *, namespace: str | None, since: float,
-                         limit: int) -> list[MissReason]:
+                         limit: int) -> list[events.MissReason]:
         rows, args = _windowed("model, outcome, reason, count", "miss_reasons", namespace,
                                rollups.window(since, time.time()))
         found = await self._rows(
             f"SELECT model, outcome, reason, SUM(count) AS n FROM ({rows}) "
             "GROUP BY model, outcome, reason ORDER BY n DESC, model LIMIT ?", (*args, limit))
-        return [MissReason(m, o, r, int(n)) for m, o, r, n in found]
+        return [events.MissReason(m, o, r, int(n)) for m, o, r, n in found]
 
-    async def recent_jobs(self, *, namespace: str | None, limit: int) -> list[JobView]:
-        def op(c: sqlite3.Connection) -> list[JobView]:
+    async def recent_jobs(self, *, namespace: str | None, limit: int) -> list[events.JobView]:
+        def op(c: sqlite3.Connection) -> list[events.JobView]:
             # newest reports first along the last_seen index, until `limit` distinct jobs:
             # a dashboard reads a few dozen rows, not every job of the namespace
             where, args = filters(namespace=namespace)
@@ -104,8 +96,8 @@ class SqliteEvents(SqliteConnection, EventLog):
 
         return await self._run(op)
 
-    async def job_view(self, namespace: str, job: str) -> JobView | None:
-        def op(c: sqlite3.Connection) -> JobView | None:
+    async def job_view(self, namespace: str, job: str) -> events.JobView | None:
+        def op(c: sqlite3.Connection) -> events.JobView | None:
             last = c.execute("SELECT MAX(last_seen) FROM job_attempts WHERE namespace=? AND "
                              "job=?", (namespace, job)).fetchone()[0]
             return _view(c, namespace, job, last) if last is not None else None
@@ -217,18 +209,18 @@ def _windowed(columns: str, table: str, namespace: str | None,
                  *ns_args, window.day_start, window.day_end)
 
 
-def _model_stats(rows: list[tuple[Any, ...]]) -> list[ModelStats]:
+def _model_stats(rows: list[tuple[Any, ...]]) -> list[events.ModelStats]:
     out = []
     for namespace, model, *sums in rows:
-        s = ModelStats(namespace, model)
+        s = events.ModelStats(namespace, model)
         s.add(dict(zip(rollups.COUNTERS, sums, strict=True)))
         out.append(s)
     return sorted(out, key=lambda s: (-s.runs, s.namespace, s.model))
 
 
-def _view(c: sqlite3.Connection, namespace: str, job: str, last: float) -> JobView:
+def _view(c: sqlite3.Connection, namespace: str, job: str, last: float) -> events.JobView:
     rows = c.execute(
         "SELECT model, hour, outcome, tts_s, compile_s, reports, world_size, "
         "first_seen, last_seen, attempt FROM job_attempts WHERE namespace=? AND job=? "
-        "ORDER BY attempt DESC LIMIT ?", (namespace, job, MAX_VIEW_ATTEMPTS)).fetchall()
-    return JobView(namespace, job, last, [AttemptRecord(*row) for row in rows])
+        "ORDER BY attempt DESC LIMIT ?", (namespace, job, events.MAX_VIEW_ATTEMPTS)).fetchall()
+    return events.JobView(namespace, job, last, [events.AttemptRecord(*row) for row in rows])

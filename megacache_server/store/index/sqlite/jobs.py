@@ -14,17 +14,8 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from megacache_server.store.index.base import (
-    MAX_CLAIM_LEASE_S,
-    MAX_RESOLUTION_TTL_S,
-    Claim,
-    ClaimStore,
-    JobStore,
-    Resolution,
-    StoredEntry,
-    clamp_ttl,
-    records_full,
-)
+from megacache_server.store.index.protocols import jobs
+from megacache_server.store.index.protocols.entries import StoredEntry
 from megacache_server.store.index.sqlite.connection import (
     SqliteConnection,
     batches,
@@ -37,17 +28,17 @@ _SELECT = (f"SELECT {_COLUMNS} FROM resolutions "
            "WHERE namespace=? AND job=? AND attempt=? AND key=?")
 
 
-class SqliteJobs(SqliteConnection, JobStore, ClaimStore):
+class SqliteJobs(SqliteConnection, jobs.JobStore, jobs.ClaimStore):
     async def resolve(self, namespace: str, job: str, attempt: int, key: str,
                       candidate: StoredEntry | None, ttl_s: float, now: float, *,
-                      max_records: int | None = None) -> Resolution:
-        ttl_s = clamp_ttl(ttl_s, MAX_RESOLUTION_TTL_S)
+                      max_records: int | None = None) -> jobs.Resolution:
+        ttl_s = jobs.clamp_ttl(ttl_s, jobs.MAX_RESOLUTION_TTL_S)
         ids = (namespace, job, attempt, key)
         row = await self._read(_SELECT, ids)
         if row is not None and row[5] >= now + ttl_s / 2:
             return _resolution(ids, row)
 
-        def op(c: sqlite3.Connection) -> Resolution:
+        def op(c: sqlite3.Connection) -> jobs.Resolution:
             with transaction(c, immediate=True):
                 row = c.execute(_SELECT, ids).fetchone()
                 if row is not None and row[5] > now:  # live: renew, never shorten
@@ -94,20 +85,20 @@ class SqliteJobs(SqliteConnection, JobStore, ClaimStore):
         return await self._run(op)
 
     async def claim(self, namespace: str, key: str, holder: str, lease_s: float,
-                    now: float, *, max_records: int | None = None) -> Claim:
-        lease_s = clamp_ttl(lease_s, MAX_CLAIM_LEASE_S)
+                    now: float, *, max_records: int | None = None) -> jobs.Claim:
+        lease_s = jobs.clamp_ttl(lease_s, jobs.MAX_CLAIM_LEASE_S)
 
-        def op(c: sqlite3.Connection) -> Claim:
+        def op(c: sqlite3.Connection) -> jobs.Claim:
             with transaction(c, immediate=True):
                 row = c.execute("SELECT holder, expires_at FROM claims WHERE namespace=? "
                                 "AND key=?", (namespace, key)).fetchone()
                 if row is not None and row[0] != holder and row[1] > now:
-                    return Claim(False, row[0], row[1])
+                    return jobs.Claim(False, row[0], row[1])
                 if row is None or row[1] <= now:  # a new claim, not a renewal
                     _require_room(c, namespace, now, max_records)
                 c.execute("INSERT OR REPLACE INTO claims (namespace, key, holder, expires_at) "
                           "VALUES (?, ?, ?, ?)", (namespace, key, holder, now + lease_s))
-                return Claim(True, holder, now + lease_s)
+                return jobs.Claim(True, holder, now + lease_s)
 
         return await self._run(op)
 
@@ -133,10 +124,10 @@ def _require_room(c: sqlite3.Connection, namespace: str, now: float,
                      "expires_at > ?) + (SELECT COUNT(*) FROM claims WHERE namespace = ? "
                      "AND expires_at > ?)", (namespace, now, namespace, now)).fetchone()[0]
     if live >= cap:
-        raise records_full(namespace, cap)
+        raise jobs.records_full(namespace, cap)
 
 
-def _resolution(ids: tuple[str, str, int, str], row: tuple[Any, ...]) -> Resolution:
-    return Resolution(*ids, manifest_json=bytes(row[0]), etag=row[1], entry_namespace=row[2],
-                      digests=tuple(d for d in row[3].split(",") if d),
-                      resolved_at=row[4], expires_at=row[5])
+def _resolution(ids: tuple[str, str, int, str], row: tuple[Any, ...]) -> jobs.Resolution:
+    return jobs.Resolution(*ids, manifest_json=bytes(row[0]), etag=row[1], entry_namespace=row[2],
+                           digests=tuple(d for d in row[3].split(",") if d),
+                           resolved_at=row[4], expires_at=row[5])

@@ -8,7 +8,7 @@ import time
 import uuid
 from pathlib import Path
 
-from megacache_server.store.index.base import LockStore
+from megacache_server.store.index.protocols.locks import LockStore
 from megacache_server.store.index.sqlite.connection import SqliteConnection, transaction
 
 

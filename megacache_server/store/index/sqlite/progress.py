@@ -10,7 +10,6 @@ import sqlite3
 
 from anyio import to_thread
 
-from megacache_server.store.index.base import ProgressStore
 from megacache_server.store.index.progress import (
     MAX_ATTEMPTS,
     MAX_JOBS,
@@ -19,6 +18,7 @@ from megacache_server.store.index.progress import (
     JobProgress,
     merge,
 )
+from megacache_server.store.index.protocols.progress import ProgressStore
 from megacache_server.store.index.sqlite.connection import (
     SqliteConnection,
     filters,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from megacache_server.store.index.base import PendingHold, QuotaStore
+from megacache_server.store.index.protocols.quotas import PendingHold, QuotaStore
 from megacache_server.store.index.sqlite.blobs import pending_of
 from megacache_server.store.index.sqlite.connection import SqliteConnection, transaction
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from megacache_server.store.index.base import RateStore, refill
+from megacache_server.store.index.protocols.rates import RateStore, refill
 from megacache_server.store.index.sqlite.connection import (
     SqliteConnection,
     transaction,

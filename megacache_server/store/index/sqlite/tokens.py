@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megacache_server.store.index.base import TokenRecord, TokenStore
+from megacache_server.store.index.protocols.tokens import TokenRecord, TokenStore
 from megacache_server.store.index.sqlite.connection import SqliteConnection
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import sqlite3
 
-from megacache_server.store.index.base import (
+from megacache_server.store.index.protocols.blobs import BlobRecord
+from megacache_server.store.index.protocols.trust import (
     MAX_QUARANTINE_RECORDS,
-    BlobRecord,
     QuarantineRecord,
     TrustStore,
+    newest_touching,
 )
 from megacache_server.store.index.sqlite.connection import (
     SqliteConnection,
@@ -57,16 +58,11 @@ class SqliteTrust(SqliteConnection, TrustStore):
             "SELECT digest, reason, detail, reporter, at, size, namespaces, withdrawn, "
             "reporter_namespace FROM quarantine ORDER BY id DESC LIMIT ?",
             (MAX_QUARANTINE_RECORDS,))
-        found = []
-        for digest, reason, detail, reporter, at, size, namespaces, withdrawn, rns in rows:
-            record = QuarantineRecord(digest, reason, detail, reporter, at, int(size),
-                                      tuple(json.loads(namespaces)),
-                                      tuple(json.loads(withdrawn)), rns)
-            if namespace is None or namespace in record.namespaces:
-                found.append(record)
-                if len(found) >= limit:
-                    break
-        return found
+        return newest_touching(
+            (QuarantineRecord(digest, reason, detail, reporter, at, int(size),
+                              tuple(json.loads(namespaces)), tuple(json.loads(withdrawn)), rns)
+             for digest, reason, detail, reporter, at, size, namespaces, withdrawn, rns in rows),
+            namespace, limit)
 
     async def quarantine_counts(self) -> dict[str, int]:
         return {r: int(n) for r, n in await self._rows(

@@ -1,6 +1,7 @@
--- ARGV: prefix, bucket, rate, burst, now. Takes one unit from the token bucket `rate:{bucket}`
--- (full when absent; the rule of base.refill) and returns, as a string, the seconds until a
--- unit is there ("0": one was taken). The key goes on its own once it would be full again.
+-- ARGV: prefix, bucket, rate, burst, now. Takes one unit from the token bucket
+-- `rate:{bucket}` (full when absent; the rule of protocols/rates.refill) and returns, as a
+-- string, the seconds until a unit is there ("0": one was taken). The key goes on its own
+-- once it would be full again.
 local k = ARGV[1] .. 'rate:' .. ARGV[2]
 local rate, burst, now = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local cur = redis.call('HMGET', k, 'tokens', 'at')

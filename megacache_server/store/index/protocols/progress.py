@@ -1,0 +1,57 @@
+"""Progress: what trainers report of their jobs' time, kept as bounded summaries."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from megacache_client.wire.progress import ProgressRecord
+from megacache_server.store.index.progress import Fold, JobProgress
+
+
+class ProgressStore(ABC):
+    """What trainers report of their jobs' time (`POST /v1/jobs/{job}/progress`), per
+    (namespace, job, attempt) as a bounded summary (`progress.AttemptProgress`, folded by
+    `progress.merge`), shared by every worker and replica. The same job id in two
+    namespaces is two jobs."""
+
+    async def add_progress(self, namespace: str, job: str, attempt: int, model: str | None,
+                           records: list[ProgressRecord], now: float) -> None:
+        """Fold `records` into the attempt's summary, atomically across processes (two
+        batches of one attempt at once lose neither). A job keeps its newest
+        `progress.MAX_ATTEMPTS` attempts, a namespace the `progress.MAX_JOBS` jobs that
+        reported last: whatever a caller sends, what is kept stays bounded."""
+        await self.add_progress_many([Fold(namespace, job, attempt, model, records, now,
+                                           len(records))])
+
+    @abstractmethod
+    async def add_progress_many(self, folds: list[Fold]) -> None:
+        """`add_progress` for each of `folds` (other attempts, other jobs, other namespaces)
+        in one transaction or pipeline: what a server's coalesced heartbeats are written
+        with (`service.beats`)."""
+
+    @abstractmethod
+    async def job_progress(self, namespace: str, job: str) -> JobProgress | None:
+        """A job's attempts, oldest first; None for a job this namespace never reported."""
+
+    async def recent_progress(self, *, namespace: str | None, since: float,
+                              limit: int) -> list[JobProgress]:
+        """Up to `limit` jobs of `namespace` (None: every namespace) that reported at or
+        after `since` (server clock), the latest first."""
+        return await self.jobs_progress(await self.recent_progress_stamps(
+            namespace=namespace, since=since, limit=limit))
+
+    @abstractmethod
+    async def recent_progress_stamps(self, *, namespace: str | None, since: float,
+                                     limit: int) -> list[tuple[str, str, float]]:
+        """(namespace, job, last_seen) of what `recent_progress` would return, without the
+        summaries: a reader that kept a job's summary from a read at the same last_seen
+        need not read it again (every write of a job sets its last_seen)."""
+
+    @abstractmethod
+    async def jobs_progress(self, jobs: list[tuple[str, str, float]]) -> list[JobProgress]:
+        """The jobs' attempts (given as (namespace, job, last_seen)), in the order given;
+        a job with no attempts left is left out."""
+
+    @abstractmethod
+    async def prune_progress(self, before: float) -> int:
+        """Drop jobs that have not reported since `before`; how many went."""
