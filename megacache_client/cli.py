@@ -250,7 +250,8 @@ def _job_cells(row: dict[str, Any]) -> tuple[str, str, str, str]:
     return replayed, seconds("tts_p50_s"), seconds("ttr_p50_s"), str(row.get("restarts", "-"))
 
 
-SPLIT = (("training", "train"), ("startup", "start"), ("compile", "compile"),
+SPLIT = (("training", "train"), ("data_wait", "data wait"), ("startup", "start"),
+         ("compile", "compile"),
          ("checkpoint_save", "ckpt save"), ("checkpoint_restore", "restore"),
          ("lost_progress", "lost"), ("recovery", "recover"), ("idle", "idle"))
 REPORT = (("time_to_start_s", "time to start s"), ("time_to_recover_s", "time to recover s"),

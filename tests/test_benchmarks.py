@@ -190,3 +190,27 @@ def test_compile_bench_claims_no_ratio_for_a_run_that_loaded_nothing():
     rows = compile_bench.summarize([*jobs[:2], _job("megacache", 5.0, "hit", 2)], ["mlp"],
                                    ["cold", "warm-local", "megacache"])
     assert next(r for r in rows if r["scenario"] == "megacache")["vs_cold"] == 0.25
+
+
+def test_recovery_bench_reads_a_killed_job_s_own_clock() -> None:
+    """The job's figures by its own clock, on a hand-made two-attempt time line: started at
+    0, first step at 10, saves ending at 20 and 30 (1 s each), killed at 34; restarted, its
+    first step at 44, a save ending at 60 (1 s), the end at 70."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import recovery_bench
+
+    def facts(*rows: tuple[str, float, dict[str, float]]) -> list[dict[str, float | str]]:
+        return [{"fact": name, "at": at, **extra} for name, at, extra in rows]
+
+    attempts = [
+        {"gxx": 14, "facts": facts(("started", 0.5, {"at0": 0.0}), ("first_step", 10, {}),
+                                   ("save", 20, {"blocking_s": 1.0}),
+                                   ("save", 30, {"blocking_s": 1.0}), ("kill", 34, {}))},
+        {"gxx": 0, "facts": facts(("started", 34.5, {"at0": 34.4}), ("first_step", 44, {}),
+                                  ("save", 60, {"blocking_s": 1.0}), ("end", 70, {}))}]
+    got = recovery_bench.clock(attempts)
+    assert got["time_to_start_s"] == 10 and got["time_to_recover_s"] == [10]
+    assert got["unsaved_training_s"] == 4 and got["checkpoint_save_s"] == 3
+    assert got["training_s"] == (30 - 10 - 2) + (70 - 44 - 1)
+    assert got["wall_s"] == 70 and got["gxx_per_restart"] == [0]
+    assert got["ett_pct"] == pytest.approx(100 * 43 / 70)

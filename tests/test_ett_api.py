@@ -60,8 +60,9 @@ def timeline(base: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return first, second
 
 
-WANT = {"training": 810.0, "startup": 30.0, "compile": 10.0, "checkpoint_save": 14.0,
-        "checkpoint_restore": 20.0, "lost_progress": 100.0, "recovery": 16.0, "idle": 0.0}
+WANT = {"training": 810.0, "data_wait": 0.0, "startup": 30.0, "compile": 10.0,
+        "checkpoint_save": 14.0, "checkpoint_restore": 20.0, "lost_progress": 100.0,
+        "recovery": 16.0, "idle": 0.0}
 
 
 def test_progress_in_split_out_everywhere(ett_server: ServerProcess) -> None:
@@ -304,7 +305,7 @@ def test_megacache_jobs_prints_each_jobs_split(ett_server: ServerProcess) -> Non
     assert row == ["cli-job", "llm", "81.0", "1000.0", "30.0", "46.0", "14.0", "100.0", "1"]
     attempts = megacache("jobs", "cli-job").splitlines()
     # no compile reported: attempt 1's 10 s of compile count as recovery here
-    assert attempts[2].split() == ["0", "65.8", "266.0", "30.0", "0.0", "8.0", "0.0",
+    assert attempts[2].split() == ["0", "65.8", "266.0", "0.0", "30.0", "0.0", "8.0", "0.0",
                                    "100.0", "0.0", "0.0", "30.0", "-", "failed"]
     assert attempts[3].split()[-3:] == ["-", "46.0", "finished"]
     assert attempts[4].split()[:3] == ["TOTAL", "81.0", "810.0"]

@@ -235,3 +235,27 @@ def test_a_window_per_model_and_namespace() -> None:
     assert models["llm"]["advice_why"] is None
     assert models["vit"]["advice_why"] == "no failure and no checkpoint save seen yet"
     assert [n["namespace"] for n in got["namespaces"]] == ["ns", "ns2"]
+
+
+def test_data_wait_is_taken_from_training_up_to_the_heartbeat_that_said_it() -> None:
+    """The loop's wait for batches (#50) comes as a sum with the heartbeats, not as
+    intervals: it is taken from the training before the heartbeat that said it."""
+    one = job([rec("start", 0), rec("training", 10),
+               rec("heartbeat", 60, step=50, data_wait_s=5.0),
+               rec("heartbeat", 100, step=90, data_wait_s=8.0),
+               rec("end", 100, reason="finished")])
+    got = ett.split(one)
+    approx(got.seconds, startup=10, training=82, data_wait=8)
+    assert got.row()["ett_pct"] == 82.0
+    # killed after a save: the data waited in the training the failure threw away stays
+    # lost; what was said before the save comes out of training before it
+    killed = job([rec("start", 0), rec("training", 10),
+                  rec("heartbeat", 40, step=30, data_wait_s=3.0),
+                  rec("checkpoint_save", 50, step=40, blocking_s=2.0),
+                  rec("heartbeat", 70, step=60, data_wait_s=6.0)],
+                 [rec("start", 80), rec("training", 90), rec("end", 100, reason="finished")])
+    got = ett.split(killed)
+    # the 6 s are spread over the loop's 58 s from 10 to 70 (training 10-50, lost 52-70):
+    # training's share, 40 x 6/58 s, is data wait; the lost training's stays lost
+    approx(got.seconds, startup=10, training=40 - 240 / 58 + 10, data_wait=240 / 58,
+           checkpoint_save=2, lost_progress=18, recovery=20)

@@ -63,3 +63,14 @@ def test_the_readme_stays_short() -> None:
     """The front page a newcomer reads whole; the rest lives in docs/."""
     lines = len((ROOT / "README.md").read_text().splitlines())
     assert lines <= MAX_README_LINES, f"README.md is {lines} lines (at most {MAX_README_LINES})"
+
+
+def test_the_benchmarks_index_names_every_script() -> None:
+    """benchmarks/README.md is where a newcomer finds which script answers which question:
+    a script added without a line there is a script nobody finds."""
+    index = (ROOT / "benchmarks" / "README.md").read_text()
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").iterdir()
+                     if p.suffix in (".py", ".sh") or (p / "__init__.py").exists())
+    missing = [name for name in scripts
+               if f"`{name}`" not in index and f"`{name}/`" not in index]
+    assert not missing, f"not in benchmarks/README.md: {missing}"

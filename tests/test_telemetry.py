@@ -194,18 +194,19 @@ def telemetry_on(tmp_path: Path) -> Iterator[list[object]]:
 
 
 def heartbeats(t: object, n: int) -> threading.Event:
-    """Set once `t` (a running `Telemetry`) has made `n` more heartbeats: what a test waits
-    on instead of sleeping for as long as it guesses they take."""
-    done, made, emit = threading.Event(), [0], t.emit  # type: ignore[attr-defined]
+    """Set once `t` (a running `Telemetry`) has put `n` more heartbeats in its queue: what a
+    test waits on instead of sleeping for as long as it guesses they take."""
+    sender = t.progress  # type: ignore[attr-defined]
+    done, made, put = threading.Event(), [0], sender.put
 
-    def counting(build: object, *args: object) -> None:
-        emit(build, *args)
-        if build is p.heartbeat_record:
+    def counting(record: ProgressRecord | None) -> None:
+        put(record)
+        if record is not None and record.kind == "heartbeat":
             made[0] += 1
             if made[0] >= n:
                 done.set()
 
-    t.emit = counting  # type: ignore[attr-defined]
+    sender.put = counting
     return done
 
 
@@ -392,9 +393,12 @@ def test_a_checkpoint_module_imported_later_is_patched_on_import() -> None:
     import subprocess
 
     code = ("import sys, torch\n"
-            "from megacache_client.torch import checkpoints\n"
+            "from megacache_client.torch import checkpoints, frameworks\n"
             "assert 'torch.distributed.checkpoint' not in sys.modules\n"
-            "checkpoints.watch_checkpoint_module(lambda: None)\n"
+            "assert 'transformers' not in sys.modules and 'lightning' not in sys.modules\n"
+            "checkpoints.watch_checkpoints(lambda: None)\n"
+            "frameworks.watch()\n"
+            "assert 'transformers' not in sys.modules  # watched, never imported by us\n"
             "import torch.distributed.checkpoint as dcp\n"
             "print(all(getattr(getattr(dcp, n), '_megacache_wrapped', False)"
             " for n in ('save', 'async_save', 'load')))\n")

@@ -67,8 +67,12 @@ def training_record(at: float) -> ProgressRecord:
     return ProgressRecord(kind="training", at=at)
 
 
-def heartbeat_record(at: float, step: int) -> ProgressRecord:
-    return ProgressRecord(kind="heartbeat", at=at, step=max(step, 0))
+def heartbeat_record(at: float, step: int, data_wait_s: float | None = None
+                     ) -> ProgressRecord:
+    """Alive at `at`, `step` optimizer steps done, having waited `data_wait_s` for batches
+    since its first step (None: not measured)."""
+    return ProgressRecord(kind="heartbeat", at=at, step=max(step, 0),
+                          data_wait_s=_duration(data_wait_s) or None)
 
 
 def checkpoint_save_record(at: float, step: int, blocking_s: float,

@@ -49,7 +49,6 @@ from megacache_client.job import JobIdentity, allocation_start
 from megacache_client.steps import progress as records
 from megacache_client.steps.lifeline import LIFELINE_S, Lifeline
 from megacache_client.steps.progress import Progress
-from megacache_client.torch.checkpoints import watch_checkpoint_module
 from megacache_client.wire.progress import ProgressRecord, Reason
 
 log = logging.getLogger("megacache")
@@ -73,6 +72,12 @@ class Telemetry:
         """This attempt's life on the node (`steps/lifeline.py`), renewed while it trains."""
         self.counts: dict[int, int] = {}
         self.first_step: float | None = None
+        self.loop_thread: int | None = None
+        """The thread that ran the first optimizer step: the training loop's."""
+        self.data_wait_s = 0.0
+        """Seconds the loop waited for batches since its first step (`dataloading.py`)."""
+        self._restore: tuple[float, float, int | None] | None = None
+        """A restore made of several calls, being added up: (start, seconds, step)."""
         self.ended: Reason | None = None
         self._stopping = threading.Event()
         self._handle: Any = None
@@ -88,11 +93,14 @@ class Telemetry:
 
     # -- the hooks ------------------------------------------------------------------------
     def on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        """The global optimizer step post hook: a counter; the first step sends `training`."""
+        """The global optimizer step post hook: a counter; the first step sends `training`
+        (and a restore still being added up: the trainer trains again)."""
         key = id(optimizer)
         self.counts[key] = self.counts.get(key, 0) + 1
         if self.first_step is None:
             self.first_step = time.time()
+            self.loop_thread = threading.get_ident()
+            self.restored(None)
             self.emit(records.training_record, self.first_step)
             self.progress.arm()
 
@@ -107,6 +115,18 @@ class Telemetry:
         self.emit(records.checkpoint_save_record, at, self.step if step is None else step,
                   blocking_s, background_s)
         self.progress.arm()
+
+    def restoring(self, at: float, blocking_s: float, step: int | None) -> None:
+        """One call of a restore made of several (a framework's): added up, sent once."""
+        began, total, known = self._restore or (at, 0.0, None)
+        self._restore = (min(began, at), total + blocking_s,
+                         step if step is not None else known)
+
+    def restored(self, step: int | None) -> None:
+        """The restore being added up is complete: one record, resuming from `step`."""
+        pending, self._restore = self._restore, None
+        if pending is not None:
+            self.loaded(pending[0], pending[1], step if step else pending[2])
 
     def loaded(self, at: float, blocking_s: float, step: int | None) -> None:
         """A restore: the step it resumes from is the trainer's to say (this process's
@@ -133,14 +153,18 @@ class Telemetry:
                 self.lifeline.renew(time.time(), self.step)
             if time.monotonic() >= due:
                 due += self.heartbeat_s
-                self.emit(records.heartbeat_record, time.time(), self.step)
+                self.emit(self.alive, time.time())
 
     # -- start and end --------------------------------------------------------------------
     def install(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._handle = register_optimizer_step_post_hook(self.on_step)
-        watch_checkpoint_module(active)
+        from megacache_client.torch import checkpoints, dataloading, frameworks
+
+        checkpoints.watch_checkpoints(active)
+        frameworks.watch()
+        dataloading.watch(active)
         threading.Thread(target=self._beat, name="megacache-heartbeat", daemon=True).start()
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
@@ -163,6 +187,7 @@ class Telemetry:
         if not self.progress.armed:  # never trained: no trainer (a launcher, a helper)
             self.stop("the process never trained")
             return
+        self.emit(self.alive, time.time())  # the last data wait, then the end
         self.emit(records.end_record, time.time(), reason)
         self._stopping.set()
         if self.lifeline is not None:
@@ -170,8 +195,9 @@ class Telemetry:
         self.progress.flush(wait)
 
     def alive(self, at: float) -> ProgressRecord:
-        """Alive at `at`, `step` steps done: the sign of life each batch carries."""
-        return records.heartbeat_record(at, self.step)
+        """Alive at `at`, `step` steps done (and the data wait so far): the sign of life
+        each batch carries, and each heartbeat."""
+        return records.heartbeat_record(at, self.step, self.data_wait_s)
 
     def preempted(self, deadline: float, ending: bool) -> None:
         """SIGTERM: a sign of life now (the attempt's `end`, failed, when the signal is about
@@ -180,7 +206,7 @@ class Telemetry:
         if ending:
             self.end("failed", wait)
         elif self.ended is None and self.progress.armed:
-            self.emit(records.heartbeat_record, time.time(), self.step)
+            self.emit(self.alive, time.time())
             self.progress.flush(wait)
 
     def stop(self, why: str = "stopped") -> None:

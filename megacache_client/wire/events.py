@@ -37,6 +37,8 @@ def _now() -> datetime:
 class Event(Schema):
     """One client run's view: did the cache help, and by how much."""
 
+    LATER_FIELDS = ("followup",)
+
     key: Hex64
     model: Annotated[str, Size(1, 256)]
     outcome: Outcome

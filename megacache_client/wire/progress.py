@@ -44,7 +44,8 @@ KINDS: tuple[Kind, ...] = ("start", "training", "heartbeat", "checkpoint_save",
   the scheduler gave the job its resources, where known (`MEGACACHE_JOB_START`,
   `SLURM_JOB_START_TIME`), on attempt 0.
 - training: the first optimizer step of the attempt ended (`at`); time to start ends here.
-- heartbeat: the process is alive at `at`, having finished `step` optimizer steps.
+- heartbeat: the process is alive at `at`, having finished `step` optimizer steps and
+  waited `data_wait_s` in all for its batches since its first step (when measured).
 - checkpoint_save: a checkpoint of `step` began at `at`; the training loop waited
   `blocking_s` for it; `background_s` more it was written off the loop (async save), so it
   is durable at `at + blocking_s + background_s`.
@@ -60,6 +61,8 @@ Reason = Literal["finished", "failed"]
 class ProgressRecord(Schema):
     """One fact of an attempt's time line."""
 
+    LATER_FIELDS = ("data_wait_s",)
+
     kind: Kind
     at: Timestamp
     step: Annotated[Step | None, Doc("optimizer steps finished (heartbeat, checkpoints)")] = None
@@ -69,6 +72,9 @@ class ProgressRecord(Schema):
                                                  "the loop went on (async save)")] = None
     allocation_start: Annotated[Timestamp | None, Doc("start: when the job's resources "
                                                       "were allocated")] = None
+    data_wait_s: Annotated[Duration | None, Doc(
+        "heartbeat: seconds the training loop waited for its next batch since the "
+        "attempt's first step, in all (DATA_LOADING_SYNC)")] = None
     reason: Annotated[Reason | None, Doc("end: finished or failed")] = None
 
     def validate(self) -> None:

@@ -151,6 +151,10 @@ class Schema:
     by pydantic too (`__pydantic_config__` is a plain dict: no pydantic import here)."""
 
     __pydantic_config__ = {"extra": "forbid", "strict": True}
+    LATER_FIELDS: typing.ClassVar[tuple[str, ...]] = ()
+    """Fields added after the first release, sent only when they differ from their default:
+    a server of an older version refuses fields it does not know, so it still takes what a
+    newer client sends, unless the client uses what the server lacks."""
 
     def __post_init__(self) -> None:
         checked(self)
@@ -393,8 +397,10 @@ _SCALARS: dict[Any, Check] = {
 
 def _plain(value: Any) -> Any:
     if isinstance(value, Schema):
+        later = type(value).LATER_FIELDS
         return {f.name: _plain(getattr(value, f.name))
-                for f in dataclasses.fields(value)}  # type: ignore[arg-type]
+                for f in dataclasses.fields(value)  # type: ignore[arg-type]
+                if f.name not in later or getattr(value, f.name) != f.default}
     if isinstance(value, datetime):
         return value.isoformat()
     if isinstance(value, list):

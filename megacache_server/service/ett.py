@@ -12,6 +12,10 @@ covers it:
                       snapshot (its `at`; the loop went on at `at + blocking_s`) to the
                       failure; a checkpoint is durable at `at + blocking_s + background_s`
   training            from the attempt's first optimizer step to its last fact
+  data_wait           of that training, the seconds the loop waited for its next batch
+                      (a sum the heartbeats carry, not intervals: taken from training
+                      between the first step and the heartbeat that said it, the same
+                      share of each training segment; DATA_LOADING_SYNC in goodput)
   recovery            from a failure (the failed attempt's last fact) to the next
                       attempt's first step
   startup             the first attempt: from allocation (or process start) to its first step
@@ -31,8 +35,8 @@ from typing import Any
 
 from megacache_server.store.index.progress import AttemptProgress, JobProgress
 
-CATEGORIES = ("training", "startup", "compile", "checkpoint_save", "checkpoint_restore",
-              "lost_progress", "recovery", "idle")
+CATEGORIES = ("training", "data_wait", "startup", "compile", "checkpoint_save",
+              "checkpoint_restore", "lost_progress", "recovery", "idle")
 _PRIORITY = ("checkpoint_restore", "checkpoint_save", "compile", "lost_progress",
              "training", "recovery", "startup")
 """Highest first: what a second covered by several intervals counts as."""
@@ -149,17 +153,21 @@ def split(job: JobProgress, *, compile_s: dict[int, float] | None = None,
     spans = [_span(a, first=i == 0) for i, a in enumerate(attempts)]
     wall = (spans[0][0], max(hi for _, hi in spans))
     intervals: list[Segment] = []
-    reclassify: list[tuple[float, float, float]] = []
+    reclassify: list[tuple[float, float, float, str]] = []
     for i, (a, (lo, hi)) in enumerate(zip(attempts, spans, strict=True)):
         failed = i < len(attempts) - 1 or a.end_reason == "failed"
         intervals += _intervals(a, lo, hi, failed, compile_s.get(a.attempt, 0.0),
                                 recover_from=spans[i - 1][1] if i else None)
         dropped = a.saves_blocking_s - sum(s.blocking_s for s in a.saves)
         if dropped > 0 and a.saves:  # saves older than the kept ones: their sum only
-            reclassify.append((a.training_at or lo, a.saves[0].at, dropped))
+            reclassify.append((a.training_at or lo, a.saves[0].at, dropped,
+                               "checkpoint_save"))
+        if a.data_wait is not None and a.training_at is not None:
+            reclassify.append((a.training_at, min(a.data_wait[0], hi), a.data_wait[1],
+                               "data_wait"))
     segments = _paint(intervals, *wall)
-    for start, end, seconds in reclassify:
-        segments = _convert(segments, start, end, seconds)
+    for start, end, seconds, category in reclassify:
+        segments = _convert(segments, start, end, seconds, category)
     out.segments = segments
     edges = [wall[0], *_cummax([hi for _, hi in spans[:-1]]), wall[1]]
     for i, a in enumerate(attempts):
@@ -232,12 +240,15 @@ def _paint(intervals: list[Segment], lo: float, hi: float) -> list[Segment]:
     return out
 
 
-def _convert(segments: list[Segment], start: float, end: float,
-             seconds: float) -> list[Segment]:
-    """Up to `seconds` of training within [start, end] counted as checkpoint_save (saves too
-    old to be kept one by one), the same share of each training segment there."""
+def _convert(segments: list[Segment], start: float, end: float, seconds: float,
+             category: str) -> list[Segment]:
+    """Up to `seconds` of training within [start, end] counted as `category` (saves too old
+    to be kept one by one; the loop's wait for data), the same share of each training
+    segment there. The loop's wait for data is spread over the lost training too (the loop
+    waited there as well), and only training's share of it is taken."""
+    spread = ("training", "lost_progress") if category == "data_wait" else ("training",)
     inside = sum(min(e, end) - max(s, start) for s, e, c in segments
-                 if c == "training" and e > start and s < end)
+                 if c in spread and e > start and s < end)
     if inside <= 0:
         return segments
     share = min(1.0, seconds / inside)
@@ -248,7 +259,7 @@ def _convert(segments: list[Segment], start: float, end: float,
             continue
         a, b = max(s, start), min(e, end)
         cut = b - (b - a) * share
-        out += [x for x in ((s, cut, "training"), (cut, b, "checkpoint_save"),
+        out += [x for x in ((s, cut, "training"), (cut, b, category),
                             (b, e, "training")) if x[1] > x[0]]
     return out
 

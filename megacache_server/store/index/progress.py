@@ -77,6 +77,9 @@ class AttemptProgress:
     end_at: float | None = None
     end_reason: str | None = None
     records: int = 0
+    data_wait: tuple[float, float] | None = None
+    """(at, seconds) of the latest heartbeat that said how long the loop had waited for
+    data since the first step (cumulative, so the latest says all)."""
 
     def to_json(self) -> str:
         """`dataclasses.asdict` as JSON, without its recursive deep copy (60% of a
@@ -91,8 +94,8 @@ class AttemptProgress:
         d: dict[str, Any] = json.loads(raw)
         d["saves"] = tuple(Save(**s) for s in d["saves"])
         d["loads"] = tuple(Load(**s) for s in d["loads"])
-        for name in ("first_heartbeat", "last_heartbeat"):
-            d[name] = tuple(d[name]) if d[name] is not None else None
+        for name in ("first_heartbeat", "last_heartbeat", "data_wait"):
+            d[name] = tuple(d[name]) if d.get(name) is not None else None
         d["save_buckets"] = tuple(d["save_buckets"])
         return cls(**d)
 
@@ -136,7 +139,7 @@ class Fold:
 def beats_kept(records: list[ProgressRecord]) -> list[ProgressRecord]:
     """Of heartbeat records, those `merge` can be told instead of all of them to the same
     effect: the least and greatest by (at, step), the only ones its heartbeat rule keeps
-    (first and last heartbeat; first and last time)."""
+    (first and last heartbeat; first and last time; the latest data wait)."""
     if len(records) <= 2:
         return records
     ordered = sorted(records, key=_beat)
@@ -175,6 +178,8 @@ def merge(state: AttemptProgress | None, attempt: int, model: str | None,
                 s = replace(s, first_heartbeat=beat)
             if s.last_heartbeat is None or beat > s.last_heartbeat:
                 s = replace(s, last_heartbeat=beat)
+            if r.data_wait_s is not None and (s.data_wait is None or r.at > s.data_wait[0]):
+                s = replace(s, data_wait=(r.at, float(r.data_wait_s)))
         elif r.kind == "checkpoint_save":
             save = Save(r.at, int(r.step or 0), float(r.blocking_s or 0.0),
                         float(r.background_s or 0.0))
