@@ -1,0 +1,73 @@
+"""Names are text: the one rule for every name and free-text field on the wire.
+
+A model name, job id, reason or detail is shown in views, logs and `/metrics` labels and
+stored in an index that must encode it. A lone surrogate (what a JSON `\\ud800` escape or
+a non-UTF-8 byte read with surrogateescape becomes) survives `json.loads` as a `str` but
+breaks every encoder later; a CR, LF or ESC forges log lines or repaints a terminal. So
+both sides check text with `check_text` where the schema parses, and anything shown that
+this side did not write goes through `escape_foreign` (one helper for client and server).
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+TEXT_CAP = 1024
+"""The longest name or free-text field the wire accepts, in characters."""
+
+_BAD_CATEGORIES = frozenset({"Cc", "Cs", "Co", "Cn", "Zl", "Zp"})
+"""Control (C0, C1, DEL), surrogate, private use, unassigned, line and paragraph separators."""
+
+
+def _bad(ch: str) -> bool:
+    return unicodedata.category(ch) in _BAD_CATEGORIES and ch != "\t"
+
+
+def text_error(value: str, cap: int = TEXT_CAP) -> str | None:
+    """Why `value` is not wire text (printable, no surrogates or controls, at most `cap`
+    characters), or None. Tab is allowed: it forges nothing once escaped in logs."""
+    if len(value) > cap:
+        return f"String should have at most {cap} characters"
+    for i, ch in enumerate(value):
+        if _bad(ch):
+            return (f"String should be printable text: character {i} is U+{ord(ch):04X}"
+                    " (a control character, surrogate or non-character)")
+    return None
+
+
+def is_text(value: object, cap: int = TEXT_CAP) -> bool:
+    """Whether `value` is a str that follows the text rule."""
+    return isinstance(value, str) and text_error(value, cap) is None
+
+
+def check_text(value: str, cap: int = TEXT_CAP) -> str:
+    """`value` unchanged if it is wire text; ValueError saying why otherwise."""
+    why = text_error(value, cap)
+    if why is not None:
+        raise ValueError(why)
+    return value
+
+
+def escape_foreign(value: object, cap: int = TEXT_CAP) -> str:
+    """`value` safe to print in one log line, label or view: every character the text rule
+    refuses (and backslash, so the escape is unambiguous) becomes a `\\xNN`/`\\uNNNN` escape,
+    and the result is cut at `cap` characters with a mark. Never raises: for data stored by
+    an older server, or an answer from a server we do not trust."""
+    text = value if isinstance(value, str) else str(value)
+    out: list[str] = []
+    size = 0
+    for ch in text:
+        if ch == "\\":
+            piece = "\\\\"
+        elif ch == "\t" or _bad(ch):
+            code = ord(ch)
+            piece = f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 \
+                else f"\\U{code:08x}"
+        else:
+            piece = ch
+        if size + len(piece) > cap:
+            out.append("…")
+            break
+        out.append(piece)
+        size += len(piece)
+    return "".join(out)
