@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from typing import Annotated, Literal
 
 from megacache_client.wire.manifest import Hex64
-from megacache_client.wire.schema import Doc, Match, Range, Schema, Size
+from megacache_client.wire.schema import Doc, Match, Range, Schema, Size, Text
 
 Outcome = Literal["hit", "fallback", "miss", "invalid", "error", "inert"]
 OUTCOMES: tuple[Outcome, ...] = ("hit", "fallback", "miss", "invalid", "error", "inert")
@@ -40,7 +40,7 @@ class Event(Schema):
     LATER_FIELDS = ("followup",)
 
     key: Hex64
-    model: Annotated[str, Size(1, 256)]
+    model: Annotated[str, Size(1, 256), Text()]
     outcome: Outcome
     reason: Annotated[str, Size(0, 2000)] = ""
     entry_key: Annotated[Hex64 | None, Doc("the entry loaded, if any")] = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Literal
 
-from megacache_client.wire.schema import Doc, Range, Schema, Size
+from megacache_client.wire.schema import Doc, Range, Schema, Size, Text
 
 Timestamp = Annotated[float, Range(1_500_000_000, 4_102_444_800)]
 """Unix seconds from 2017 to 2100 (finite: the schema refuses NaN and infinities); the
@@ -24,7 +24,7 @@ than `MAX_AGE_S`."""
 Duration = Annotated[float, Range(0, 7 * 24 * 3600)]
 Step = Annotated[int, Range(0, 10**12)]
 Attempt = Annotated[int, Range(0, 10**6)]
-ModelName = Annotated[str, Size(1, 256)]
+ModelName = Annotated[str, Size(1, 256), Text()]
 
 MAX_SKEW_S = 300.0
 """A record timestamped further ahead of the server's clock than this is refused (422)."""

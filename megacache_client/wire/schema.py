@@ -26,6 +26,8 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Literal, TypeVar, Union
 
+from megacache_client.wire.text import text_error
+
 T = TypeVar("T")
 Check = Callable[[Any, tuple[str | int, ...]], Any]
 """Takes a value and where it is; returns the value (converted: a dict becomes its
@@ -129,6 +131,16 @@ class Size(Rule):
     def core(self) -> dict[str, Any]:
         return {**({"min_length": self.min} if self.min else {}),
                 **({"max_length": self.max} if self.max is not None else {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class Text(Rule):
+    """A name or free text: printable, no surrogates or control characters (wire/text.py).
+    A lone surrogate from a JSON `\\ud800` escape survives json.loads as a str and breaks
+    the index's encoder later; refused here, where both sides parse."""
+
+    def check(self, value: Any) -> str | None:
+        return text_error(value, cap=len(value)) if isinstance(value, str) else None
 
 
 @dataclasses.dataclass(frozen=True)

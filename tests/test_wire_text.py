@@ -1,0 +1,39 @@
+"""Names are text (#47 item 1): the wire schema refuses a model name with a lone surrogate
+or a control character where it parses (both sides), and escape_foreign renders any text
+printable in one line."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from megacache_client.wire.progress import ProgressBatch
+from megacache_client.wire.schema import SchemaError, parse_json
+from megacache_client.wire.text import TEXT_CAP, escape_foreign, is_text
+
+
+def _batch(model_json: str) -> bytes:
+    at = int(time.time())
+    return f'{{"attempt":0,"records":[{{"kind":"start","at":{at}}}],"model":{model_json}}}'.encode()
+
+
+@pytest.mark.parametrize("model", ['"m\\ud800x"', '"m\\nx"', '"m\\u001bx"', '"m\\u0000"',
+                                   '"m\\rx"', '"m\\u0085x"', '"m\\u007fx"'])
+def test_a_progress_batch_whose_model_is_not_text_is_refused(model: str) -> None:
+    with pytest.raises(SchemaError) as err:
+        parse_json(ProgressBatch, _batch(model))
+    assert err.value.errors[0]["loc"] == ["model"]
+    assert "printable" in str(err.value)
+
+
+def test_a_clean_model_name_parses() -> None:
+    assert parse_json(ProgressBatch, _batch('"llama-7b é/ß"')).model == "llama-7b é/ß"
+
+
+def test_escape_foreign_leaves_one_printable_line() -> None:
+    out = escape_foreign("a\nb\x1b[2J\r\ud800\x00\\", 100)
+    assert out == "a\\x0ab\\x1b[2J\\x0d\\ud800\\x00\\\\"
+    assert is_text(out)
+    assert escape_foreign("x" * (TEXT_CAP + 5)).endswith("…")
+    assert not is_text("m\ud800x") and not is_text("x" * (TEXT_CAP + 1))
