@@ -37,3 +37,15 @@ def test_escape_foreign_leaves_one_printable_line() -> None:
     assert is_text(out)
     assert escape_foreign("x" * (TEXT_CAP + 5)).endswith("…")
     assert not is_text("m\ud800x") and not is_text("x" * (TEXT_CAP + 1))
+
+
+def test_metrics_label_values_carry_no_raw_cr_nul_or_esc() -> None:
+    from prometheus_client.core import GaugeMetricFamily
+
+    from megacache_server.service import metrics
+    family = GaugeMetricFamily("megacache_t", "t", labels=["model"])
+    family.add_metric(["m\r\x00\x1b[2J\ud800x"], 1.0)
+    text = metrics._render([family]).decode()
+    assert not any(c in text for c in "\r\x00\x1b")
+    assert 'model="m\\\\x0d\\\\x00\\\\x1b[2J\\\\ud800x"' in text
+    assert "\r" not in metrics._escape("a\rb") and "\x1b" not in metrics._escape("\x1b")

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from megacache_client.wire.events import REPLAYS
+from megacache_client.wire.text import escape_foreign
 from megacache_server import __version__
 from megacache_server.service.ett_metrics import ett_families
 from megacache_server.service.events import Figures
@@ -176,11 +177,18 @@ def _job_histograms(models: list[ModelStats]) -> bytes:
 
 
 def _escape(value: str) -> str:
-    """A label value as the Prometheus text format quotes it."""
+    """A label value as the Prometheus text format quotes it, foreign text escaped first
+    (a model name stored by an older server may hold CR, NUL or ESC)."""
+    value = escape_foreign(value)
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def _render(families: list[Any]) -> bytes:
+    """The families as Prometheus text. Label values are tenants' text: prometheus_client
+    escapes only backslash, newline and quote, so CR, NUL and ESC are escaped here."""
+    for family in families:
+        family.samples = [s._replace(labels={k: escape_foreign(v) for k, v in s.labels.items()})
+                          for s in family.samples]
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
     return generate_latest(registry)
