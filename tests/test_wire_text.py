@@ -49,3 +49,15 @@ def test_metrics_label_values_carry_no_raw_cr_nul_or_esc() -> None:
     assert not any(c in text for c in "\r\x00\x1b")
     assert 'model="m\\\\x0d\\\\x00\\\\x1b[2J\\\\ud800x"' in text
     assert "\r" not in metrics._escape("a\rb") and "\x1b" not in metrics._escape("\x1b")
+
+
+def test_the_text_log_escapes_a_forged_line() -> None:
+    import logging
+
+    from megacache_server.api.logs import TextFormatter
+    record = logging.LogRecord("megacache", logging.WARNING, __file__, 1,
+                               "report detail: %s", ("x\nWARNING  megacache: forged\r\x1b[2J",),
+                               None)
+    line = TextFormatter().format(record)
+    assert "\n" not in line and "\r" not in line and "\x1b" not in line
+    assert line.startswith("WARNING   megacache: report detail: x\\x0aWARNING")

@@ -10,7 +10,11 @@ import json
 import logging
 from typing import Any
 
+from megacache_client.wire.text import escape_foreign
 from megacache_server.api.redact import RedactTokens, redact
+
+TEXT_LOG_CAP = 8192
+"""Characters of one text log message; a longer one is cut with a mark."""
 
 
 class JsonFormatter(logging.Formatter):
@@ -30,6 +34,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(data, separators=(",", ":"))
 
 
+class TextFormatter(logging.Formatter):
+    """uvicorn-shaped text lines whose message cannot forge another line: a message quotes
+    client text (a report's detail, a path), so CR, LF, ESC and the other controls in it are
+    escaped (`escape_foreign`). Tracebacks, which the server writes, stay as they are."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)-9s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = escape_foreign(record.message, TEXT_LOG_CAP)
+        return super().formatMessage(record)
+
+
 def configure_logging(log_format: str, level: str) -> None:
     """megacache's own loggers get a handler at `level` in either format (text lines shaped
     like uvicorn's); in JSON mode uvicorn's own loggers write JSON too. Every line the
@@ -40,7 +57,7 @@ def configure_logging(log_format: str, level: str) -> None:
         handler.setFormatter(JsonFormatter())
         names: tuple[str, ...] = ("megacache", "uvicorn", "uvicorn.error")
     else:
-        handler.setFormatter(logging.Formatter("%(levelname)-9s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter())
         names = ("megacache",)
     for name in names:
         logger = logging.getLogger(name)
