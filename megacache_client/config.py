@@ -9,6 +9,7 @@ as the server's settings do (`16GiB`, `512MB`, or a plain byte count).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -16,7 +17,11 @@ from typing import Any, Literal
 
 from megacache_client.wire.progress import HEARTBEAT_S
 from megacache_client.wire.signing import SigningError, public_key_bytes
+from megacache_client.wire.text import escape_foreign, text_error
 from megacache_client.wire.writers import WriterPolicy
+
+MODEL_CAP = 256
+"""The longest model name (the wire schema's ModelName)."""
 
 Mode = Literal["off", "read-only", "read-write", "required"]
 MODES: tuple[Mode, ...] = ("off", "read-only", "read-write", "required")
@@ -154,7 +159,22 @@ class ClientConfig:
         if max_raw <= 0:
             raise ConfigError(f"MEGACACHE_MAX_RAW_BYTES must be positive, not {max_raw}")
         return replace(self, url=self.url.rstrip("/"), node_cache_dir=Path(self.node_cache_dir),
-                       max_raw_bytes=max_raw)
+                       max_raw_bytes=max_raw, model=_text_model(self.model))
+
+
+def _text_model(model: str | None) -> str | None:
+    """`model` if it is wire text, else None with one warning: a name with a control
+    character or a non-UTF-8 byte (a surrogateescape str from the environment) would be
+    refused by the server on every progress batch and retried for ever; the trainer runs
+    on without the name instead (the default name applies)."""
+    if model is None or model == "":
+        return model or None
+    why = text_error(model, MODEL_CAP)
+    if why is None:
+        return model
+    logging.getLogger("megacache").warning(
+        "megacache: MEGACACHE_MODEL %s ignored: %s", escape_foreign(model, 80), why)
+    return None
 
 
 def _parse_bytes(text: str) -> int:

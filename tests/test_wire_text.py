@@ -61,3 +61,15 @@ def test_the_text_log_escapes_a_forged_line() -> None:
     line = TextFormatter().format(record)
     assert "\n" not in line and "\r" not in line and "\x1b" not in line
     assert line.startswith("WARNING   megacache: report detail: x\\x0aWARNING")
+
+
+@pytest.mark.parametrize("raw", ["m\udcffx", "m\nx", "m\x1b[2J", "x" * 300])
+def test_a_model_name_that_is_not_text_is_dropped_at_enable_with_one_warning(
+        raw: str, caplog: pytest.LogCaptureFixture) -> None:
+    from megacache_client.config import ClientConfig
+    with caplog.at_level("WARNING", logger="megacache"):
+        config = ClientConfig.from_env({"MEGACACHE_MODEL": raw})
+    assert config.model is None
+    warned = [r for r in caplog.records if "MEGACACHE_MODEL" in r.getMessage()]
+    assert len(warned) == 1
+    assert ClientConfig.from_env({"MEGACACHE_MODEL": "llama-7b"}).model == "llama-7b"
