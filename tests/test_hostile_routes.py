@@ -67,8 +67,9 @@ BODIES: dict[str, dict[str, Any]] = {
     "report_blob": {"kind": "digest", "detail": "attack"},
     "report_entry": {"kind": "load", "detail": "attack"},
     "progress": {"attempt": 0, "records": [
-        {"kind": "start", "at": time.time()},
-        {"kind": "checkpoint_save", "at": time.time(), "step": 1, "blocking_s": 1.0}]},
+        {"kind": "start", "at": time.time(), "allocation_start": time.time() - 60},
+        {"kind": "checkpoint_save", "at": time.time(), "step": 1, "blocking_s": 1.0,
+         "background_s": 2.0}]},
 }
 VICTIM_PROGRESS = [{"kind": "start", "at": time.time() - 100},
                    {"kind": "training", "at": time.time() - 90},
@@ -114,7 +115,8 @@ CASES: dict[tuple[str, str], Case] = {
     # ... and what it reports is recorded there (the victim's job of that id unchanged)
     ("POST", "/v1/jobs/{job}/progress"): Case(
         "write", "/v1/jobs/{job}-2/progress", "progress",
-        ("attempt", "records.0.at", "records.1.step", "records.1.blocking_s"), other=202,
+        ("attempt", "records.0.at", "records.0.allocation_start", "records.1.step",
+         "records.1.blocking_s", "records.1.background_s"), other=202,
         limit=128 * 1024),
     ("GET", "/v1/quarantine"): Case("read", "/v1/quarantine", numbers=("?limit",),
                                     other=200),
