@@ -12,7 +12,9 @@ resumes with a Range request. Entries are handed out only through the gate
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
 import ssl
 import threading
@@ -37,6 +39,7 @@ from megacache_client.job import JobIdentity
 from megacache_client.steps.verify import Gate, ServedEntry
 from megacache_client.transport import reader
 from megacache_client.transport.breaker import CircuitBreaker, breaker_for
+from megacache_client.transport.redirects import RedirectPolicy, RedirectRefused
 from megacache_client.transport.retry import (
     Deadline,
     RetryableStatus,
@@ -46,9 +49,11 @@ from megacache_client.transport.retry import (
 )
 from megacache_client.wire import headers as wire_headers
 from megacache_client.wire import routes
+from megacache_client.wire.escape import escape, escape_logs
 from megacache_client.wire.manifest import Manifest, component_digest, sha256_file
 from megacache_client.wire.routes import Route
 from megacache_client.wire.schema import parse
+from megacache_client.wire.signing import blob_origin, parse_origins
 from megacache_client.wire.version import __version__
 
 __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineExceeded",
@@ -59,7 +64,9 @@ __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineEx
 Progress = Callable[[int, int], None]
 CHUNK = 1024 * 1024
 MAX_REDIRECTS = 3
-"""A blob download may be redirected (to a presigned object-store URL); nothing else is."""
+"""A blob download may be redirected (to a presigned object-store URL, where the server
+vouches: `redirects.py`); nothing else is."""
+escape_logs(logging.getLogger("megacache"))  # what reaches the client comes through here
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,8 @@ class RemoteCache:
                                               config.breaker_reset_s)
         self.deadline = deadline or Deadline(None)
         self.gate = gate or Gate(config)
+        self.redirects = RedirectPolicy(config.url, parse_origins(config.redirect_origins),
+                                        config.verify_key)
         self._client: httpx.Client | None = None
 
     @property
@@ -205,7 +214,7 @@ class RemoteCache:
                            json={"holder": holder, "lease_s": lease_s})
         if a.status == 409:
             try:
-                return str(a.json()["error"]["holder"])[:128]
+                return escape(a.json()["error"]["holder"], 128)
             except (ValueError, KeyError, TypeError):
                 return "another publisher"
         if a.status in (404, 405):  # a server from before claims: publish as before
@@ -223,7 +232,7 @@ class RemoteCache:
         a = self._exchange(routes.WHOAMI, "whoami")
         self._expect(a, (200,), "whoami")
         data = a.json()
-        return str(data["name"])[:128], [str(s) for s in data["scopes"]][:16]
+        return escape(data["name"], 128), [escape(s, 64) for s in data["scopes"]][:16]
 
     def list_entries(self, *, model: str | None = None, env: dict[str, Any] | None = None,
                      hw: dict[str, Any] | None = None, limit: int = 20) -> list[Manifest]:
@@ -304,8 +313,11 @@ class RemoteCache:
         actual_size = dest.stat().st_size
         actual = hashing.sha.hexdigest()
         if actual_size != size or actual != digest:
-            message = (f"blob {digest[:12]}… is corrupt: got {actual_size} bytes hashing to "
-                       f"{actual[:12]}…, expected {size} bytes")
+            # our words only: what the manifest promised, never the size or hash of what was
+            # served (that is a foreign answer's, and the report and event go back out)
+            wrong = (f"are not the manifest's {size} bytes" if actual_size != size
+                     else "do not hash to its digest")
+            message = f"blob {digest[:12]}… is corrupt: the bytes served {wrong}"
             raise CorruptBlobError(message, finding=Finding(
                 "size" if actual_size != size else "digest", digest, detail=message))
         return actual
@@ -318,9 +330,7 @@ class RemoteCache:
         headers = {"range": f"bytes={done}-"} if done else {}
         what = f"download {digest[:12]}"
         clock = Deadline(self.config.read_timeout_s)
-        with reader.operation(self.deadline, clock), self._http.stream(
-                "GET", routes.GET_BLOB.url(digest=digest), headers=headers,
-                timeout=self._timeout(), follow_redirects=True) as r:
+        with reader.operation(self.deadline, clock), self._blob_response(digest, headers) as r:
             reader.refuse_encoded(r)
             if r.status_code == 200 and done:  # the server sent it whole: start over
                 f.seek(0)
@@ -328,16 +338,11 @@ class RemoteCache:
                 hashing.sha = hashlib.sha256()
                 done = 0
             elif r.status_code not in (200, 206):
-                answer = Answer(r.status_code, r.headers,
-                                reader.read_capped(r, reader.SMALL_JSON, what))
-                if retryable(r.status_code):
-                    raise _retryable(answer, what)
-                raise TransportError(f"{what}: HTTP {r.status_code} "
-                                     f"{reader.error_message(answer.body)}", r.status_code)
+                raise self._blob_error(r, what)
             declared = reader.declared_length(r)
             if declared is not None and done + declared > size:
-                message = (f"blob {digest[:12]}… is declared {done + declared} bytes long, "
-                           f"the manifest says {size}")
+                message = (f"blob {digest[:12]}… is declared longer than the manifest's "
+                           f"{size} bytes")
                 raise CorruptBlobError(message, finding=Finding("size", digest,
                                                                 detail=message))
             for chunk in r.iter_raw(CHUNK):
@@ -353,6 +358,55 @@ class RemoteCache:
                 if progress:
                     progress(done, size)
         f.flush()
+
+    @contextlib.contextmanager
+    def _blob_response(self, digest: str, headers: dict[str, str]
+                       ) -> Iterator[httpx.Response]:
+        """The answer to a blob GET, after the redirects `redirects.RedirectPolicy` allows
+        (judged before anything connects to the target); a redirect elsewhere raises
+        `RedirectRefused`. The bearer token goes to the server's own origin only."""
+        url: httpx.URL = self._http.base_url.join(routes.GET_BLOB.url(digest=digest))
+        for _ in range(MAX_REDIRECTS + 1):
+            request = self._http.build_request("GET", url, headers=headers,
+                                               timeout=self._timeout())
+            if blob_origin(str(url)) != self.redirects.own:
+                request.headers.pop("authorization", None)
+            r = self._http.send(request, stream=True, follow_redirects=False)
+            location = r.headers.get("location") if r.is_redirect else None
+            if location is None:
+                try:
+                    yield r
+                finally:
+                    r.close()
+                return
+            r.close()
+            try:
+                url = url.join(location)
+            except httpx.InvalidURL:
+                raise RedirectRefused(f"download {digest[:12]}: refused a redirect to an "
+                                      "invalid URL", r.status_code) from None
+            refusal = self.redirects.judge(str(url), r.headers)
+            if refusal:
+                raise RedirectRefused(f"download {digest[:12]}: refused a redirect "
+                                      f"{refusal} (MEGACACHE_REDIRECT_ORIGINS allows one)",
+                                      r.status_code)
+        raise TransportError(f"download {digest[:12]}: more than {MAX_REDIRECTS} redirects",
+                             r.status_code)
+
+    def _blob_error(self, r: httpx.Response, what: str) -> TransportError:
+        """A blob answer that is not the blob: retryable or not, in our words. The server's
+        own error message is kept (escaped); an answer from elsewhere (the presigned store)
+        gives its status and host only, never its body."""
+        answer = Answer(r.status_code, r.headers, reader.read_capped(r, reader.SMALL_JSON,
+                                                                     what))
+        if blob_origin(str(r.url)) == self.redirects.own:
+            said = reader.error_message(answer.body)
+        else:
+            said = f"from {escape(r.url.host, 100)}"
+        if retryable(r.status_code):
+            return RetryableStatus(f"{what}: HTTP {r.status_code} {said}", r.status_code,
+                                   retry_after_s(answer.headers.get("retry-after")))
+        return TransportError(f"{what}: HTTP {r.status_code} {said}", r.status_code)
 
     # -- reports: bad bytes met ---------------------------------------------------------
     def report(self, finding: Finding, job: str | None = None) -> str:
@@ -372,7 +426,7 @@ class RemoteCache:
             raise ValueError("a finding names a blob or an entry")
         self._expect(a, (200,), what)
         try:
-            return str(a.json()["verdict"])[:32]
+            return escape(a.json()["verdict"], 32)
         except (ValueError, KeyError, TypeError):
             return "answered"
 

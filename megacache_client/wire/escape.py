@@ -1,0 +1,53 @@
+"""Text this code did not write, made safe to show: one helper for every log line, warning
+and reason that carries a server's error body, a header, or a network exception's message.
+
+A hostile server (or a proxy in front of it) chooses those bytes. Printed raw on a trainer's
+stderr, a newline forges a log line of its own (`WARNING megacache: ...`), ESC starts a
+terminal control sequence (`ESC[2J` clears the screen) and CR overwrites the line before it.
+So every character that is not printable (controls, newlines, line and paragraph
+separators, lone surrogates) is shown as its Python escape (`\\x1b`, `\\r`, `\\n`,
+`\\u2028`), and the text is capped: what reaches a log is one line, of bounded length.
+"""
+
+from __future__ import annotations
+
+import logging
+
+CAP = 500
+"""Characters of foreign text a message keeps (after escaping): enough for any real error."""
+
+
+def escape(text: object, cap: int = CAP) -> str:
+    """`text` (as `str()` makes it) on one printable line of at most `cap` characters plus
+    an ellipsis, every non-printable character written as its backslash escape."""
+    out: list[str] = []
+    size = 0
+    for ch in str(text):
+        shown = ch if ch.isprintable() else ch.encode("unicode_escape",
+                                                      "backslashreplace").decode("ascii")
+        if size + len(shown) > cap:
+            out.append("…")
+            break
+        out.append(shown)
+        size += len(shown)
+    return "".join(out)
+
+
+class EscapeForeign(logging.Filter):
+    """A logging filter that escapes (`escape`) a record's message and every argument
+    before any handler formats it, so no call site can print foreign text raw: the client's
+    own words are printable already, and lose nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = escape(record.msg, 4 * CAP)
+        if isinstance(record.args, tuple):
+            record.args = tuple(a if isinstance(a, int | float) else escape(a)
+                                for a in record.args)
+        return True
+
+
+def escape_logs(logger: logging.Logger) -> logging.Logger:
+    """`logger` with `EscapeForeign` installed (once, however often this is called)."""
+    if not any(isinstance(f, EscapeForeign) for f in logger.filters):
+        logger.addFilter(EscapeForeign())
+    return logger
