@@ -12,7 +12,6 @@ resumes with a Range request. Entries are handed out only through the gate
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -37,9 +36,9 @@ from megacache_client.errors import (
 )
 from megacache_client.job import JobIdentity
 from megacache_client.steps.verify import Gate, ServedEntry
-from megacache_client.transport import reader
+from megacache_client.transport import reader, redirects
 from megacache_client.transport.breaker import CircuitBreaker, breaker_for
-from megacache_client.transport.redirects import RedirectPolicy, RedirectRefused
+from megacache_client.transport.redirects import RedirectPolicy
 from megacache_client.transport.retry import (
     Deadline,
     RetryableStatus,
@@ -63,10 +62,9 @@ __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineEx
 
 Progress = Callable[[int, int], None]
 CHUNK = 1024 * 1024
-MAX_REDIRECTS = 3
-"""A blob download may be redirected (to a presigned object-store URL, where the server
-vouches: `redirects.py`); nothing else is."""
-escape_logs(logging.getLogger("megacache"))  # what reaches the client comes through here
+# Every log line of the client escapes the text it did not write (`wire.escape`): such
+# text reaches the client through this module, so the filter is in place before any does.
+escape_logs(logging.getLogger("megacache"))
 
 
 @dataclass(frozen=True)
@@ -115,7 +113,7 @@ class RemoteCache:
                 timeout=httpx.Timeout(self.config.read_timeout_s,
                                       connect=self.config.connect_timeout_s),
                 follow_redirects=False,
-                max_redirects=MAX_REDIRECTS,
+                max_redirects=redirects.MAX_REDIRECTS,
                 verify=tls_context(),
             ))
         return self._client
@@ -330,7 +328,9 @@ class RemoteCache:
         headers = {"range": f"bytes={done}-"} if done else {}
         what = f"download {digest[:12]}"
         clock = Deadline(self.config.read_timeout_s)
-        with reader.operation(self.deadline, clock), self._blob_response(digest, headers) as r:
+        with reader.operation(self.deadline, clock), redirects.follow(
+                self._http, routes.GET_BLOB.url(digest=digest), headers, self._timeout(),
+                self.redirects, what) as r:
             reader.refuse_encoded(r)
             if r.status_code == 200 and done:  # the server sent it whole: start over
                 f.seek(0)
@@ -358,40 +358,6 @@ class RemoteCache:
                 if progress:
                     progress(done, size)
         f.flush()
-
-    @contextlib.contextmanager
-    def _blob_response(self, digest: str, headers: dict[str, str]
-                       ) -> Iterator[httpx.Response]:
-        """The answer to a blob GET, after the redirects `redirects.RedirectPolicy` allows
-        (judged before anything connects to the target); a redirect elsewhere raises
-        `RedirectRefused`. The bearer token goes to the server's own origin only."""
-        url: httpx.URL = self._http.base_url.join(routes.GET_BLOB.url(digest=digest))
-        for _ in range(MAX_REDIRECTS + 1):
-            request = self._http.build_request("GET", url, headers=headers,
-                                               timeout=self._timeout())
-            if blob_origin(str(url)) != self.redirects.own:
-                request.headers.pop("authorization", None)
-            r = self._http.send(request, stream=True, follow_redirects=False)
-            location = r.headers.get("location") if r.is_redirect else None
-            if location is None:
-                try:
-                    yield r
-                finally:
-                    r.close()
-                return
-            r.close()
-            try:
-                url = url.join(location)
-            except httpx.InvalidURL:
-                raise RedirectRefused(f"download {digest[:12]}: refused a redirect to an "
-                                      "invalid URL", r.status_code) from None
-            refusal = self.redirects.judge(str(url), r.headers)
-            if refusal:
-                raise RedirectRefused(f"download {digest[:12]}: refused a redirect "
-                                      f"{refusal} (MEGACACHE_REDIRECT_ORIGINS allows one)",
-                                      r.status_code)
-        raise TransportError(f"download {digest[:12]}: more than {MAX_REDIRECTS} redirects",
-                             r.status_code)
 
     def _blob_error(self, r: httpx.Response, what: str) -> TransportError:
         """A blob answer that is not the blob: retryable or not, in our words. The server's

@@ -23,14 +23,21 @@ The judgement comes before any connection is made to the target; a refused redir
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+
+import httpx
 
 from megacache_client.errors import TransportError
 from megacache_client.wire import headers as wire_headers
 from megacache_client.wire.escape import escape
 from megacache_client.wire.signing import blob_origin, message_signature_valid, origin_message
+
+MAX_REDIRECTS = 3
+"""Redirects one blob download may follow (a presigned store answers at once): nothing
+else the client asks is ever redirected."""
 
 METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata", "instance-data"})
 """Names cloud metadata services answer to, besides their link-local addresses."""
@@ -109,3 +116,35 @@ class RedirectPolicy:
             return (f"to {host}, a {'/'.join(sorted(classes - {'public'}))} address "
                     "announced without a signature")
         return ""
+
+
+@contextlib.contextmanager
+def follow(http: httpx.Client, path: str, headers: dict[str, str], timeout: httpx.Timeout,
+           policy: RedirectPolicy, what: str) -> Iterator[httpx.Response]:
+    """The answer to a GET of `path` (on `http`'s server), after the redirects `policy`
+    allows, each judged before anything connects to its target; a redirect elsewhere
+    raises `RedirectRefused`. The bearer token goes to the server's own origin only."""
+    url = http.base_url.join(path)
+    for _ in range(MAX_REDIRECTS + 1):
+        request = http.build_request("GET", url, headers=headers, timeout=timeout)
+        if blob_origin(str(url)) != policy.own:
+            request.headers.pop("authorization", None)
+        r = http.send(request, stream=True, follow_redirects=False)
+        location = r.headers.get("location") if r.is_redirect else None
+        if location is None:
+            try:
+                yield r
+            finally:
+                r.close()
+            return
+        r.close()
+        try:
+            url = url.join(location)
+        except httpx.InvalidURL:
+            raise RedirectRefused(f"{what}: refused a redirect to an invalid URL",
+                                  r.status_code) from None
+        refusal = policy.judge(str(url), r.headers)
+        if refusal:
+            raise RedirectRefused(f"{what}: refused a redirect {refusal} "
+                                  "(MEGACACHE_REDIRECT_ORIGINS allows one)", r.status_code)
+    raise TransportError(f"{what}: more than {MAX_REDIRECTS} redirects", r.status_code)
