@@ -12,6 +12,7 @@ separators, lone surrogates) is shown as its Python escape (`\\x1b`, `\\r`, `\\n
 from __future__ import annotations
 
 import logging
+import numbers
 
 CAP = 500
 """Characters of foreign text a message keeps (after escaping): enough for any real error."""
@@ -41,8 +42,8 @@ class EscapeForeign(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.msg = escape(record.msg, 4 * CAP)
         if isinstance(record.args, tuple):
-            record.args = tuple(a if isinstance(a, int | float) else escape(a)
-                                for a in record.args)
+            record.args = tuple(a if isinstance(a, numbers.Number) else escape(a)
+                                for a in record.args)  # numbers stay: `%d`, `%.2f`
         return True
 
 
