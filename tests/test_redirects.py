@@ -185,6 +185,21 @@ def test_a_configured_origin_is_followed_unannounced(
         assert remote.download_blob(digest, len(data), tmp_path / "got") == digest
 
 
+def test_a_name_is_judged_by_the_address_it_resolves_to(
+        signing: ServerProcess, entry: tuple[Any, str, bytes], tmp_path: Path) -> None:
+    """Without a verify key an announcement counts for public addresses only, and a host
+    name counts as what it resolves to: `localhost`, announced, is loopback and refused."""
+    _, digest, data = entry
+    with hostile("silent") as elsewhere:
+        location = elsewhere.url.replace("127.0.0.1", "localhost")
+        with _redirecting(signing.url, location, _announce(None, location)) as proxy, \
+                RemoteCache(ClientConfig(url=proxy.url)) as remote, \
+                pytest.raises(RedirectRefused, match="to localhost, a loopback address"):
+            remote.download_blob(digest, len(data), tmp_path / "got")
+        elsewhere.settle()
+        assert elsewhere.requests == []
+
+
 @pytest.mark.parametrize("store_answer", ["wrong bytes", "403"])
 def test_what_the_trainer_sends_back_carries_nothing_of_a_foreign_answer(
         store_answer: str, signing: ServerProcess, keys: tuple[Signer, str, Path],

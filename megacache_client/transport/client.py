@@ -363,15 +363,13 @@ class RemoteCache:
         """A blob answer that is not the blob: retryable or not, in our words. The server's
         own error message is kept (escaped); an answer from elsewhere (the presigned store)
         gives its status and host only, never its body."""
-        answer = Answer(r.status_code, r.headers, reader.read_capped(r, reader.SMALL_JSON,
-                                                                     what))
         if blob_origin(str(r.url)) == self.redirects.own:
-            said = reader.error_message(answer.body)
-        else:
+            said = reader.error_message(reader.read_capped(r, reader.SMALL_JSON, what))
+        else:  # the store's body is not even read
             said = f"from {escape(r.url.host, 100)}"
         if retryable(r.status_code):
             return RetryableStatus(f"{what}: HTTP {r.status_code} {said}", r.status_code,
-                                   retry_after_s(answer.headers.get("retry-after")))
+                                   retry_after_s(r.headers.get("retry-after")))
         return TransportError(f"{what}: HTTP {r.status_code} {said}", r.status_code)
 
     # -- reports: bad bytes met ---------------------------------------------------------
