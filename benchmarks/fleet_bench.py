@@ -145,8 +145,11 @@ def node_main(spec_path: Path) -> int:
             "MEGACACHE_JOB_ID": spec["job"], "MEGACACHE_ATTEMPT": "0",
             "RANK": str(spec["node"] * spec["ranks"] + local), "LOCAL_RANK": str(local),
             "WORLD_SIZE": str(spec["world"])})
-        config = ClientConfig.from_env({"MEGACACHE_URL": spec["url"],
-                                        "MEGACACHE_NODE_CACHE_DIR": spec["node_cache"]})
+        # the operator's word for its store (on a loopback port here): redirects go only
+        # where the server vouches or the configuration allows (transport/redirects.py)
+        config = ClientConfig.from_env({
+            "MEGACACHE_URL": spec["url"], "MEGACACHE_NODE_CACHE_DIR": spec["node_cache"],
+            "MEGACACHE_REDIRECT_ORIGINS": f"http://127.0.0.1:{spec['s3_port']}"})
         record: dict[str, Any] = {"rank": job.rank}
         try:
             _rank(spec, fp, raw, job, config, record, go, out_lock)

@@ -32,6 +32,7 @@ from megacache_client.steps.nodecache import NodeCache
 from megacache_client.transport.breaker import CircuitBreaker
 from megacache_client.transport.client import RemoteCache, TransportError
 from megacache_client.wire import exitcodes
+from megacache_client.wire.escape import escape
 from megacache_client.wire.events import REPLAYS
 from megacache_client.wire.exitcodes import ExitCode
 from megacache_client.wire.manifest import Fingerprint, is_hex64
@@ -449,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except (UsageError, NotFound, ConfigError, TransportError, OSError) as exc:
-        print(f"megacache: {exc}", file=sys.stderr)
+        print(f"megacache: {escape(exc, 1000)}", file=sys.stderr)  # may quote a server
         return int(exit_code(exc))
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megacache_client.wire.progress import HEARTBEAT_S
-from megacache_client.wire.signing import SigningError, public_key_bytes
+from megacache_client.wire.signing import SigningError, parse_origins, public_key_bytes
 from megacache_client.wire.text import escape_foreign, text_error
 from megacache_client.wire.writers import WriterPolicy
 
@@ -76,6 +76,10 @@ class ClientConfig:
     trusted_writers: str = ""
     """Whose entries this process runs (`steps/verify.py`): token names, `ci-*`, `scope:admin`;
     empty runs anyone's."""
+    redirect_origins: str = ""
+    """Origins (`https://s3.internal:9000`, comma- or space-separated) a blob download may be
+    redirected to besides the server's own and the one it announces
+    (`transport/redirects.py`): the operator's word, for any address, link-local included."""
     telemetry: bool = True
     """Rank 0 of a job sends its progress (steps, heartbeats, checkpoints) for the job's
     Effective Training Time (`torch/telemetry.py`); `MEGACACHE_TELEMETRY=0` turns it off."""
@@ -153,6 +157,10 @@ class ClientConfig:
             WriterPolicy.parse(self.trusted_writers)
         except ValueError as exc:
             raise ConfigError(f"MEGACACHE_TRUSTED_WRITERS: {exc}") from None
+        try:
+            parse_origins(self.redirect_origins)
+        except ValueError as exc:
+            raise ConfigError(f"MEGACACHE_REDIRECT_ORIGINS: {exc}") from None
         max_raw = self.max_raw_bytes
         if isinstance(max_raw, str):  # a keyword argument may use units too
             max_raw = _coerce("max_raw_bytes", "Bytes", max_raw)

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+from megacache_client.wire.escape import escape
+
 FindingKind = Literal["digest", "size", "decompress", "unpack", "load"]
 
 
@@ -45,6 +47,12 @@ def blamed_on(kind: FindingKind, digest: str | None = None,
         if exc.finding is None:
             exc.finding = Finding(kind, digest, entry_key, str(exc)[:500])
         raise
+
+
+def exc_text(exc: BaseException) -> str:
+    """An exception as a reason or a log line says it: its type and message, escaped
+    (`wire.escape`): a network exception's message may quote what a server sent."""
+    return escape(f"{type(exc).__name__}: {exc}".rstrip(": "), 1000)
 
 
 class TransportError(Exception):

@@ -199,20 +199,34 @@ def make_manifest(blobs: dict[str, bytes] | list[tuple[str, bytes]],
 class ForwardingProxy:
     """A loopback HTTP proxy to a real server, for tests where the server lies or lags:
     each request goes to `upstream` at `rewrite(path)` (the attacker's choice), after
-    `hold(method, path)` seconds (a slow link for that request). Bodies and headers pass
-    through; hop-by-hop headers do not."""
+    `hold(method, path)` seconds (a slow link for that request), unless `answer(method, path)`
+    gives the proxy's own answer (status, headers, body). Bodies and headers pass through;
+    hop-by-hop headers do not."""
 
     HOP_BY_HOP = ("host", "content-length", "connection", "transfer-encoding",
                   "content-encoding")
 
     def __init__(self, upstream: str, rewrite: Callable[[str], str] = lambda path: path,
-                 hold: Callable[[str, str], float] = lambda method, path: 0.0) -> None:
+                 hold: Callable[[str, str], float] = lambda method, path: 0.0,
+                 answer: Callable[[str, str], tuple[int, dict[str, str], bytes] | None]
+                 = lambda method, path: None) -> None:
         drop = self.HOP_BY_HOP
+        self.seen: list[tuple[str, str, bytes]] = []  # method, path, body: what was sent
+        seen = self.seen
 
         class Forward(http.server.BaseHTTPRequestHandler):
             def _forward(self) -> None:
                 time.sleep(hold(self.command, self.path))
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                seen.append((self.command, self.path, body))
+                own = answer(self.command, self.path)  # the proxy answers this one itself
+                if own is not None:
+                    self.send_response(own[0])
+                    for k, v in {**own[1], "content-length": str(len(own[2]))}.items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.wfile.write(own[2])
+                    return
                 r = httpx.request(self.command, upstream + rewrite(self.path),
                                   headers={k: v for k, v in self.headers.items()
                                            if k.lower() not in drop},

@@ -8,6 +8,7 @@ at a time)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -89,6 +90,18 @@ def bomb(conn: socket.socket, _: str) -> None:
     time.sleep(1)
 
 
+FORGED = "no such key\nWARNING megacache: forged\x1b[2J\r"
+"""An error message written to forge a log line, clear the screen and overwrite a line."""
+
+
+def forged(conn: socket.socket, _: str) -> None:
+    """A 403 whose error message (`FORGED`) carries a newline, a forged log line, an ESC
+    sequence and a CR."""
+    body = json.dumps({"error": {"code": "forbidden", "message": FORGED}}).encode()
+    conn.sendall(_head("403 Forbidden", {"content-type": "application/json",
+                                         "content-length": str(len(body))}) + body)
+
+
 def silent(conn: socket.socket, _: str) -> None:
     """Accepts, reads the request, and never answers."""
     time.sleep(3600)
@@ -97,16 +110,18 @@ def silent(conn: socket.socket, _: str) -> None:
 MODES: dict[str, Callable[[socket.socket, str], None]] = {
     "drip": drip, "drip_headers": drip_headers, "endless": endless,
     "huge_length": huge_length, "short_length": short_length, "bomb": bomb,
-    "silent": silent,
+    "silent": silent, "forged": forged,
 }
 
 
 class HostilePeer:
-    """Serves `mode` (a name of MODES, or "redirect:<url>") to every request until closed.
-    `requests` records each request's head as received (what the client sent)."""
+    """Serves `mode` (a name of MODES, or "redirect:<url>", with `headers` besides the
+    Location) to every request until closed. `requests` records each request's head as
+    received (what the client sent)."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, headers: dict[str, str] | None = None) -> None:
         self.mode = mode
+        self.headers = headers or {}
         self.requests: list[str] = []
         self._sock = socket.create_server(("127.0.0.1", 0))
         self._sock.settimeout(0.2)
@@ -157,7 +172,7 @@ class HostilePeer:
             self.requests.append(head)
             if self.mode.startswith("redirect:"):
                 conn.sendall(_head("302 Found", {"location": self.mode[len("redirect:"):],
-                                                 "content-length": "0"}))
+                                                 "content-length": "0", **self.headers}))
                 return
             MODES[self.mode](conn, head)
 
@@ -189,8 +204,8 @@ def _read_head(conn: socket.socket) -> str:
 
 
 @contextlib.contextmanager
-def hostile(mode: str) -> Iterator[HostilePeer]:
-    peer = HostilePeer(mode)
+def hostile(mode: str, headers: dict[str, str] | None = None) -> Iterator[HostilePeer]:
+    peer = HostilePeer(mode, headers)
     try:
         yield peer
     finally:

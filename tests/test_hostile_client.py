@@ -9,6 +9,8 @@ here fails `test_every_public_call_has_a_hostile_case`.
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -17,13 +19,14 @@ from typing import Any
 
 import pytest
 from helpers import make_fingerprint, make_manifest
-from hostile_peer import MODES, HostilePeer, hostile
+from hostile_peer import FORGED, MODES, HostilePeer, hostile
 
 from megacache_client.config import ClientConfig
 from megacache_client.errors import Finding, TransportError
 from megacache_client.steps.verify import ServedEntry
 from megacache_client.transport.breaker import CircuitBreaker
 from megacache_client.transport.client import RemoteCache
+from megacache_client.transport.redirects import RedirectRefused
 from megacache_client.transport.retry import Deadline
 
 DEADLINE_S = 1.0
@@ -106,20 +109,23 @@ def test_a_hostile_server_costs_a_call_its_deadline_and_no_memory(
 
 
 @pytest.mark.parametrize("name", sorted(CALLS))
-def test_redirects_are_followed_for_blob_downloads_only_and_never_carry_the_token(
-        name: str, tmp_path: Path) -> None:
+def test_no_call_follows_a_redirect_the_server_did_not_vouch_for(name: str,
+                                                                 tmp_path: Path) -> None:
+    """A redirect to another port of this host is followed by no call, a blob download's
+    included (it follows only the server's own origin or one the server announced:
+    tests/test_redirects.py); the refusal comes before any connection is made there."""
     with hostile("silent") as elsewhere, hostile(f"redirect:{elsewhere.url}/x") as peer:
         elapsed, _, outcome = _run(CALLS[name], peer.url, tmp_path)
         peer.settle()
         elsewhere.settle()  # every connection the call made there has been read
         assert elapsed <= DEADLINE_S + SLACK_S
         followed = elsewhere.requests
-    if name == "download_blob":  # a presigned object-store URL, without the bearer token
-        assert followed and all("mc_secret-token" not in r for r in followed)
-    else:
-        assert followed == [], f"{name} followed a redirect"
-        if name != "has_blob":  # a HEAD answer has no verdict to refuse; a 302 is no 200
-            assert isinstance(outcome, TransportError | ValueError) or outcome in (None, "")
+    assert followed == [], f"{name} followed a redirect"
+    if name == "download_blob":
+        assert isinstance(outcome, RedirectRefused), outcome
+        assert "did not announce" in str(outcome)
+    elif name != "has_blob":  # a HEAD answer has no verdict to refuse; a 302 is no 200
+        assert isinstance(outcome, TransportError | ValueError) or outcome in (None, "")
     assert peer.requests and "mc_secret-token" in peer.requests[0]
 
 
@@ -157,3 +163,33 @@ def test_the_load_step_gives_up_within_its_deadline_plus_a_second(mode: str,
     assert result.outcome == "error", result
     assert elapsed <= DEADLINE_S + SLACK_S, f"the load took {elapsed:.1f}s against {mode}"
     assert peak < MAX_GROWTH
+
+
+TRAINER = """
+from megacache_client.config import ClientConfig
+from megacache_client.lifecycle import Session
+from megacache_client.wire.manifest import Fingerprint
+from megacache_client.wire.schema import parse
+
+config = ClientConfig(url={url!r}, node_cache_dir={node!r}, prefetch=False,
+                      load_deadline_s=5).validated()
+session = Session(config, fingerprint=parse(Fingerprint, {fp!r})).start()
+print(session.load().outcome)
+session.retire()
+"""
+
+
+def test_a_servers_error_text_reaches_the_trainers_stderr_escaped(tmp_path: Path) -> None:
+    """A server (or proxy) whose error message carries a newline, a forged
+    `WARNING megacache:` line, ESC[2J and a CR: the trainer's stderr, at the default log
+    level, shows the warning on one line with those characters escaped."""
+    with hostile("forged") as peer:
+        out = subprocess.run([sys.executable, "-c", TRAINER.format(
+            fp=make_fingerprint().to_dict(), url=peer.url, node=str(tmp_path / "node"))],
+            capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "error"
+    assert "\x1b" not in out.stderr and "\r" not in out.stderr, repr(out.stderr)
+    assert not [line for line in out.stderr.splitlines()
+                if line.startswith(FORGED.split("\n")[1].split("\x1b")[0])], out.stderr
+    assert "WARNING megacache: forged\\x1b[2J\\r" in out.stderr  # shown, escaped

@@ -90,9 +90,19 @@ def test_killed_replica_leaves_nothing_partial(replicas):
 
 
 def test_presigned_redirect_lets_reads_bypass_the_server(request, tmp_path):
+    """The 307 announces the store's origin, signed with the server's key: a verifying
+    client follows it (the store is on another port of this host, which nothing else may
+    send it to); without the key, the announcement counts for public addresses only."""
+    from megacache_client.wire import headers
+    from megacache_client.wire.signing import Signer, generate_private_key_pem
+
+    key_file = tmp_path / "signing.pem"
+    key_file.write_bytes(generate_private_key_pem())
+    key_file.chmod(0o600)
     args, env = backend_args("redis+s3", request)
     server = _configured(ServerProcess(tmp_path / "data", *args, "--s3-redirect",
-                                       env=env), "redis+s3", args).start()
+                                       env={**env, "MEGACACHE_SIGNING_KEY_FILE": str(key_file)}),
+                         "redis+s3", args).start()
     try:
         data = os.urandom(3 * 1024 * 1024)
         digest = sha256(data)
@@ -101,11 +111,18 @@ def test_presigned_redirect_lets_reads_bypass_the_server(request, tmp_path):
             r = c.get(f"/v1/cas/{digest}")
             assert r.status_code == 307
             assert r.headers["location"].startswith(server.s3_endpoint)
+            assert r.headers[headers.BLOB_ORIGIN] == server.s3_endpoint
+            assert r.headers[headers.BLOB_ORIGIN_SIGNATURE].startswith("ed25519=")
         from megacache_client.config import ClientConfig
         from megacache_client.transport.client import RemoteCache
+        from megacache_client.transport.redirects import RedirectRefused
 
-        with RemoteCache(ClientConfig(url=server.url)) as remote:  # follows, verifies
-            remote.download_blob(digest, len(data), tmp_path / "got")
+        verify_key = Signer.from_file(key_file).public_key
+        with RemoteCache(ClientConfig(url=server.url, verify_key=verify_key)) as remote:
+            remote.download_blob(digest, len(data), tmp_path / "got")  # follows, verifies
         assert (tmp_path / "got").read_bytes() == data
+        with RemoteCache(ClientConfig(url=server.url)) as remote, \
+                pytest.raises(RedirectRefused, match="loopback address announced without"):
+            remote.download_blob(digest, len(data), tmp_path / "again")
     finally:
         server.stop()

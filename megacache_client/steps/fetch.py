@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megacache_client.config import ClientConfig
+from megacache_client.errors import exc_text
 from megacache_client.job import RESOLUTION_TTL_S, JobIdentity
 from megacache_client.results import LoadResult
 from megacache_client.steps.fingerprint import COMPONENTS, describe, differing
@@ -50,7 +51,7 @@ def failure_reason(prefetcher: Prefetching | None, exc: Exception) -> str:
     """Why the load failed, the root cause first: when it found the server marked down
     because this process's own prefetch (or the earlier one it continued) gave up on it,
     that prefetch's error is the reason, not the breaker it opened."""
-    reason = f"{type(exc).__name__}: {exc}"
+    reason = exc_text(exc)
     if not isinstance(exc, CircuitOpenError):
         return reason
     errors = []

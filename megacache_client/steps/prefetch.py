@@ -36,7 +36,7 @@ import threading
 import time
 
 from megacache_client.config import ClientConfig
-from megacache_client.errors import UntrustedEntryError, UntrustedWriterError
+from megacache_client.errors import UntrustedEntryError, UntrustedWriterError, exc_text
 from megacache_client.steps.fetch import fetch_blob, skip_reason
 from megacache_client.steps.load import place, read_bundle
 from megacache_client.steps.nodecache import NodeCache
@@ -88,7 +88,7 @@ class Prefetcher:
             torch_env.inductor_cache_dir(), torch_env.header_dir()
             relocate.build_facts()
         except Exception as exc:  # the session fetches on its own
-            self.result.error = f"{type(exc).__name__}: {exc}"
+            self.result.error = exc_text(exc)
             self._fetched.set()
             self._done.set()
             return self
@@ -113,7 +113,7 @@ class Prefetcher:
         try:
             toolchain = self._prefetch()
         except Exception as exc:  # the session fetches on its own
-            self.result.error = f"{type(exc).__name__}: {exc}"
+            self.result.error = exc_text(exc)
             log.debug("megacache: prefetch failed: %s", self.result.error)
         finally:
             self.result.seconds = time.monotonic() - started
@@ -125,7 +125,7 @@ class Prefetcher:
             if toolchain is not None:
                 self.result.toolchain_bytes = self._take_toolchain(toolchain)
         except Exception as exc:  # g++, if it ever runs, builds its own headers
-            self.result.toolchain_error = f"{type(exc).__name__}: {exc}"
+            self.result.toolchain_error = exc_text(exc)
             log.debug("megacache: prefetch of the toolchain failed: %s",
                       self.result.toolchain_error)
         finally:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megacache_client.config import ClientConfig
-from megacache_client.errors import Finding
+from megacache_client.errors import Finding, exc_text
 from megacache_client.job import JobIdentity
 from megacache_client.results import LoadResult, Track
 from megacache_client.torch import env as torch_env
@@ -184,7 +184,7 @@ def send_finding(config: ClientConfig, finding: Finding, job: JobIdentity | None
             log.info("megacache: reported %s of %s to the server: %s", finding.kind,
                      (finding.digest or finding.entry_key or "")[:12], result.reported)
         except Exception as exc:
-            result.reported = f"not reported: {type(exc).__name__}: {exc}"[:300]
+            result.reported = f"not reported: {exc_text(exc)}"[:300]
             log.debug("megacache: %s", result.reported)
 
     thread = threading.Thread(target=send, name="megacache-report", daemon=True)

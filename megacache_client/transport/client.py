@@ -13,6 +13,7 @@ resumes with a Range request. Entries are handed out only through the gate
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import ssl
 import threading
@@ -35,8 +36,9 @@ from megacache_client.errors import (
 )
 from megacache_client.job import JobIdentity
 from megacache_client.steps.verify import Gate, ServedEntry
-from megacache_client.transport import reader
+from megacache_client.transport import reader, redirects
 from megacache_client.transport.breaker import CircuitBreaker, breaker_for
+from megacache_client.transport.redirects import RedirectPolicy
 from megacache_client.transport.retry import (
     Deadline,
     RetryableStatus,
@@ -46,9 +48,11 @@ from megacache_client.transport.retry import (
 )
 from megacache_client.wire import headers as wire_headers
 from megacache_client.wire import routes
+from megacache_client.wire.escape import escape, escape_logs
 from megacache_client.wire.manifest import Manifest, component_digest, sha256_file
 from megacache_client.wire.routes import Route
 from megacache_client.wire.schema import parse
+from megacache_client.wire.signing import blob_origin, parse_origins
 from megacache_client.wire.version import __version__
 
 __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineExceeded",
@@ -58,8 +62,9 @@ __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineEx
 
 Progress = Callable[[int, int], None]
 CHUNK = 1024 * 1024
-MAX_REDIRECTS = 3
-"""A blob download may be redirected (to a presigned object-store URL); nothing else is."""
+# Every log line of the client escapes the text it did not write (`wire.escape`): such
+# text reaches the client through this module, so the filter is in place before any does.
+escape_logs(logging.getLogger("megacache"))
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,8 @@ class RemoteCache:
                                               config.breaker_reset_s)
         self.deadline = deadline or Deadline(None)
         self.gate = gate or Gate(config)
+        self.redirects = RedirectPolicy(config.url, parse_origins(config.redirect_origins),
+                                        config.verify_key)
         self._client: httpx.Client | None = None
 
     @property
@@ -106,7 +113,7 @@ class RemoteCache:
                 timeout=httpx.Timeout(self.config.read_timeout_s,
                                       connect=self.config.connect_timeout_s),
                 follow_redirects=False,
-                max_redirects=MAX_REDIRECTS,
+                max_redirects=redirects.MAX_REDIRECTS,
                 verify=tls_context(),
             ))
         return self._client
@@ -205,7 +212,7 @@ class RemoteCache:
                            json={"holder": holder, "lease_s": lease_s})
         if a.status == 409:
             try:
-                return str(a.json()["error"]["holder"])[:128]
+                return escape(a.json()["error"]["holder"], 128)
             except (ValueError, KeyError, TypeError):
                 return "another publisher"
         if a.status in (404, 405):  # a server from before claims: publish as before
@@ -223,7 +230,7 @@ class RemoteCache:
         a = self._exchange(routes.WHOAMI, "whoami")
         self._expect(a, (200,), "whoami")
         data = a.json()
-        return str(data["name"])[:128], [str(s) for s in data["scopes"]][:16]
+        return escape(data["name"], 128), [escape(s, 64) for s in data["scopes"]][:16]
 
     def list_entries(self, *, model: str | None = None, env: dict[str, Any] | None = None,
                      hw: dict[str, Any] | None = None, limit: int = 20) -> list[Manifest]:
@@ -304,8 +311,11 @@ class RemoteCache:
         actual_size = dest.stat().st_size
         actual = hashing.sha.hexdigest()
         if actual_size != size or actual != digest:
-            message = (f"blob {digest[:12]}… is corrupt: got {actual_size} bytes hashing to "
-                       f"{actual[:12]}…, expected {size} bytes")
+            # our words only: what the manifest promised, never the size or hash of what was
+            # served (that is a foreign answer's, and the report and event go back out)
+            wrong = (f"are not the manifest's {size} bytes" if actual_size != size
+                     else "do not hash to its digest")
+            message = f"blob {digest[:12]}… is corrupt: the bytes served {wrong}"
             raise CorruptBlobError(message, finding=Finding(
                 "size" if actual_size != size else "digest", digest, detail=message))
         return actual
@@ -318,9 +328,9 @@ class RemoteCache:
         headers = {"range": f"bytes={done}-"} if done else {}
         what = f"download {digest[:12]}"
         clock = Deadline(self.config.read_timeout_s)
-        with reader.operation(self.deadline, clock), self._http.stream(
-                "GET", routes.GET_BLOB.url(digest=digest), headers=headers,
-                timeout=self._timeout(), follow_redirects=True) as r:
+        with reader.operation(self.deadline, clock), redirects.follow(
+                self._http, routes.GET_BLOB.url(digest=digest), headers, self._timeout(),
+                self.redirects, what) as r:
             reader.refuse_encoded(r)
             if r.status_code == 200 and done:  # the server sent it whole: start over
                 f.seek(0)
@@ -328,16 +338,11 @@ class RemoteCache:
                 hashing.sha = hashlib.sha256()
                 done = 0
             elif r.status_code not in (200, 206):
-                answer = Answer(r.status_code, r.headers,
-                                reader.read_capped(r, reader.SMALL_JSON, what))
-                if retryable(r.status_code):
-                    raise _retryable(answer, what)
-                raise TransportError(f"{what}: HTTP {r.status_code} "
-                                     f"{reader.error_message(answer.body)}", r.status_code)
+                raise self._blob_error(r, what)
             declared = reader.declared_length(r)
             if declared is not None and done + declared > size:
-                message = (f"blob {digest[:12]}… is declared {done + declared} bytes long, "
-                           f"the manifest says {size}")
+                message = (f"blob {digest[:12]}… is declared longer than the manifest's "
+                           f"{size} bytes")
                 raise CorruptBlobError(message, finding=Finding("size", digest,
                                                                 detail=message))
             for chunk in r.iter_raw(CHUNK):
@@ -353,6 +358,19 @@ class RemoteCache:
                 if progress:
                     progress(done, size)
         f.flush()
+
+    def _blob_error(self, r: httpx.Response, what: str) -> TransportError:
+        """A blob answer that is not the blob: retryable or not, in our words. The server's
+        own error message is kept (escaped); an answer from elsewhere (the presigned store)
+        gives its status and host only, never its body."""
+        if blob_origin(str(r.url)) == self.redirects.own:
+            said = reader.error_message(reader.read_capped(r, reader.SMALL_JSON, what))
+        else:  # the store's body is not even read
+            said = f"from {escape(r.url.host, 100)}"
+        if retryable(r.status_code):
+            return RetryableStatus(f"{what}: HTTP {r.status_code} {said}", r.status_code,
+                                   retry_after_s(r.headers.get("retry-after")))
+        return TransportError(f"{what}: HTTP {r.status_code} {said}", r.status_code)
 
     # -- reports: bad bytes met ---------------------------------------------------------
     def report(self, finding: Finding, job: str | None = None) -> str:
@@ -372,7 +390,7 @@ class RemoteCache:
             raise ValueError("a finding names a blob or an entry")
         self._expect(a, (200,), what)
         try:
-            return str(a.json()["verdict"])[:32]
+            return escape(a.json()["verdict"], 32)
         except (ValueError, KeyError, TypeError):
             return "answered"
 

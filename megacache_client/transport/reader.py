@@ -30,6 +30,7 @@ import httpx
 
 from megacache_client.errors import TransportError
 from megacache_client.transport.retry import Deadline
+from megacache_client.wire.escape import escape
 
 KiB, MiB = 1024, 1024 * 1024
 SMALL_JSON = 64 * KiB
@@ -171,10 +172,11 @@ def read_capped(response: httpx.Response, cap: int, what: str) -> bytes:
 
 
 def error_message(body: bytes) -> str:
-    """The server's error message from an error body already read (capped), for a log."""
+    """The server's error message from an error body already read (capped), for a log:
+    escaped (`wire.escape`), so a server's newline or ESC never reaches a log raw."""
     try:
         import json
 
-        return str(json.loads(body)["error"]["message"])[:300]
+        return escape(json.loads(body)["error"]["message"], 300)
     except Exception:
-        return body[:200].decode("utf-8", "replace")
+        return escape(body[:200].decode("utf-8", "replace"), 300)

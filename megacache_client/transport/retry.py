@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import httpx
 
-from megacache_client.errors import DeadlineExceeded, TransportError
+from megacache_client.errors import DeadlineExceeded, TransportError, exc_text
 from megacache_client.transport.breaker import CircuitBreaker
 
 T = TypeVar("T")
@@ -136,4 +136,4 @@ def _describe(exc: Exception | None) -> str:
         return "no attempt made"
     if isinstance(exc, TransportError):
         return str(exc)
-    return f"{type(exc).__name__}: {exc}".rstrip(": ")
+    return exc_text(exc)

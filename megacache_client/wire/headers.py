@@ -2,9 +2,10 @@
 
 Sent by the server with a manifest: `SIGNATURE`, `PROVENANCE`, `PROVENANCE_SIGNATURE`,
 `WRITER`, `WRITER_SCOPES`; with a job resolution: `RESOLUTION`, `RESOLVED_AT`,
-`EXPIRES_AT`. Sent by the client with every request, and recorded by the server in an
-entry's provenance when it writes one: `CLIENT_VERSION`, `JOB`, `ATTEMPT`. A test checks
-that every header the server reads is one the client sends.
+`EXPIRES_AT`; with a blob redirect: `BLOB_ORIGIN`, `BLOB_ORIGIN_SIGNATURE`. Sent by the
+client with every request, and recorded by the server in an entry's provenance when it
+writes one: `CLIENT_VERSION`, `JOB`, `ATTEMPT`. A test checks that every header the server
+reads is one the client sends.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ RESOLUTION = "x-megacache-resolution"
 """`hit`, `fallback` or `miss`: what a job attempt resolved a key to."""
 RESOLVED_AT = "x-megacache-resolved-at"
 EXPIRES_AT = "x-megacache-expires-at"
+BLOB_ORIGIN = "x-megacache-blob-origin"
+"""The origin a blob redirect goes to (the presigned store), as the server announces it."""
+BLOB_ORIGIN_SIGNATURE = "x-megacache-blob-origin-signature"
+"""The server's signature of `BLOB_ORIGIN` (`signing.origin_message`), when it signs."""
 CLIENT_VERSION = "x-megacache-client-version"
 JOB = "x-megacache-job"
 ATTEMPT = "x-megacache-attempt"

@@ -22,6 +22,7 @@ SIGNATURE_PREFIX = "ed25519="
 PUBLIC_KEY_PREFIX = "ed25519:"
 _DOMAIN = b"megacache-manifest-v1"
 _DOMAIN_V2 = b"megacache-manifest-v2"
+_DOMAIN_ORIGIN = b"megacache-blob-origin-v1"
 
 
 class SigningError(ValueError):
@@ -43,6 +44,43 @@ def signed_message(key: str, namespace: str, manifest_json: bytes,
         return b"\0".join((_DOMAIN_V2, key.encode(), namespace.encode(),
                            provenance.encode("ascii", "replace"), manifest_json))
     return b"\0".join((_DOMAIN, key.encode(), namespace.encode(), manifest_json))
+
+
+def blob_origin(url: str) -> str:
+    """The origin of an absolute URL, as both ends compare it: `scheme://host:port`, the
+    scheme and host lower-case, the port always written (80 and 443 when implied), an IPv6
+    host in brackets. "" for a URL that is not http(s) or has no host."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        return ""
+    scheme, host = parts.scheme.lower(), (parts.hostname or "").lower()
+    if scheme not in ("http", "https") or not host:
+        return ""
+    port = port if port is not None else (443 if scheme == "https" else 80)
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def parse_origins(text: str) -> frozenset[str]:
+    """`MEGACACHE_REDIRECT_ORIGINS` (comma- or space-separated URLs) as origins; a ValueError
+    names an entry that is not an http(s) URL with a host."""
+    found = set()
+    for part in text.replace(",", " ").split():
+        origin = blob_origin(part)
+        if not origin:
+            raise ValueError(f"{part[:80]!r} is not an http(s) origin "
+                             "(like https://s3.example.com)")
+        found.add(origin)
+    return frozenset(found)
+
+
+def origin_message(origin: str) -> bytes:
+    """What the server's announcement of a blob origin (`x-megacache-blob-origin-signature`)
+    signs: a domain tag of its own (no manifest signature can pass for one) and the origin."""
+    return b"\0".join((_DOMAIN_ORIGIN, origin.encode("ascii", "replace")))
 
 
 def _ed25519() -> Any:
@@ -71,6 +109,12 @@ def signature_valid(public_key: str, key: str, namespace: str, manifest_json: by
                     signature: str | None, provenance: str | None = None) -> bool:
     """True if `signature` is the server's signature of this manifest for this key/namespace
     (and of `provenance`, the `x-megacache-provenance` it was served with, if any)."""
+    return message_signature_valid(public_key, signed_message(
+        key, namespace, manifest_json, provenance), signature)
+
+
+def message_signature_valid(public_key: str, message: bytes, signature: str | None) -> bool:
+    """True if `signature` (`ed25519=<base64>`) is the server's signature of `message`."""
     if not signature or not signature.startswith(SIGNATURE_PREFIX):
         return False
     ed25519 = _ed25519()
@@ -79,7 +123,7 @@ def signature_valid(public_key: str, key: str, namespace: str, manifest_json: by
     try:
         raw_sig = base64.b64decode(signature[len(SIGNATURE_PREFIX):], validate=True)
         ed25519.Ed25519PublicKey.from_public_bytes(public_key_bytes(public_key)).verify(
-            raw_sig, signed_message(key, namespace, manifest_json, provenance))
+            raw_sig, message)
     except (InvalidSignature, binascii.Error, ValueError):
         return False
     return True
@@ -108,8 +152,11 @@ class Signer:
              provenance: str | None = None) -> str:
         """The `x-megacache-signature` value for this manifest served under key/namespace
         (with its provenance, when it has one)."""
-        sig = self._key.sign(signed_message(key, namespace, manifest_json, provenance))
-        return SIGNATURE_PREFIX + base64.b64encode(sig).decode()
+        return self.sign_message(signed_message(key, namespace, manifest_json, provenance))
+
+    def sign_message(self, message: bytes) -> str:
+        """`ed25519=<base64>` of `message` (one of this module's domain-tagged messages)."""
+        return SIGNATURE_PREFIX + base64.b64encode(self._key.sign(message)).decode()
 
     @property
     def public_key(self) -> str:

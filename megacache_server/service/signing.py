@@ -14,7 +14,9 @@ from megacache_client.wire import headers as wire_headers
 from megacache_client.wire.signing import (
     Signer,
     SigningError,
+    blob_origin,
     generate_private_key_pem,
+    origin_message,
 )
 from megacache_server.settings import Settings
 
@@ -37,6 +39,21 @@ def signature_headers(settings: Settings, key: str, namespace: str,
     if provenance:  # a second signature, so verifiers of the first work as before
         found[wire_headers.PROVENANCE_SIGNATURE] = signer.sign(key, namespace, manifest_json,
                                                          provenance)
+    return found
+
+
+def redirect_headers(settings: Settings, url: str) -> dict[str, str]:
+    """The announcement a blob redirect carries: the origin it sends the client to (the
+    presigned store) and, when we sign, our signature of that origin. A client follows a
+    redirect only to our own origin or one we vouch for (`transport/redirects.py`): a proxy
+    that answers blob reads with a redirect to an internal address cannot sign one."""
+    origin = blob_origin(url)
+    if not origin:
+        return {}
+    found = {wire_headers.BLOB_ORIGIN: origin}
+    if settings.signing_key_file is not None:
+        found[wire_headers.BLOB_ORIGIN_SIGNATURE] = signer_for(
+            settings.signing_key_file).sign_message(origin_message(origin))
     return found
 
 

@@ -12,6 +12,7 @@ from megacache_server.api.deps import Reader, Writer
 from megacache_server.api.ranges import parse_range
 from megacache_server.api.validation import request_body, require_content_length
 from megacache_server.errors import NotFound, error_responses
+from megacache_server.service.signing import redirect_headers
 
 router = APIRouter(prefix="/v1/cas", tags=["cas"],
                    responses=error_responses(400, 401, 403, 431, 503))
@@ -74,7 +75,8 @@ async def get_blob(digest: Digest, request: Request, cache: Reader) -> Response:
         return Response(status_code=304, headers={"etag": headers["etag"]})
     url = cache.presigned_url(digest)
     if url is not None:
-        return RedirectResponse(url, status_code=307, headers={"etag": headers["etag"]})
+        return RedirectResponse(url, status_code=307, headers={
+            "etag": headers["etag"], **redirect_headers(cache.settings, url)})
     span = None
     if_range = request.headers.get("if-range")
     if if_range is None or if_range == headers["etag"]:
