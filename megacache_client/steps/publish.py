@@ -63,10 +63,14 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
         return None, note
     if artifacts is None:
         artifacts, note = _shippable(raw, precompile_keys)
-    artifacts = torch_env.merged(_loaded_artifacts(tracks, node, cap), artifacts)
+    loaded = _loaded_artifacts(tracks, node, cap)
+    artifacts, unverified = precompile.verified_for_shipping(
+        artifacts, {a.key for a in loaded.get(precompile.ARTIFACT_TYPE, [])})
+    artifacts = torch_env.merged(loaded, artifacts)
     counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()}
     return Snapshot(torch_env.to_bytes(artifacts), counts, kernels,
-                    torch_env.compile_seconds(), lacking, new_keys, kernel_ids), note
+                    torch_env.compile_seconds(), lacking, new_keys, kernel_ids,
+                    precompile.producer_meta(artifacts)), note or unverified
 
 
 def _shippable(raw: bytes, precompile_keys: dict[str, list[str]] | None
