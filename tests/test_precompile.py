@@ -67,7 +67,8 @@ CONSUMER = textwrap.dedent("""
     # the producer's own meta checks pass: this test is about what the bytecode needs
     ref = BlobRef(digest="0" * 64, size=1, role="megacache", meta={
         precompile.META_TORCH: torch.__version__, precompile.META_PYTHON:
-        __import__("platform").python_version(), precompile.META_IDS: "0"})
+        __import__("platform").python_version(), precompile.META_IDS: "0",
+        precompile.META_VERIFIED: ",".join(a.key for a in artifacts.get("precompile", []))})
     kept, note = precompile.for_loading(artifacts, "hit", ref)
     print(json.dumps({"kept": len(kept.get("precompile", [])), "note": note}))
 """)

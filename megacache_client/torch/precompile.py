@@ -132,9 +132,11 @@ def for_loading(artifacts: torch_env.Artifacts, outcome: str | None, bundle: Blo
                 ) -> tuple[torch_env.Artifacts, str]:
     """The artifacts this run may hand to torch, and why any precompiled ones were left out.
 
-    All of them are left out where `refusal` says so; otherwise each entry a fresh process
-    could not run (`unrestorable`) is: a producer that did not check, or a torch that
-    records less than this client expects, costs a Dynamo trace, never a crashed step.
+    All of them are left out where `refusal` says so; otherwise each entry the producer did
+    not verify in its child-process check (`precompile_verify`: the bundle's meta names the
+    verified ones; an older producer's name none), and each a fresh process could not run
+    (`unrestorable`): a producer that did not check, or a torch that records less than
+    this client expects, costs a Dynamo trace, never a crashed step.
     """
     if not artifacts.get(ARTIFACT_TYPE):
         return artifacts, ""
@@ -144,17 +146,18 @@ def for_loading(artifacts: torch_env.Artifacts, outcome: str | None, bundle: Blo
             f"precompiled Dynamo output not loaded: {refused}"
     verified = set(bundle.meta.get(META_VERIFIED, "").split(","))
     unverified = {a.key for a in artifacts[ARTIFACT_TYPE] if a.key not in verified}
+    note = ""
     if unverified:
         artifacts = torch_env.without(artifacts, ARTIFACT_TYPE, unverified)
         n = len(unverified)
-        return artifacts, (f"{n} precompiled Dynamo entr{'y' if n == 1 else 'ies'} not "
-                           "loaded: not verified by the producer (traced here instead)")
+        note = (f"{n} precompiled Dynamo entr{'y' if n == 1 else 'ies'} not loaded: not "
+                "verified by the producer (traced here instead)")
     bad = unrestorable(artifacts)
     if not bad:
-        return artifacts, ""
-    return torch_env.without(artifacts, ARTIFACT_TYPE, set(bad)), (
-        f"{len(bad)} precompiled Dynamo entr{'y' if len(bad) == 1 else 'ies'} not loaded: "
-        f"{_names(bad)} would not be defined here")
+        return artifacts, note
+    return torch_env.without(artifacts, ARTIFACT_TYPE, set(bad)), "; ".join(filter(None, (
+        note, f"{len(bad)} precompiled Dynamo entr{'y' if len(bad) == 1 else 'ies'} not "
+        f"loaded: {_names(bad)} would not be defined here")))
 
 
 def for_shipping(artifacts: torch_env.Artifacts, compiled: dict[str, list[str]]
