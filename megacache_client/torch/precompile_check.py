@@ -81,13 +81,15 @@ def check_graph(backend_id: str, backend: Any, traced: Any) -> str:
 
     if traced is None:
         return f"{backend_id}: its traced graph was not recorded (nothing to compare with)"
-    graph_bytes, specs = traced
+    graph_bytes, specs, grad = traced
     gm = pickle.loads(graph_bytes)
     compiled = backend.after_deserialization()
+    torch.manual_seed(0)
     inputs = [_make(spec) for spec in specs]
-    with torch.random.fork_rng(devices=[]):
-        expected = _flat(gm(*_clones(inputs)))
-    got = _flat(compiled(*_clones(inputs)))
+    with torch.set_grad_enabled(grad):
+        with torch.random.fork_rng(devices=[]):
+            expected = _flat(gm(*_clones(inputs)))
+        got = _flat(compiled(*_clones(inputs)))
     if len(got) != len(expected):
         return f"{backend_id}: {len(got)} outputs, the traced graph gives {len(expected)}"
     values = not _has_random_ops(gm)

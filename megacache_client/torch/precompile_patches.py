@@ -261,12 +261,13 @@ def _patch_once(owner: Any, name: str, wrap: Callable[[Any], Any]) -> bool:
 
 
 
-_PENDING: list[tuple[bytes, list[Any]] | None] = [None]
-CAPTURED: dict[str, tuple[bytes, list[Any]] | None] = {}
+_PENDING: list[tuple[bytes, list[Any], bool] | None] = [None]
+CAPTURED: dict[str, tuple[bytes, list[Any], bool] | None] = {}
 """What each compiled graph of this process was traced as, by its precompile backend id:
-the pickled FX graph Dynamo captured and its inputs' specs (`input_spec`), None when the
-graph could not be pickled. The publisher's check (`precompile_verify`) calls each
-precompiled graph on inputs of these specs and compares it with this graph."""
+the pickled FX graph Dynamo captured, its inputs' specs (`input_spec`) and whether grad
+mode was on (a guard of the graph), None when the graph could not be pickled. The
+publisher's check (`precompile_verify`) calls each precompiled graph on inputs of these
+specs and compares it with this graph."""
 
 
 def record_traced_graphs() -> bool:
@@ -280,6 +281,7 @@ def record_traced_graphs() -> bool:
     try:
         import pickle
 
+        import torch
         from torch._dynamo.output_graph import OutputGraph
         from torch._dynamo.package import CompilePackage
     except Exception:
@@ -293,7 +295,8 @@ def record_traced_graphs() -> bool:
             _PENDING[0] = None
             if getattr(self, "package", None) is not None:
                 try:
-                    _PENDING[0] = (pickle.dumps(gm), [input_spec(x) for x in example_inputs])
+                    _PENDING[0] = (pickle.dumps(gm), [input_spec(x) for x in example_inputs],
+                                   torch.is_grad_enabled())
                 except Exception as exc:  # the check then calls it unverifiable
                     log.debug("megacache: traced graph not kept for the check: %s", exc)
             return call(self, gm, example_inputs)
