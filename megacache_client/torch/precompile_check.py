@@ -9,10 +9,11 @@ never traced anything, as a new machine is: for each precompile artifact of the 
    code, and any compiled code whose guards were not saved (torch 2.13 leaves an empty
    state where it could not save them: such an entry is what crashed T5's cold run);
 3. for code of an importable module (a library's, as Hugging Face's modeling files),
-   imports that module afresh and checks that every global its bytecode loads would be
-   defined (the check that catches ResNet's missing module alias), and unpickles its
-   guards (code of the trainer's script cannot be imported without running it: the
-   publisher checked those globals in its own process, `precompile.unrestorable`);
+   imports that module afresh, rebuilds its guards there as `CompilePackage.install` does,
+   and checks that every global its bytecode loads would be defined (the check that
+   catches ResNet's missing module alias). The trainer's own script cannot be imported
+   without running it: for its code the publisher's in-process `precompile.unrestorable`
+   stands;
 4. rebuilds each compiled graph from the artifact alone, as a new machine does, calls it
    on inputs of the shapes and dtypes recorded when it was traced (random floats, zero
    integers, with a fixed seed) and compares its outputs with the traced FX graph run
@@ -40,8 +41,6 @@ ATOL = 1e-3
 
 def check_artifact(content: bytes, graphs: dict[str, Any]) -> str:
     """Why this precompile artifact is not verified ("" = verified)."""
-    from torch._dynamo.package import load_guards_state
-
     entry = pickle.loads(content)
     entry.dynamo.check_versions()
     main = entry.dynamo.codes[0]
@@ -53,9 +52,7 @@ def check_artifact(content: bytes, graphs: dict[str, Any]) -> str:
         if any(not g.guards_state for g in code.guarded_codes):
             return f"torch could not save the guards of {code.python_code.co_name}"
         if code.python_module not in SCRIPT_MODULES:
-            importlib.import_module(code.python_module)
-            for guarded in code.guarded_codes:
-                load_guards_state(guarded.guards_state)
+            build_guards(code)
     missing = _missing_here([c for c in entry.dynamo.codes
                              if c.python_module not in SCRIPT_MODULES])
     if missing:
@@ -65,6 +62,34 @@ def check_artifact(content: bytes, graphs: dict[str, Any]) -> str:
         if why:
             return why
     return ""
+
+
+def build_guards(code: Any) -> None:
+    """Rebuild each guard of a library module's code as `CompilePackage.install` does on a
+    new machine: unpickled, then made into a guard manager over the freshly imported
+    module's globals (a guard that cannot be rebuilt there fails the entry here, not in a
+    consumer's `torch.compile`: seen with GPT-2, `'_Missing' object has no attribute
+    '__name__'`)."""
+    import torch
+    from torch._dynamo.output_graph import get_builtins_dict
+    from torch._dynamo.package import (
+        SerializedCode,
+        _lookup_code,
+        load_guard_manager,
+        load_guards_state,
+    )
+
+    scope = vars(importlib.import_module(code.python_module))
+    target = _lookup_code(code) if code.code_source \
+        else SerializedCode.to_code_object(code.python_code)
+    for guarded in code.guarded_codes:
+        state = load_guards_state(guarded.guards_state)
+        if not isinstance(state, torch._dynamo.guards.GuardsState):
+            raise TypeError(f"guards of {code.python_code.co_name} are a {type(state)}")
+        builtins_name = state.output_graph.name_of_builtins_dict_key_in_fglobals
+        if builtins_name and builtins_name not in scope:
+            scope[builtins_name] = get_builtins_dict(scope)
+        load_guard_manager(state, target, scope)
 
 
 def _missing_here(codes: list[Any]) -> list[str]:
