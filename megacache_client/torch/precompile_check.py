@@ -5,8 +5,8 @@ never traced anything, as a new machine is: for each precompile artifact of the 
 (`precompile_verify.write_job`) it
 
 1. unpickles the artifact and checks it was made by this torch and Python;
-2. refuses an entry whose compiled function was left out (bypassed) or has no compiled
-   code, and any compiled code whose guards were not saved (torch 2.13 leaves an empty
+2. refuses an entry with no compiled code that torch did not leave out (bypass), and any
+   compiled code whose guards were not saved (torch 2.13 leaves an empty
    state where it could not save them: such an entry is what crashed T5's cold run);
 3. for code of an importable module (a library's, as Hugging Face's modeling files),
    imports that module afresh, rebuilds its guards there as `CompilePackage.install` does,
@@ -43,9 +43,8 @@ def check_artifact(content: bytes, graphs: dict[str, Any]) -> str:
     """Why this precompile artifact is not verified ("" = verified)."""
     entry = pickle.loads(content)
     entry.dynamo.check_versions()
-    main = entry.dynamo.codes[0]
-    if main.bypassed or not main.guarded_codes:
-        return "its compiled function has no precompiled code (left out by torch)"
+    if not any(c.guarded_codes for c in entry.dynamo.codes if not c.bypassed):
+        return "it holds no precompiled code (torch left every frame out)"
     for code in entry.dynamo.codes:
         if code.bypassed:
             continue  # compiled as usual by every process
