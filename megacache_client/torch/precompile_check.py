@@ -30,6 +30,8 @@ import importlib
 import json
 import pickle
 import sys
+import traceback
+from pathlib import Path
 from typing import Any
 
 SCRIPT_MODULES = ("__main__", "__mp_main__")
@@ -207,7 +209,9 @@ def main(argv: list[str]) -> int:
         try:
             verdicts[key] = check_artifact(content, job["graphs"])
         except Exception as exc:  # noqa: BLE001 - any failure is a reason to refuse
-            verdicts[key] = f"{type(exc).__name__}: {exc}"[:300]
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            verdicts[key] = (f"{type(exc).__name__}: {exc} (at {Path(where.filename).name}:"
+                             f"{where.lineno})")[:300]
     with open(argv[2], "w") as f:
         json.dump(verdicts, f)
     return 0
