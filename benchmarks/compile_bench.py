@@ -60,8 +60,9 @@ SCENARIOS = {
                              "on a copy of the repeat's cold node after one more untimed job "
                              "with precompile on (its save_cache_artifacts call writes "
                              "Dynamo's cache): torch's best local restart",
-    "megacache+precompile": "as megacache with MEGACACHE_PRECOMPILE=1 (opt-in): precompiled "
-                            "Dynamo output in the bundle, prefetch at enable (its own producer)",
+    "megacache+precompile": "as megacache with MEGACACHE_PRECOMPILE=1 (the default): "
+                            "precompiled Dynamo output in the bundle where its producer "
+                            "verified it, prefetch at enable (its own producer)",
     "warm-local+init5": "warm-local with a 5 s simulated trainer initialisation (sleep) "
                         "between `import torch` and torch.compile",
     "megacache+precompile+init5": "megacache+precompile (same producer and entry) with the "

@@ -70,7 +70,10 @@ class ClientConfig:
     fallback: bool = True
     ship_kernels: bool = True
     ship_toolchain: bool = True
-    precompile: bool = False  # torch's experimental precompiled Dynamo: MEGACACHE_PRECOMPILE=1
+    precompile: bool = True
+    """torch's precompiled Dynamo: recorded, checked in a child process by the publisher, and
+    loaded only where verified (docs/precompiled-dynamo.md); `MEGACACHE_PRECOMPILE=0` turns
+    it off entirely."""
     prefetch: bool = True
     prefetch_wait_s: float = 60.0
     trusted_writers: str = ""

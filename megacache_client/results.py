@@ -108,3 +108,6 @@ class Snapshot:
     """The (type, key) of every artifact torch had recorded when it was taken."""
     kernel_ids: set[str] = field(default_factory=set)
     """The path-free identities of its kernels."""
+    meta: dict[str, str] = field(default_factory=dict)
+    """What its bundle blob records about its precompile artifacts (`precompile.producer_meta`:
+    which torch made them, which were verified)."""

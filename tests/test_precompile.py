@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import need
 from helpers import ServerProcess, functions_job
-from jobs import GxxCounter, Machine
+from jobs import GxxCounter, JobRun, Machine, run_job
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +67,8 @@ CONSUMER = textwrap.dedent("""
     # the producer's own meta checks pass: this test is about what the bytecode needs
     ref = BlobRef(digest="0" * 64, size=1, role="megacache", meta={
         precompile.META_TORCH: torch.__version__, precompile.META_PYTHON:
-        __import__("platform").python_version(), precompile.META_IDS: "0"})
+        __import__("platform").python_version(), precompile.META_IDS: "0",
+        precompile.META_VERIFIED: ",".join(a.key for a in artifacts.get("precompile", []))})
     kept, note = precompile.for_loading(artifacts, "hit", ref)
     print(json.dumps({"kept": len(kept.get("precompile", [])), "note": note}))
 """)
@@ -160,3 +161,53 @@ def test_a_republish_keeps_what_it_loaded(cache, gxx, tmp_path, precompile):
     else:
         assert third.result["counters"]["fxgraph_hit"] > 0, third.result
     assert not third.result["published"], third.result  # it had everything
+
+
+# -- verified by the publisher's child-process check -------------------------------------
+
+def precompile_job(machine: Machine, gxx: GxxCounter, url: str, kind: str) -> JobRun:
+    """`tests/precompile_job.py` on `machine`, precompiled Dynamo at its default (on)."""
+    run = run_job(machine, kind, runner=[sys.executable, str(HERE / "precompile_job.py")],
+                  env={"MEGACACHE_URL": url}, gxx=gxx, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run
+
+
+def test_a_verified_entry_lets_a_new_machine_skip_tracing(cache, gxx, tmp_path):
+    """The producer's child check passes: the entry names the artifact verified, and a new
+    machine's first step runs it without Dynamo tracing anything."""
+    cold = precompile_job(Machine(tmp_path / "m1"), gxx, cache.url, "plain")
+    assert cold.result["published"] and cold.result["traced_graphs"] >= 1, cold.result
+    assert cold.result["check_s"] > 0, cold.result  # the child really ran
+    new = precompile_job(Machine(tmp_path / "m2"), gxx, cache.url, "plain")
+    meta = new.result["loaded_meta"]
+    assert new.result["loaded_counts"]["precompile"] == 1, new.result
+    assert len(meta["precompile_verified"].split(",")) == 1, meta
+    assert new.result["traced_graphs"] == 0, new.result  # Dynamo traced nothing
+    assert new.result["precompile"]["served"] > 0 and new.result["precompile_reason"] == ""
+    assert new.result["losses"] == cold.result["losses"]
+    assert new.gxx_builds == 0 and new.warnings() == [], new.stderr
+
+
+def test_an_entry_that_fails_the_check_is_not_shipped_and_new_machines_trace(
+        cache, gxx, tmp_path):
+    """A real miscompiling Inductor pass (relu made sigmoid after tracing): the child's
+    call of the precompiled graph differs from the traced graph's, so the artifact is not
+    verified nor shipped; the rest of the bundle is, and a new machine traces Dynamo and
+    trains on, unharmed."""
+    cold = precompile_job(Machine(tmp_path / "m1"), gxx, cache.url, "flip")
+    assert cold.result["published"], cold.result
+    assert "not verified" in cold.result["precompile_reason"], cold.result
+    assert "differs from the traced graph" in cold.result["precompile_reason"], cold.result
+    assert "not verified, not shipped" in cold.stderr  # logged once
+    assert cold.stderr.count("not verified, not shipped") == 1, cold.stderr
+    new = precompile_job(Machine(tmp_path / "m2"), gxx, cache.url, "flip")
+    assert new.result["outcome"] == "hit", new.result
+    assert new.result["loaded_counts"].get("precompile", 0) == 0, new.result
+    assert "precompile_verified" not in new.result["loaded_meta"], new.result
+    assert new.result["traced_graphs"] >= 1, new.result  # traced as without precompile
+    c = new.result["counters"]
+    assert c["fxgraph_hit"] + c["aot_hit"] > 0, new.result  # the rest still helped
+    assert not new.result["published"], new.result  # what failed is not lacking: no thrash
+    assert new.result["losses"] == cold.result["losses"]
+    assert new.gxx_builds == 0, new.stderr

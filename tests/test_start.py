@@ -249,7 +249,7 @@ def test_stuck_prefetch_never_blocks_the_first_compile(producer, gxx, hanging_se
     assert "prefetch still running" in run.warnings()[0]
 
 
-def test_precompile_is_off_by_default_and_says_so(tmp_path: Path) -> None:
+def test_precompile_is_on_by_default_and_zero_turns_it_off(tmp_path: Path) -> None:
     torch = need("torch")
     from megacache_client.config import ClientConfig
     from megacache_client.torch import precompile
@@ -257,22 +257,47 @@ def test_precompile_is_off_by_default_and_says_so(tmp_path: Path) -> None:
     before = torch._dynamo.config.caching_precompile
     try:
         torch._dynamo.config.caching_precompile = False
-        default = ClientConfig.from_env({"MEGACACHE_URL": "http://127.0.0.1:1"})  # zero-code
-        assert default.precompile is False
-        assert ClientConfig(url="http://127.0.0.1:1").precompile is False
-        said = precompile.turn_on(default)
-        assert torch._dynamo.config.caching_precompile is False  # off by default ...
-        assert said == ("precompiled Dynamo off (MEGACACHE_PRECOMPILE=0, the default; "
-                        "1 turns it on)")  # ... and says so, and how to turn it on
         off = ClientConfig.from_env({"MEGACACHE_URL": "http://127.0.0.1:1",
                                      "MEGACACHE_PRECOMPILE": "0"})
-        assert precompile.turn_on(off) == said
-        on = ClientConfig.from_env({"MEGACACHE_URL": "http://127.0.0.1:1",
-                                    "MEGACACHE_PRECOMPILE": "1"})
-        assert precompile.turn_on(on) == ""
+        said = precompile.turn_on(off)
+        assert torch._dynamo.config.caching_precompile is False  # 0: off entirely ...
+        assert said == "precompiled Dynamo off (MEGACACHE_PRECOMPILE=0)"  # ... and says so
+        default = ClientConfig.from_env({"MEGACACHE_URL": "http://127.0.0.1:1"})  # zero-code
+        assert default.precompile is True
+        assert ClientConfig(url="http://127.0.0.1:1").precompile is True
+        assert precompile.turn_on(default) == ""
         assert torch._dynamo.config.caching_precompile is True
     finally:
         torch._dynamo.config.caching_precompile = before
+
+
+def test_only_precompile_artifacts_the_producer_verified_are_loaded() -> None:
+    """An entry names the precompile artifacts its producer's child-process check passed;
+    a consumer loads no other (an older entry names none: all traced here instead)."""
+    torch = need("torch")
+    import platform
+    from types import SimpleNamespace
+
+    from megacache_client.torch import precompile
+    from megacache_client.wire.manifest import BlobRef
+
+    good = {precompile.META_TORCH: torch.__version__,
+            precompile.META_PYTHON: platform.python_version(), precompile.META_IDS: "7"}
+    artifacts = {"precompile": [SimpleNamespace(key="a" * 64, content=b""),
+                                SimpleNamespace(key="b" * 64, content=b"")],
+                 "inductor": [SimpleNamespace(key="fx", content=b"")]}
+    with torch._dynamo.config.patch(caching_precompile=True):
+        old = BlobRef(digest="b" * 64, size=1, role="megacache", meta=good)
+        kept, note = precompile.for_loading(artifacts, "hit", old)
+        assert kept["precompile"] == [] and len(kept["inductor"]) == 1
+        assert "2 precompiled Dynamo entries not loaded: not verified" in note
+        one = BlobRef(digest="b" * 64, size=1, role="megacache",
+                      meta={**good, precompile.META_VERIFIED: "a" * 64})
+        kept, note = precompile.for_loading(artifacts, "hit", one)
+        # b is refused unverified; a (verified) goes on to the restorability check, which
+        # refuses these empty bytes as unreadable
+        assert note.startswith("1 precompiled Dynamo entry not loaded: not verified"), note
+        assert "unreadable" in note and kept["precompile"] == []
 
 
 def test_precompile_is_loaded_only_from_an_exact_hit_of_the_same_torch() -> None:

@@ -51,6 +51,12 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
     note = ""
     if keys.get(precompile.ARTIFACT_TYPE):  # what may ship decides what is lacking
         artifacts, note = _shippable(raw, precompile_keys)
+        # checked before `lacking`: an artifact that fails is never lacking, or every
+        # consumer that traces it would publish again (the verdict is kept per content)
+        artifacts, unverified = precompile.verified_for_shipping(artifacts, {
+            k for t in tracks if t.load.outcome == "hit"
+            for kind, k in t.load.loaded_keys if kind == precompile.ARTIFACT_TYPE})
+        note = note or unverified
         keys = torch_env.keys_of(artifacts)
     kernels = shipping.find_files(torch_env.inductor_cache_dir(), KERNEL_SUFFIXES,
                                   exclude=("triton", "locks"))
@@ -66,7 +72,8 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
     artifacts = torch_env.merged(_loaded_artifacts(tracks, node, cap), artifacts)
     counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()}
     return Snapshot(torch_env.to_bytes(artifacts), counts, kernels,
-                    torch_env.compile_seconds(), lacking, new_keys, kernel_ids), note
+                    torch_env.compile_seconds(), lacking, new_keys, kernel_ids,
+                    precompile.producer_meta(artifacts)), note
 
 
 def _shippable(raw: bytes, precompile_keys: dict[str, list[str]] | None

@@ -21,7 +21,7 @@ from megacache_client.results import Snapshot, Track
 from megacache_client.steps.load import TOOLCHAIN_SUFFIXES
 from megacache_client.steps.nodecache import NodeCache
 from megacache_client.torch import env as torch_env
-from megacache_client.torch import precompile, relocate
+from megacache_client.torch import relocate
 from megacache_client.torch.packs import compress_bytes, write_pack
 from megacache_client.transport.client import Progress, RemoteCache
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest, sha256_file, sha256_hex
@@ -34,7 +34,7 @@ def upload_and_write(remote: RemoteCache, snap: Snapshot, config: ClientConfig,
                       node: NodeCache, first: Track) -> list[Track]:
     """Upload the snapshot's blobs, then write each track's entry; the tracks whose entry
     another writer changed meanwhile (the conditional PUT lost)."""
-    blobs = [bundle_blob(node, snap.raw, precompile.producer_meta(snap.counts))]
+    blobs = [bundle_blob(node, snap.raw, snap.meta)]
     if config.ship_kernels and snap.kernels:
         blobs.append(pack_blob(node, "kernels", snap.kernels,
                                 relocate.recorder().ids_for(snap.kernels)))

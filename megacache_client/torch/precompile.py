@@ -47,6 +47,7 @@ from megacache_client.torch.precompile_patches import (
     count_served_graphs,
     record_installed_globals,
     record_module_aliases,
+    record_traced_graphs,
     stabilize_autograd_keys,
     tolerate_local_types_in_guards,
     tolerate_unresolvable_frames,
@@ -60,6 +61,9 @@ ARTIFACT_TYPE = "precompile"
 META_TORCH = "precompile_torch"
 META_PYTHON = "precompile_python"
 META_IDS = "precompile_unique_ids"
+META_VERIFIED = "precompile_verified"
+"""The keys of the bundle's precompile artifacts its producer verified in a child process
+(`precompile_verify`), comma-separated: a consumer loads no other."""
 MAX_IDS = 10**9
 
 
@@ -80,14 +84,15 @@ def turn_on(config: ClientConfig) -> str:
     Dynamo's output when `torch.compile` wraps the module.
     """
     if not config.precompile:
-        return "precompiled Dynamo off (MEGACACHE_PRECOMPILE=0, the default; 1 turns it on)"
+        return "precompiled Dynamo off (MEGACACHE_PRECOMPILE=0)"
     if not supported():
         return f"torch {torch_env.torch_version()} has no caching precompile"
     if not tolerate_unresolvable_frames():
         return (f"torch {torch_env.torch_version()}: its precompile package cannot be made "
                 "to skip frames it cannot name, which would crash the trainer")
     if not (record_module_aliases() and record_installed_globals() and count_served_graphs()
-            and tolerate_unsaveable_guards() and tolerate_local_types_in_guards()):
+            and tolerate_unsaveable_guards() and tolerate_local_types_in_guards()
+            and record_traced_graphs()):
         return (f"torch {torch_env.torch_version()}: its precompile package cannot be made "
                 "to record the globals its bytecode loads, which would crash a new machine")
     torch_env.torch_module()._dynamo.config.caching_precompile = True
@@ -127,9 +132,11 @@ def for_loading(artifacts: torch_env.Artifacts, outcome: str | None, bundle: Blo
                 ) -> tuple[torch_env.Artifacts, str]:
     """The artifacts this run may hand to torch, and why any precompiled ones were left out.
 
-    All of them are left out where `refusal` says so; otherwise each entry a fresh process
-    could not run (`unrestorable`) is: a producer that did not check, or a torch that
-    records less than this client expects, costs a Dynamo trace, never a crashed step.
+    All of them are left out where `refusal` says so; otherwise each entry the producer did
+    not verify in its child-process check (`precompile_verify`: the bundle's meta names the
+    verified ones; an older producer's name none), and each a fresh process could not run
+    (`unrestorable`): a producer that did not check, or a torch that records less than
+    this client expects, costs a Dynamo trace, never a crashed step.
     """
     if not artifacts.get(ARTIFACT_TYPE):
         return artifacts, ""
@@ -137,12 +144,20 @@ def for_loading(artifacts: torch_env.Artifacts, outcome: str | None, bundle: Blo
     if refused:
         return torch_env.without(artifacts, ARTIFACT_TYPE), \
             f"precompiled Dynamo output not loaded: {refused}"
+    verified = set(bundle.meta.get(META_VERIFIED, "").split(","))
+    unverified = {a.key for a in artifacts[ARTIFACT_TYPE] if a.key not in verified}
+    note = ""
+    if unverified:
+        artifacts = torch_env.without(artifacts, ARTIFACT_TYPE, unverified)
+        n = len(unverified)
+        note = (f"{n} precompiled Dynamo entr{'y' if n == 1 else 'ies'} not loaded: not "
+                "verified by the producer (traced here instead)")
     bad = unrestorable(artifacts)
     if not bad:
-        return artifacts, ""
-    return torch_env.without(artifacts, ARTIFACT_TYPE, set(bad)), (
-        f"{len(bad)} precompiled Dynamo entr{'y' if len(bad) == 1 else 'ies'} not loaded: "
-        f"{_names(bad)} would not be defined here")
+        return artifacts, note
+    return torch_env.without(artifacts, ARTIFACT_TYPE, set(bad)), "; ".join(filter(None, (
+        note, f"{len(bad)} precompiled Dynamo entr{'y' if len(bad) == 1 else 'ies'} not "
+        f"loaded: {_names(bad)} would not be defined here")))
 
 
 def for_shipping(artifacts: torch_env.Artifacts, compiled: dict[str, list[str]]
@@ -161,6 +176,26 @@ def for_shipping(artifacts: torch_env.Artifacts, compiled: dict[str, list[str]]
     return torch_env.without(artifacts, ARTIFACT_TYPE, set(bad)), (
         f"{len(bad)} precompiled Dynamo entr{'y' if len(bad) == 1 else 'ies'} not shipped: "
         f"{_names(bad)} would not be defined on a new machine")
+
+
+def verified_for_shipping(artifacts: torch_env.Artifacts, loaded: set[str]
+                          ) -> tuple[torch_env.Artifacts, str]:
+    """The artifacts this process may publish once its own precompile artifacts passed the
+    child-process check (`precompile_verify`), and why any were left out ("" = none).
+    `loaded`: precompile keys this process loaded from a verified entry (not traced here,
+    already verified by their producer, shipped again as they were)."""
+    from megacache_client.torch import precompile_verify
+
+    own = {ARTIFACT_TYPE: [a for a in artifacts.get(ARTIFACT_TYPE, []) if a.key not in loaded]}
+    if not own[ARTIFACT_TYPE]:
+        return artifacts, ""
+    failed = precompile_verify.verify(own, ARTIFACT_TYPE)
+    if not failed:
+        return artifacts, ""
+    n = len(failed)
+    return torch_env.without(artifacts, ARTIFACT_TYPE, set(failed)), (
+        f"{n} precompiled Dynamo entr{'y' if n == 1 else 'ies'} not verified, not shipped: "
+        + next(iter(failed.values())))
 
 
 def _names(bad: dict[str, list[str]]) -> str:
@@ -275,15 +310,32 @@ def shared_key(compiled: dict[str, list[str]]) -> str:
     return ""
 
 
-def producer_meta(counts: dict[str, int]) -> dict[str, str]:
-    """What the bundle blob records about its precompile artifacts, for consumers to check."""
-    if not counts.get(ARTIFACT_TYPE):
+def producer_meta(artifacts: torch_env.Artifacts) -> dict[str, str]:
+    """What the bundle blob records about its precompile artifacts, for consumers to check.
+    Every precompile artifact a bundle holds is a verified one (`verified_for_shipping`
+    leaves the others out; loaded ones were verified by their producer), so all are named
+    verified."""
+    keys = sorted(a.key for a in artifacts.get(ARTIFACT_TYPE, []))
+    if not keys:
         return {}
     from torch._dynamo import bytecode_transformation
 
     high_water = next(bytecode_transformation._unique_id_counter)
     return {META_TORCH: torch_env.torch_version(), META_PYTHON: platform.python_version(),
-            META_IDS: str(high_water)}
+            META_IDS: str(high_water), META_VERIFIED: _joined(keys, MAX_META)}
+
+
+MAX_META = 4096
+"""The server's bound on one meta value: a key past it goes unnamed (so is not loaded)."""
+
+
+def _joined(keys: list[str], limit: int) -> str:
+    out = ""
+    for key in keys:
+        if len(out) + len(key) + 1 > limit:
+            break
+        out = f"{out},{key}" if out else key
+    return out
 
 
 def refusal(outcome: str | None, bundle: BlobRef) -> str:

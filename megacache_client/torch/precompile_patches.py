@@ -259,3 +259,75 @@ def _patch_once(owner: Any, name: str, wrap: Callable[[Any], Any]) -> bool:
     return True
 
 
+
+
+_PENDING: list[tuple[bytes, list[Any], bool] | None] = [None]
+CAPTURED: dict[str, tuple[bytes, list[Any], bool] | None] = {}
+"""What each compiled graph of this process was traced as, by its precompile backend id:
+the pickled FX graph Dynamo captured, its inputs' specs (`input_spec`) and whether grad
+mode was on (a guard of the graph), None when the graph could not be pickled. The
+publisher's check (`precompile_verify`) calls each precompiled graph on inputs of these
+specs and compares it with this graph."""
+
+
+def record_traced_graphs() -> bool:
+    """Keep, for each graph Dynamo hands its backend, the graph and its inputs' specs.
+
+    Taken before the backend runs (Inductor's passes rewrite the graph in place), and
+    matched to the backend id the package records next (`add_backend_id`, under the same
+    compile lock). Pickling a graph without parameters (Dynamo passes them as inputs)
+    costs milliseconds of a compile that takes seconds. Returns whether the patch is in
+    place."""
+    try:
+        import pickle
+
+        import torch
+        from torch._dynamo.output_graph import OutputGraph
+        from torch._dynamo.package import CompilePackage
+    except Exception:
+        return False
+    if not hasattr(OutputGraph, "call_user_compiler") \
+            or not hasattr(CompilePackage, "add_backend_id"):
+        return False
+
+    def capturing(call: Callable[..., Any]) -> Callable[..., Any]:
+        def call_and_capture(self: Any, gm: Any, example_inputs: Any) -> Any:
+            _PENDING[0] = None
+            if getattr(self, "package", None) is not None:
+                try:
+                    _PENDING[0] = (pickle.dumps(gm), [input_spec(x) for x in example_inputs],
+                                   torch.is_grad_enabled())
+                except Exception as exc:  # the check then calls it unverifiable
+                    log.debug("megacache: traced graph not kept for the check: %s", exc)
+            return call(self, gm, example_inputs)
+
+        return call_and_capture
+
+    def recording(add: Callable[..., None]) -> Callable[..., None]:
+        def add_and_record(self: Any, backend_id: str, backend: Any = None) -> None:
+            add(self, backend_id, backend)
+            CAPTURED[backend_id] = _PENDING[0]
+            _PENDING[0] = None
+
+        return add_and_record
+
+    return _patch_once(OutputGraph, "call_user_compiler", capturing) \
+        and _patch_once(CompilePackage, "add_backend_id", recording)
+
+
+def input_spec(value: Any) -> Any:
+    """What a graph input was, to make one like it in another process: a tensor's
+    (shape, stride, dtype, device, requires_grad) with symbolic sizes at their hints, an
+    int as itself. Anything else raises (the graph is then not checked)."""
+    import torch
+
+    def hint(n: Any) -> int:
+        return int(n) if isinstance(n, int) else int(n.node.hint)
+
+    if isinstance(value, torch.Tensor):
+        return ("tensor", [hint(s) for s in value.shape], [hint(s) for s in value.stride()],
+                str(value.dtype).removeprefix("torch."), str(value.device),
+                bool(value.requires_grad))
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        return ("int", hint(value))
+    raise TypeError(f"graph input of type {type(value).__name__}")

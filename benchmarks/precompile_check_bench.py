@@ -1,0 +1,89 @@
+"""What the publisher's check of precompiled Dynamo output costs, model by model.
+
+    python benchmarks/precompile_check_bench.py --models mlp,transformer,dlrm,conv
+    python benchmarks/precompile_check_bench.py --corpus gpt2,llama,bert,resnet,vit,t5
+
+Each model runs in a fresh process with its own Inductor cache: compiled with precompiled
+Dynamo on (the client's patches in place, as `enable()` puts them), one training step,
+torch's Mega-Cache saved, then the check a publish runs in its background thread
+(`precompile_verify.verify`: a child process loads every precompile artifact fresh and
+compares its graphs with the traced ones). Prints one JSON line per model: the child's
+wall seconds, how many artifacts were checked and why any failed. `--corpus` takes the
+transformers models of tests/corpus_job.py (in train mode, so their dropout graphs are
+compared by shapes and dtypes only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+TESTS = BENCH_DIR.parent / "tests"
+
+
+def one(name: str, corpus: bool) -> dict[str, object]:
+    """Compile `name`, take one step, time the check of its precompile artifacts."""
+    import torch
+
+    from megacache_client.config import ClientConfig
+    from megacache_client.torch import env as torch_env
+    from megacache_client.torch import precompile, precompile_verify
+
+    assert precompile.turn_on(ClientConfig()) == ""
+    if corpus:
+        sys.path.insert(0, str(TESTS))
+        from corpus_job import CORPUS
+
+        torch.manual_seed(0)
+        model, batch = CORPUS[name]()
+        model.train()
+        compiled = torch.compile(model)
+        compiled(**batch).loss.backward()
+    else:
+        sys.path.insert(0, str(BENCH_DIR))
+        from models import build
+
+        model, make_batch, loss_fn = build(name)
+        inputs, target = make_batch(0)
+        loss_fn(torch.compile(model)(*inputs), target).backward()
+    saved = torch_env.save_bundle(precompile=True)
+    artifacts = torch_env.read_artifacts(saved[0]) if saved else None
+    items = (artifacts or {}).get(precompile.ARTIFACT_TYPE, [])
+    started = time.monotonic()
+    failed = precompile_verify.verify(artifacts or {}, precompile.ARTIFACT_TYPE)
+    return {"model": name, "artifacts": len(items), "verified": len(items) - len(failed),
+            "check_s": round(time.monotonic() - started, 2), "failed": failed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="mlp,transformer,dlrm,conv")
+    parser.add_argument("--corpus", default="", help="tests/corpus_job.py models instead")
+    parser.add_argument("--one", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, bool(args.corpus))), flush=True)
+        return
+    names = (args.corpus or args.models).split(",")
+    for name in names:
+        with tempfile.TemporaryDirectory(prefix="precompile-check-") as tmp:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"),
+                   "MEGACACHE_MODE": "off", "HF_HUB_OFFLINE": "1"}
+            cmd = [sys.executable, __file__, "--one", name]
+            if args.corpus:
+                cmd += ["--corpus", "1"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+            lines = proc.stdout.strip().splitlines()
+            print(lines[-1] if proc.returncode == 0 and lines else json.dumps(
+                {"model": name, "error": proc.stderr.strip().splitlines()[-1:]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

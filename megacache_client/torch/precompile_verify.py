@@ -1,0 +1,113 @@
+"""The publisher's check of its precompiled Dynamo output, in a child process.
+
+torch 2.13's precompiled Dynamo is experimental: an entry can name globals a new machine
+lacks (Hugging Face ResNet's NameError), miss the guards torch could not save, or hold a
+graph that does not compute what was traced. A default must not ship any of that, and a
+static reading of the bytecode cannot tell all of it. So before an entry calls its
+precompile artifacts verified, the publish thread hands them to a fresh interpreter
+(`precompile_check`), which loads each as a new machine would and calls its graphs on
+inputs of the traced shapes against the traced FX graph. Only artifacts that pass are
+shipped, and the bundle's meta names them (`precompile.META_VERIFIED`); a consumer loads
+no other.
+
+It runs in the background publish thread, never the training loop's, and is bounded
+(`TIMEOUT_S`): a crash, a timeout or a mismatch in the child leaves the artifact out,
+logged once, and never reaches the trainer. A verdict is kept per artifact content, so a
+later publish round does not check the same bytes again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from megacache_client.torch import env as torch_env
+from megacache_client.torch.precompile_patches import CAPTURED
+
+log = logging.getLogger("megacache")
+
+TIMEOUT_S = 180.0
+"""The child's bound: importing torch and loading a model's graphs takes seconds; a child
+stuck longer than this costs the entry its precompiled output, never the trainer."""
+
+_VERDICTS: dict[str, str] = {}
+"""sha256 of an artifact's content -> why it is not verified ("" = verified)."""
+_LOGGED: set[str] = set()
+LAST_SECONDS = [0.0]
+"""Wall time of this process's last child check (the cost of verification, measured)."""
+
+
+def verify(artifacts: torch_env.Artifacts, kind: str) -> dict[str, str]:
+    """Each artifact of type `kind` that failed the check: key -> why. Those without a
+    verdict yet are checked together in one child process; a child that fails as a whole
+    (crash, timeout) fails each of them."""
+    items = artifacts.get(kind, [])
+    digests = {a.key: hashlib.sha256(a.content).hexdigest() for a in items}
+    todo = [a for a in items if digests[a.key] not in _VERDICTS]
+    if todo:
+        for key, why in _run_child(todo).items():
+            _VERDICTS[digests[key]] = why
+    failed = {a.key: _VERDICTS[digests[a.key]] for a in items if _VERDICTS[digests[a.key]]}
+    for key, why in failed.items():
+        if digests[key] not in _LOGGED:
+            _LOGGED.add(digests[key])
+            log.info("megacache: precompiled Dynamo entry %s not verified, not shipped "
+                     "(new machines trace it): %s", key[:12], why)
+    return failed
+
+
+def _run_child(todo: list[Any]) -> dict[str, str]:
+    """Verdicts of one child process over `todo` (every key has one)."""
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="megacache-verify-") as tmp:
+        job, out = Path(tmp) / "job.pkl", Path(tmp) / "verdicts.json"
+        graphs = {bid: CAPTURED.get(bid) for a in todo for bid in _backend_ids(a.content)}
+        job.write_bytes(pickle.dumps({"artifacts": [(a.key, a.content) for a in todo],
+                                      "graphs": graphs}))
+        why = ""
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "megacache_client.torch.precompile_check", str(job),
+                 str(out)], capture_output=True, text=True, timeout=TIMEOUT_S,
+                env=child_env(), cwd=tmp)
+            if proc.returncode != 0:
+                why = f"the check's process failed ({proc.returncode}): " + \
+                    (proc.stderr.strip().splitlines() or [""])[-1][:300]
+            else:
+                verdicts = json.loads(out.read_text())
+        except subprocess.TimeoutExpired:
+            why = f"the check's process did not finish within {TIMEOUT_S:.0f} s"
+        except (OSError, ValueError) as exc:
+            why = f"the check's process could not run: {type(exc).__name__}: {exc}"
+    LAST_SECONDS[0] = round(time.monotonic() - started, 3)
+    if why:
+        return {a.key: why for a in todo}
+    return {a.key: str(verdicts.get(a.key, "the check gave no verdict")) for a in todo}
+
+
+def _backend_ids(content: bytes) -> list[str]:
+    """The compiled graphs a precompile artifact calls (unreadable: none; the child says)."""
+    try:
+        return [str(b) for b in pickle.loads(content).backends]
+    except Exception:
+        return []
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment for the child, with the client switched off (the
+    autoload hook must not enable it there) and torch's caches where this process has
+    them, so the child finds the compiled kernels it would otherwise build again."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGACACHE_")}
+    env["MEGACACHE_MODE"] = "off"
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(torch_env.inductor_cache_dir())
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
