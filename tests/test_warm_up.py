@@ -138,3 +138,27 @@ def test_a_compiled_call_in_a_warm_up_is_not_the_first_step() -> None:
     assert clock.forward_end is None and clock.first_step_end is None
     module(torch.randn(1, 2)).sum().backward()
     assert clock.forward_end is not None and clock.first_step_end is not None
+
+
+def test_a_ddp_model_warms_up_without_collectives_or_the_reducer(tmp_path: Path) -> None:
+    """DDP(torch.compile(model)): the inner module runs in DDP's forward context (no
+    collective, no reducer), so the first DDP step compiles nothing and its backward (the
+    reducer's first) goes through."""
+    dist = pytest.importorskip("torch.distributed")
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        model = _model()
+        ddp = DDP(torch.compile(model))
+        handle = megacache_client.warm_up(ddp, torch.randn(4, 8))
+        assert handle.wait(600) is not None, handle.error
+        assert all(p.grad is None for p in model.parameters())
+        compiled_before = _compiles()
+        for _ in range(2):  # a reducer left expecting a backward would fail the second
+            ddp(torch.randn(4, 8)).sum().backward()
+        assert _compiles() == compiled_before
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
