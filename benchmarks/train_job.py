@@ -18,7 +18,9 @@ import copy  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -45,6 +47,12 @@ def main() -> int:
                         help="no torch.compile at all: the floor a compile cache works toward")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the model trains (cuda: GPU 0, Triton kernels)")
+    parser.add_argument("--loader-s", type=float,
+                        help="batches from a DataLoader (2 workers) whose workers take this "
+                             "many seconds to yield their first batch (a slow data start)")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="megacache_client.warm_up(model, fast batch) while the "
+                             "DataLoader's workers start (needs --loader-s)")
     parser.add_argument("--precompile", action="store_true",
                         help="torch alone: turn torch._dynamo.config.caching_precompile on")
     args = parser.parse_args()
@@ -72,20 +80,28 @@ def main() -> int:
         return 3
     model, make_batch, loss_fn = models.build(args.model, args.device)
     marks["built_s"] = time.time() - PROCESS_START
+    sizes = [0] * args.steps if args.shapes == "fixed" else \
+        [8 + 4 * (i % 3) for i in range(args.steps)]
+    # the loader's workers start first: they fill while torch.compile is set up
+    batches = loader_batches(make_batch, sizes, args.loader_s) \
+        if args.loader_s is not None else (make_batch(size) for size in sizes)
+    marks["loader_started_s"] = time.time() - PROCESS_START
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     eager = copy.deepcopy(model) if args.eager_check else None
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.01) if eager is not None else None
     eager_gap = 0.0
     compiled = model if args.eager else torch.compile(model)
     marks["compile_called_s"] = time.time() - PROCESS_START
-    sizes = [0] * args.steps if args.shapes == "fixed" else \
-        [8 + 4 * (i % 3) for i in range(args.steps)]
+    warming = None
+    if args.warm_up:
+        import megacache_client
+
+        warming = megacache_client.warm_up(compiled, make_batch(sizes[0])[0])
     step_times = []
     losses = []
     first_step_end = None
-    for size in sizes:
+    for inputs, target in batches:
         t = time.time()
-        inputs, target = make_batch(size)
         loss = loss_fn(compiled(*inputs), target)
         loss.backward()
         losses.append(float(loss.detach()))
@@ -122,6 +138,8 @@ def main() -> int:
         "losses": losses,
         "eager_gap": eager_gap if eager is not None else None,
         "marks": {k: round(v, 3) for k, v in marks.items()},  # seconds from process start
+        "warm_up_s": warming.wait(0) if warming is not None else None,
+        "warm_up_error": warming.error if warming is not None else None,
         "device": args.device,
         "gpu": torch_env.device_description() if args.device == "cuda" else None,
     }
@@ -165,6 +183,26 @@ def main() -> int:
         args.result.write_text(line)
     os.environ.pop("MEGACACHE_URL", None)
     return 0
+
+
+def loader_batches(make_batch: Callable[[int], Any], sizes: list[int],
+                   first_batch_s: float) -> Iterator[Any]:
+    """The batches from a DataLoader's 2 worker processes, each of which sleeps
+    `first_batch_s` before its first batch (a dataset opening its shards, say); the
+    iterator is started here, so the workers start now."""
+    import torch.utils.data
+
+    class Batches(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(sizes)
+
+        def __getitem__(self, i: int) -> Any:
+            return make_batch(sizes[i])
+
+    loader = torch.utils.data.DataLoader(
+        Batches(), batch_size=None, num_workers=2,
+        worker_init_fn=lambda _worker: time.sleep(first_batch_s))
+    return iter(loader)
 
 
 if __name__ == "__main__":

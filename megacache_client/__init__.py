@@ -7,6 +7,8 @@ or set MEGACACHE_URL (and optionally MEGACACHE_MODEL, MEGACACHE_CODE, ...) and l
 autoload hook do it in every process, `torchrun` workers included. Rank 0 of a job then
 sends the job's progress too (steps, heartbeats, DCP checkpoints); a trainer that
 checkpoints another way adds one line: `with megacache_client.checkpoint(): save(...)`.
+`megacache_client.warm_up(model, batch)` compiles on a fast batch in the background while
+the DataLoader's workers fill.
 
 The names below are imported on first use, not with the package: the server imports
 `megacache_client.wire` (the wire contract) and must not load the trainer's side with it.
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megacache_client.api import (
+        WarmUp,
         cached,
         checkpoint,
         checkpoint_loaded,
@@ -26,6 +29,7 @@ if TYPE_CHECKING:
         disable,
         enable,
         session,
+        warm_up,
     )
     from megacache_client.config import ClientConfig
     from megacache_client.lifecycle import MegacacheError, Session
@@ -33,11 +37,12 @@ if TYPE_CHECKING:
 
 _WHERE = {"cached": "api", "checkpoint": "api", "checkpoint_loaded": "api",
           "checkpoint_saved": "api", "disable": "api", "enable": "api", "session": "api",
+          "warm_up": "api", "WarmUp": "api",
           "ClientConfig": "config", "MegacacheError": "lifecycle", "Session": "lifecycle",
           "__version__": "wire.version"}
 
-__all__ = ["ClientConfig", "MegacacheError", "Session", "cached", "checkpoint",
-           "checkpoint_loaded", "checkpoint_saved", "disable", "enable", "session",
+__all__ = ["ClientConfig", "MegacacheError", "Session", "WarmUp", "cached", "checkpoint",
+           "checkpoint_loaded", "checkpoint_saved", "disable", "enable", "session", "warm_up",
            "__version__"]
 
 

@@ -1,6 +1,7 @@
 """The public entry points: `enable()`, `session()` (context manager) and `cached` (decorator);
 for a job's Effective Training Time, `checkpoint()` (context manager), `checkpoint_saved()`
-and `checkpoint_loaded()` (`torch/telemetry.py`)."""
+and `checkpoint_loaded()` (`torch/telemetry.py`); `warm_up()` compiles on a fast batch in
+the background while the data loader fills (`torch/warmup.py`)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from megacache_client.steps import preemption
 from megacache_client.steps.prefetch import Prefetcher
 from megacache_client.torch import hook, supported, telemetry
 from megacache_client.torch.telemetry import checkpoint, checkpoint_loaded, checkpoint_saved
+from megacache_client.torch.warmup import WarmUp, warm_up
 
-__all__ = ["cached", "checkpoint", "checkpoint_loaded", "checkpoint_saved", "disable", "enable",
-           "session"]
+__all__ = ["WarmUp", "cached", "checkpoint", "checkpoint_loaded", "checkpoint_saved", "disable",
+           "enable", "session", "warm_up"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("megacache")

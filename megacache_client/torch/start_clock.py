@@ -16,12 +16,13 @@ its first call when that output needs no gradient. The split:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,24 @@ def process_start_time() -> float:
         return MODULE_LOADED
     # never report a start after this module was imported
     return min(started, MODULE_LOADED)
+
+
+_quiet = threading.local()
+
+
+@contextlib.contextmanager
+def not_a_step() -> Iterator[None]:
+    """Calls of compiled models in this block, on this thread, are not the first step
+    (`warmup.py` compiles on a fast batch in the background; the step is the loop's)."""
+    _quiet.on = True
+    try:
+        yield
+    finally:
+        _quiet.on = False
+
+
+def _counts() -> bool:
+    return not getattr(_quiet, "on", False)
 
 
 def _seconds(value: float | None) -> float | None:
@@ -133,6 +152,8 @@ def watch(compiled: Any, clock: TimeToStart) -> Any:
         handle: list[Any] = []
 
         def hook(_module: Any, _args: Any, output: Any) -> None:
+            if not _counts():
+                return
             handle[0].remove()
             _first_output(output, clock)
 
@@ -145,7 +166,7 @@ def watch(compiled: Any, clock: TimeToStart) -> Any:
     @functools.wraps(compiled)
     def first_call_watcher(*args: Any, **kwargs: Any) -> Any:
         out = compiled(*args, **kwargs)
-        if not seen[0]:
+        if not seen[0] and _counts():
             seen[0] = True
             _first_output(out, clock)
         return out
