@@ -52,9 +52,14 @@ def parts(job: dict[str, Any]) -> dict[str, float | None]:
         "imports": marks.get("torch_imported_s"),
         "client enable": _gap(marks, "initialised_s", "torch_imported_s"),
         "build model": _gap(marks, "built_s", "initialised_s"),
+        "optimizer (imports torch._dynamo)": _gap(marks, "optimizer_s", "built_s"),
+        "torch.compile call (client load)": _gap(marks, "compile_called_s", "optimizer_s"),
     }
+    tts_parts = mc.get("tts") or {}
+    out["client: load (on first compile)"] = tts_parts.get("tts_load_s")
     for name, secs in (mc.get("load_steps") or {}).items():
-        out[f"load: {name}"] = secs
+        out[f"  load: {name}"] = secs
+    out["client: fetch wait"] = tts_parts.get("tts_fetch_s")
     out["torch compile"] = job.get("compile_s") if job.get("compile_s") else None
     out["first step"] = job.get("first_step_s")
     out["to end of step 1"] = tts
