@@ -87,6 +87,7 @@ def main() -> int:
         if args.loader_s is not None else (make_batch(size) for size in sizes)
     marks["loader_started_s"] = time.time() - PROCESS_START
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    marks["optimizer_s"] = time.time() - PROCESS_START
     eager = copy.deepcopy(model) if args.eager_check else None
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.01) if eager is not None else None
     eager_gap = 0.0
