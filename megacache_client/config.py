@@ -15,13 +15,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from megacache_client.wire.progress import HEARTBEAT_S
+from megacache_client.wire.progress import HEARTBEAT_S, MODEL_CAP
 from megacache_client.wire.signing import SigningError, parse_origins, public_key_bytes
 from megacache_client.wire.text import escape_foreign, text_error
 from megacache_client.wire.writers import WriterPolicy
-
-MODEL_CAP = 256
-"""The longest model name (the wire schema's ModelName)."""
 
 Mode = Literal["off", "read-only", "read-write", "required"]
 MODES: tuple[Mode, ...] = ("off", "read-only", "read-write", "required")

@@ -24,7 +24,9 @@ than `MAX_AGE_S`."""
 Duration = Annotated[float, Range(0, 7 * 24 * 3600)]
 Step = Annotated[int, Range(0, 10**12)]
 Attempt = Annotated[int, Range(0, 10**6)]
-ModelName = Annotated[str, Size(1, 256), Text()]
+MODEL_CAP = 256
+"""The longest model name, in characters."""
+ModelName = Annotated[str, Size(1, MODEL_CAP), Text()]
 
 MAX_SKEW_S = 300.0
 """A record timestamped further ahead of the server's clock than this is refused (422)."""

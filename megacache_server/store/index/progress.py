@@ -16,7 +16,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megacache_client.wire.progress import MAX_SKEW_S, ProgressRecord
+from megacache_client.wire.progress import MAX_SKEW_S, MODEL_CAP, ProgressRecord
+from megacache_client.wire.text import escape_foreign, is_text
 
 MAX_SAVES = 32
 """Checkpoint saves kept one by one per attempt (the latest); older ones are aggregated."""
@@ -97,6 +98,10 @@ class AttemptProgress:
         for name in ("first_heartbeat", "last_heartbeat", "data_wait"):
             d[name] = tuple(d[name]) if d.get(name) is not None else None
         d["save_buckets"] = tuple(d["save_buckets"])
+        if d.get("model") is not None and not is_text(d["model"], MODEL_CAP):
+            # Stored by a server from before the text rule (a lone surrogate breaks every
+            # JSON answer that carries it): shown escaped, so no view of the namespace 500s.
+            d["model"] = escape_foreign(d["model"], MODEL_CAP)
         return cls(**d)
 
     @property
