@@ -6,7 +6,7 @@ stderr, a newline forges a log line of its own (`WARNING megacache: ...`), ESC s
 terminal control sequence (`ESC[2J` clears the screen) and CR overwrites the line before it.
 So every character the text rule refuses (controls, newlines, line and paragraph
 separators, lone surrogates) is shown as its escape (`wire.text.escape_foreign`: `\\x1b`,
-`\\x0d`, `\\u2028`), and the text is capped: what reaches a log is one line, of bounded length.
+`\\r`, `\\u2028`), and the text is capped: what reaches a log is one line, of bounded length.
 """
 
 from __future__ import annotations

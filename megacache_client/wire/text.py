@@ -50,21 +50,16 @@ def check_text(value: str, cap: int = TEXT_CAP) -> str:
 
 def escape_foreign(value: object, cap: int = TEXT_CAP) -> str:
     """`value` safe to print in one log line, label or view: every character the text rule
-    refuses (and backslash, so the escape is unambiguous) becomes a `\\xNN`/`\\uNNNN` escape,
-    and the result is cut at `cap` characters with a mark. Never raises: for data stored by
-    an older server, or an answer from a server we do not trust."""
+    refuses (and tab) becomes its Python escape (`\\n`, `\\r`, `\\x1b`, `\\ud800`), and the
+    result is cut at `cap` characters with a mark. Idempotent: text escaped once (a reason)
+    and again on its way to a log (the client's log filter) reads the same, so backslashes
+    are left as they are. Never raises: for data stored by an older server, or an answer
+    from a server we do not trust."""
     text = value if isinstance(value, str) else str(value)
     out: list[str] = []
     size = 0
     for ch in text:
-        if ch == "\\":
-            piece = "\\\\"
-        elif ch == "\t" or _bad(ch):
-            code = ord(ch)
-            piece = f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 \
-                else f"\\U{code:08x}"
-        else:
-            piece = ch
+        piece = ch.encode("unicode_escape").decode("ascii") if ch == "\t" or _bad(ch) else ch
         if size + len(piece) > cap:
             out.append("…")
             break
