@@ -213,7 +213,7 @@ def test_transformers_model_with_only_env_vars_starts_warm_on_a_new_machine(
 
     warm = run(Machine(tmp_path / "b"), gxx, HF_JOB, env=env, runner=runner)
     assert warm.gxx_builds == 0
-    # Nothing compiled again. With precompiled Dynamo (opt-in) a frame comes from its
+    # Nothing compiled again. With precompiled Dynamo (on by default) a frame comes from its
     # package or from AOTAutograd's cache, which holds its Inductor graph: no FX lookup.
     assert warm.result["fxgraph_miss"] == 0 and warm.result["aot_miss"] == 0, warm.result
     assert warm.result["aot_hit"] + warm.result["fxgraph_hit"] > 0, warm.result

@@ -1,7 +1,7 @@
 """Precompiled Dynamo in the bundle, prefetch at enable, time to start in events.
 
 Real training processes (benchmarks/train_job.py), real torch.compile of a small MLP, a
-real server. One cold producer publishes with caching precompile on (MEGACACHE_PRECOMPILE=1);
+real server. One cold producer publishes with precompiled Dynamo on (the default);
 each consumer is a fresh machine unless it only has to show the trainer survives.
 Consumers that could change the entry run read-only so the tests do not depend on order.
 """
