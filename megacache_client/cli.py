@@ -97,9 +97,18 @@ def _torch_problem() -> str:
 
 
 def _here(args: argparse.Namespace, config: ClientConfig) -> Fingerprint:
-    from megacache_client.steps.fingerprint import compute
-
     options = {"mode": args.compile_mode} if args.compile_mode else None
+    return _as_a_trainer(config, options)
+
+
+def _as_a_trainer(config: ClientConfig, options: dict[str, Any] | None = None) -> Fingerprint:
+    """The key a trainer with these settings computes. Precompiled Dynamo (on by default) is
+    part of the config component, so it is switched on here as `enable` does: a key computed
+    without it would never be a trainer's (its push only ever a fallback)."""
+    from megacache_client.steps.fingerprint import compute
+    from megacache_client.torch import precompile
+
+    precompile.turn_on(config)
     return compute(namespace=config.namespace, options=options, model=config.model,
                    code=config.code)
 
@@ -201,12 +210,11 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from megacache_client.steps.fingerprint import compute
     from megacache_client.steps.shipping import build_manifest, bundle_blob, upload_blobs
 
     config = _config(args, model=args.model, code=args.code)
     node = NodeCache(config.node_cache_dir, config.lock_timeout_s)
-    fp = compute(namespace=config.namespace, model=config.model, code=config.code)
+    fp = _as_a_trainer(config)
     raw = args.bundle.read_bytes()
     blob = bundle_blob(node, raw)
     manifest = build_manifest(fp, [blob], {}, args.cold_compile_s)

@@ -306,7 +306,11 @@ class Session:
                 return True
             try:
                 keys = None if self.precompile_off else self._precompile_keys
-                snap, note = snapshot(keys, tracks, self.node, self.config.max_raw_bytes)
+                # only the exit waits for a precompile check under way: a settled point
+                # ships the rest of the compile now, the verified entries when they are
+                snap, note = snapshot(keys, tracks, self.node, self.config.max_raw_bytes,
+                                      wait_verify=self._closed,
+                                      on_verdicts=self._after_verdicts)
             except Exception as exc:
                 self._warn(f"could not snapshot cache artifacts: {type(exc).__name__}: {exc}")
                 for track in tracks:
@@ -324,6 +328,15 @@ class Session:
                 self._warn(snap.tracks[0].publish.reason)
                 return False
             return True
+
+    def _after_verdicts(self) -> None:
+        """A precompile check ended with entries verified: a round adds them (after the
+        round under way; the exit's round waits for the check itself)."""
+        publisher = self._publisher
+        if publisher is not None and publisher is not threading.current_thread():
+            publisher.join(self.config.publish_wait_s)
+        if not self._closed:
+            self.publish()
 
     def _join(self, wait: bool, timeout: float | None = None) -> PublishResult:
         if wait and self._publisher is not None:

@@ -76,7 +76,8 @@ def test_new_machine_starts_warm(cache, producer, gxx, tmp_path):
     _, cold = producer
     run = run_on(Machine(tmp_path / "b"), gxx, *job_args(), url=cache.url)
     assert run.mc["outcome"] == "hit", run.mc
-    # FX graph hits; with precompiled Dynamo output (on by default, verified entries) there are no FX lookups at all.
+    # FX graph hits; with precompiled Dynamo output (on by default, verified entries) there
+    # are no FX lookups at all.
     assert run.result["counters"]["fxgraph_hit"] > 0 or run.result["precompile_hit"] > 0
     assert run.result["counters"]["fxgraph_miss"] == 0
     assert run.result["counters"]["aot_miss"] == 0

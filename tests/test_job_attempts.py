@@ -162,10 +162,12 @@ def test_job_records_are_bounded(make_index, monkeypatch):
 
 
 def test_histogram_text_parses_whatever_the_model_name():
-    """/metrics writes the job histograms as text itself: label values are escaped, buckets
-    are cumulative and end in _count."""
+    """/metrics writes the job histograms as text itself: label values are escaped (foreign
+    control characters as Python escapes first, then Prometheus's own quoting), buckets are
+    cumulative and end in _count."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from megacache_client.wire.text import escape_foreign
     from megacache_server.service.metrics import _job_histograms
     from megacache_server.store.index.base import ModelStats
 
@@ -177,6 +179,7 @@ def test_histogram_text_parses_whatever_the_model_name():
     start = families["megacache_run_first_step_seconds"]
     assert start.type == "histogram"
     values = {s.labels.get("le", s.name.rsplit("_", 1)[1]): s.value for s in start.samples}
-    assert {s.labels["model"] for s in start.samples} == {m.model}
+    assert {s.labels["model"] for s in start.samples} == {escape_foreign(m.model)}
+    assert all("\n" not in s.labels["model"] for s in start.samples)
     assert values["5.0"] == 0 and values["10.0"] == 2 and values["+Inf"] == 3
     assert values["count"] == 3 and values["sum"] == 4000.0

@@ -65,7 +65,9 @@ def test_a_killed_rank_leaves_its_compile_behind(cache: ServerProcess, tmp_path:
     assert GxxCounter.builds(machines / "attempt0" / "gxx.log") > 0  # a cold compile
     for rank in (0, 1):  # the restart, on new machines: warm, compiling nothing
         seen = json.loads((results / f"rank{rank}-attempt1.json").read_text())
-        assert seen["fxgraph_hit"] >= 1 and seen["fxgraph_miss"] == 0, seen
+        # served by FX graphs, or by precompiled Dynamo once its check verified it
+        assert seen["fxgraph_hit"] + seen["precompile_hit"] >= 1, seen
+        assert seen["fxgraph_miss"] == 0, seen
     assert GxxCounter.builds(machines / "attempt1" / "gxx.log") == 0
     # the killed attempt sent its cache event right after its first step: its start counts
     (record,) = [j for j in httpx.get(f"{cache.url}/v1/jobs", timeout=30).json()["jobs"]

@@ -10,8 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import need  # noqa: E402
 
-torch = pytest.importorskip("torch")
+torch = need("torch", "warm_up compiles a real model")
 from torch import nn  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
@@ -144,7 +145,7 @@ def test_a_ddp_model_warms_up_without_collectives_or_the_reducer(tmp_path: Path)
     """DDP(torch.compile(model)): the inner module runs in DDP's forward context (no
     collective, no reducer), so the first DDP step compiles nothing and its backward (the
     reducer's first) goes through."""
-    dist = pytest.importorskip("torch.distributed")
+    dist = need("torch.distributed", "the DDP warm-up runs a real process group")
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),

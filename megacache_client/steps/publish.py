@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from megacache_client.config import ClientConfig
 from megacache_client.results import Snapshot, Track
@@ -29,10 +29,12 @@ log = logging.getLogger("megacache")
 
 # -- snapshot: what this run has that its entries lack ------------------------------------
 def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Track],
-             node: NodeCache, cap: int) -> tuple[Snapshot | None, str]:
+             node: NodeCache, cap: int, *, wait_verify: bool = True,
+             on_verdicts: Callable[[], None] | None = None) -> tuple[Snapshot | None, str]:
     """This run's artifacts and kernels with the tracks whose entries lack some of them
     (None when none lacks anything, or torch recorded nothing), and why its precompiled
-    Dynamo output is not shipped ("" when it is).
+    Dynamo output is not shipped ("" when it is). Precompile artifacts still being checked
+    (`wait_verify` False) are left out; `on_verdicts` runs when their check ends.
 
     `precompile_keys`: torch's precompile key of each compiled callable, None when this
     process records no precompiled Dynamo output. Cheap when nothing is lacking (a warm
@@ -55,7 +57,8 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
         # consumer that traces it would publish again (the verdict is kept per content)
         artifacts, unverified = precompile.verified_for_shipping(artifacts, {
             k for t in tracks if t.load.outcome == "hit"
-            for kind, k in t.load.loaded_keys if kind == precompile.ARTIFACT_TYPE})
+            for kind, k in t.load.loaded_keys if kind == precompile.ARTIFACT_TYPE},
+            wait=wait_verify, on_verdicts=on_verdicts)
         note = note or unverified
         keys = torch_env.keys_of(artifacts)
     kernels = shipping.find_files(torch_env.inductor_cache_dir(), KERNEL_SUFFIXES,

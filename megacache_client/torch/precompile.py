@@ -35,7 +35,7 @@ import logging
 import platform
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -178,24 +178,30 @@ def for_shipping(artifacts: torch_env.Artifacts, compiled: dict[str, list[str]]
         f"{_names(bad)} would not be defined on a new machine")
 
 
-def verified_for_shipping(artifacts: torch_env.Artifacts, loaded: set[str]
+def verified_for_shipping(artifacts: torch_env.Artifacts, loaded: set[str], *,
+                          wait: bool = True, on_verdicts: Callable[[], None] | None = None
                           ) -> tuple[torch_env.Artifacts, str]:
-    """The artifacts this process may publish once its own precompile artifacts passed the
-    child-process check (`precompile_verify`), and why any were left out ("" = none).
+    """The artifacts this process may publish now that its own precompile artifacts were
+    put to the child-process check (`precompile_verify`), and why any failed ("" = none).
     `loaded`: precompile keys this process loaded from a verified entry (not traced here,
-    already verified by their producer, shipped again as they were)."""
+    already verified by their producer, shipped again as they were). Without `wait`,
+    artifacts whose check is under way are left out for now, without a note: the round
+    `on_verdicts` runs adds them once verified."""
     from megacache_client.torch import precompile_verify
 
     own = {ARTIFACT_TYPE: [a for a in artifacts.get(ARTIFACT_TYPE, []) if a.key not in loaded]}
     if not own[ARTIFACT_TYPE]:
         return artifacts, ""
-    failed = precompile_verify.verify(own, ARTIFACT_TYPE)
-    if not failed:
+    verdicts = precompile_verify.check(own, ARTIFACT_TYPE, wait=wait, on_verdicts=on_verdicts)
+    left_out = set(verdicts.failed) | verdicts.pending
+    if not left_out:
         return artifacts, ""
-    n = len(failed)
-    return torch_env.without(artifacts, ARTIFACT_TYPE, set(failed)), (
-        f"{n} precompiled Dynamo entr{'y' if n == 1 else 'ies'} not verified, not shipped: "
-        + next(iter(failed.values())))
+    kept = torch_env.without(artifacts, ARTIFACT_TYPE, left_out)
+    n = len(verdicts.failed)
+    if not n:
+        return kept, ""
+    return kept, (f"{n} precompiled Dynamo entr{'y' if n == 1 else 'ies'} not verified, "
+                  "not shipped: " + next(iter(verdicts.failed.values())))
 
 
 def _names(bad: dict[str, list[str]]) -> str:

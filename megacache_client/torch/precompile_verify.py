@@ -10,7 +10,12 @@ inputs of the traced shapes against the traced FX graph. Only artifacts that pas
 shipped, and the bundle's meta names them (`precompile.META_VERIFIED`); a consumer loads
 no other.
 
-It runs in the background publish thread, never the training loop's, and is bounded
+It runs off the training loop and off the publish: a round that finds artifacts with no
+verdict yet starts their check in a thread of its own and ships the rest of the compile at
+once (the FX graphs, AOTAutograd entries and kernels a restart needs most), so a job
+killed while the check runs (a few seconds: the child imports torch) has still left its
+compile behind; when the verdicts arrive, `on_verdicts` runs a round that adds the
+verified ones. Only the exit's round waits for a check under way. The check is bounded
 (`TIMEOUT_S`): a crash, a timeout or a mismatch in the child leaves the artifact out,
 logged once, and never reaches the trainer. A verdict is kept per artifact content, so a
 later publish round does not check the same bytes again.
@@ -26,7 +31,10 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,23 +54,78 @@ LAST_SECONDS = [0.0]
 """Wall time of this process's last child check (the cost of verification, measured)."""
 
 
+@dataclass(frozen=True)
+class Verdicts:
+    """What a round may ship of its precompile artifacts."""
+
+    failed: dict[str, str]
+    """key -> why it failed the check (never shipped)."""
+    pending: frozenset[str]
+    """keys whose check is under way (shipped by a later round once verified)."""
+
+
+_CHECKS: dict[str, threading.Event] = {}
+"""sha256 of an artifact's content -> set when its check ended (a verdict is in _VERDICTS)."""
+_CHECKS_LOCK = threading.Lock()
+
+
 def verify(artifacts: torch_env.Artifacts, kind: str) -> dict[str, str]:
-    """Each artifact of type `kind` that failed the check: key -> why. Those without a
-    verdict yet are checked together in one child process; a child that fails as a whole
-    (crash, timeout) fails each of them."""
+    """Each artifact of type `kind` that failed the check: key -> why, waiting for the
+    checks (the benchmark's and the exit's way)."""
+    return check(artifacts, kind, wait=True).failed
+
+
+def check(artifacts: torch_env.Artifacts, kind: str, *, wait: bool,
+          on_verdicts: Callable[[], None] | None = None) -> Verdicts:
+    """Verdicts on the artifacts of type `kind`. Those without a verdict nor a check under
+    way are checked together in one child process, in a thread of its own; a child that
+    fails as a whole (crash, timeout) fails each of them. With `wait`, returns once every
+    one has a verdict (within `TIMEOUT_S` more); otherwise at once, the unchecked ones
+    pending, and `on_verdicts` is called when the check this call started has ended."""
     items = artifacts.get(kind, [])
     digests = {a.key: hashlib.sha256(a.content).hexdigest() for a in items}
-    todo = [a for a in items if digests[a.key] not in _VERDICTS]
+    with _CHECKS_LOCK:
+        todo = [a for a in items
+                if digests[a.key] not in _VERDICTS and digests[a.key] not in _CHECKS]
+        done = threading.Event()
+        for a in todo:
+            _CHECKS[digests[a.key]] = done
+        running = {_CHECKS[d] for d in digests.values() if d not in _VERDICTS}
     if todo:
-        for key, why in _run_child(todo).items():
-            _VERDICTS[digests[key]] = why
-    failed = {a.key: _VERDICTS[digests[a.key]] for a in items if _VERDICTS[digests[a.key]]}
+        threading.Thread(target=_check_in_background,
+                         args=(todo, [digests[a.key] for a in todo], done, on_verdicts),
+                         name="megacache-precompile-check", daemon=True).start()
+    if wait:
+        deadline = time.monotonic() + TIMEOUT_S + 5
+        for event in running:
+            event.wait(max(0.0, deadline - time.monotonic()))
+    pending = frozenset(a.key for a in items if digests[a.key] not in _VERDICTS)
+    failed = {a.key: _VERDICTS[digests[a.key]] for a in items
+              if a.key not in pending and _VERDICTS[digests[a.key]]}
     for key, why in failed.items():
         if digests[key] not in _LOGGED:
             _LOGGED.add(digests[key])
             log.info("megacache: precompiled Dynamo entry %s not verified, not shipped "
                      "(new machines trace it): %s", key[:12], why)
-    return failed
+    return Verdicts(failed, pending)
+
+
+def _check_in_background(todo: list[Any], digests: list[str], done: threading.Event,
+                         on_verdicts: Callable[[], None] | None) -> None:
+    try:
+        verdicts = _run_child(todo)
+    except Exception as exc:  # never the trainer's problem: the artifacts stay out
+        verdicts = {a.key: f"the check failed: {type(exc).__name__}: {exc}" for a in todo}
+    with _CHECKS_LOCK:
+        for a, digest in zip(todo, digests, strict=True):
+            _VERDICTS[digest] = verdicts[a.key]
+            _CHECKS.pop(digest, None)
+    done.set()
+    if on_verdicts is not None and any(not why for why in verdicts.values()):
+        try:
+            on_verdicts()
+        except Exception as exc:
+            log.debug("megacache: the round after the precompile check failed: %s", exc)
 
 
 def _run_child(todo: list[Any]) -> dict[str, str]:

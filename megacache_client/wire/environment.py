@@ -13,8 +13,8 @@ CLIENT_SETTINGS = (
     "read_timeout_s", "retries", "load_deadline_s", "breaker_reset_s", "node_cache_dir",
     "max_raw_bytes", "publish_wait_s", "claim_lease_s", "lock_timeout_s", "fallback",
     "ship_kernels", "ship_toolchain", "precompile", "prefetch", "prefetch_wait_s",
-    "trusted_writers", "telemetry", "heartbeat_s", "publish_early", "max_publishes",
-    "term_grace_s",
+    "trusted_writers", "redirect_origins", "telemetry", "heartbeat_s", "publish_early",
+    "max_publishes", "term_grace_s",
 )
 JOB_VARIABLES = ("MEGACACHE_JOB_ID", "MEGACACHE_ATTEMPT", "MEGACACHE_JOB_START")
 """Read by `megacache_client.job`: the launcher's job id and attempt, overridden, and when
