@@ -189,9 +189,9 @@ def test_torchrun_downloads_once_per_node_and_publishes_once(cache, gxx, tmp_pat
     entry = httpx.get(f"{cache.url}/v1/ac/{key}").json()
     downloads = requests(cache, "GET", "/v1/cas/")[downloads_before:]
     assert sorted(downloads) == sorted(f"/v1/cas/{b['digest']}" for b in entry["blobs"])
-    # each blob came down once on this node, by whichever rank took its lock first
-    assert sum(r["bytes_down"] for r in warm) == sum(b["size"] for b in entry["blobs"]), warm
-    assert sum(r["bytes_down"] > 0 for r in warm) < 4, warm
+    # each blob came down once for the node (the GETs above), by whichever rank took its
+    # lock first (the bundle and the header pack may be two ranks'); the others read disk
+    assert 1 <= sum(r["bytes_down"] > 0 for r in warm) <= len(entry["blobs"]), warm
     assert warm[0]["gxx_builds"] == 0
     assert len(requests(cache, "PUT", f"/v1/ac/{key}")) == 1  # nothing new: no publish
 

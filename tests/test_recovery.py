@@ -65,8 +65,9 @@ def test_a_killed_rank_leaves_its_compile_behind(cache: ServerProcess, tmp_path:
     assert GxxCounter.builds(machines / "attempt0" / "gxx.log") > 0  # a cold compile
     for rank in (0, 1):  # the restart, on new machines: warm, compiling nothing
         seen = json.loads((results / f"rank{rank}-attempt1.json").read_text())
-        # served by FX graphs, or by precompiled Dynamo once its check verified it
-        assert seen["fxgraph_hit"] + seen["precompile_hit"] >= 1, seen
+        # served from the cache: FX graphs, AOTAutograd entries (precompile on bundles the
+        # compiled graph in them: no FX lookup) or precompiled Dynamo once verified
+        assert seen["fxgraph_hit"] + seen["aot_hit"] + seen["precompile_hit"] >= 1, seen
         assert seen["fxgraph_miss"] == 0, seen
     assert GxxCounter.builds(machines / "attempt1" / "gxx.log") == 0
     # the killed attempt sent its cache event right after its first step: its start counts
@@ -90,7 +91,10 @@ def test_later_compiles_publish_again_once_each_within_the_cap(
         tmp_path: Path, rounds: int) -> None:
     """Two waves of compiles: the first settled point publishes the first, the next one
     the second (the union); the exit has nothing new and writes nothing. With a cap of one
-    round, the second wave stays unpublished."""
+    round, the second wave stays unpublished. Precompiled Dynamo is off here: its verified
+    entries come in rounds of their own whenever the child's check ends
+    (`test_sigterm_finishes_the_publish_sends_the_end_and_ends_the_process`,
+    test_precompile_verify.py), which would make the count of writes a race."""
     need("torch", "the job compiles a real model")
     server = ServerProcess(tmp_path / "data").start()
     try:
@@ -99,6 +103,7 @@ def test_later_compiles_publish_again_once_each_within_the_cap(
                                                           str(HERE / "rounds_job.py")],
                       env={"MEGACACHE_URL": server.url, "MEGACACHE_MODEL": model,
                            "MEGACACHE_MAX_PUBLISHES": str(rounds), "OMP_NUM_THREADS": "1",
+                           "MEGACACHE_PRECOMPILE": "0",
                            "ROUNDS_WAIT": "60" if rounds > 1 else "5"},
                       timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
