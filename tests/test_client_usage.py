@@ -180,7 +180,10 @@ def test_torchrun_downloads_once_per_node_and_publishes_once(cache, gxx, tmp_pat
     key = cold[0]["key"]
     assert {r["key"] for r in cold} == {key} and cold[0]["model"] == "TinyNet", cold
     assert [r["outcome"] for r in cold] == ["miss"] * 4, cold
-    assert requests(cache, "PUT", f"/v1/ac/{key}") == [f"/v1/ac/{key}"]  # published once
+    # one rank publishes: the compile once; its verified precompiled Dynamo entries, when
+    # the check ends after a settled point's round, in one more write
+    puts = requests(cache, "PUT", f"/v1/ac/{key}")
+    assert 1 <= len(puts) <= 2 and set(puts) == {f"/v1/ac/{key}"}, puts
     assert sum(r["published"] for r in cold) == 1
 
     downloads_before = len(requests(cache, "GET", "/v1/cas/"))
@@ -193,7 +196,7 @@ def test_torchrun_downloads_once_per_node_and_publishes_once(cache, gxx, tmp_pat
     # lock first (the bundle and the header pack may be two ranks'); the others read disk
     assert 1 <= sum(r["bytes_down"] > 0 for r in warm) <= len(entry["blobs"]), warm
     assert warm[0]["gxx_builds"] == 0
-    assert len(requests(cache, "PUT", f"/v1/ac/{key}")) == 1  # nothing new: no publish
+    assert requests(cache, "PUT", f"/v1/ac/{key}") == puts  # nothing new: no publish
 
 
 HF_JOB = HERE / "hf_train_job.py"
