@@ -145,6 +145,27 @@ def test_a_namespace_over_its_progress_budget_loses_its_longest_silent_jobs(
     run(make_index, body)
 
 
+def test_progress_kept_before_the_budget_counts_against_it(
+        make_index: Callable[[], Index]) -> None:
+    """Attempts a server from before the budget stored (Redis kept no count of them) count
+    once the budget applies: the namespace is brought within it at its next new attempt."""
+    async def body(index: Index) -> None:
+        for i in range(30):
+            for attempt in range(3):
+                await index.add_progress("a", f"j{i:02}", attempt, None, [beat(T0, 1)], T0 + i)
+        redis = getattr(index, "r", None)
+        if redis is not None:  # as an older server left it: no count
+            await redis.delete(index.keys.progress_attempts(),  # type: ignore[attr-defined]
+                               index.keys.progress_counted())  # type: ignore[attr-defined]
+        await index.add_progress("a", "new", 0, None, [beat(T0, 1)], T0 + 100,
+                                 namespace_attempts=64)
+        kept = await index.recent_progress(namespace="a", since=0, limit=1000)
+        assert sum(len(j.attempts) for j in kept) <= 64
+        assert kept[0].job == "new"
+
+    run(make_index, body)
+
+
 def test_concurrent_batches_of_one_attempt_lose_nothing(
         make_index: Callable[[], Index]) -> None:
     async def body(index: Index) -> None:

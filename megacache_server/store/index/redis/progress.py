@@ -104,6 +104,8 @@ class RedisProgress(RedisConnection, ProgressStore):
         """Past `budget` attempts kept (the namespace's count in `progress_attempts`), its
         longest-silent jobs go whole, as few as make up the excess (each holds at least one
         attempt, so they are among the `excess` longest silent)."""
+        if not await self.r.sismember(self.keys.progress_counted(), namespace):
+            await self._recount(namespace)
         held = await self.r.hget(self.keys.progress_attempts(), namespace)
         excess = int(held or 0) - budget
         if excess <= 0:
@@ -121,6 +123,20 @@ class RedisProgress(RedisConnection, ProgressStore):
             gone.append(job)
             excess -= int(size)
         await self._forget(namespace, gone)
+
+    async def _recount(self, namespace: str) -> None:
+        """Count the namespace's attempts from its hashes, once: progress written by a server
+        from before the budget was never counted (at most progress.MAX_JOBS HLENs)."""
+        jobs = [text(j) or "" for j in
+                await self.r.zrange(self.keys.progress_jobs(namespace), 0, -1)]
+        async with self.r.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.hlen(self.keys.progress(namespace, job))
+            sizes = await pipe.execute() if jobs else []
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.progress_attempts(), namespace, sum(int(n) for n in sizes))
+            pipe.sadd(self.keys.progress_counted(), namespace)
+            await pipe.execute()
 
     async def _forget(self, namespace: str, jobs: list[str]) -> None:
         """Drop `jobs` whole, and their attempts from the namespace's count."""
