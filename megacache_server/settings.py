@@ -108,6 +108,16 @@ class Settings(BaseSettings):
     progress_buffer_entries: int = Field(
         20_000, ge=1, description="job attempts with buffered heartbeats one process holds "
         "at most (past it the buffer is written early)")
+    progress_namespace_attempts: int = Field(
+        50_000, ge=64, description="job attempt summaries (ETT telemetry, a few KiB each) one "
+        "namespace's index keeps; past it its longest-silent jobs go (at least 64: a job's "
+        "attempts)")
+    metrics_models_per_namespace: int = Field(
+        50, ge=0, description="models one namespace shows in /metrics (its busiest by runs); "
+        "the rest are summed under model=\"other\"")
+    metrics_models: int = Field(
+        500, ge=1, description="(namespace, model) series one /metrics scrape shows at most; "
+        "past it the namespaces that ran least are summed under namespace=\"other\"")
     report_rate: float = Field(
         0.5, ge=0, description="reports of bad blobs or unloadable entries one token may send "
         "per second, across every worker and replica (0: no limit)")

@@ -32,7 +32,8 @@ class FoldingIndex:
         self.summaries: dict[tuple[str, str, int], AttemptProgress] = {}
         self.calls: list[int] = []
 
-    async def add_progress_many(self, folds: list[Fold]) -> None:
+    async def add_progress_many(self, folds: list[Fold], *,
+                                namespace_attempts: int | None = None) -> None:
         self.calls.append(len(folds))
         for f in folds:
             key = (f.namespace, f.job, f.attempt)

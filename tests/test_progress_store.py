@@ -109,6 +109,63 @@ def test_jobs_per_namespace_are_capped_and_pruned(make_index: Callable[[], Index
     run(make_index, body)
 
 
+def test_a_namespace_over_its_progress_budget_loses_its_longest_silent_jobs(
+        make_index: Callable[[], Index]) -> None:
+    """#47 item 5: a namespace keeps at most its budget of attempts; past it its longest
+    silent jobs go whole (live jobs keep everything), and another namespace is untouched."""
+    budget = 100
+
+    async def body(index: Index) -> None:
+        await index.add_progress("b", "calm", 0, "m", [beat(T0, 1)], T0,
+                                 namespace_attempts=budget)
+        for i in range(40):  # 40 jobs x 5 attempts: twice the budget
+            for attempt in range(5):
+                await index.add_progress("a", f"j{i:02}", attempt, None,
+                                         [beat(T0 + i, 1)], T0 + i + attempt / 10,
+                                         namespace_attempts=budget)
+        kept = await index.recent_progress(namespace="a", since=0, limit=1000)
+        assert sum(len(j.attempts) for j in kept) <= budget
+        assert [j.job for j in kept] == [f"j{i:02}" for i in range(39, 39 - len(kept), -1)]
+        assert len(kept) >= budget // 5 - 1  # what goes is whole jobs, no more than needed
+        assert all(len(j.attempts) == 5 for j in kept)
+        assert await index.job_progress("a", "j00") is None
+        calm = await index.job_progress("b", "calm")
+        assert calm is not None and len(calm.attempts) == 1
+        # pruning keeps the count right: after it, the budget again admits as many
+        assert await index.prune_progress(T0 + 1000) == len(kept) + 1
+        for attempt in range(budget):
+            await index.add_progress("a", "big", attempt % 64, None, [beat(T0, 1)], T0 + 2000,
+                                     namespace_attempts=budget)
+        for i in range(36):
+            await index.add_progress("a", f"k{i}", 0, None, [beat(T0, 1)], T0 + 2001 + i,
+                                     namespace_attempts=budget)
+        assert await index.job_progress("a", "big") is not None
+        assert len((await index.job_progress("a", "big")).attempts) == 64
+
+    run(make_index, body)
+
+
+def test_progress_kept_before_the_budget_counts_against_it(
+        make_index: Callable[[], Index]) -> None:
+    """Attempts a server from before the budget stored (Redis kept no count of them) count
+    once the budget applies: the namespace is brought within it at its next new attempt."""
+    async def body(index: Index) -> None:
+        for i in range(30):
+            for attempt in range(3):
+                await index.add_progress("a", f"j{i:02}", attempt, None, [beat(T0, 1)], T0 + i)
+        redis = getattr(index, "r", None)
+        if redis is not None:  # as an older server left it: no count
+            await redis.delete(index.keys.progress_attempts(),  # type: ignore[attr-defined]
+                               index.keys.progress_counted())  # type: ignore[attr-defined]
+        await index.add_progress("a", "new", 0, None, [beat(T0, 1)], T0 + 100,
+                                 namespace_attempts=64)
+        kept = await index.recent_progress(namespace="a", since=0, limit=1000)
+        assert sum(len(j.attempts) for j in kept) <= 64
+        assert kept[0].job == "new"
+
+    run(make_index, body)
+
+
 def test_concurrent_batches_of_one_attempt_lose_nothing(
         make_index: Callable[[], Index]) -> None:
     async def body(index: Index) -> None:

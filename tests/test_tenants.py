@@ -30,7 +30,8 @@ def shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         tmp_path_factory.mktemp("shared") / "data", *args, "--auth", "--store-budget", "20MiB",
         env={**env, "MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_NAMESPACE_PENDING_BYTES": "4MiB",
              "MEGACACHE_NAMESPACE_QUOTA_ENTRIES": "3", "MEGACACHE_EVENT_RATE": "2",
-             "MEGACACHE_EVENT_BURST": "10"}), request.param, args).start()
+             "MEGACACHE_EVENT_BURST": "10", "MEGACACHE_METRICS_MODELS_PER_NAMESPACE": "2"}),
+        request.param, args).start()
     yield proc
     proc.stop()
     assert "Traceback" not in proc.log(), proc.log()
@@ -213,6 +214,25 @@ def test_metrics_show_a_reader_its_namespace_and_server_figures_only_to_operator
         shared.token("metrics", name="prometheus")))
     assert set(SERVER_WIDE) - _names(scrape.text) == set()
     assert a.namespace in scrape.text
+
+
+def test_a_tenant_over_its_metrics_budget_shows_two_models_and_other(
+        shared: ServerProcess, teams: tuple[Team, Team]):
+    """#47 item 5: A posts five model names over a budget of two; the scrape shows A's two
+    busiest and one `other` summing the rest, and B's series as they were."""
+    a, b = teams
+    for i, times in enumerate((3, 2, 1, 1, 1)):  # within the event burst (10); m0 busiest
+        for _ in range(times):
+            assert a.event(model=f"m{i}").status_code == 202
+    scrape = httpx.get(f"{shared.url}/metrics", timeout=30, headers=bearer(
+        shared.token("metrics", name=f"prom-{a.namespace}"))).text
+    series = _run_series(scrape)
+    assert {m for ns, m in series if ns == a.namespace} == {"m0", "m1", "other"}
+    assert {m for ns, m in series if ns == b.namespace} == {"b-model"}
+    runs = {s.labels["model"]: s.value for f in text_string_to_metric_families(scrape)
+            if f.name == "megacache_runs" for s in f.samples
+            if s.labels["namespace"] == a.namespace and s.labels["outcome"] == "hit"}
+    assert runs == {"m0": 3, "m1": 2, "other": 3}
 
 
 def _run_series(text: str) -> set[tuple[str, str]]:

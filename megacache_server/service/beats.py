@@ -50,8 +50,11 @@ class _Pending:
 class Beats:
     """The buffer of one server process (`flush_s` 0: every batch written through)."""
 
-    def __init__(self, index: ProgressStore, flush_s: float, max_entries: int) -> None:
+    def __init__(self, index: ProgressStore, flush_s: float, max_entries: int,
+                 namespace_attempts: int | None = None) -> None:
         self.index = index
+        self.namespace_attempts = namespace_attempts
+        """Each namespace's progress budget (attempts kept), handed to the index."""
         self.flush_s = flush_s
         self.max_entries = max(1, max_entries)
         self.pending: dict[Key, _Pending] = {}
@@ -71,7 +74,8 @@ class Beats:
                 count += held.count
             try:
                 await self.index.add_progress_many(
-                    [Fold(namespace, job, attempt, model, records, now, count)])
+                    [Fold(namespace, job, attempt, model, records, now, count)],
+                    namespace_attempts=self.namespace_attempts)
             except BaseException:
                 if held is not None:
                     self._keep(key, held.model, held.records, held.now, held.count)
@@ -109,7 +113,8 @@ class Beats:
         try:
             await self.index.add_progress_many([
                 Fold(ns, job, attempt, p.model, p.records, p.now, p.count)
-                for (ns, job, attempt), p in taken.items()])
+                for (ns, job, attempt), p in taken.items()],
+                namespace_attempts=self.namespace_attempts)
             self.flushes += 1
         except BaseException:
             for key, p in taken.items():  # kept for the next flush, folded with newer beats

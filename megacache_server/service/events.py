@@ -14,6 +14,7 @@ from megacache_server.errors import Unprocessable
 from megacache_server.service import ett_report, reports
 from megacache_server.service.auth import Principal
 from megacache_server.service.ett import JobSplit
+from megacache_server.service.metric_budget import within_budget
 from megacache_server.service.progress import Progress
 from megacache_server.service.quarantine import Quarantine
 from megacache_server.service.quotas import Quotas
@@ -99,7 +100,9 @@ class Events:
         """The numbers /metrics shows this caller: its namespace's, and the store's as a
         whole only to the operator (every namespace)."""
         scope = principal.namespace
-        models = await self.index.stats(namespace=scope)
+        models = within_budget(await self.index.stats(namespace=scope),
+                               self.settings.metrics_models_per_namespace,
+                               self.settings.metrics_models)
         entries, entry_bytes = await self.index.usage(scope)
         store = None
         if scope is None:

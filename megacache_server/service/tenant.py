@@ -103,7 +103,8 @@ class Parts:
         entries = Entries(storage.index, blobs, quotas)
         quarantine = Quarantine(settings, storage, blobs, entries, quotas)
         progress = Progress(storage.index, quotas, Beats(
-            storage.index, settings.progress_flush_s, settings.progress_buffer_entries))
+            storage.index, settings.progress_flush_s, settings.progress_buffer_entries,
+            settings.progress_namespace_attempts))
         return cls(settings, blobs, entries, Jobs(storage.index, entries, quotas), quarantine,
                    Events(settings, storage, quotas, quarantine, progress), progress)
 

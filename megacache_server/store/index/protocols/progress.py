@@ -15,16 +15,21 @@ class ProgressStore(ABC):
     namespaces is two jobs."""
 
     async def add_progress(self, namespace: str, job: str, attempt: int, model: str | None,
-                           records: list[ProgressRecord], now: float) -> None:
+                           records: list[ProgressRecord], now: float, *,
+                           namespace_attempts: int | None = None) -> None:
         """Fold `records` into the attempt's summary, atomically across processes (two
         batches of one attempt at once lose neither). A job keeps its newest
         `progress.MAX_ATTEMPTS` attempts, a namespace the `progress.MAX_JOBS` jobs that
-        reported last: whatever a caller sends, what is kept stays bounded."""
+        reported last, and at most `namespace_attempts` attempts (the namespace's progress
+        budget, `MEGACACHE_PROGRESS_NAMESPACE_ATTEMPTS`): past it, its longest-silent jobs go
+        whole. Whatever a caller sends, what is kept stays bounded."""
         await self.add_progress_many([Fold(namespace, job, attempt, model, records, now,
-                                           len(records))])
+                                           len(records))],
+                                     namespace_attempts=namespace_attempts)
 
     @abstractmethod
-    async def add_progress_many(self, folds: list[Fold]) -> None:
+    async def add_progress_many(self, folds: list[Fold], *,
+                                namespace_attempts: int | None = None) -> None:
         """`add_progress` for each of `folds` (other attempts, other jobs, other namespaces)
         in one transaction or pipeline: what a server's coalesced heartbeats are written
         with (`service.beats`)."""

@@ -56,6 +56,11 @@
                                 progress.AttemptProgress; at most progress.MAX_ATTEMPTS)
   progress_jobs:{ns}     zset   job id -> last progress batch (at most progress.MAX_JOBS)
   progress_ns            set    namespaces that reported progress
+  progress_attempts      hash   namespace -> attempts its progress:{ns}:* hashes hold (the
+                                progress budget's count; a replica racing a fold may skew it
+                                by the attempts of one job)
+  progress_counted       set    namespaces whose progress_attempts count is whole (counted
+                                from their hashes once: older servers kept no count)
   rate:{bucket}          hash   a token bucket: tokens, at (expires once it would be full)
   heartbeat              float  the last write readiness made
 
@@ -207,6 +212,12 @@ class Keys:
 
     def progress_namespaces(self) -> str:
         return self._name("progress_ns")
+
+    def progress_attempts(self) -> str:
+        return self._name("progress_attempts")
+
+    def progress_counted(self) -> str:
+        return self._name("progress_counted")
 
     def rate(self, bucket: str) -> str:
         return self._name("rate", bucket)

@@ -18,7 +18,8 @@ WATCH_TRIES = 3
 
 
 class RedisProgress(RedisConnection, ProgressStore):
-    async def add_progress_many(self, folds: list[progress.Fold]) -> None:
+    async def add_progress_many(self, folds: list[progress.Fold], *,
+                                namespace_attempts: int | None = None) -> None:
         """Every fold's summary read in one round trip, folded, and written in one MULTI
         under WATCH of every job's hash (a replica writing one of them meanwhile: again;
         after WATCH_TRIES such races, one fold at a time, so a large flush racing busy
@@ -42,10 +43,12 @@ class RedisProgress(RedisConnection, ProgressStore):
         done = await self._do(op)
         if done is None:
             for fold in folds:
-                await self.add_progress_many([fold])
+                await self.add_progress_many([fold], namespace_attempts=namespace_attempts)
             return
         for namespace in sorted(done):
             await self._cap_jobs(namespace)
+            if namespace_attempts is not None:
+                await self._cap_attempts(namespace, namespace_attempts)
 
     async def _fold_all(self, pipe: Any, folds: list[progress.Fold], keys: list[str]) -> set[str]:
         """Queue the folds' writes on `pipe` (watching); the namespaces given a new attempt."""
@@ -56,6 +59,8 @@ class RedisProgress(RedisConnection, ProgressStore):
             got = await read.execute()
         summaries: dict[tuple[str, int], progress.AttemptProgress | None] = {}
         fields: dict[str, list[int]] = {}
+        owner = {key: f.namespace for key, f in zip(keys, folds, strict=True)}
+        added: dict[str, int] = {}
         new: set[str] = set()
         for i, (key, f) in enumerate(zip(keys, folds, strict=True)):
             raw, attempts = got[2 * i], fields.setdefault(key, [int(a) for a in got[2 * i + 1]])
@@ -66,6 +71,7 @@ class RedisProgress(RedisConnection, ProgressStore):
                     continue  # the job keeps its newest progress.MAX_ATTEMPTS attempts
                 attempts.append(f.attempt)
                 new.add(f.namespace)
+                added[f.namespace] = added.get(f.namespace, 0) + 1
             summaries[(key, f.attempt)] = progress.merge(state, f.attempt, f.model, f.records,
                                                          f.now, f.count)
         pipe.multi()
@@ -76,6 +82,10 @@ class RedisProgress(RedisConnection, ProgressStore):
             drop = sorted(set(attempts))[:-progress.MAX_ATTEMPTS]
             if drop:
                 pipe.hdel(key, *drop)
+                added[owner[key]] = added.get(owner[key], 0) - len(drop)
+        for namespace, n in added.items():
+            if n:
+                pipe.hincrby(self.keys.progress_attempts(), namespace, n)
         for f in folds:
             pipe.zadd(self.keys.progress_jobs(f.namespace), {f.job: f.now})
             pipe.sadd(self.keys.progress_namespaces(), f.namespace)
@@ -90,14 +100,57 @@ class RedisProgress(RedisConnection, ProgressStore):
             await self._forget(namespace, [text(j) or "" for j in
                                            await self.r.zrange(jobs, 0, excess - 1)])
 
-    async def _forget(self, namespace: str, jobs: list[str]) -> None:
-        if not jobs:
+    async def _cap_attempts(self, namespace: str, budget: int) -> None:
+        """Past `budget` attempts kept (the namespace's count in `progress_attempts`), its
+        longest-silent jobs go whole, as few as make up the excess (each holds at least one
+        attempt, so they are among the `excess` longest silent)."""
+        if not await self.r.sismember(self.keys.progress_counted(), namespace):
+            await self._recount(namespace)
+        held = await self.r.hget(self.keys.progress_attempts(), namespace)
+        excess = int(held or 0) - budget
+        if excess <= 0:
             return
+        oldest = [text(j) or "" for j in
+                  await self.r.zrange(self.keys.progress_jobs(namespace), 0, excess - 1)]
+        async with self.r.pipeline(transaction=False) as pipe:
+            for job in oldest:
+                pipe.hlen(self.keys.progress(namespace, job))
+            sizes = await pipe.execute()
+        gone: list[str] = []
+        for job, size in zip(oldest, sizes, strict=True):
+            if excess <= 0:
+                break
+            gone.append(job)
+            excess -= int(size)
+        await self._forget(namespace, gone)
+
+    async def _recount(self, namespace: str) -> None:
+        """Count the namespace's attempts from its hashes, once: progress written by a server
+        from before the budget was never counted (at most progress.MAX_JOBS HLENs)."""
+        jobs = [text(j) or "" for j in
+                await self.r.zrange(self.keys.progress_jobs(namespace), 0, -1)]
         async with self.r.pipeline(transaction=False) as pipe:
             for job in jobs:
+                pipe.hlen(self.keys.progress(namespace, job))
+            sizes = await pipe.execute() if jobs else []
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.progress_attempts(), namespace, sum(int(n) for n in sizes))
+            pipe.sadd(self.keys.progress_counted(), namespace)
+            await pipe.execute()
+
+    async def _forget(self, namespace: str, jobs: list[str]) -> None:
+        """Drop `jobs` whole, and their attempts from the namespace's count."""
+        if not jobs:
+            return
+        async with self.r.pipeline(transaction=True) as pipe:
+            for job in jobs:
+                pipe.hlen(self.keys.progress(namespace, job))
                 pipe.delete(self.keys.progress(namespace, job))
             pipe.zrem(self.keys.progress_jobs(namespace), *jobs)
-            await pipe.execute()
+            done = await pipe.execute()
+        gone = sum(int(n) for n in done[0:2 * len(jobs):2])
+        if gone:
+            await self.r.hincrby(self.keys.progress_attempts(), namespace, -gone)
 
     async def job_progress(self, namespace: str, job: str) -> progress.JobProgress | None:
         async def op() -> progress.JobProgress | None:

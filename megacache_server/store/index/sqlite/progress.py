@@ -28,11 +28,12 @@ from megacache_server.store.index.sqlite.connection import (
 
 
 class SqliteProgress(SqliteConnection, ProgressStore):
-    async def add_progress_many(self, folds: list[Fold]) -> None:
+    async def add_progress_many(self, folds: list[Fold], *,
+                                namespace_attempts: int | None = None) -> None:
         def op(c: sqlite3.Connection) -> None:
             with unsynced(c), transaction(c, immediate=True):
                 for fold in folds:
-                    _fold(c, fold)
+                    _fold(c, fold, namespace_attempts)
 
         if folds:
             await self._run(op)
@@ -80,7 +81,7 @@ class SqliteProgress(SqliteConnection, ProgressStore):
         return await self._run(op)
 
 
-def _fold(c: sqlite3.Connection, f: Fold) -> None:
+def _fold(c: sqlite3.Connection, f: Fold, budget: int | None) -> None:
     namespace, job, attempt = f.namespace, f.job, f.attempt
     row = c.execute("SELECT summary FROM progress WHERE namespace=? AND job=? AND attempt=?",
                     (namespace, job, attempt)).fetchone()
@@ -99,6 +100,8 @@ def _fold(c: sqlite3.Connection, f: Fold) -> None:
                   "job=? ORDER BY attempt DESC LIMIT ?)",
                   (namespace, job, namespace, job, MAX_ATTEMPTS))
         _cap_jobs(c, namespace)
+        if budget is not None:
+            _cap_attempts(c, namespace, budget)
 
 
 def _too_old(c: sqlite3.Connection, namespace: str, job: str, attempt: int) -> bool:
@@ -119,6 +122,24 @@ def _cap_jobs(c: sqlite3.Connection, namespace: str) -> None:
     for (job,) in gone:
         c.execute("DELETE FROM progress WHERE namespace=? AND job=?", (namespace, job))
         c.execute("DELETE FROM progress_jobs WHERE namespace=? AND job=?", (namespace, job))
+
+
+def _cap_attempts(c: sqlite3.Connection, namespace: str, budget: int) -> None:
+    """Past `budget` attempts kept, the namespace's longest-silent jobs go whole (each
+    holds at least one attempt, so the `excess` longest silent are all it may take)."""
+    excess = c.execute("SELECT COUNT(*) FROM progress WHERE namespace=?",
+                       (namespace,)).fetchone()[0] - budget
+    if excess <= 0:
+        return
+    oldest = c.execute("SELECT j.job, (SELECT COUNT(*) FROM progress p WHERE p.namespace="
+                       "j.namespace AND p.job=j.job) FROM progress_jobs j WHERE j.namespace=? "
+                       "ORDER BY j.last_seen, j.job LIMIT ?", (namespace, excess)).fetchall()
+    for job, held in oldest:
+        c.execute("DELETE FROM progress WHERE namespace=? AND job=?", (namespace, job))
+        c.execute("DELETE FROM progress_jobs WHERE namespace=? AND job=?", (namespace, job))
+        excess -= held
+        if excess <= 0:
+            return
 
 
 def _job(c: sqlite3.Connection, namespace: str, job: str, seen: float) -> JobProgress:
