@@ -76,12 +76,14 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return made
 
 
-def push(server: ServerProcess, bundle: Path, tmp_path: Path, model: str = MODEL) -> None:
+def push(server: ServerProcess, bundle: Path, tmp_path: Path, model: str = MODEL) -> str:
+    """`megacache push`; the key it wrote (a trainer's: precompiled Dynamo on)."""
     out = subprocess.run([str(Path(sys.executable).with_name("megacache")), "push", str(bundle),
                           "--model", model, "--code", CODE, "--url", server.url],
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, "MEGACACHE_NODE_CACHE_DIR": str(tmp_path / "push")})
     assert out.returncode == 0, out.stderr
+    return out.stdout.split("pushed ", 1)[1].split()[0]
 
 
 def rank(server: ServerProcess, tmp_path: Path, name: str, **job: str) -> dict:
@@ -326,11 +328,14 @@ def test_a_skipped_publisher_adds_what_the_claimants_entry_lacks(server, bundles
     """B compiled other graphs than the claimant: it skips the upload, waits for the
     claimant's entry, then adds its graphs to it (uploading only its merged bundle); a
     publisher whose graphs the entry already has adds nothing."""
+    import torch
+
     from megacache_client.steps.fingerprint import compute
     from megacache_client.torch import env as torch_env
 
     model = "fleet-follow"
-    fp = compute(model=model, code=CODE)
+    with torch._dynamo.config.patch(caching_precompile=True):  # keyed as a trainer's
+        fp = compute(model=model, code=CODE)
     key = fp.key()
     claim = httpx.post(f"{server.url}/v1/ac/{key}/claim",
                        json={"holder": "test-claimant", "lease_s": 120})
@@ -350,7 +355,7 @@ def test_a_skipped_publisher_adds_what_the_claimants_entry_lacks(server, bundles
     # waits. Two refusals of the claim on the server's counter show it, within a deadline.
     until("B to find the claim held twice", lambda: held_claims(server) >= refused + 2)
     assert b.is_alive() and not results
-    push(server, bundles[0], tmp_path, model=model)  # the claimant writes its entry
+    assert push(server, bundles[0], tmp_path, model=model) == key  # the claimant's entry
     b.join(timeout=120)
     assert not b.is_alive()
     added = results[0]
