@@ -54,9 +54,11 @@ MISS = "0" * 64
 
 
 @contextmanager
-def server_on(backend: str, root: Path, flush_s: str = "") -> Iterator[LocalServer]:
+def server_on(backend: str, root: Path, flush_s: str = "",
+              extra_env: dict[str, str] | None = None) -> Iterator[LocalServer]:
     with ExitStack() as stack:
         env: dict[str, str] = {"MEGACACHE_PROGRESS_FLUSH_S": flush_s} if flush_s else {}
+        env |= extra_env or {}
         if backend == "redis+s3":
             redis = LocalRedis(root / "redis").start()
             stack.callback(redis.stop)
