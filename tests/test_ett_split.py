@@ -259,3 +259,53 @@ def test_data_wait_is_taken_from_training_up_to_the_heartbeat_that_said_it() -> 
     # training's share, 40 x 6/58 s, is data wait; the lost training's stays lost
     approx(got.seconds, startup=10, training=40 - 240 / 58 + 10, data_wait=240 / 58,
            checkpoint_save=2, lost_progress=18, recovery=20)
+
+
+def test_a_job_split_from_its_kept_prefix_equals_one_painting_of_every_attempt() -> None:
+    """`ett.split` (the attempts before the last split once, `ett.prefix`, and kept; the
+    last split alone, `ett.join`: what a reader does while a job heartbeats) gives exactly
+    what one painting of every attempt gives, for restarts that follow their failures;
+    one that reaches back into its predecessors' time is painted from where they ended,
+    and the wall time still adds up."""
+    rng = random.Random(47)
+    kinds = ("training", "heartbeat", "checkpoint_save", "checkpoint_load", "end")
+    followed = 0
+    for _ in range(400):
+        attempts, at = [], 0.0
+        for _ in range(rng.randint(2, 6)):
+            at += rng.choice([5.0, 60.0, -30.0 if rng.random() < 0.2 else 10.0])
+            records = [rec("start", at, **({"allocation_start": T0 + at - 50}
+                                           if not attempts else {}))]
+            for _ in range(rng.randint(1, 8)):
+                at += rng.uniform(0, 40)
+                kind = rng.choice(kinds)
+                fields: dict[str, object] = {}
+                if kind in ("heartbeat", "checkpoint_save"):
+                    fields["step"] = rng.randint(0, 1000)
+                if kind in ("checkpoint_save", "checkpoint_load"):
+                    fields["blocking_s"] = rng.choice([0.0, 2.0, 30.0])
+                    fields["background_s"] = rng.choice([None, 5.0])
+                if kind == "heartbeat" and rng.random() < 0.3:
+                    fields["data_wait_s"] = rng.uniform(0, 20)
+                if kind == "end":
+                    fields["reason"] = rng.choice(["finished", "failed"])
+                records.append(rec(kind, at, **fields))
+            attempts.append(records)
+        whole = job(*attempts)
+        compile_s = {n: rng.choice([0.0, 7.0]) for n in range(len(attempts))}
+        now = T0 + at + rng.choice([1.0, 10**4])
+        got = ett.split(whole, compile_s=compile_s, now=now)
+        row = got.row()
+        assert sum(got.seconds.values()) == pytest.approx(row["end"] - row["start"])
+        assert all(v >= -1e-9 for v in got.seconds.values())
+        ends = [a.last_at for a in whole.attempts[:-1]]
+        if whole.attempts[-1].first_at < max(ends) or ends[-1] < max(ends):
+            continue  # reaches back: not the one painting's answer, by design
+        followed += 1
+        once = ett._run(list(whole.attempts), compile_s, now, last_failed=None)
+        want = ett.JobSplit("ns", "j", "llm", T0, once.splits, once.segments)
+        assert row == want.row()
+        assert len(got.segments) == len(want.segments)
+        for (s1, e1, c1), (s2, e2, c2) in zip(got.segments, want.segments, strict=True):
+            assert c1 == c2 and s1 == pytest.approx(s2) and e1 == pytest.approx(e2)
+    assert 100 < followed < 400  # both kinds of restart were drawn

@@ -25,13 +25,20 @@ So the categories sum to the wall time, none is negative, and ETT% = training / 
 never pass 100: a trainer that lies about its times can only move its own job's seconds
 between categories, within the span its records cover. An attempt failed when a later one
 exists or it ended with reason `failed`; a live attempt has not failed.
+
+The last attempt is painted from where the attempts before it ended: a restart that
+reports times inside its predecessors' span (a skewed clock, a late record) cannot repaint
+seconds they already account for. So the split of the attempts before the last
+(`prefix`) does not change while the last one heartbeats, and a reader that keeps it
+splits a job in the work of one attempt (`join`), whatever its history.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from megacache_server.store.index.progress import AttemptProgress, JobProgress
 
@@ -144,20 +151,78 @@ def report_figures(seconds: dict[str, float], time_to_start_s: float | None,
 
 def split(job: JobProgress, *, compile_s: dict[int, float] | None = None,
           now: float | None = None) -> JobSplit:
-    """The job's wall time, split per attempt (see the module's rules)."""
-    attempts = list(job.attempts)
-    out = JobSplit(job.namespace, job.job, job.model, job.last_seen, [])
+    """The job's wall time, split per attempt (see the module's rules): the attempts but
+    the last (`prefix`), then the last from where they ended (`join`)."""
+    attempts, compile_s = list(job.attempts), compile_s or {}
     if not attempts:
-        return out
-    compile_s = compile_s or {}
-    spans = [_span(a, first=i == 0) for i, a in enumerate(attempts)]
-    wall = (spans[0][0], max(hi for _, hi in spans))
+        return JobSplit(job.namespace, job.job, job.model, job.last_seen, [])
+    return join(job, prefix(attempts[:-1], compile_s), attempts[-1], compile_s, now)
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """The split of a job's attempts but its last, every one failed (a later one exists):
+    what stays the same while only the last attempt reports, so a reader that keeps it
+    splits a heartbeating job in the work of one attempt (`join`), not of its history."""
+
+    end: float | None
+    """Where the last of them ended (None: no attempts)."""
+    segments: list[Segment]
+    splits: list[AttemptSplit]
+    model: str | None
+
+
+def prefix(attempts: list[AttemptProgress], compile_s: dict[int, float]) -> Prefix:
+    """`Prefix` of `attempts` (a job's attempts but its last, oldest first)."""
+    run = _run(attempts, compile_s, None, last_failed=True)
+    return Prefix(max((hi for _, hi in run.spans), default=None), run.segments, run.splits,
+                  next((a.model for a in reversed(attempts) if a.model), None))
+
+
+def join(job: JobProgress, before: Prefix, last: AttemptProgress,
+         compile_s: dict[int, float], now: float | None) -> JobSplit:
+    """`split` of a job whose attempts are `before`'s and then `last`: `last` painted from
+    `before.end` on (its recovery starts there; anything it reported earlier, the attempts
+    before it already account for), its segments after theirs."""
+    tail = _run([last], compile_s, now, last_failed=None, first=len(before.splits),
+                after=before.end)
+    segments = list(before.segments)
+    head = tail.segments[:1]
+    if segments and head and segments[-1][2] == head[0][2] and segments[-1][1] == head[0][0]:
+        segments[-1] = (segments[-1][0], head[0][1], head[0][2])  # as one painting merges
+        segments += tail.segments[1:]
+    else:
+        segments += tail.segments
+    return JobSplit(job.namespace, job.job, last.model or before.model, job.last_seen,
+                    [*before.splits, *tail.splits], segments)
+
+
+class _Run(NamedTuple):
+    splits: list[AttemptSplit]
+    segments: list[Segment]
+    spans: list[tuple[float, float]]
+
+
+def _run(attempts: list[AttemptProgress], compile_s: dict[int, float], now: float | None,
+         *, last_failed: bool | None, first: int = 0, after: float | None = None) -> _Run:
+    """Split consecutive attempts of one job, painted in one pass: `first` is the first
+    one's place in the job, `after` (for first > 0) the end of everything before it (its
+    recovery starts there, nothing of it is painted before); `last_failed` True when a
+    later attempt exists, None when the last one is the job's last (failed only by its
+    own end reason)."""
+    if not attempts:
+        return _Run([], [], [])
+    spans = [_span(a, first=first + i == 0) for i, a in enumerate(attempts)]
+    prev_end = [after, *(hi for _, hi in spans[:-1])]
+    lo = after if after is not None else spans[0][0]
+    wall = (lo, max(lo, *(hi for _, hi in spans)))
+    failed = [i < len(attempts) - 1 or bool(last_failed) or a.end_reason == "failed"
+              for i, a in enumerate(attempts)]
     intervals: list[Segment] = []
     reclassify: list[tuple[float, float, float, str]] = []
     for i, (a, (lo, hi)) in enumerate(zip(attempts, spans, strict=True)):
-        failed = i < len(attempts) - 1 or a.end_reason == "failed"
-        intervals += _intervals(a, lo, hi, failed, compile_s.get(a.attempt, 0.0),
-                                recover_from=spans[i - 1][1] if i else None)
+        intervals += _intervals(a, lo, hi, failed[i], compile_s.get(a.attempt, 0.0),
+                                recover_from=prev_end[i])
         dropped = a.saves_blocking_s - sum(s.blocking_s for s in a.saves)
         if dropped > 0 and a.saves:  # saves older than the kept ones: their sum only
             reclassify.append((a.training_at or lo, a.saves[0].at, dropped,
@@ -168,12 +233,14 @@ def split(job: JobProgress, *, compile_s: dict[int, float] | None = None,
     segments = _paint(intervals, *wall)
     for start, end, seconds, category in reclassify:
         segments = _convert(segments, start, end, seconds, category)
-    out.segments = segments
+    starts = [s for s, _, _ in segments]
     edges = [wall[0], *_cummax([hi for _, hi in spans[:-1]]), wall[1]]
+    splits = []
     for i, a in enumerate(attempts):
         zone = (max(edges[i], wall[0]), max(edges[i + 1], edges[i]))
-        out.attempts.append(_attempt(a, i, zone, spans, segments, attempts, now))
-    return out
+        splits.append(_attempt(a, first + i, zone, spans[i], prev_end[i], failed[i],
+                               _clip_sorted(segments, starts, *zone), now))
+    return _Run(splits, segments, spans)
 
 
 def _span(a: AttemptProgress, *, first: bool) -> tuple[float, float]:
@@ -273,10 +340,9 @@ def _cummax(values: list[float]) -> list[float]:
 
 
 def _attempt(a: AttemptProgress, i: int, zone: tuple[float, float],
-             spans: list[tuple[float, float]], segments: list[Segment],
-             attempts: list[AttemptProgress], now: float | None) -> AttemptSplit:
-    lo, hi = spans[i]
-    failed = i < len(attempts) - 1 or a.end_reason == "failed"
+             span: tuple[float, float], prev_end: float | None, failed: bool,
+             seconds: dict[str, float], now: float | None) -> AttemptSplit:
+    lo, hi = span
     train = _clamp(a.training_at, lo, hi)
     live = (not failed and a.end_at is None and now is not None
             and now - a.received_at <= LIVE_S)
@@ -284,13 +350,23 @@ def _attempt(a: AttemptProgress, i: int, zone: tuple[float, float],
     interval = ((saves[-1].at - a.first_save_at, a.saves_n - 1)
                 if a.saves_n > 1 and saves and a.first_save_at is not None else None)
     return AttemptSplit(
-        attempt=a.attempt, start=zone[0], end=zone[1], seconds=clip(segments, *zone),
+        attempt=a.attempt, start=zone[0], end=zone[1], seconds=seconds,
         failed=failed, live=live, ended=a.end_reason,
         time_to_start_s=train - lo if i == 0 and train is not None else None,
-        time_to_recover_s=(max(0.0, train - spans[i - 1][1])
-                           if i and train is not None else None),
+        time_to_recover_s=(max(0.0, train - prev_end)
+                           if prev_end is not None and train is not None else None),
         saves=a.saves_n, loads=a.loads_n, save_interval=interval,
         save_buckets=a.save_buckets, saves_blocking_s=a.saves_blocking_s)
+
+
+def _clip_sorted(segments: list[Segment], starts: list[float], lo: float,
+                 hi: float) -> dict[str, float]:
+    """`clip` of painted segments (in order, not overlapping; `starts` their starts): only
+    those that can reach [lo, hi] are looked at, so an attempt's zone costs its own
+    segments, not the job's."""
+    first = max(0, bisect.bisect_right(starts, lo) - 1)
+    last = bisect.bisect_left(starts, hi)
+    return clip(segments[first:last], lo, hi)
 
 
 def clip(segments: list[Segment], lo: float, hi: float) -> dict[str, float]:

@@ -15,8 +15,6 @@ import re
 import time
 from typing import Any
 
-from anyio import to_thread
-
 from megacache_client.wire.events import JOB_ID_PATTERN
 from megacache_client.wire.progress import MAX_AGE_S, MAX_SKEW_S, ProgressBatch
 from megacache_client.wire.schema import SchemaError, parse_json
@@ -25,16 +23,11 @@ from megacache_server.service import ett, ett_report
 from megacache_server.service.auth import Principal
 from megacache_server.service.beats import Beats
 from megacache_server.service.quotas import Quotas
+from megacache_server.service.split_cache import SplitCache
 from megacache_server.store.index.base import Index, JobView
-from megacache_server.store.index.progress import JobProgress
 
 MAX_ETT_JOBS = 1000
 """Jobs an ETT report over a window reads (those that reported last)."""
-MAX_CACHED = 20_000
-"""Job splits this process remembers (the oldest remembered go first)."""
-LIVE_CACHE_S = 15.0
-MAX_DECODED = 4 * MAX_ETT_JOBS
-"""Jobs' summaries this process remembers between reports (`_recent`)."""
 
 
 class Progress:
@@ -45,9 +38,8 @@ class Progress:
         self.quotas = quotas
         self.beats = beats or Beats(index, 0, 1)
         """Heartbeat-only batches go through it (`service.beats`)."""
-        self._cache: dict[tuple[str, str], tuple[Any, float, ett.JobSplit]] = {}
-        self._jobs: dict[tuple[str, str], JobProgress] = {}
-        """Jobs' summaries as last read (`_recent`), the least recently read first."""
+        self.cache = SplitCache(index)
+        """Jobs' splits as last read, for the views over many jobs."""
 
     async def add_progress(self, principal: Principal, job: str, body: bytes) -> int:
         """Record a batch for `job` in the caller's namespace; how many records it held."""
@@ -100,48 +92,19 @@ class Progress:
                      limit: int = MAX_ETT_JOBS,
                      views: list[JobView] | None = None) -> list[ett.JobSplit]:
         """The splits of the caller's jobs that reported since `since`, the latest first;
-        compile seconds from `views` (the events' job attempts) where given."""
+        compile seconds from `views` (the events' job attempts) where given. Read through
+        `SplitCache`: a refresh costs the attempts that changed since the last one, and a
+        namespace's reads go one at a time."""
         scope = principal.namespace
         await self.beats.flush()  # what this process was sent; other processes' within a flush
-        found = await self._recent(scope, since, limit)
-        if views is None:
-            views = await self.index.recent_jobs(namespace=scope, limit=min(limit, 500))
-        by_job = {(v.namespace, v.job_id): v for v in views}
-        now = time.time()
-        # off the event loop: a thousand jobs are a few hundred ms of Python
-        return await to_thread.run_sync(lambda: [
-            self._split(j, _compile_s(by_job.get((j.namespace, j.job))), now) for j in found])
-
-    async def _recent(self, scope: str | None, since: float, limit: int) -> list[JobProgress]:
-        """`index.recent_progress`, reading and decoding only the summaries of jobs that
-        reported since this process last read them (the rest are remembered by last_seen):
-        with a fleet heartbeating every 30 s, a dashboard refreshed every few seconds reads
-        a tenth of them, not all."""
-        stamps = await self.index.recent_progress_stamps(namespace=scope, since=since,
-                                                         limit=limit)
-        stale = [t for t in stamps if (hit := self._jobs.get((t[0], t[1]))) is None
-                 or hit.last_seen != t[2]]
-        for job in await self.index.jobs_progress(stale):
-            self._jobs.pop((job.namespace, job.job), None)
-            self._jobs[(job.namespace, job.job)] = job
-        while len(self._jobs) > MAX_DECODED:
-            self._jobs.pop(next(iter(self._jobs)), None)
-        return [kept for ns, name, seen in stamps
-                if (kept := self._jobs.get((ns, name))) is not None and kept.last_seen == seen]
-
-    def _split(self, job: JobProgress, compile_s: dict[int, float], now: float) -> ett.JobSplit:
-        """`ett.split`, remembered until the job reports again (or its compile seconds
-        change); a live job's for LIVE_CACHE_S only (it stops being live by the clock)."""
-        key, stamp = (job.namespace, job.job), (job.last_seen, sorted(compile_s.items()))
-        hit = self._cache.get(key)
-        if hit is not None and hit[0] == stamp and (
-                not hit[2].live or now - hit[1] < LIVE_CACHE_S):
-            return hit[2]
-        done = ett.split(job, compile_s=compile_s, now=now)
-        self._cache[key] = (stamp, now, done)
-        while len(self._cache) > MAX_CACHED:
-            self._cache.pop(next(iter(self._cache)), None)
-        return done
+        async with self.cache.lane(scope):
+            stamps = await self.index.recent_progress_stamps(namespace=scope, since=since,
+                                                             limit=limit)
+            if views is None:
+                views = await self.index.recent_jobs(namespace=scope, limit=min(limit, 500))
+            by_job = {(v.namespace, v.job_id): v for v in views}
+            return await self.cache.splits(
+                stamps, lambda ns, job: _compile_s(by_job.get((ns, job))))
 
     async def report(self, principal: Principal, *, since: float | None) -> dict[str, Any]:
         """ETT of the caller's jobs within [since, now] (since None: as far as kept)."""

@@ -5,7 +5,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from megacache_client.wire.progress import ProgressRecord
-from megacache_server.store.index.progress import Fold, JobProgress
+from megacache_server.store.index.progress import AttemptProgress, Fold, JobProgress
+
+AttemptKey = tuple[str, str, int]
+"""(namespace, job, attempt)."""
 
 
 class ProgressStore(ABC):
@@ -56,6 +59,20 @@ class ProgressStore(ABC):
     async def jobs_progress(self, jobs: list[tuple[str, str, float]]) -> list[JobProgress]:
         """The jobs' attempts (given as (namespace, job, last_seen)), in the order given;
         a job with no attempts left is left out."""
+
+    @abstractmethod
+    async def attempt_stamps(self, jobs: list[tuple[str, str]]
+                             ) -> dict[tuple[str, str], list[tuple[int, float | None]]]:
+        """Each job's attempts (given as (namespace, job)) as (attempt, stamp), oldest first,
+        without their summaries: the stamp is the server time of the attempt's last write
+        and changes with every write of it (None: not known, so read it again). A reader
+        that kept what it made of an attempt under the same stamp need not read it again:
+        while a job heartbeats, only its last attempt changes."""
+
+    @abstractmethod
+    async def attempts_progress(self, wanted: list[AttemptKey]
+                                ) -> dict[AttemptKey, AttemptProgress]:
+        """The summaries of the `wanted` attempts (those still kept)."""
 
     @abstractmethod
     async def prune_progress(self, before: float) -> int:

@@ -54,6 +54,8 @@
                                 counted against MEGACACHE_NAMESPACE_JOB_RECORDS (expires)
   progress:{ns}:{job}    hash   attempt -> the attempt's progress summary (JSON,
                                 progress.AttemptProgress; at most progress.MAX_ATTEMPTS)
+  progress_at:{ns}:{job} hash   attempt -> server time of its summary's last write (a
+                                reader's stamp: a job's unchanged attempts are not read again)
   progress_jobs:{ns}     zset   job id -> last progress batch (at most progress.MAX_JOBS)
   progress_ns            set    namespaces that reported progress
   progress_attempts      hash   namespace -> attempts its progress:{ns}:* hashes hold (the
@@ -206,6 +208,9 @@ class Keys:
 
     def progress(self, namespace: str, job: str) -> str:
         return self._name("progress", namespace, job)
+
+    def progress_at(self, namespace: str, job: str) -> str:
+        return self._name("progress_at", namespace, job)
 
     def progress_jobs(self, namespace: str) -> str:
         return self._name("progress_jobs", namespace)

@@ -74,14 +74,18 @@ class RedisProgress(RedisConnection, ProgressStore):
                 added[f.namespace] = added.get(f.namespace, 0) + 1
             summaries[(key, f.attempt)] = progress.merge(state, f.attempt, f.model, f.records,
                                                          f.now, f.count)
+        stamps = {key: self.keys.progress_at(f.namespace, f.job)
+                  for key, f in zip(keys, folds, strict=True)}
         pipe.multi()
         for (key, attempt), summary in summaries.items():
             if summary is not None:
                 pipe.hset(key, attempt, summary.to_json())
+                pipe.hset(stamps[key], attempt, repr(summary.received_at))
         for key, attempts in fields.items():
             drop = sorted(set(attempts))[:-progress.MAX_ATTEMPTS]
             if drop:
                 pipe.hdel(key, *drop)
+                pipe.hdel(stamps[key], *drop)
                 added[owner[key]] = added.get(owner[key], 0) - len(drop)
         for namespace, n in added.items():
             if n:
@@ -145,7 +149,8 @@ class RedisProgress(RedisConnection, ProgressStore):
         async with self.r.pipeline(transaction=True) as pipe:
             for job in jobs:
                 pipe.hlen(self.keys.progress(namespace, job))
-                pipe.delete(self.keys.progress(namespace, job))
+                pipe.delete(self.keys.progress(namespace, job), self.keys.progress_at(namespace,
+                                                                                     job))
             pipe.zrem(self.keys.progress_jobs(namespace), *jobs)
             done = await pipe.execute()
         gone = sum(int(n) for n in done[0:2 * len(jobs):2])
@@ -189,6 +194,38 @@ class RedisProgress(RedisConnection, ProgressStore):
                 for (ns, job, seen), raw in zip(jobs, hashes, strict=True) if raw])
 
         return await self._do(op) if jobs else []
+
+    async def attempt_stamps(self, jobs: list[tuple[str, str]]
+                             ) -> dict[tuple[str, str], list[tuple[int, float | None]]]:
+        """Attempts from the summaries' hash, stamps from `progress_at` (an attempt written
+        by a server from before the stamps has none: read again each time)."""
+        async def op() -> list[Any]:
+            async with self.r.pipeline(transaction=False) as pipe:
+                for ns, job in jobs:
+                    pipe.hkeys(self.keys.progress(ns, job))
+                    pipe.hgetall(self.keys.progress_at(ns, job))
+                return list(await pipe.execute())
+
+        got = await self._do(op) if jobs else []
+        found: dict[tuple[str, str], list[tuple[int, float | None]]] = {}
+        for i, key in enumerate(jobs):
+            attempts, at = got[2 * i], {int(k): float(v) for k, v in got[2 * i + 1].items()}
+            if attempts:
+                found[key] = [(a, at.get(a)) for a in sorted(int(a) for a in attempts)]
+        return found
+
+    async def attempts_progress(self, wanted: list[tuple[str, str, int]]
+                                ) -> dict[tuple[str, str, int], progress.AttemptProgress]:
+        async def op() -> list[Any]:
+            async with self.r.pipeline(transaction=False) as pipe:
+                for ns, job, attempt in wanted:
+                    pipe.hget(self.keys.progress(ns, job), attempt)
+                return list(await pipe.execute())
+
+        raw = await self._do(op) if wanted else []
+        return await to_thread.run_sync(lambda: {
+            key: progress.AttemptProgress.from_json(v)
+            for key, v in zip(wanted, raw, strict=True) if v is not None})
 
     async def prune_progress(self, before: float) -> int:
         async def op() -> int:

@@ -7,6 +7,7 @@ on a power cut, not an fsync per request."""
 from __future__ import annotations
 
 import sqlite3
+from typing import TypeVar
 
 from anyio import to_thread
 
@@ -25,6 +26,8 @@ from megacache_server.store.index.sqlite.connection import (
     transaction,
     unsynced,
 )
+
+T = TypeVar("T")
 
 
 class SqliteProgress(SqliteConnection, ProgressStore):
@@ -58,8 +61,7 @@ class SqliteProgress(SqliteConnection, ProgressStore):
     async def jobs_progress(self, jobs: list[tuple[str, str, float]]) -> list[JobProgress]:
         def op(c: sqlite3.Connection) -> list[tuple[str, str, str]]:
             out: list[tuple[str, str, str]] = []
-            for i in range(0, len(jobs), 400):
-                part = jobs[i:i + 400]
+            for part in _parts(jobs):
                 out += c.execute(
                     "SELECT namespace, job, summary FROM progress WHERE (namespace, job) IN "
                     f"(VALUES {','.join(['(?, ?)'] * len(part))}) ORDER BY attempt",
@@ -69,6 +71,39 @@ class SqliteProgress(SqliteConnection, ProgressStore):
         # one hold of the connection lock; the summaries are decoded after it, off the loop
         rows = await self._run(op) if jobs else []
         return await to_thread.run_sync(_decode, jobs, rows)  # ~70 µs an attempt
+
+    async def attempt_stamps(self, jobs: list[tuple[str, str]]
+                             ) -> dict[tuple[str, str], list[tuple[int, float | None]]]:
+        def op(c: sqlite3.Connection) -> list[tuple[str, str, int, float]]:
+            out: list[tuple[str, str, int, float]] = []
+            for part in _parts(jobs):
+                out += c.execute(
+                    "SELECT namespace, job, attempt, received_at FROM progress WHERE "
+                    f"(namespace, job) IN (VALUES {','.join(['(?, ?)'] * len(part))}) "
+                    "ORDER BY namespace, job, attempt", [v for key in part for v in key]
+                ).fetchall()
+            return out
+
+        found: dict[tuple[str, str], list[tuple[int, float | None]]] = {}
+        for ns, job, attempt, stamp in (await self._run(op) if jobs else []):
+            found.setdefault((ns, job), []).append((attempt, stamp))
+        return found
+
+    async def attempts_progress(self, wanted: list[tuple[str, str, int]]
+                                ) -> dict[tuple[str, str, int], AttemptProgress]:
+        def op(c: sqlite3.Connection) -> list[tuple[str, str, int, str]]:
+            out: list[tuple[str, str, int, str]] = []
+            for part in _parts(wanted, 300):
+                out += c.execute(
+                    "SELECT namespace, job, attempt, summary FROM progress WHERE (namespace, "
+                    f"job, attempt) IN (VALUES {','.join(['(?, ?, ?)'] * len(part))})",
+                    [v for key in part for v in key]).fetchall()
+            return out
+
+        rows = await self._run(op) if wanted else []
+        return await to_thread.run_sync(lambda: {
+            (ns, job, attempt): AttemptProgress.from_json(summary)
+            for ns, job, attempt, summary in rows})
 
     async def prune_progress(self, before: float) -> int:
         def op(c: sqlite3.Connection) -> int:
@@ -102,6 +137,11 @@ def _fold(c: sqlite3.Connection, f: Fold, budget: int | None) -> None:
         _cap_jobs(c, namespace)
         if budget is not None:
             _cap_attempts(c, namespace, budget)
+
+
+def _parts(keys: list[T], size: int = 400) -> list[list[T]]:
+    """`keys` in parts small enough for one statement's variables (SQLite's limit)."""
+    return [keys[i:i + size] for i in range(0, len(keys), size)]
 
 
 def _too_old(c: sqlite3.Connection, namespace: str, job: str, attempt: int) -> bool:

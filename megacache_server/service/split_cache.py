@@ -1,0 +1,155 @@
+"""Jobs' ETT splits for the views over many jobs (dashboard, stats, jobs, `/metrics`), at
+the cost of what changed since the last read, not of the jobs' history.
+
+A fleet heartbeats every few seconds, and every heartbeat moves its job's `last_seen`, so
+a reader that kept whole splits keyed by `last_seen` (as this server once did) re-read and
+re-split every attempt of nearly every job at each refresh: a tenant with 1,000 jobs of 64
+attempts made each dashboard 64,000 summaries to decode and split, and other tenants'
+lookups waited behind it. A heartbeat changes one attempt, its job's last; so this keeps,
+per job, the split of the attempts before the last (`ett.Prefix`, under their stamps:
+`index.attempt_stamps`) and the last attempt's summary, and on a read asks the index
+which attempts changed, reads only those, and joins (`ett.join`). A job whose older
+attempts changed (rare: a late record) is read whole, once.
+
+What is kept is bounded by attempts (`MAX_KEPT_ATTEMPTS`, the least recently read jobs go
+first), and reads of one namespace run one at a time (`lane`): a tenant reloading its
+dashboard from many tabs queues behind itself, not in front of everyone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from anyio import to_thread
+
+from megacache_server.service import ett
+from megacache_server.store.index.base import Index
+from megacache_server.store.index.progress import AttemptProgress, JobProgress
+
+MAX_KEPT_ATTEMPTS = 100_000
+"""Attempts whose splits this process keeps between reads (~1 KB each)."""
+LIVE_CACHE_S = 15.0
+"""A live job's split is reused this long (it stops being live by the clock, not by a
+write)."""
+
+Stamps = list[tuple[int, float | None]]
+
+
+@dataclass
+class _Kept:
+    last_seen: float
+    compile_key: tuple[tuple[int, float], ...]
+    stamps: Stamps
+    before: ett.Prefix
+    last: AttemptProgress
+    split: ett.JobSplit
+    split_at: float
+
+
+class SplitCache:
+    """The splits of a namespace's jobs, read incrementally (see the module)."""
+
+    def __init__(self, index: Index, max_attempts: int = MAX_KEPT_ATTEMPTS) -> None:
+        self.index = index
+        self.max_attempts = max_attempts
+        self._kept: OrderedDict[tuple[str, str], _Kept] = OrderedDict()
+        self.held = 0
+        self._lanes: dict[str | None, asyncio.Lock] = {}
+        self.read_attempts = 0
+        """Attempt summaries read from the index and decoded, in all (what a read costs)."""
+
+    def lane(self, scope: str | None) -> asyncio.Lock:
+        """One read at a time per namespace (None: the operator's, every namespace)."""
+        return self._lanes.setdefault(scope, asyncio.Lock())
+
+    async def splits(self, jobs: list[tuple[str, str, float]],
+                     compile_s: Callable[[str, str], dict[int, float]]) -> list[ett.JobSplit]:
+        """The splits of `jobs` ((namespace, job, last_seen), in the order given; a job
+        with no attempts left is left out), compile seconds per attempt by `compile_s`."""
+        now = time.time()
+        given = {(ns, job): (seen, compile_s(ns, job)) for ns, job, seen in jobs}
+        same = {key: kept for key, (seen, cs) in given.items()
+                if (kept := self._kept.get(key)) is not None and kept.last_seen == seen
+                and kept.compile_key == _key(cs)}
+        changed = [key for key in given if key not in same]
+        stamps = await self.index.attempt_stamps(changed) if changed else {}
+        plans = {key: self._plan(key, stamps[key], _key(given[key][1]))
+                 for key in changed if stamps.get(key)}
+        read = await self.index.attempts_progress(
+            [(*key, a) for key, (_, wanted) in plans.items() for a, _ in wanted])
+        self.read_attempts += len(read)
+
+        def build() -> list[ett.JobSplit]:
+            out = []
+            for key, (seen, cs) in given.items():
+                if key in same:
+                    done: ett.JobSplit | None = self._reuse(key, same[key], cs, now)
+                elif key in plans:
+                    done = self._rebuild(key, seen, cs, stamps[key], plans[key][0], read, now)
+                else:
+                    done = None  # no attempts left
+                if done is not None:
+                    out.append(done)
+            return out
+
+        return await to_thread.run_sync(build)
+
+    def _plan(self, key: tuple[str, str], found: Stamps,
+              ck: tuple[tuple[int, float], ...]) -> tuple[bool, Stamps]:
+        """Of a changed job's attempts, those to read, and whether the kept prefix serves
+        (the same attempts before the last, written at the same times, the same compile
+        seconds): then at most the last attempt is read."""
+        kept = self._kept.get(key)
+        if (kept is not None and kept.compile_key == ck and _same(kept.stamps[:-1], found[:-1])
+                and kept.last.attempt == found[-1][0]):
+            return True, [] if _same(kept.stamps[-1:], found[-1:]) else found[-1:]
+        return False, found
+
+    def _rebuild(self, key: tuple[str, str], seen: float, compile_s: dict[int, float],
+                 found: Stamps, from_kept: bool,
+                 read: dict[tuple[str, str, int], AttemptProgress],
+                 now: float) -> ett.JobSplit | None:
+        kept = self._kept.get(key)
+        if from_kept and kept is not None:
+            before, last = kept.before, read.get((*key, found[-1][0]), kept.last)
+        else:
+            attempts = [got for a, _ in found if (got := read.get((*key, a))) is not None]
+            if not attempts:
+                return None  # gone between the two reads
+            before, last = ett.prefix(attempts[:-1], compile_s), attempts[-1]
+        done = ett.join(JobProgress(*key, seen, ()), before, last, compile_s, now)
+        self._keep(key, _Kept(seen, _key(compile_s), found, before, last, done, now))
+        return done
+
+    def _reuse(self, key: tuple[str, str], kept: _Kept, compile_s: dict[int, float],
+               now: float) -> ett.JobSplit:
+        """An unchanged job's kept split (a live one joined again after LIVE_CACHE_S)."""
+        if kept.split.live and now - kept.split_at >= LIVE_CACHE_S:
+            kept.split = ett.join(JobProgress(*key, kept.last_seen, ()), kept.before,
+                                  kept.last, compile_s, now)
+            kept.split_at = now
+        if key in self._kept:
+            self._kept.move_to_end(key)
+        return kept.split
+
+    def _keep(self, key: tuple[str, str], kept: _Kept) -> None:
+        old = self._kept.pop(key, None)
+        self.held += len(kept.stamps) - (len(old.stamps) if old is not None else 0)
+        self._kept[key] = kept
+        while self.held > self.max_attempts and len(self._kept) > 1:
+            _, gone = self._kept.popitem(last=False)
+            self.held -= len(gone.stamps)
+
+
+def _key(compile_s: dict[int, float]) -> tuple[tuple[int, float], ...]:
+    return tuple(sorted(compile_s.items()))
+
+
+def _same(a: Stamps, b: Stamps) -> bool:
+    """Whether two lists of stamps name the same attempts written at the same times (an
+    attempt without a stamp never is)."""
+    return len(a) == len(b) and all(x == y and x[1] is not None for x, y in zip(a, b, strict=True))

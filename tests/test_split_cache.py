@@ -1,0 +1,93 @@
+"""Views over many jobs cost what changed, not the history (issue 47, item 2): the split
+cache (`service.split_cache`) on every index backend reads an attempt's summary again
+only when that attempt was written, gives what a split of the whole job gives, and keeps
+a bounded number of attempts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from helpers import run
+
+from megacache_client.wire.progress import ProgressRecord
+from megacache_server.service import ett
+from megacache_server.service.split_cache import SplitCache
+from megacache_server.store.index.base import Index
+
+T0 = 1_800_000_000.0
+JOBS, ATTEMPTS = 12, 6
+
+
+def attempt_records(a: int) -> list[ProgressRecord]:
+    at = T0 + 120 * a
+    records = [ProgressRecord(kind="start", at=at), ProgressRecord(kind="training", at=at + 20),
+               ProgressRecord(kind="heartbeat", at=at + 60, step=10 * a)]
+    if a < ATTEMPTS - 1:
+        records.append(ProgressRecord(kind="end", at=at + 100, reason="failed"))
+    return records
+
+
+async def fill(index: Index) -> None:
+    for j in range(JOBS):
+        for a in range(ATTEMPTS):
+            await index.add_progress("t", f"j{j}", a, f"m{j % 3}", attempt_records(a),
+                                     T0 + 120 * a + 101 + j)
+
+
+def compile_s(ns: str, job: str) -> dict[int, float]:
+    return {0: 7.0} if job == "j1" else {}
+
+
+async def read(index: Index, cache: SplitCache) -> tuple[int, list[ett.JobSplit]]:
+    """What one read of the namespace's views costs (attempts decoded) and gives; checked
+    against a split of each whole job, read afresh."""
+    before = cache.read_attempts
+    stamps = await index.recent_progress_stamps(namespace="t", since=0, limit=1000)
+    got = await cache.splits(stamps, compile_s)
+    assert [(s.namespace, s.job, s.last_seen) for s in got] == stamps
+    for split in got:
+        whole = await index.job_progress("t", split.job)
+        assert whole is not None
+        want = ett.split(whole, compile_s=compile_s("t", split.job), now=time.time())
+        assert split.row() == want.row()
+    return cache.read_attempts - before, got
+
+
+def test_a_read_decodes_only_the_attempts_written_since_the_last(
+        make_index: Callable[[], Index]) -> None:
+    async def body(index: Index) -> None:
+        await fill(index)
+        cache = SplitCache(index)
+        cost, got = await read(index, cache)
+        assert cost == JOBS * ATTEMPTS and len(got) == JOBS  # the first read: everything
+        assert (await read(index, cache))[0] == 0  # nothing written: nothing read
+        later = T0 + 120 * ATTEMPTS + 500
+        for j in (2, 5, 7):  # three jobs heartbeat their last attempt
+            await index.add_progress("t", f"j{j}", ATTEMPTS - 1, None, [
+                ProgressRecord(kind="heartbeat", at=later, step=10**6)], later + 1)
+        assert (await read(index, cache))[0] == 3
+        # a late record of an old attempt: that job is read whole, once
+        await index.add_progress("t", "j3", 0, None, [
+            ProgressRecord(kind="checkpoint_save", at=T0 + 50, step=3, blocking_s=4.0)],
+            later + 2)
+        assert (await read(index, cache))[0] == ATTEMPTS
+        # a new attempt: its job is read whole (its prefix changed)
+        await index.add_progress("t", "j4", ATTEMPTS, None, [
+            ProgressRecord(kind="start", at=later + 10)], later + 11)
+        assert (await read(index, cache))[0] == ATTEMPTS + 1
+        assert (await read(index, cache))[0] == 0
+
+    run(make_index, body)
+
+
+def test_what_the_cache_keeps_is_bounded_by_attempts(make_index: Callable[[], Index]) -> None:
+    async def body(index: Index) -> None:
+        await fill(index)
+        cache = SplitCache(index, max_attempts=3 * ATTEMPTS)
+        assert (await read(index, cache))[0] == JOBS * ATTEMPTS
+        assert cache.held <= 3 * ATTEMPTS
+        # the jobs it dropped are read again, the three it kept are not
+        assert (await read(index, cache))[0] == (JOBS - 3) * ATTEMPTS
+
+    run(make_index, body)
