@@ -56,7 +56,7 @@ from megacache_client.steps.report import (
 from megacache_client.steps.report import events as track_events
 from megacache_client.steps.settle import Settler
 from megacache_client.torch import env as torch_env
-from megacache_client.torch import precompile, start_clock, supported
+from megacache_client.torch import precompile, precompile_verify, start_clock, supported
 from megacache_client.torch.packs import PackError
 from megacache_client.transport.client import (
     CorruptBlobError,
@@ -93,6 +93,11 @@ class Session:
         self._round_lock = threading.Lock()
         """One publish round at a time (a settled point's, the exit's, SIGTERM's)."""
         self._rounds = 0
+        self._settled_at: int | None = None
+        """How many artifacts torch had recorded when a round last left no track lacking
+        anything (None: no round has): the exit skips its round when it is still that."""
+        self._verdicts_since = False
+        """A precompile check has verified entries since the last round began."""
         self.settler: Settler | None = None
         self._step_hook: Any = None
         self._report_lock = threading.Lock()
@@ -299,6 +304,10 @@ class Session:
         nothing to send (False: a later settled point may try again)."""
         with self._round_lock:
             tracks = list(self.tracks.values())
+            recorded = torch_env.artifacts_recorded()
+            if self._nothing_new(recorded):
+                return True
+            self._verdicts_since = False
             if self._rounds >= self.config.max_publishes:
                 for track in tracks:
                     track.publish.reason = track.publish.reason or (
@@ -318,20 +327,32 @@ class Session:
                 return False
             self.precompile_shared = note or self.precompile_shared
             if snap is None:
+                self._settled_at = recorded
                 return True
             self._rounds += 1
             try:
-                shipped(snap, upload(snap, self.config, self.node, self._first, self.holder))
+                done = upload(snap, self.config, self.node, self._first, self.holder)
+                shipped(snap, done)
             except Exception as exc:
                 for track in snap.tracks:
                     track.publish.reason = f"publish failed: {type(exc).__name__}: {exc}"
                 self._warn(snap.tracks[0].publish.reason)
                 return False
+            self._settled_at = recorded if len(done) == len(snap.tracks) else None
             return True
+
+    def _nothing_new(self, recorded: int) -> bool:
+        """At the exit: torch has recorded nothing since a round left no track lacking
+        anything, and no precompile check has verified or is checking entries since; so
+        the exit's round would snapshot (serialise every artifact, scan the kernels) to
+        find nothing to send. A warm new machine's exit skips that."""
+        return (self._closed and recorded >= 0 and recorded == self._settled_at
+                and not self._verdicts_since and not precompile_verify.under_way())
 
     def _after_verdicts(self) -> None:
         """A precompile check ended with entries verified: a round adds them (after the
         round under way; the exit's round waits for the check itself)."""
+        self._verdicts_since = True
         publisher = self._publisher
         if publisher is not None and publisher is not threading.current_thread():
             publisher.join(self.config.publish_wait_s)

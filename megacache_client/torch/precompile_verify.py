@@ -69,6 +69,12 @@ _CHECKS: dict[str, threading.Event] = {}
 _CHECKS_LOCK = threading.Lock()
 
 
+def under_way() -> bool:
+    """Whether a check is running (its verdicts not in yet)."""
+    with _CHECKS_LOCK:
+        return bool(_CHECKS)
+
+
 def verify(artifacts: torch_env.Artifacts, kind: str) -> dict[str, str]:
     """Each artifact of type `kind` that failed the check: key -> why, waiting for the
     checks (the benchmark's and the exit's way)."""
