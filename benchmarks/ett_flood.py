@@ -6,7 +6,9 @@ index, fs blobs, one worker, auth off: the two tenants are two clients):
 1. fill: `--jobs` jobs x `--attempts` attempts of progress (a start, training, a heartbeat
    and, but for the last attempt, a failure), posted through the real route
    `POST /v1/jobs/{job}/progress` from `--senders` threads (progress rate limit off, as six
-   write tokens each within theirs would post it);
+   write tokens each within theirs would post it), or with `--fill store` the same history
+   written into the index before the server starts; the server keeps all of it (its
+   progress budget raised to it, as before the budget existed);
 2. quiet: the other tenant's exact lookups (`lookup_load.py`, a process of its own) for
    `--quiet-s` seconds, nothing else running; then the first (cold) dashboard, stats and jobs;
 3. flood: for `--seconds`, the hostile tenant reloads dashboard, stats, jobs and one job's
@@ -18,6 +20,7 @@ index, fs blobs, one worker, auth off: the two tenants are two clients):
 Goal (issue 47): flooded lookup p99 <= 1.5x quiet, RSS growth from the reads <= +200 MiB.
 
     python benchmarks/ett_flood.py                          # 1000 jobs x 64 attempts
+    python benchmarks/ett_flood.py --fill store             # the same, filled in seconds
     python benchmarks/ett_flood.py --jobs 100 --attempts 8 --seconds 10   # a quick check
 """
 
@@ -81,22 +84,56 @@ class RssPeak:
         self.thread.join()
 
 
+def attempt_records(j: int, a: int, attempts: int, base: float) -> list[dict[str, Any]]:
+    """Attempt `a` of job `j`: a start, training, a heartbeat and (but the last) a failure."""
+    at = base + a * 120 + (j % 60)
+    records: list[dict[str, Any]] = [
+        {"kind": "start", "at": at}, {"kind": "training", "at": at + 20},
+        {"kind": "heartbeat", "at": at + 100, "step": 10 * a + 5}]
+    if a < attempts - 1:
+        records.append({"kind": "end", "at": at + 110, "reason": "failed"})
+    return records
+
+
+def fill_store(data_dir: Path, jobs: int, attempts: int) -> float:
+    """The same history written straight into the server's SQLite index before it starts
+    (`--fill store`: seconds instead of minutes; the reads measured are the same)."""
+    import asyncio
+
+    from megacache_client.wire.progress import ProgressRecord
+    from megacache_server.store.index.progress import Fold
+    from megacache_server.store.index.sqlite import SqliteIndex
+
+    async def write() -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        index = SqliteIndex(data_dir / "index.sqlite3")
+        await index.open()
+        now = time.time()
+        base = now - attempts * 120 - 600
+        try:
+            for j in range(jobs):
+                await index.add_progress_many([Fold(
+                    "default", f"flood-{j}", a, f"model-{j % 20}",
+                    [ProgressRecord(**r) for r in attempt_records(j, a, attempts, base)],
+                    now, 4) for a in range(attempts)])
+        finally:
+            await index.close()
+
+    began = time.perf_counter()
+    asyncio.run(write())
+    return time.perf_counter() - began
+
+
 def fill(url: str, jobs: int, attempts: int, senders: int) -> float:
-    """Every job's attempts, oldest first, each a start, training, a heartbeat and (but the
-    last) a failure; seconds it took."""
+    """Every job's attempts, oldest first (`attempt_records`), over HTTP; seconds it took."""
     base = time.time() - attempts * 120 - 600
 
     def send(part: range) -> None:
         with httpx.Client(base_url=url, timeout=120) as c:
             for j in part:
                 for a in range(attempts):
-                    at = base + a * 120 + (j % 60)
-                    records: list[dict[str, Any]] = [
-                        {"kind": "start", "at": at}, {"kind": "training", "at": at + 20},
-                        {"kind": "heartbeat", "at": at + 100, "step": 10 * a + 5}]
-                    if a < attempts - 1:
-                        records.append({"kind": "end", "at": at + 110, "reason": "failed"})
-                    post(c, f"flood-{j}", a, records, model=f"model-{j % 20}")
+                    post(c, f"flood-{j}", a, attempt_records(j, a, attempts, base),
+                         model=f"model-{j % 20}")
 
     began = time.perf_counter()
     step = -(-jobs // senders)
@@ -152,16 +189,25 @@ def lookup_ms(lookups: Lookups, start: float, end: float) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    with server_on("sqlite+fs", root, extra_env={"MEGACACHE_PROGRESS_RATE": "0"}) as server:
-        return measure(server, args)
+    """The server keeps the whole history (its progress budget raised to it): the reads
+    are measured against every attempt the tenant sent."""
+    stored = None
+    if args.fill == "store":
+        stored = fill_store(root / "data", args.jobs, args.attempts)
+    env = {"MEGACACHE_PROGRESS_RATE": "0",
+           "MEGACACHE_PROGRESS_NAMESPACE_ATTEMPTS": str(args.jobs * args.attempts + 1)}
+    with server_on("sqlite+fs", root, extra_env=env) as server:
+        return measure(server, args, stored)
 
 
-def measure(server: LocalServer, args: argparse.Namespace) -> dict[str, Any]:
+def measure(server: LocalServer, args: argparse.Namespace,
+            stored: float | None) -> dict[str, Any]:
     assert server.proc is not None
     pgid = server.proc.pid
     rss: dict[str, float] = {"start": group_rss_mib(pgid)}
-    log(f"filling {args.jobs} jobs x {args.attempts} attempts over HTTP")
-    fill_s = fill(server.url, args.jobs, args.attempts, args.senders)
+    log(f"filling {args.jobs} jobs x {args.attempts} attempts ({args.fill})")
+    fill_s = stored if stored is not None else fill(server.url, args.jobs, args.attempts,
+                                                   args.senders)
     time.sleep(2)  # the heartbeat buffer's flush
     rss["filled"] = group_rss_mib(pgid)
     log(f"filled in {fill_s:.1f} s; RSS {rss['filled']} MiB")
@@ -194,7 +240,7 @@ def measure(server: LocalServer, args: argparse.Namespace) -> dict[str, Any]:
         rss["after"] = group_rss_mib(pgid)
     quiet, flooded = lookup_ms(lookups, q0, q1), lookup_ms(lookups, f0, f1)
     return {
-        "jobs": args.jobs, "attempts": args.attempts, "fill": "http", "fill_s": round(fill_s, 1),
+        "jobs": args.jobs, "attempts": args.attempts, "fill": args.fill, "fill_s": round(fill_s, 1),
         "lookup_quiet": quiet, "lookup_flood": flooded,
         "lookup_p99_ratio": round(flooded["p99_ms"] / max(quiet["p99_ms"], 1e-9), 2),
         "first_s": {k: round(v, 3) for k, v in first.items()},
@@ -224,8 +270,8 @@ def table(r: dict[str, Any]) -> str:
                  f"{m['start']:.0f} / {m['filled']:.0f} / {m['peak_first_reads']:.0f} / "
                  f"{m['peak_flood']:.0f} / {m['after']:.0f}"])
     rows.append(["RSS growth from reads MiB (goal <= 200)", f"{r['rss_growth_mib']:.0f}"])
-    head = (f"{r['jobs']} jobs x {r['attempts']} attempts, filled over HTTP in "
-            f"{r['fill_s']:.0f} s")
+    head = (f"{r['jobs']} jobs x {r['attempts']} attempts, filled ({r.get('fill', 'http')}) "
+            f"in {r['fill_s']:.0f} s")
     return head + "\n" + text_table(["measure", "value"], rows)
 
 
@@ -236,6 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30, help="flood duration")
     p.add_argument("--quiet-s", type=float, default=10, help="quiet lookups duration")
     p.add_argument("--senders", type=int, default=6, help="fill threads (write tokens)")
+    p.add_argument("--fill", choices=("http", "store"), default="http",
+                   help="post the history through the route, or write it into the index "
+                        "before the server starts")
     p.add_argument("--readers", type=int, default=2, help="dashboard reload threads")
     p.add_argument("--beaters", type=int, default=4, help="heartbeat threads")
     p.add_argument("--beat-rate", type=float, default=300,

@@ -18,7 +18,6 @@ from typing import Any
 from megacache_server.service.ett import (
     CATEGORIES,
     JobSplit,
-    clip,
     ett_pct,
     report_figures,
     total,
@@ -29,7 +28,7 @@ def window(splits: Iterable[JobSplit], since: float, until: float) -> dict[str, 
     """ETT of `splits` within [since, until]: in total, per namespace and per model (each
     job's seconds clipped to the window), with checkpoint advice per model."""
     jobs = list(splits)
-    per_job = [(j, clip(j.segments, since, until)) for j in jobs]
+    per_job = [(j, j.within(since, until)) for j in jobs]
     by_model: dict[str, list[tuple[JobSplit, dict[str, float]]]] = {}
     by_namespace: dict[str, list[dict[str, float]]] = {}
     for j, seconds in per_job:
@@ -40,7 +39,7 @@ def window(splits: Iterable[JobSplit], since: float, until: float) -> dict[str, 
         found = [j for j, _ in rows]
         models.append({"model": model or None, "jobs": len(rows),
                        **_figures(total(s for _, s in rows)), **starts(found),
-                       "failures": sum(sum(a.failed for a in j.attempts) for j, _ in rows),
+                       "failures": sum(j.totals.failures for j, _ in rows),
                        "advice": advice(found), "advice_why": no_advice_why(found)})
     return {"since": since, "until": until, "jobs": len(jobs),
             "live": sum(j.live for j in jobs),
@@ -56,11 +55,11 @@ def tiles(splits: list[JobSplit], since: float, until: float, shown: int
     reported last with their split within the window (a stacked bar each)."""
     jobs = []
     for j in splits[:shown]:
-        seconds = clip(j.segments, since, until)
+        seconds = j.within(since, until)
         jobs.append({"job_id": j.job, "namespace": j.namespace, "model": j.model,
                      "live": j.live, "last_seen": j.last_seen, **_figures(seconds),
                      **report_figures(seconds, j.time_to_start_s, j.recoveries()),
-                     "failures": sum(a.failed for a in j.attempts),
+                     "failures": j.totals.failures,
                      "lost_s_per_failure": [round(x, 3) for x in j.lost_per_failure()],
                      "attempts": len(j.attempts)})
     return {**window(splits, since, until), "shown": jobs}
@@ -93,10 +92,10 @@ def _quantiles(values: list[float]) -> dict[str, Any]:
 
 def no_advice_why(jobs: Iterable[JobSplit]) -> str | None:
     """Why `advice` has none for these jobs (None when it has some)."""
-    attempts = [a for j in jobs for a in j.attempts]
-    failures = sum(a.failed for a in attempts)
-    saves = sum(a.saves for a in attempts)
-    if failures and saves and sum(a.seconds["checkpoint_save"] for a in attempts) > 0:
+    totals = [j.totals for j in jobs]
+    failures = sum(t.failures for t in totals)
+    saves = sum(t.saves for t in totals)
+    if failures and saves and sum(t.seconds["checkpoint_save"] for t in totals) > 0:
         return None
     if not failures and not saves:
         return "no failure and no checkpoint save seen yet"
@@ -111,18 +110,18 @@ def no_advice_why(jobs: Iterable[JobSplit]) -> str | None:
 def advice(jobs: Iterable[JobSplit]) -> dict[str, Any] | None:
     """The checkpoint interval that would return the most ETT for these jobs (of one model),
     with the inputs it used; None without a failure or a save to learn from."""
-    attempts = [a for j in jobs for a in j.attempts]
-    failures = sum(a.failed for a in attempts)
-    saves = sum(a.saves for a in attempts)
-    blocking = sum(a.seconds["checkpoint_save"] for a in attempts)
-    run = sum(a.seconds[c] for a in attempts
+    totals = [j.totals for j in jobs]
+    failures = sum(t.failures for t in totals)
+    saves = sum(t.saves for t in totals)
+    blocking = sum(t.seconds["checkpoint_save"] for t in totals)
+    run = sum(t.seconds[c] for t in totals
               for c in ("training", "lost_progress", "checkpoint_save"))
     if failures == 0 or saves == 0 or blocking <= 0 or run <= 0:
         return None
     b, rate = blocking / saves, failures / run
     best = math.sqrt(2 * b / rate)
-    spans = [a.save_interval for a in attempts if a.save_interval and a.save_interval[1]]
-    current = (sum(s for s, _ in spans) / sum(n for _, n in spans)) if spans else None
+    intervals = sum(t.save_intervals for t in totals)
+    current = sum(t.save_interval_s for t in totals) / intervals if intervals else None
     if current is not None and current <= 0:
         current = None
 

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from anyio import to_thread
+
 from megacache_client.wire.events import Event
 from megacache_client.wire.schema import SchemaError, parse_json
 from megacache_server.errors import Unprocessable
@@ -84,7 +86,7 @@ class Events:
         /v1/jobs/{job}/ett has them)."""
         views = await self.index.recent_jobs(namespace=principal.namespace, limit=limit)
         splits = await self.progress.splits(principal, since=0.0, limit=limit, views=views)
-        return reports.job_rows(views, splits, limit)
+        return await to_thread.run_sync(reports.job_rows, views, splits, limit)
 
     async def dashboard(self, principal: Principal, *, hours: float) -> dict[str, Any]:
         """Everything the dashboard shows, from rollups: cost independent of history."""
@@ -93,8 +95,8 @@ class Events:
         since = found["generated_at"] - hours * 3600
         splits = await self.progress.splits(principal, since=since)
         return {**found, "quarantine": await self.quarantine.quarantines(principal, limit=20),
-                "ett": ett_report.tiles(splits, since, found["generated_at"],
-                                       reports.JOBS_SHOWN)}
+                "ett": await to_thread.run_sync(ett_report.tiles, splits, since,
+                                                found["generated_at"], reports.JOBS_SHOWN)}
 
     async def figures(self, principal: Principal) -> Figures:
         """The numbers /metrics shows this caller: its namespace's, and the store's as a

@@ -15,6 +15,8 @@ import re
 import time
 from typing import Any
 
+from anyio import to_thread
+
 from megacache_client.wire.events import JOB_ID_PATTERN
 from megacache_client.wire.progress import MAX_AGE_S, MAX_SKEW_S, ProgressBatch
 from megacache_client.wire.schema import SchemaError, parse_json
@@ -112,7 +114,7 @@ class Progress:
         splits = await self.splits(principal, since=since or 0.0)
         start = since if since is not None else min((s.attempts[0].start for s in splits
                                                      if s.attempts), default=now)
-        found = ett_report.window(splits, start, now)
+        found = await to_thread.run_sync(ett_report.window, splits, start, now)
         del found["since"], found["until"]  # the same answer until a job reports again
         return found
 

@@ -48,8 +48,8 @@ def job_rows(views: list[JobView], splits: list[JobSplit], limit: int
 def _ett_row(split: JobSplit | None) -> dict[str, Any] | None:
     if split is None:
         return None
-    row = split.row()
-    del row["attempts"], row["namespace"], row["job_id"], row["last_seen"]
+    row = split.row(attempts=False)
+    del row["namespace"], row["job_id"], row["last_seen"]
     return row
 
 

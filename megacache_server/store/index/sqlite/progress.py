@@ -91,14 +91,20 @@ class SqliteProgress(SqliteConnection, ProgressStore):
 
     async def attempts_progress(self, wanted: list[tuple[str, str, int]]
                                 ) -> dict[tuple[str, str, int], AttemptProgress]:
+        """One range read of the primary key per job, from its least wanted attempt (a
+        reader wants a job's last attempt, or all of them): a row-value IN of thousands of
+        (namespace, job, attempt) triples is not planned as point reads."""
+        lowest: dict[tuple[str, str], int] = {}
+        for ns, job, attempt in wanted:
+            lowest[(ns, job)] = min(attempt, lowest.get((ns, job), attempt))
+        keys = set(wanted)
+
         def op(c: sqlite3.Connection) -> list[tuple[str, str, int, str]]:
-            out: list[tuple[str, str, int, str]] = []
-            for part in _parts(wanted, 300):
-                out += c.execute(
-                    "SELECT namespace, job, attempt, summary FROM progress WHERE (namespace, "
-                    f"job, attempt) IN (VALUES {','.join(['(?, ?, ?)'] * len(part))})",
-                    [v for key in part for v in key]).fetchall()
-            return out
+            return [(ns, job, attempt, summary) for (ns, job), low in lowest.items()
+                    for attempt, summary in c.execute(
+                        "SELECT attempt, summary FROM progress WHERE namespace=? AND job=? "
+                        "AND attempt >= ?", (ns, job, low))
+                    if (ns, job, attempt) in keys]
 
         rows = await self._run(op) if wanted else []
         return await to_thread.run_sync(lambda: {
