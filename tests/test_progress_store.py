@@ -227,29 +227,35 @@ def test_many_folds_in_one_write_and_summaries_read_by_stamp(
 
 def test_attempt_stamps_move_only_with_their_attempt(
         make_index: Callable[[], Index]) -> None:
-    """`attempt_stamps` lists a job's attempts with a stamp that changes when, and only
-    when, that attempt is written (a heartbeat of the last attempt leaves the others'
-    stamps alone), and `attempts_progress` reads just the attempts asked for: what lets a
-    reader re-read one attempt of a heartbeating job, not its history. Attempts a job
-    no longer keeps, and jobs pruned, are gone from both."""
+    """`attempt_stamps` sums up a job's attempts in a few numbers: a heartbeat of the last
+    attempt moves its `last_stamp` and leaves the `prefix` alone; a write of an older
+    attempt, or a new attempt, moves the prefix. `attempts_progress` reads just the
+    attempts asked for: what lets a reader re-read one attempt of a heartbeating job, not
+    its history. Attempts a job no longer keeps, and jobs pruned, are gone from both."""
     async def body(index: Index) -> None:
         for a in range(3):
             await index.add_progress("a", "j", a, None, [beat(T0 + 10 * a, a)], T0 + 10 * a + 1)
         await index.add_progress("b", "j", 0, None, [beat(T0, 0)], T0 + 1)
         first = await index.attempt_stamps([("a", "j"), ("b", "j"), ("a", "none")])
         assert set(first) == {("a", "j"), ("b", "j")}
-        assert first[("a", "j")] == [(0, T0 + 1), (1, T0 + 11), (2, T0 + 21)]
+        us = progress.stamp_us
+        assert first[("a", "j")] == progress.JobStamps(3, 2, us(T0 + 21),
+                                                       us(T0 + 1) + us(T0 + 11))
         await index.add_progress("a", "j", 2, None, [beat(T0 + 30, 9)], T0 + 31)
-        again = await index.attempt_stamps([("a", "j")])
-        assert again[("a", "j")] == [(0, T0 + 1), (1, T0 + 11), (2, T0 + 31)]
+        beat_ = (await index.attempt_stamps([("a", "j")]))[("a", "j")]
+        assert beat_.prefix == first[("a", "j")].prefix and beat_.last_stamp == us(T0 + 31)
+        await index.add_progress("a", "j", 0, None, [beat(T0 + 3, 1)], T0 + 32)  # late
+        late = (await index.attempt_stamps([("a", "j")]))[("a", "j")]
+        assert late.prefix != beat_.prefix and late.last_stamp == beat_.last_stamp
         got = await index.attempts_progress([("a", "j", 2), ("a", "j", 0), ("a", "j", 7)])
         assert set(got) == {("a", "j", 2), ("a", "j", 0)}
         assert got[("a", "j", 2)].last_heartbeat == (T0 + 30, 9)
-        assert got[("a", "j", 0)] == (await index.job_progress("a", "j")).attempts[0]
+        whole = await index.job_progress("a", "j")
+        assert whole is not None and got[("a", "j", 0)] == whole.attempts[0]
         for a in range(3, 3 + progress.MAX_ATTEMPTS):  # the oldest attempts go
             await index.add_progress("a", "j", a, None, [beat(T0 + 10 * a, a)], T0 + 10 * a)
         kept = (await index.attempt_stamps([("a", "j")]))[("a", "j")]
-        assert [a for a, _ in kept] == list(range(3, 3 + progress.MAX_ATTEMPTS))
+        assert (kept.attempts, kept.last) == (progress.MAX_ATTEMPTS, 2 + progress.MAX_ATTEMPTS)
         assert await index.attempts_progress([("a", "j", 0)]) == {}
         await index.prune_progress(T0 + 5)  # b/j went silent before it
         assert await index.attempt_stamps([("b", "j")]) == {}

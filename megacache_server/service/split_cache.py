@@ -28,7 +28,7 @@ from anyio import to_thread
 
 from megacache_server.service import ett
 from megacache_server.store.index.base import Index
-from megacache_server.store.index.progress import AttemptProgress, JobProgress
+from megacache_server.store.index.progress import AttemptProgress, JobProgress, JobStamps
 
 MAX_KEPT_ATTEMPTS = 100_000
 """Attempts whose splits this process keeps between reads (~1 KB each)."""
@@ -36,14 +36,14 @@ LIVE_CACHE_S = 15.0
 """A live job's split is reused this long (it stops being live by the clock, not by a
 write)."""
 
-Stamps = list[tuple[int, float | None]]
+Key = tuple[str, str]
 
 
 @dataclass
 class _Kept:
     last_seen: float
     compile_key: tuple[tuple[int, float], ...]
-    stamps: Stamps
+    stamps: JobStamps
     before: ett.Prefix
     last: AttemptProgress
     split: ett.JobSplit
@@ -56,8 +56,9 @@ class SplitCache:
     def __init__(self, index: Index, max_attempts: int = MAX_KEPT_ATTEMPTS) -> None:
         self.index = index
         self.max_attempts = max_attempts
-        self._kept: OrderedDict[tuple[str, str], _Kept] = OrderedDict()
+        self._kept: OrderedDict[Key, _Kept] = OrderedDict()
         self.held = 0
+        """Attempts the kept splits stand for."""
         self._lanes: dict[str | None, asyncio.Lock] = {}
         self.read_attempts = 0
         """Attempt summaries read from the index and decoded, in all (what a read costs)."""
@@ -69,7 +70,9 @@ class SplitCache:
     async def splits(self, jobs: list[tuple[str, str, float]],
                      compile_s: Callable[[str, str], dict[int, float]]) -> list[ett.JobSplit]:
         """The splits of `jobs` ((namespace, job, last_seen), in the order given; a job
-        with no attempts left is left out), compile seconds per attempt by `compile_s`."""
+        with no attempts left is left out), compile seconds per attempt by `compile_s`:
+        unchanged jobs as kept, those whose attempts before the last are as kept by
+        reading their last attempt (if it changed), the rest read whole."""
         now = time.time()
         given = {(ns, job): (seen, compile_s(ns, job)) for ns, job, seen in jobs}
         same = {key: kept for key, (seen, cs) in given.items()
@@ -77,55 +80,46 @@ class SplitCache:
                 and kept.compile_key == _key(cs)}
         changed = [key for key in given if key not in same]
         stamps = await self.index.attempt_stamps(changed) if changed else {}
-        plans = {key: self._plan(key, stamps[key], _key(given[key][1]))
-                 for key in changed if stamps.get(key)}
-        read = await self.index.attempts_progress(
-            [(*key, a) for key, (_, wanted) in plans.items() for a, _ in wanted])
-        self.read_attempts += len(read)
+        by_last = {key: kept for key in changed if key in stamps
+                   and (kept := self._kept.get(key)) is not None
+                   and kept.compile_key == _key(given[key][1])
+                   and stamps[key].prefix is not None
+                   and stamps[key].prefix == kept.stamps.prefix}
+        lasts = await self.index.attempts_progress([
+            (*key, stamps[key].last) for key, kept in by_last.items()
+            if stamps[key].last_stamp is None
+            or stamps[key].last_stamp != kept.stamps.last_stamp])
+        whole = {(j.namespace, j.job): j for j in await self.index.jobs_progress([
+            (*key, given[key][0]) for key in changed if key in stamps and key not in by_last])}
+        self.read_attempts += len(lasts) + sum(len(j.attempts) for j in whole.values())
 
         def build() -> list[ett.JobSplit]:
             out = []
             for key, (seen, cs) in given.items():
+                done: ett.JobSplit | None = None
                 if key in same:
-                    done: ett.JobSplit | None = self._reuse(key, same[key], cs, now)
-                elif key in plans:
-                    done = self._rebuild(key, seen, cs, stamps[key], plans[key][0], read, now)
-                else:
-                    done = None  # no attempts left
+                    done = self._reuse(key, same[key], cs, now)
+                elif key in by_last:
+                    kept = by_last[key]
+                    last = lasts.get((*key, stamps[key].last), kept.last)
+                    done = self._join(key, seen, cs, stamps[key], kept.before, last, now)
+                elif (job := whole.get(key)) is not None and job.attempts:
+                    before = ett.prefix(list(job.attempts[:-1]), cs)
+                    done = self._join(key, seen, cs, stamps[key], before, job.attempts[-1],
+                                      now)
                 if done is not None:
                     out.append(done)
             return out
 
         return await to_thread.run_sync(build)
 
-    def _plan(self, key: tuple[str, str], found: Stamps,
-              ck: tuple[tuple[int, float], ...]) -> tuple[bool, Stamps]:
-        """Of a changed job's attempts, those to read, and whether the kept prefix serves
-        (the same attempts before the last, written at the same times, the same compile
-        seconds): then at most the last attempt is read."""
-        kept = self._kept.get(key)
-        if (kept is not None and kept.compile_key == ck and _same(kept.stamps[:-1], found[:-1])
-                and kept.last.attempt == found[-1][0]):
-            return True, [] if _same(kept.stamps[-1:], found[-1:]) else found[-1:]
-        return False, found
-
-    def _rebuild(self, key: tuple[str, str], seen: float, compile_s: dict[int, float],
-                 found: Stamps, from_kept: bool,
-                 read: dict[tuple[str, str, int], AttemptProgress],
-                 now: float) -> ett.JobSplit | None:
-        kept = self._kept.get(key)
-        if from_kept and kept is not None:
-            before, last = kept.before, read.get((*key, found[-1][0]), kept.last)
-        else:
-            attempts = [got for a, _ in found if (got := read.get((*key, a))) is not None]
-            if not attempts:
-                return None  # gone between the two reads
-            before, last = ett.prefix(attempts[:-1], compile_s), attempts[-1]
+    def _join(self, key: Key, seen: float, compile_s: dict[int, float], stamps: JobStamps,
+              before: ett.Prefix, last: AttemptProgress, now: float) -> ett.JobSplit:
         done = ett.join(JobProgress(*key, seen, ()), before, last, compile_s, now)
-        self._keep(key, _Kept(seen, _key(compile_s), found, before, last, done, now))
+        self._keep(key, _Kept(seen, _key(compile_s), stamps, before, last, done, now))
         return done
 
-    def _reuse(self, key: tuple[str, str], kept: _Kept, compile_s: dict[int, float],
+    def _reuse(self, key: Key, kept: _Kept, compile_s: dict[int, float],
                now: float) -> ett.JobSplit:
         """An unchanged job's kept split (a live one joined again after LIVE_CACHE_S)."""
         if kept.split.live and now - kept.split_at >= LIVE_CACHE_S:
@@ -136,20 +130,14 @@ class SplitCache:
             self._kept.move_to_end(key)
         return kept.split
 
-    def _keep(self, key: tuple[str, str], kept: _Kept) -> None:
+    def _keep(self, key: Key, kept: _Kept) -> None:
         old = self._kept.pop(key, None)
-        self.held += len(kept.stamps) - (len(old.stamps) if old is not None else 0)
+        self.held += kept.stamps.attempts - (old.stamps.attempts if old is not None else 0)
         self._kept[key] = kept
         while self.held > self.max_attempts and len(self._kept) > 1:
             _, gone = self._kept.popitem(last=False)
-            self.held -= len(gone.stamps)
+            self.held -= gone.stamps.attempts
 
 
 def _key(compile_s: dict[int, float]) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(compile_s.items()))
-
-
-def _same(a: Stamps, b: Stamps) -> bool:
-    """Whether two lists of stamps name the same attempts written at the same times (an
-    attempt without a stamp never is)."""
-    return len(a) == len(b) and all(x == y and x[1] is not None for x, y in zip(a, b, strict=True))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from megacache_client.wire.progress import MAX_SKEW_S, MODEL_CAP, ProgressRecord
 from megacache_client.wire.text import escape_foreign, is_text
@@ -121,6 +121,36 @@ class JobProgress:
     @property
     def model(self) -> str | None:
         return next((a.model for a in reversed(self.attempts) if a.model), None)
+
+
+class JobStamps(NamedTuple):
+    """What a reader needs to know whether a job's attempts changed since it read them,
+    in a few numbers whatever the job's history (`ProgressStore.attempt_stamps`). Every
+    write of an attempt sets its stamp (the server time of the write, in µs), so:
+
+    - the same `prefix` (count, last attempt, sum of the other attempts' stamps): nothing
+      before the last attempt changed (a sum moves when any stamp does: two stamps moving
+      by exactly opposite µs at once is not a thing writes do);
+    - then a different `last_stamp`: only the last attempt did (a heartbeat)."""
+
+    attempts: int
+    last: int
+    """The newest attempt's number."""
+    last_stamp: int | None
+    others_sum: int | None
+    """Sum of the other attempts' stamps (None: some has none, e.g. written by a server from
+    before the stamps: such a job is read whole every time)."""
+
+    @property
+    def prefix(self) -> tuple[int, int, int] | None:
+        if self.others_sum is None:
+            return None
+        return (self.attempts, self.last, self.others_sum)
+
+
+def stamp_us(at: float) -> int:
+    """An attempt's write stamp: its server receive time in whole µs."""
+    return int(at * 1_000_000)
 
 
 def _min(a: float | None, b: float | None) -> float | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from megacache_client.wire.progress import ProgressRecord
-from megacache_server.store.index.progress import AttemptProgress, Fold, JobProgress
+from megacache_server.store.index.progress import AttemptProgress, Fold, JobProgress, JobStamps
 
 AttemptKey = tuple[str, str, int]
 """(namespace, job, attempt)."""
@@ -62,12 +62,10 @@ class ProgressStore(ABC):
 
     @abstractmethod
     async def attempt_stamps(self, jobs: list[tuple[str, str]]
-                             ) -> dict[tuple[str, str], list[tuple[int, float | None]]]:
-        """Each job's attempts (given as (namespace, job)) as (attempt, stamp), oldest first,
-        without their summaries: the stamp is the server time of the attempt's last write
-        and changes with every write of it (None: not known, so read it again). A reader
-        that kept what it made of an attempt under the same stamp need not read it again:
-        while a job heartbeats, only its last attempt changes."""
+                             ) -> dict[tuple[str, str], JobStamps]:
+        """Each job's `progress.JobStamps` (given as (namespace, job); a job with no
+        attempts is left out), without reading summaries: while a job heartbeats only its
+        last attempt changes, and a reader that kept the rest need read only that one."""
 
     @abstractmethod
     async def attempts_progress(self, wanted: list[AttemptKey]

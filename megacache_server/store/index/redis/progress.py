@@ -196,9 +196,9 @@ class RedisProgress(RedisConnection, ProgressStore):
         return await self._do(op) if jobs else []
 
     async def attempt_stamps(self, jobs: list[tuple[str, str]]
-                             ) -> dict[tuple[str, str], list[tuple[int, float | None]]]:
+                             ) -> dict[tuple[str, str], progress.JobStamps]:
         """Attempts from the summaries' hash, stamps from `progress_at` (an attempt written
-        by a server from before the stamps has none: read again each time)."""
+        by a server from before the stamps has none: its job is read whole each time)."""
         async def op() -> list[Any]:
             async with self.r.pipeline(transaction=False) as pipe:
                 for ns, job in jobs:
@@ -207,11 +207,16 @@ class RedisProgress(RedisConnection, ProgressStore):
                 return list(await pipe.execute())
 
         got = await self._do(op) if jobs else []
-        found: dict[tuple[str, str], list[tuple[int, float | None]]] = {}
+        found: dict[tuple[str, str], progress.JobStamps] = {}
         for i, key in enumerate(jobs):
-            attempts, at = got[2 * i], {int(k): float(v) for k, v in got[2 * i + 1].items()}
-            if attempts:
-                found[key] = [(a, at.get(a)) for a in sorted(int(a) for a in attempts)]
+            attempts = sorted(int(a) for a in got[2 * i])
+            if not attempts:
+                continue
+            at = {int(k): progress.stamp_us(float(v)) for k, v in got[2 * i + 1].items()}
+            others = [at.get(a) for a in attempts[:-1]]
+            found[key] = progress.JobStamps(
+                len(attempts), attempts[-1], at.get(attempts[-1]),
+                None if None in others else sum(o for o in others if o is not None))
         return found
 
     async def attempts_progress(self, wanted: list[tuple[str, str, int]]

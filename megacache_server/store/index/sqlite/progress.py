@@ -17,6 +17,7 @@ from megacache_server.store.index.progress import (
     AttemptProgress,
     Fold,
     JobProgress,
+    JobStamps,
     merge,
 )
 from megacache_server.store.index.protocols.progress import ProgressStore
@@ -73,43 +74,40 @@ class SqliteProgress(SqliteConnection, ProgressStore):
         return await to_thread.run_sync(_decode, jobs, rows)  # ~70 µs an attempt
 
     async def attempt_stamps(self, jobs: list[tuple[str, str]]
-                             ) -> dict[tuple[str, str], list[tuple[int, float | None]]]:
-        def op(c: sqlite3.Connection) -> list[tuple[str, str, int, float]]:
-            out: list[tuple[str, str, int, float]] = []
+                             ) -> dict[tuple[str, str], JobStamps]:
+        """One aggregate per job over its primary-key range (the last attempt's stamp is
+        the bare column of MAX(attempt): SQLite takes it from that row)."""
+        def op(c: sqlite3.Connection) -> list[tuple[str, str, int, int, int, int]]:
+            out: list[tuple[str, str, int, int, int, int]] = []
             for part in _parts(jobs):
                 out += c.execute(
-                    "SELECT namespace, job, attempt, received_at FROM progress WHERE "
+                    "SELECT namespace, job, COUNT(*), MAX(attempt), "
+                    "CAST(received_at * 1000000 AS INTEGER), "
+                    "SUM(CAST(received_at * 1000000 AS INTEGER)) FROM progress WHERE "
                     f"(namespace, job) IN (VALUES {','.join(['(?, ?)'] * len(part))}) "
-                    "ORDER BY namespace, job, attempt", [v for key in part for v in key]
-                ).fetchall()
+                    "GROUP BY namespace, job", [v for key in part for v in key]).fetchall()
             return out
 
-        found: dict[tuple[str, str], list[tuple[int, float | None]]] = {}
-        for ns, job, attempt, stamp in (await self._run(op) if jobs else []):
-            found.setdefault((ns, job), []).append((attempt, stamp))
-        return found
+        rows = await self._run(op) if jobs else []
+        return {(ns, job): JobStamps(n, last, last_us, total - last_us)
+                for ns, job, n, last, last_us, total in rows}
 
     async def attempts_progress(self, wanted: list[tuple[str, str, int]]
                                 ) -> dict[tuple[str, str, int], AttemptProgress]:
-        """One range read of the primary key per job, from its least wanted attempt (a
-        reader wants a job's last attempt, or all of them): a row-value IN of thousands of
-        (namespace, job, attempt) triples is not planned as point reads."""
-        lowest: dict[tuple[str, str], int] = {}
-        for ns, job, attempt in wanted:
-            lowest[(ns, job)] = min(attempt, lowest.get((ns, job), attempt))
-        keys = set(wanted)
-
-        def op(c: sqlite3.Connection) -> list[tuple[str, str, int, str]]:
-            return [(ns, job, attempt, summary) for (ns, job), low in lowest.items()
-                    for attempt, summary in c.execute(
-                        "SELECT attempt, summary FROM progress WHERE namespace=? AND job=? "
-                        "AND attempt >= ?", (ns, job, low))
-                    if (ns, job, attempt) in keys]
+        """Point reads by primary key (a row-value IN of thousands of triples is not
+        planned as such)."""
+        def op(c: sqlite3.Connection) -> list[tuple[tuple[str, str, int], str]]:
+            out = []
+            for key in wanted:
+                row = c.execute("SELECT summary FROM progress WHERE namespace=? AND job=? "
+                                "AND attempt=?", key).fetchone()
+                if row is not None:
+                    out.append((key, row[0]))
+            return out
 
         rows = await self._run(op) if wanted else []
         return await to_thread.run_sync(lambda: {
-            (ns, job, attempt): AttemptProgress.from_json(summary)
-            for ns, job, attempt, summary in rows})
+            key: AttemptProgress.from_json(summary) for key, summary in rows})
 
     async def prune_progress(self, before: float) -> int:
         def op(c: sqlite3.Connection) -> int:
