@@ -91,3 +91,36 @@ def test_what_the_cache_keeps_is_bounded_by_attempts(make_index: Callable[[], In
         assert (await read(index, cache))[0] == (JOBS - 3) * ATTEMPTS
 
     run(make_index, body)
+
+
+def test_a_namespace_s_views_take_at_most_their_share_of_the_time() -> None:
+    """`Lane`: a namespace's reads go one at a time, and after a read that took `d`, its
+    next one waits `d * (1/VIEW_SHARE - 1)` (capped): a tenant reading in a loop gets at
+    most VIEW_SHARE of the process, whatever its reads cost. A read cancelled while it
+    waits frees the lane."""
+    import asyncio
+
+    from megacache_server.service import split_cache
+
+    async def body() -> None:
+        lane = split_cache.Lane()
+        starts: list[float] = []
+
+        async def read(cost: float) -> None:
+            async with lane:
+                starts.append(time.monotonic())
+                time.sleep(cost)  # CPU the read holds the process for
+
+        began = time.monotonic()
+        await asyncio.gather(*(read(0.05) for _ in range(4)))
+        gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        wanted = 0.05 / split_cache.VIEW_SHARE
+        assert all(g >= wanted * 0.95 for g in gaps), gaps
+        busy = 4 * 0.05 / (time.monotonic() - began)
+        assert busy <= split_cache.VIEW_SHARE * 1.4, busy
+        waiting = asyncio.create_task(read(0.0))
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        await asyncio.wait_for(read(0.0), 1.0)  # the cancelled reader left the lane free
+
+    asyncio.run(body())

@@ -12,8 +12,9 @@ which attempts changed, reads only those, and joins (`ett.join`). A job whose ol
 attempts changed (rare: a late record) is read whole, once.
 
 What is kept is bounded by attempts (`MAX_KEPT_ATTEMPTS`, the least recently read jobs go
-first), and reads of one namespace run one at a time (`lane`): a tenant reloading its
-dashboard from many tabs queues behind itself, not in front of everyone.
+first), and reads of one namespace go through its `Lane`: one at a time, and at most
+`VIEW_SHARE` of the process's time: a tenant reloading its dashboard from many tabs in a
+loop queues behind itself, not in front of everyone's lookups.
 """
 
 from __future__ import annotations
@@ -36,7 +37,39 @@ LIVE_CACHE_S = 15.0
 """A live job's split is reused this long (it stops being live by the clock, not by a
 write)."""
 
+VIEW_SHARE = 0.25
+"""The share of a server process's time one namespace's views may take: after a read
+that took `d` seconds, the namespace's next one starts no sooner than `d * (1/share - 1)`
+later (at most MAX_VIEW_WAIT_S). A dashboard refreshed every few seconds never waits."""
+MAX_VIEW_WAIT_S = 2.0
+
 Key = tuple[str, str]
+
+
+class Lane:
+    """One namespace's view reads (`async with lane:`): one at a time, and at most
+    VIEW_SHARE of the time."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self._next_at = 0.0
+        self._began = 0.0
+
+    async def __aenter__(self) -> None:
+        await self._lock.acquire()
+        try:
+            wait = self._next_at - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(min(wait, MAX_VIEW_WAIT_S))
+        except BaseException:  # cancelled while waiting: the next reader goes
+            self._lock.release()
+            raise
+        self._began = time.monotonic()
+
+    async def __aexit__(self, *_: object) -> None:
+        now = time.monotonic()
+        self._next_at = now + (now - self._began) * (1 / VIEW_SHARE - 1)
+        self._lock.release()
 
 
 @dataclass
@@ -59,13 +92,13 @@ class SplitCache:
         self._kept: OrderedDict[Key, _Kept] = OrderedDict()
         self.held = 0
         """Attempts the kept splits stand for."""
-        self._lanes: dict[str | None, asyncio.Lock] = {}
+        self._lanes: dict[str | None, Lane] = {}
         self.read_attempts = 0
         """Attempt summaries read from the index and decoded, in all (what a read costs)."""
 
-    def lane(self, scope: str | None) -> asyncio.Lock:
-        """One read at a time per namespace (None: the operator's, every namespace)."""
-        return self._lanes.setdefault(scope, asyncio.Lock())
+    def lane(self, scope: str | None) -> Lane:
+        """The namespace's `Lane` (None: the operator's, every namespace)."""
+        return self._lanes.setdefault(scope, Lane())
 
     async def splits(self, jobs: list[tuple[str, str, float]],
                      compile_s: Callable[[str, str], dict[int, float]]) -> list[ett.JobSplit]:
