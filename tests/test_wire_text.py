@@ -73,3 +73,37 @@ def test_a_model_name_that_is_not_text_is_dropped_at_enable_with_one_warning(
     warned = [r for r in caplog.records if "MEGACACHE_MODEL" in r.getMessage()]
     assert len(warned) == 1
     assert ClientConfig.from_env({"MEGACACHE_MODEL": "llama-7b"}).model == "llama-7b"
+
+
+def test_free_text_the_client_did_not_choose_is_sent_as_text() -> None:
+    """An exception's message (a reason, a precompile note, a bad-blob detail) may hold a
+    newline, ESC or a lone surrogate, and be long: the client escapes and cuts it to the
+    field's cap before it builds the event, so the server never refuses a real trainer's
+    event for it (each field: `wire.text.as_text`)."""
+    from megacache_client.results import LoadResult, Track
+    from megacache_client.steps.report import _event
+    from megacache_client.wire.manifest import Fingerprint
+
+    raw = "OSError: boom\n\x1b[2J\r\ud800 " + "x" * 3000
+    track = Track(Fingerprint(model="m", code="c"), LoadResult())
+    track.load.key, track.load.outcome = "0" * 64, "miss"
+    track.load.reason, track.load.differing = raw, ["code\n", "x" * 40]
+    counters = {"fxgraph_hit": 0, "fxgraph_miss": 0, "aot_hit": 0}
+    event = _event(track, counters, None, dict, lambda _: None, {})
+    assert event is not None
+    assert is_text(event.reason, 2000) and event.reason.startswith("OSError: boom\\n\\x1b")
+    assert all(is_text(d, 32) for d in event.differing)
+    parse_json(type(event), event.to_json())  # what the server parses, it accepts
+
+
+def test_a_bad_report_detail_is_refused_where_the_server_parses_it() -> None:
+    from pydantic import ValidationError
+
+    from megacache_server.api.routes.trust import BlobReport, EntryReport
+
+    for bad in ("x\ny", "\x1b[2J", "a\ud800"):
+        with pytest.raises(ValidationError):
+            BlobReport.model_validate({"kind": "digest", "detail": bad})
+    with pytest.raises(ValidationError):
+        EntryReport.model_validate({"detail": "ok", "job": "job\nforged"})
+    assert EntryReport.model_validate({"detail": "ok é", "job": "j-1"}).job == "j-1"

@@ -22,6 +22,7 @@ from megacache_client.torch import precompile
 from megacache_client.torch.start_clock import TimeToStart
 from megacache_client.transport.client import Deadline, RemoteCache
 from megacache_client.wire.events import Event, Outcome, Replay
+from megacache_client.wire.text import as_text
 
 log = logging.getLogger("megacache")
 
@@ -76,8 +77,9 @@ def _event(track: Track, counters: dict[str, int], compile_s: float | None,
         saved = max(0.0, cold - compile_s)
     first = compile_s is not None
     return Event(
-        key=res.key, model=track.fp.model, outcome=outcome, reason=res.reason[:2000],
-        entry_key=res.entry.key if res.entry else None, differing=res.differing,
+        key=res.key, model=track.fp.model, outcome=outcome, reason=as_text(res.reason, 2000),
+        entry_key=res.entry.key if res.entry else None,
+        differing=[as_text(d, 32) for d in res.differing[:8]],
         compile_s=round(compile_s or 0.0, 3), cold_compile_s=cold, saved_s=round(saved, 3),
         load_s=round(res.seconds, 3), bytes_down=res.bytes_down,
         bytes_up=track.publish.bytes_up, fxgraph_hit=counters["fxgraph_hit"] if first else 0,
@@ -122,7 +124,7 @@ def _precompile_fields(note: str) -> dict[str, Any]:
     """The event's precompile counters (torch's) and why it was not used, if it was not."""
     c = precompile.counters()
     return {"precompile_hit": c["hit"], "precompile_miss": c["miss"] + c["error"],
-            "precompile_reason": note[:500]}
+            "precompile_reason": as_text(note, 500)}
 
 
 def send_events(config: ClientConfig, events: list[Event]) -> list[Event] | None:

@@ -53,6 +53,7 @@ from megacache_client.wire.manifest import Manifest, component_digest, sha256_fi
 from megacache_client.wire.routes import Route
 from megacache_client.wire.schema import parse
 from megacache_client.wire.signing import blob_origin, parse_origins
+from megacache_client.wire.text import as_text
 from megacache_client.wire.version import __version__
 
 __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineExceeded",
@@ -377,7 +378,7 @@ class RemoteCache:
         """Tell the server what this client met; returns its verdict ("ok", "quarantined",
         "counted", "withdrawn"). A blob is reported by digest (the server re-hashes it);
         torch failing on a bundle whose blobs all verified, by entry."""
-        detail = finding.detail[:500]
+        detail = as_text(finding.detail, 500)
         if finding.digest is not None:
             what = "report blob"
             a = self._exchange(routes.REPORT_BLOB, what, digest=finding.digest, json={

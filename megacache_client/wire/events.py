@@ -42,9 +42,9 @@ class Event(Schema):
     key: Hex64
     model: Annotated[str, Size(1, 256), Text()]
     outcome: Outcome
-    reason: Annotated[str, Size(0, 2000)] = ""
+    reason: Annotated[str, Size(0, 2000), Text()] = ""
     entry_key: Annotated[Hex64 | None, Doc("the entry loaded, if any")] = None
-    differing: Annotated[list[Annotated[str, Size(0, 32)]], Size(0, 8)] = \
+    differing: Annotated[list[Annotated[str, Size(0, 32), Text()]], Size(0, 8)] = \
         dataclasses.field(default_factory=list)
     compile_s: Seconds = 0.0
     cold_compile_s: Seconds | None = None
@@ -58,7 +58,7 @@ class Event(Schema):
     precompile_hit: Annotated[Count, Doc("torch's Dynamo cache hits (precompiled Dynamo "
                                          "output used)")] = 0
     precompile_miss: Annotated[Count, Doc("Dynamo cache misses and errors")] = 0
-    precompile_reason: Annotated[str, Size(0, 500), Doc("why precompiled Dynamo output was "
+    precompile_reason: Annotated[str, Size(0, 500), Text(), Doc("why precompiled Dynamo output was "
                                                         "off or not loaded")] = ""
     tts_s: Annotated[Seconds | None, Doc("time to start: process start to the end of the "
                                          "first compiled step")] = None

@@ -66,3 +66,12 @@ def escape_foreign(value: object, cap: int = TEXT_CAP) -> str:
         out.append(piece)
         size += len(piece)
     return "".join(out)
+
+
+
+def as_text(value: str, cap: int = TEXT_CAP) -> str:
+    """`value` if it is wire text within `cap`, else escaped (`escape_foreign`) to fit: what
+    this side sends of text it did not choose (an exception's message may hold a newline),
+    and what a view shows of text an older server stored before the rule (a lone surrogate
+    would break the JSON answer; CR or ESC would reach a terminal)."""
+    return value if is_text(value, cap) else escape_foreign(value, cap - 1)

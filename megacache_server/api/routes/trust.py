@@ -19,9 +19,11 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from megacache_client.wire.events import JOB_ID_PATTERN
 from megacache_client.wire.manifest import HEX64_PATTERN
+from megacache_client.wire.text import check_text
 from megacache_server.api.deps import Reader
 from megacache_server.api.validation import small_json_body
 from megacache_server.errors import error_responses
@@ -34,13 +36,17 @@ MAX_BODY = 4096
 """A report is a few hundred bytes; nothing larger is read."""
 
 
+Detail = Annotated[str, Field(max_length=500), AfterValidator(check_text)]
+"""What a client says went wrong: text by the wire's rule (it is logged and shown)."""
+
+
 class BlobReport(BaseModel):
     """What was wrong with the blob as the client met it."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     kind: Literal["digest", "size", "decompress", "unpack", "load"]
     entry_key: str | None = Field(None, pattern=HEX64_PATTERN)
-    detail: str = Field("", max_length=500)
+    detail: Detail = ""
 
 
 class EntryReport(BaseModel):
@@ -48,8 +54,8 @@ class EntryReport(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     kind: Literal["load", "decompress", "unpack"] = "load"
-    detail: str = Field("", max_length=500)
-    job: str | None = Field(None, max_length=128)
+    detail: Detail = ""
+    job: str | None = Field(None, pattern=JOB_ID_PATTERN)
 
 
 def _body_of(model: type[BaseModel]) -> dict[str, object]:

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from megacache_client.wire.events import OUTCOMES, REPLAYS, Event
+from megacache_client.wire.text import as_text
 from megacache_server.store.index import rollups
 
 
@@ -27,6 +28,9 @@ class ModelStats:
     """Job attempts, restarts and the job histograms (`rollups.JOB_COUNTERS`)."""
     replays: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REPLAYS, 0))
     """Runs by `Event.replay` (full, partial, rebuilt); runs that did not say count in none."""
+
+    def __post_init__(self) -> None:  # a name stored before the text rule: shown escaped
+        self.model = as_text(self.model, 256)
 
     @property
     def attempts(self) -> int:
@@ -87,6 +91,10 @@ class MissReason:
     outcome: str
     reason: str
     count: int
+
+    def __post_init__(self) -> None:  # stored by a server from before the text rule
+        object.__setattr__(self, "model", as_text(self.model, 256))
+        object.__setattr__(self, "reason", as_text(self.reason, 2000))
 
 
 @dataclass(frozen=True)
