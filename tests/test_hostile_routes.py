@@ -23,14 +23,18 @@ deeper cases (ranges, stalled uploads, schema fuzzing); this file covers the bre
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
 import socket
 import time
+import types
+import typing
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +43,13 @@ import pytest
 from conftest import BACKENDS, _configured, backend_args
 from helpers import LOOPBACK, ServerProcess, make_fingerprint, make_manifest, sha256
 
+from megacache_client.wire.events import Event
+from megacache_client.wire.manifest import Manifest
+from megacache_client.wire.progress import ProgressBatch
 from megacache_server.api.app import create_app
 from megacache_server.api.route_table import served
+from megacache_server.api.routes.jobs import ClaimRequest, ResolveRequest
+from megacache_server.api.routes.trust import BlobReport, EntryReport
 from megacache_server.settings import Settings
 
 MAX_BLOB = 1024 * 1024
@@ -56,7 +65,7 @@ class Case:
     scope: str
     target: str  # the path with {key} / {digest} left to fill, and any query
     body: str = ""  # "", "blob", "manifest", "event", or the name of a JSON body in BODIES
-    numbers: tuple[str, ...] = ()  # JSON fields, or "?param" query parameters
+    numbers: tuple[str, ...] = ()  # "?param" query parameters (a JSON body's: its schema's)
     other: int = 404  # the status another tenant's ids get
     limit: int = 0  # the body limit in bytes (413 past it)
 
@@ -84,9 +93,8 @@ CASES: dict[tuple[str, str], Case] = {
     ("GET", "/v1/cas/{digest}"): Case("read", "/v1/cas/{digest}"),
     ("POST", "/v1/cas/{digest}/report"): Case("read", "/v1/cas/{digest}/report", "report_blob",
                                               limit=4096),
-    ("PUT", "/v1/ac/{key}"): Case("write", "/v1/ac/{key}", "manifest",
-                                  ("cold_compile_s", "artifact_counts.inductor",
-                                   "blobs.0.size"), other=403, limit=64 * 1024),
+    ("PUT", "/v1/ac/{key}"): Case("write", "/v1/ac/{key}", "manifest", other=403,
+                                  limit=64 * 1024),
     ("GET", "/v1/ac/{key}"): Case("read", "/v1/ac/{key}"),
     ("GET", "/v1/ac"): Case("read", "/v1/ac?namespace={namespace}", numbers=("?limit",),
                             other=403),
@@ -97,16 +105,15 @@ CASES: dict[tuple[str, str], Case] = {
                                           limit=4096),
     # the attacker's own namespace's record of the key: a miss (it cannot see the entry)
     ("POST", "/v1/ac/{key}/resolve"): Case("read", "/v1/ac/{key}/resolve", "resolve",
-                                           ("attempt", "ttl_s"), limit=4096),
+                                           limit=4096),
     # claims are the caller's namespace's: the attacker claims its own key, the victim's
     # claim of the same key stands (checked at the end)
     ("POST", "/v1/ac/{key}/claim"): Case("write", "/v1/ac/{key}/claim", "claim",
-                                         ("lease_s",), other=200, limit=4096),
+                                         other=200, limit=4096),
     ("DELETE", "/v1/ac/{key}/claim"): Case("write", "/v1/ac/{key}/claim?holder={holder}",
                                            other=204),
     # recorded in the attacker's namespace whatever it names (the victim's stats unchanged)
-    ("POST", "/v1/events"): Case("write", "/v1/events", "event",
-                                 ("compile_s", "saved_s", "bytes_down"), other=202,
+    ("POST", "/v1/events"): Case("write", "/v1/events", "event", other=202,
                                  limit=16 * 1024),
     ("GET", "/v1/stats"): Case("read", "/v1/stats", numbers=("?since_hours",), other=200),
     ("GET", "/v1/jobs"): Case("read", "/v1/jobs", numbers=("?limit",), other=200),
@@ -114,10 +121,7 @@ CASES: dict[tuple[str, str], Case] = {
     ("GET", "/v1/jobs/{job}/ett"): Case("read", "/v1/jobs/{job}/ett", numbers=("?since",)),
     # ... and what it reports is recorded there (the victim's job of that id unchanged)
     ("POST", "/v1/jobs/{job}/progress"): Case(
-        "write", "/v1/jobs/{job}-2/progress", "progress",
-        ("attempt", "records.0.at", "records.0.allocation_start", "records.1.step",
-         "records.1.blocking_s", "records.1.background_s"), other=202,
-        limit=128 * 1024),
+        "write", "/v1/jobs/{job}-2/progress", "progress", other=202, limit=128 * 1024),
     ("GET", "/v1/quarantine"): Case("read", "/v1/quarantine", numbers=("?limit",),
                                     other=200),
     ("GET", "/v1/whoami"): Case("read", "/v1/whoami", other=200),
@@ -130,6 +134,92 @@ CASES: dict[tuple[str, str], Case] = {
     ("GET", "/openapi.json"): Case("public", "/openapi.json", other=200),
     ("MOUNT", "/docs/assets"): Case("public", "/docs/assets/swagger-ui.css", other=200),
 }
+
+
+SCHEMAS: dict[str, type] = {
+    "manifest": Manifest, "event": Event, "progress": ProgressBatch,
+    "resolve": ResolveRequest, "claim": ClaimRequest, "report_blob": BlobReport,
+    "report_entry": EntryReport}
+"""The class each JSON body parses as, where the server parses it: the attacks on its fields
+come from these (`schema_fields`), not from a hand list."""
+TEXTS = ('"a\\ud800b"', '"a\\u001b[2Jb"', '"a\\nb"', '"a\\rb"', '"a\\u0000b"')
+"""What a text field is replaced with, as raw JSON text: a lone surrogate, ESC, LF, CR, NUL."""
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if dataclasses.is_dataclass(cls):
+        hints = typing.get_type_hints(cls, include_extras=True)
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return {name: f.annotation for name, f in cls.model_fields.items()}  # pydantic
+
+
+def _arms(hint: Any) -> list[Any]:
+    """The types a field's value may have: Annotated and Optional unwrapped."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Annotated:
+        return _arms(typing.get_args(hint)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [t for arg in typing.get_args(hint) if arg is not type(None)
+                for t in _arms(arg)]
+    return [hint]
+
+
+def _kind(t: Any) -> str:
+    if t is bool:
+        return "bool"
+    if t in (int, float):
+        return "number"
+    if t in (str, datetime) or typing.get_origin(t) is typing.Literal:
+        return "text"
+    if dataclasses.is_dataclass(t) or hasattr(t, "model_fields"):
+        return "schema"
+    return {list: "list", dict: "dict"}.get(typing.get_origin(t), "other")
+
+
+def schema_fields(cls: type, doc: Any, prefix: str = "") -> tuple[list[str], list[str]]:
+    """(number paths, text paths) of `doc`, a valid body of `cls`, by `cls`'s own fields:
+    every field of a number or text type (absent optional ones too), into nested schemas,
+    list items and dict values the body holds."""
+    numbers: list[str] = []
+    texts: list[str] = []
+
+    def visit(t: Any, value: Any, path: str) -> None:
+        kind = _kind(t)
+        if kind in ("number", "text"):
+            (numbers if kind == "number" else texts).append(path)
+        elif kind == "schema" and isinstance(value, dict):
+            more = schema_fields(t, value, path + ".")
+            numbers.extend(more[0])
+            texts.extend(more[1])
+        elif kind == "list" and isinstance(value, list):
+            (item,) = typing.get_args(t)
+            for i, v in enumerate(value):
+                for arm in _arms(item):
+                    visit(arm, v, f"{path}.{i}")
+        elif kind == "dict" and isinstance(value, dict):
+            _, item = typing.get_args(t)
+            for k, v in value.items():
+                if "." not in k:
+                    for arm in _arms(item):
+                        visit(arm, v, f"{path}.{k}")
+
+    for name, hint in _hints(cls).items():
+        for arm in _arms(hint):
+            visit(arm, doc.get(name), prefix + name)
+    return list(dict.fromkeys(numbers)), list(dict.fromkeys(texts))
+
+
+def test_the_schema_walk_finds_the_fields_a_hand_list_missed() -> None:
+    """The progress route's `background_s` and `allocation_start` were never attacked
+    while the numbers were a hand list per route; derived from the schema they are, and
+    every field of every JSON body is either a number, text, bool or a nested schema."""
+    numbers, texts = schema_fields(ProgressBatch, BODIES["progress"])
+    assert {"attempt", "records.0.allocation_start", "records.1.background_s",
+            "records.1.data_wait_s", "records.0.at"} <= set(numbers), numbers
+    assert {"model", "records.0.kind", "records.1.reason"} <= set(texts), texts
+    for kind, cls in SCHEMAS.items():
+        for name, hint in _hints(cls).items():
+            assert all(_kind(arm) != "other" for arm in _arms(hint)), (kind, name, hint)
 
 
 def test_every_route_the_app_serves_has_a_hostile_case(tmp_path: Path) -> None:
@@ -400,10 +490,11 @@ def test_a_body_that_never_ends_is_cut_off(world: World, route: tuple[str, str])
         assert status < 500, (status, content[:200])
 
 
-def _with_number(document: Any, path: str, raw: str) -> str:
-    """`document` as JSON text with the number at `path` (dotted; list indexes as digits)
-    replaced by `raw` (NaN, Infinity, 1e999, five thousand digits)."""
-    marker = "__NUMBER__"
+def _with_raw(document: Any, path: str, raw: str) -> str:
+    """`document` as JSON text with the value at `path` (dotted; list indexes as digits)
+    replaced by `raw` JSON text (NaN, 1e999, five thousand digits; a string with a lone
+    surrogate or a control character escaped)."""
+    marker = "__RAW__"
     node = document
     *parents, last = path.split(".")
     for part in parents:
@@ -422,13 +513,16 @@ def test_nan_and_huge_numbers_are_422(world: World, route: tuple[str, str]) -> N
     with such parameters added."""
     case = CASES[route]
     token = world.token_for(case.scope)
-    if not case.numbers:
+    wheres = list(case.numbers)
+    if case.body in SCHEMAS:
+        wheres += schema_fields(SCHEMAS[case.body], json.loads(_own_body(world, case)))[0]
+    if not wheres:
         target = world.fill(case.target)
         target += ("&" if "?" in target else "?") + "limit=NaN&hours=1e999&ttl_s=" + "9" * 5000
         status, _, content, _ = _send(world, route, token=token, target=target)
         assert status < 500 and status == _send(world, route, token=token)[0], content[:200]
         return
-    for where in case.numbers:
+    for where in wheres:
         for raw in NUMBERS:
             if where.startswith("?"):
                 target = world.fill(case.target.replace("?namespace={namespace}", ""))
@@ -436,7 +530,7 @@ def test_nan_and_huge_numbers_are_422(world: World, route: tuple[str, str]) -> N
                 status, headers, content, _ = _send(world, route, token=token, target=target)
             else:
                 own = json.loads(_own_body(world, case))
-                body = _with_number(own, where, raw).encode()
+                body = _with_raw(own, where, raw).encode()
                 status, headers, content, _ = _send(world, route, token=token, body=body)
             _clear_4xx(status, headers, content, _method(route), 400, 413, 422)
 
@@ -467,6 +561,27 @@ def test_text_that_is_not_text_is_422_and_the_views_stay_200(
         read = {"authorization": f"Bearer {world.token_for('read')}"}
         for view in ("/v1/jobs", "/v1/stats", "/v1/dashboard"):
             assert c.get(view, headers=read).status_code == 200, view
+
+
+@pytest.mark.parametrize("route", [r for r in BODY_ROUTES if CASES[r].body in SCHEMAS],
+                         ids=lambda r: f"{r[0]} {r[1]}")
+def test_surrogates_and_controls_in_every_text_field_are_refused(
+        world: World, route: tuple[str, str]) -> None:
+    """#47: every text field of every JSON body, by its schema (names, reasons, details,
+    ids, enums, times, dict keys' values), with a lone surrogate, ESC, LF, CR or NUL: a
+    clear 4xx (422 by the text rule or the field's own pattern; 400 where a manifest's key
+    no longer matches), never stored, never a 5xx."""
+    case = CASES[route]
+    token = world.token_for(case.scope)
+    own = _own_body(world, case)
+    texts = schema_fields(SCHEMAS[case.body], json.loads(own))[1]
+    assert texts, route
+    for where in texts:
+        for raw in TEXTS:
+            body = _with_raw(json.loads(own), where, raw).encode()
+            status, headers, content, _ = _send(world, route, token=token, body=body)
+            assert status in (400, 422), (where, raw, status, content[:300])
+            _clear_4xx(status, headers, content, _method(route), 400, 422)
 
 
 def _own_body(w: World, case: Case) -> bytes:
