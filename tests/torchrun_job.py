@@ -7,8 +7,10 @@ saw to $RESULT_DIR/rank<N>.json.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -37,7 +39,7 @@ def train_step(compiled: nn.Module, opt: torch.optim.Optimizer, rank: int, step:
     opt.zero_grad()
 
 
-def main() -> None:
+def main() -> nn.Module:
     session = megacache_client.enable()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -55,7 +57,16 @@ def main() -> None:
               "publish_reason": pr.reason, "model": session.fp.model if session.fp else None}
     Path(os.environ["RESULT_DIR"], f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+    return model  # kept alive by the caller: see below
 
 
 if __name__ == "__main__":
-    main()
+    KEPT = main()
+    # torch's gloo teardown can deadlock when the DDP Reducer is freed (its destructor,
+    # holding the GIL, joins gloo's worker thread, which waits for the GIL): a warm rank
+    # of this job hung for ten minutes in a loaded CI run. As tests/ett_torchrun_job.py:
+    # the model is never freed; the exit handlers run, then the process ends.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
