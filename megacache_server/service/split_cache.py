@@ -20,6 +20,7 @@ loop queues behind itself, not in front of everyone's lookups.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -90,6 +91,8 @@ class SplitCache:
         self.index = index
         self.max_attempts = max_attempts
         self._kept: OrderedDict[Key, _Kept] = OrderedDict()
+        self._mutex = threading.Lock()
+        """Two namespaces' reads (and the operator's, over all) build in threads at once."""
         self.held = 0
         """Attempts the kept splits stand for."""
         self._lanes: dict[str | None, Lane] = {}
@@ -159,17 +162,19 @@ class SplitCache:
             kept.split = ett.join(JobProgress(*key, kept.last_seen, ()), kept.before,
                                   kept.last, compile_s, now)
             kept.split_at = now
-        if key in self._kept:
-            self._kept.move_to_end(key)
+        with self._mutex:
+            if key in self._kept:
+                self._kept.move_to_end(key)
         return kept.split
 
     def _keep(self, key: Key, kept: _Kept) -> None:
-        old = self._kept.pop(key, None)
-        self.held += kept.stamps.attempts - (old.stamps.attempts if old is not None else 0)
-        self._kept[key] = kept
-        while self.held > self.max_attempts and len(self._kept) > 1:
-            _, gone = self._kept.popitem(last=False)
-            self.held -= gone.stamps.attempts
+        with self._mutex:
+            old = self._kept.pop(key, None)
+            self.held += kept.stamps.attempts - (old.stamps.attempts if old is not None else 0)
+            self._kept[key] = kept
+            while self.held > self.max_attempts and len(self._kept) > 1:
+                _, gone = self._kept.popitem(last=False)
+                self.held -= gone.stamps.attempts
 
 
 def _key(compile_s: dict[int, float]) -> tuple[tuple[int, float], ...]:
