@@ -44,7 +44,7 @@ from conftest import BACKENDS, _configured, backend_args
 from helpers import LOOPBACK, ServerProcess, make_fingerprint, make_manifest, sha256
 
 from megacache_client.wire.events import Event
-from megacache_client.wire.manifest import Manifest
+from megacache_client.wire.manifest import MANIFEST_FORMAT, Manifest, sha256_hex
 from megacache_client.wire.progress import ProgressBatch
 from megacache_server.api.app import create_app
 from megacache_server.api.route_table import served
@@ -150,7 +150,8 @@ def _hints(cls: type) -> dict[str, Any]:
     if dataclasses.is_dataclass(cls):
         hints = typing.get_type_hints(cls, include_extras=True)
         return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-    return {name: f.annotation for name, f in cls.model_fields.items()}  # pydantic
+    fields: dict[str, Any] = cls.model_fields  # type: ignore[attr-defined]  # pydantic
+    return {name: f.annotation for name, f in fields.items()}
 
 
 def _arms(hint: Any) -> list[Any]:
@@ -561,6 +562,53 @@ def test_text_that_is_not_text_is_422_and_the_views_stay_200(
         read = {"authorization": f"Bearer {world.token_for('read')}"}
         for view in ("/v1/jobs", "/v1/stats", "/v1/dashboard"):
             assert c.get(view, headers=read).status_code == 200, view
+
+
+@pytest.mark.parametrize("where", ["fingerprint.model", "fingerprint.code", "torch_version",
+                                   "triton_version", "producer.rank", "blobs.0.meta.files",
+                                   "fingerprint.config.a\\u001bkey"])
+def test_a_manifest_whose_names_are_not_text_is_422_though_its_key_matches(
+        hostile: ServerProcess, where: str) -> None:
+    """#47: a manifest's names (its fingerprint's model and code, versions, producer and
+    meta values, component keys) follow the text rule too. The key is recomputed from the
+    bad fingerprint, so nothing but the rule refuses it (before: 201, stored, shown raw);
+    the same manifest with clean text is 201."""
+    n = os.urandom(3).hex()
+    ns = f"text-{n}"
+    auth = {"authorization": f"Bearer {hostile.token('read,write', namespace=ns, name=f't-{n}')}"}
+    data = os.urandom(3000)
+    m = make_manifest({"megacache": data}, make_fingerprint(model=f"m-{n}", namespace=ns))
+    doc = json.loads(m.to_json())
+    doc["producer"] = {"client": "megacache test", "rank": "0"}
+    doc["triton_version"] = "3.0.0"
+    doc["blobs"][0].setdefault("meta", {})["files"] = "1"
+
+    def put(c: httpx.Client, value: str) -> httpx.Response:
+        d = json.loads(json.dumps(doc))
+        *parents, last = where.split(".")
+        node = d
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+        if last.startswith("a\\"):  # a bad key: the value is clean
+            node[json.loads(f'"{last}"') if value != "ok" else "a-key"] = "v"
+        else:
+            node[last] = json.loads(f'"{value}"')
+        fp = {"format": MANIFEST_FORMAT, **d["fingerprint"]}  # canonical_json, surrogates kept
+        d["key"] = sha256_hex(json.dumps(fp, sort_keys=True, separators=(",", ":"),
+                                         ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        body = json.dumps(d).encode()
+        return c.put(f"/v1/ac/{d['key']}", content=body,
+                     headers={"content-type": "application/json"})
+
+    with httpx.Client(base_url=hostile.url, headers=auth, timeout=30) as c:
+        assert c.put(f"/v1/cas/{sha256(data)}", content=data).status_code == 201
+        for bad in ("m\\ud800x", "m\\nx", "m\\u001b[2Jx", "m\\u0000x"):
+            answer = put(c, bad)
+            assert answer.status_code == 422, (bad, answer.status_code, answer.text[:300])
+        assert c.get("/v1/ac", params={"namespace": ns}).json() == {"entries": []}
+        assert put(c, "ok").status_code == 201
+        for view in ("/v1/stats", "/v1/dashboard", "/v1/jobs"):
+            assert c.get(view).status_code == 200, view
 
 
 @pytest.mark.parametrize("route", [r for r in BODY_ROUTES if CASES[r].body in SCHEMAS],

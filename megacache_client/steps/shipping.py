@@ -25,6 +25,7 @@ from megacache_client.torch import relocate
 from megacache_client.torch.packs import compress_bytes, write_pack
 from megacache_client.transport.client import Progress, RemoteCache
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest, sha256_file, sha256_hex
+from megacache_client.wire.text import as_text
 from megacache_client.wire.version import __version__
 
 log = logging.getLogger("megacache")
@@ -150,7 +151,9 @@ def build_manifest(fp: Fingerprint, blobs: list[BlobRef], counts: dict[str, int]
         torch_version=torch_env.torch_version(), triton_version=torch_env.triton_version(),
         artifact_counts=counts, cold_compile_s=round(cold, 3),
         created_at=datetime.now(timezone.utc),
-        producer={"client": f"megacache {__version__}", "rank": os.environ.get("RANK", "0")},
+        # RANK is the launcher's text, not ours: escaped to the text rule (wire/text.py)
+        producer={"client": f"megacache {__version__}",
+                  "rank": as_text(os.environ.get("RANK", "0"), 256)},
     )
 
 

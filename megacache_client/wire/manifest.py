@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from megacache_client.wire.schema import Doc, Finite, Match, Range, Schema, Size, parse_json
+from megacache_client.wire.schema import Doc, Finite, Match, Range, Schema, Size, Text, parse_json
 
 MANIFEST_FORMAT: Literal[1] = 1
 """Bump when the manifest or the fingerprint recipe changes incompatibly; it is hashed into keys."""
@@ -38,7 +38,9 @@ FiniteFloat = Annotated[float, Finite()]
 Scalar = str | int | FiniteFloat | bool | None
 """A fingerprint value. NaN and infinities are refused: JSON cannot carry them, so a server
 that accepted one would store a `null` that fails validation on every later read."""
-ShortText = Annotated[str, Size(1, 256)]
+ShortText = Annotated[str, Size(1, 256), Text()]
+"""A name (model, code, torch version, a component's or meta key): text by the one rule
+(wire/text.py)."""
 Size53 = Annotated[int, Range(0, 2**53)]
 """A byte size or count: JSON numbers are exact to 2**53."""
 
@@ -72,7 +74,7 @@ class BlobRef(Schema):
     compression: Literal["zstd", "none"] = "zstd"
     raw_size: Annotated[Size53 | None, Doc("size after decompression")] = None
     raw_sha256: Annotated[Hex64 | None, Doc("sha256 after decompression")] = None
-    meta: Annotated[dict[ShortText, Annotated[str, Size(0, 4096)]],
+    meta: Annotated[dict[ShortText, Annotated[str, Size(0, 4096), Text()]],
                     Doc("role-specific facts the consumer checks before using the blob")] = \
         dataclasses.field(default_factory=dict)
 
@@ -111,11 +113,11 @@ class Manifest(Schema):
     blobs: Annotated[list[BlobRef], Size(1, MAX_BLOBS_PER_ENTRY)]
     fingerprint: Fingerprint
     torch_version: ShortText
-    triton_version: Annotated[str, Size(0, 256)] | None = None
+    triton_version: Annotated[str, Size(0, 256), Text()] | None = None
     artifact_counts: dict[ShortText, Size53] = dataclasses.field(default_factory=dict)
     cold_compile_s: Annotated[float, Range(0, 7 * 24 * 3600)]
     created_at: datetime = dataclasses.field(default_factory=_now)
-    producer: dict[ShortText, Annotated[str, Size(0, 256)]] = \
+    producer: dict[ShortText, Annotated[str, Size(0, 256), Text()]] = \
         dataclasses.field(default_factory=dict)
 
     def validate(self) -> None:
