@@ -167,13 +167,15 @@ class ClientConfig:
         if max_raw <= 0:
             raise ConfigError(f"MEGACACHE_MAX_RAW_BYTES must be positive, not {max_raw}")
         return replace(self, url=self.url.rstrip("/"), node_cache_dir=Path(self.node_cache_dir),
-                       max_raw_bytes=max_raw, model=_text_model(self.model))
+                       max_raw_bytes=max_raw, model=_text_model(self.model),
+                       code=_text_model(self.code, "MEGACACHE_CODE"))
 
 
-def _text_model(model: str | None) -> str | None:
-    """`model` if it is wire text, else None with one warning: a name with a control
-    character or a non-UTF-8 byte (a surrogateescape str from the environment) would be
-    refused by the server on every progress batch and retried for ever; the trainer runs
+def _text_model(model: str | None, variable: str = "MEGACACHE_MODEL") -> str | None:
+    """`model` (or `MEGACACHE_CODE`) if it is wire text, else None with one warning: a
+    name with a control character or a non-UTF-8 byte (a surrogateescape str from the
+    environment) would be refused by the server on every progress batch (a code name: on
+    every manifest) and retried for ever; the trainer runs
     on without the name instead (the default name applies)."""
     if model is None or model == "":
         return model or None
@@ -181,7 +183,7 @@ def _text_model(model: str | None) -> str | None:
     if why is None:
         return model
     logging.getLogger("megacache").warning(
-        "megacache: MEGACACHE_MODEL %s ignored: %s", escape_foreign(model, 80), why)
+        "megacache: %s %s ignored: %s", variable, escape_foreign(model, 80), why)
     return None
 
 

@@ -107,3 +107,17 @@ def test_a_bad_report_detail_is_refused_where_the_server_parses_it() -> None:
     with pytest.raises(ValidationError):
         EntryReport.model_validate({"detail": "ok", "job": "job\nforged"})
     assert EntryReport.model_validate({"detail": "ok é", "job": "j-1"}).job == "j-1"
+
+
+@pytest.mark.parametrize("raw", ["c\udcffx", "c\nx", "c\x1b[2J"])
+def test_a_code_name_that_is_not_text_is_dropped_at_enable_with_one_warning(
+        raw: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A manifest's fingerprint code follows the text rule (#47): a `MEGACACHE_CODE` that
+    breaks it would make every manifest the client builds fail its own schema."""
+    from megacache_client.config import ClientConfig
+    with caplog.at_level("WARNING", logger="megacache"):
+        config = ClientConfig.from_env({"MEGACACHE_CODE": raw})
+    assert config.code is None
+    warned = [r for r in caplog.records if "MEGACACHE_CODE" in r.getMessage()]
+    assert len(warned) == 1
+    assert ClientConfig.from_env({"MEGACACHE_CODE": "v1.2"}).code == "v1.2"

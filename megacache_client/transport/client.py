@@ -51,9 +51,9 @@ from megacache_client.wire import routes
 from megacache_client.wire.escape import escape, escape_logs
 from megacache_client.wire.manifest import Manifest, component_digest, sha256_file
 from megacache_client.wire.routes import Route
-from megacache_client.wire.schema import parse
+from megacache_client.wire.schema import SchemaError, parse
 from megacache_client.wire.signing import blob_origin, parse_origins
-from megacache_client.wire.text import as_text
+from megacache_client.wire.text import as_text, escape_foreign
 from megacache_client.wire.version import __version__
 
 __all__ = ["CircuitBreaker", "CircuitOpenError", "CorruptBlobError", "DeadlineExceeded",
@@ -249,7 +249,14 @@ class RemoteCache:
         a = self._exchange(routes.LIST_ENTRIES, "list entries", cap=reader.LISTING_JSON,
                            params=params)
         self._expect(a, (200,), "list entries")
-        return [parse(Manifest, e) for e in a.json()["entries"]]
+        entries: list[Manifest] = []
+        for e in a.json()["entries"]:
+            try:
+                entries.append(parse(Manifest, e))
+            except SchemaError as exc:  # stored before the text rule, or a hostile server
+                logging.getLogger("megacache").warning(
+                    "megacache: a listed entry is skipped: %s", escape_foreign(exc, 200))
+        return entries
 
     def put_entry(self, manifest: Manifest, *, if_match: str | None = None,
                   if_none_match: str | None = None) -> str | None:
