@@ -5,6 +5,7 @@ printable in one line."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -121,3 +122,50 @@ def test_a_code_name_that_is_not_text_is_dropped_at_enable_with_one_warning(
     warned = [r for r in caplog.records if "MEGACACHE_CODE" in r.getMessage()]
     assert len(warned) == 1
     assert ClientConfig.from_env({"MEGACACHE_CODE": "v1.2"}).code == "v1.2"
+
+
+def test_a_listed_entry_stored_before_the_rule_is_skipped_not_the_listing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A server's listing may hold an entry written before manifests' names were text
+    (a producer rank with a newline): the client skips that one with one warning and keeps
+    the rest (before: the whole listing raised, losing the fallback)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from helpers import make_manifest
+
+    from megacache_client.config import ClientConfig
+    from megacache_client.transport.breaker import CircuitBreaker
+    from megacache_client.transport.client import RemoteCache
+    from megacache_client.transport.retry import Deadline
+
+    good = json.loads(make_manifest({"megacache": b"good"}).to_json())
+    bad = json.loads(make_manifest({"megacache": b"bad"}).to_json())
+    bad["producer"] = {"client": "megacache 0.1", "rank": "0\n\x1b[2J"}
+    body = json.dumps({"entries": [bad, good]}).encode()
+
+    class Listing(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Listing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        config = ClientConfig(url=f"http://127.0.0.1:{server.server_port}", token="mc_t",
+                              node_cache_dir=tmp_path / "node")
+        with caplog.at_level("WARNING", logger="megacache"), \
+                RemoteCache(config, CircuitBreaker(), Deadline(30)) as remote:
+            listed = remote.list_entries(model="m")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [m.key for m in listed] == [good["key"]]
+    assert len([r for r in caplog.records if "listed entry" in r.getMessage()]) == 1
