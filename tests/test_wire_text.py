@@ -169,3 +169,15 @@ def test_a_listed_entry_stored_before_the_rule_is_skipped_not_the_listing(
         server.server_close()
     assert [m.key for m in listed] == [good["key"]]
     assert len([r for r in caplog.records if "listed entry" in r.getMessage()]) == 1
+
+
+def test_blob_meta_from_a_compilers_banner_is_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pack's meta carries the C++ compiler's banner: escaped to the text rule, so the
+    manifest the client builds passes its own schema and the server's (#47)."""
+    from megacache_client.torch import env as torch_env
+    from megacache_client.torch import relocate
+
+    monkeypatch.setattr(torch_env, "cxx_version", lambda: "g++ \x1b[31m13\r")
+    facts = relocate.build_facts()
+    assert facts["cxx"] == "g++ \\x1b[31m13\\r"
+    assert all(is_text(v, 256) for v in relocate.build_meta().values())

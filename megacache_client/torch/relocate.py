@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from megacache_client.wire.text import as_text
+
 INDEX_FORMAT = 1
 ARTIFACT_SUFFIXES = (".so", ".gch")
 """Files that are compiled output: what a consumer would otherwise have to build."""
@@ -56,7 +58,7 @@ def build_facts() -> dict[str, str]:
 
     from megacache_client.torch import env as torch_env
 
-    return {
+    facts = {
         "arch": platform.machine(),
         "isa": str(torch.backends.cpu.get_cpu_capability()).lower(),
         "march": _native_march() or "unknown",
@@ -64,6 +66,8 @@ def build_facts() -> dict[str, str]:
         "torch": str(torch.__version__),
         "torch_git": str(getattr(torch.version, "git_version", "") or "unknown"),
     }
+    # a compiler's banner is its text, not ours: blob meta values follow the text rule
+    return {k: as_text(v, 256) for k, v in facts.items()}
 
 
 def build_meta() -> dict[str, str]:
