@@ -64,16 +64,23 @@ def test_the_text_log_escapes_a_forged_line() -> None:
     assert line.startswith("WARNING   megacache: report detail: x\\nWARNING")
 
 
-@pytest.mark.parametrize("raw", ["m\udcffx", "m\nx", "m\x1b[2J", "x" * 300])
-def test_a_model_name_that_is_not_text_is_dropped_at_enable_with_one_warning(
-        raw: str, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(("variable", "raw", "clean"), [
+    *(("MEGACACHE_MODEL", raw, "llama-7b")
+      for raw in ("m\udcffx", "m\nx", "m\x1b[2J", "x" * 300)),
+    *(("MEGACACHE_CODE", raw, "v1.2") for raw in ("c\udcffx", "c\nx", "c\x1b[2J"))])
+def test_a_name_that_is_not_text_is_dropped_at_enable_with_one_warning(
+        variable: str, raw: str, clean: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A model or code name follows the text rule (#47): one that breaks it would be refused
+    by the server on every progress batch, or make every manifest the client builds fail
+    its own schema; it is dropped (the default applies) with one warning."""
     from megacache_client.config import ClientConfig
+    field = "model" if variable == "MEGACACHE_MODEL" else "code"
     with caplog.at_level("WARNING", logger="megacache"):
-        config = ClientConfig.from_env({"MEGACACHE_MODEL": raw})
-    assert config.model is None
-    warned = [r for r in caplog.records if "MEGACACHE_MODEL" in r.getMessage()]
+        config = ClientConfig.from_env({variable: raw})
+    assert getattr(config, field) is None
+    warned = [r for r in caplog.records if variable in r.getMessage()]
     assert len(warned) == 1
-    assert ClientConfig.from_env({"MEGACACHE_MODEL": "llama-7b"}).model == "llama-7b"
+    assert getattr(ClientConfig.from_env({variable: clean}), field) == clean
 
 
 def test_free_text_the_client_did_not_choose_is_sent_as_text() -> None:
@@ -110,64 +117,57 @@ def test_a_bad_report_detail_is_refused_where_the_server_parses_it() -> None:
     assert EntryReport.model_validate({"detail": "ok é", "job": "j-1"}).job == "j-1"
 
 
-@pytest.mark.parametrize("raw", ["c\udcffx", "c\nx", "c\x1b[2J"])
-def test_a_code_name_that_is_not_text_is_dropped_at_enable_with_one_warning(
-        raw: str, caplog: pytest.LogCaptureFixture) -> None:
-    """A manifest's fingerprint code follows the text rule (#47): a `MEGACACHE_CODE` that
-    breaks it would make every manifest the client builds fail its own schema."""
-    from megacache_client.config import ClientConfig
-    with caplog.at_level("WARNING", logger="megacache"):
-        config = ClientConfig.from_env({"MEGACACHE_CODE": raw})
-    assert config.code is None
-    warned = [r for r in caplog.records if "MEGACACHE_CODE" in r.getMessage()]
-    assert len(warned) == 1
-    assert ClientConfig.from_env({"MEGACACHE_CODE": "v1.2"}).code == "v1.2"
-
-
 def test_a_listed_entry_stored_before_the_rule_is_skipped_not_the_listing(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A server's listing may hold an entry written before manifests' names were text
-    (a producer rank with a newline): the client skips that one with one warning and keeps
-    the rest (before: the whole listing raised, losing the fallback)."""
+    """A real server's listing may hold an entry an older server stored before manifests'
+    names were text (a producer rank with a newline; the server serves stored bytes as
+    they are): the client skips that one with one warning and keeps the rest (before: the
+    whole listing raised, losing the fallback)."""
+    import asyncio
     import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from helpers import make_manifest
+    from helpers import ServerProcess, make_fingerprint, make_manifest
 
     from megacache_client.config import ClientConfig
     from megacache_client.transport.breaker import CircuitBreaker
     from megacache_client.transport.client import RemoteCache
     from megacache_client.transport.retry import Deadline
+    from megacache_client.wire.manifest import component_digest
+    from megacache_server.store.index.protocols.entries import NewEntry, Precondition
+    from megacache_server.store.index.sqlite import SqliteIndex
 
-    good = json.loads(make_manifest({"megacache": b"good"}).to_json())
-    bad = json.loads(make_manifest({"megacache": b"bad"}).to_json())
+    good = make_manifest({"megacache": b"good"})
+    bad = json.loads(make_manifest({"megacache": b"bad"}, make_fingerprint(code="old")).to_json())
     bad["producer"] = {"client": "megacache 0.1", "rank": "0\n\x1b[2J"}
-    body = json.dumps({"entries": [bad, good]}).encode()
 
-    class Listing(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    async def store() -> None:  # past the schema, as an older server wrote it
+        index = SqliteIndex(tmp_path / "data" / "index.sqlite3")
+        await index.open()
+        try:
+            fp = good.fingerprint
+            for manifest_json, at in ((json.dumps(bad).encode(), 1.0),
+                                      (good.to_json(), 2.0)):
+                doc = json.loads(manifest_json)
+                await index.put(NewEntry(
+                    key=doc["key"], manifest_json=manifest_json, namespace=fp.namespace,
+                    model=fp.model, env_digest=component_digest(fp.env),
+                    hw_digest=component_digest(fp.hw),
+                    digests=tuple(b["digest"] for b in doc["blobs"]), size=1, created_at=at),
+                    Precondition())
+        finally:
+            await index.close()
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Listing)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    (tmp_path / "data").mkdir()
+    asyncio.run(store())
+    server = ServerProcess(tmp_path / "data").start()
     try:
-        config = ClientConfig(url=f"http://127.0.0.1:{server.server_port}", token="mc_t",
-                              node_cache_dir=tmp_path / "node")
+        config = ClientConfig(url=server.url, node_cache_dir=tmp_path / "node")
         with caplog.at_level("WARNING", logger="megacache"), \
                 RemoteCache(config, CircuitBreaker(), Deadline(30)) as remote:
-            listed = remote.list_entries(model="m")
+            listed = remote.list_entries(model=good.fingerprint.model)
     finally:
-        server.shutdown()
-        server.server_close()
-    assert [m.key for m in listed] == [good["key"]]
+        server.stop()
+    assert [m.key for m in listed] == [good.key]
     assert len([r for r in caplog.records if "listed entry" in r.getMessage()]) == 1
 
 
