@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import itertools
 import os
@@ -9,7 +10,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import NoReturn, TypeVar
+from typing import NoReturn, TextIO, TypeVar
 
 import httpx
 import pytest
@@ -246,3 +247,36 @@ def pytest_testnodedown(node: object, error: object) -> None:
     left = getattr(node, "workeroutput", {}).get("leftover_groups", [])
     config: pytest.Config = node.config  # type: ignore[attr-defined]
     config.stash[_LEFT_BY_WORKERS] = config.stash.get(_LEFT_BY_WORKERS, []) + left
+
+
+HANG_MARGIN_S = float(os.environ.get("MEGACACHE_TEST_HANG_MARGIN_S", "120"))
+"""How long past pytest-timeout's limit a test may go before the watchdog ends its process
+(the environment variable is for the watchdog's own test)."""
+
+_WATCHDOG_OUT = pytest.StashKey[TextIO]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep a copy of the real stderr for the hang watchdog (pytest captures fd 2 during a
+    test; a dump written there would go with the process)."""
+    config.stash[_WATCHDOG_OUT] = os.fdopen(os.dup(2), "w")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A hang pytest-timeout cannot break ends the process, with every thread's stack.
+
+    pytest-timeout raises in the main thread by SIGALRM: a test stuck in C code (a lock
+    taken without the GIL, a child's pipe) never sees it, nor does cleanup that blocks
+    after its one alarm, and the whole run would wait for CI's limit with no clue.
+    faulthandler's watchdog is a C thread: past the limit plus a margin it writes every
+    thread's traceback to the real stderr and exits; pytest-xdist reports the test as
+    crashed, names it, and runs the rest on a new worker."""
+    limit = float(item.config.getini("timeout") or 0)
+    out = item.config.stash.get(_WATCHDOG_OUT, None)
+    if limit > 0 and out is not None:
+        faulthandler.dump_traceback_later(limit + HANG_MARGIN_S, exit=True, file=out)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()

@@ -126,3 +126,32 @@ def test_ci_runs_exactly_the_readmes_test_command():
                      re.M), f"README, Tests: no '{run_tests}  # everything: what .ci/run runs'"
     # on xdist workers, a file's module-scoped servers stay in one worker
     assert " -n " not in run_tests or run_tests.endswith(" --dist loadfile"), run_tests
+
+
+def test_a_hang_the_timeout_cannot_break_ends_with_every_threads_stack(tmp_path: Path):
+    """A test stuck where SIGALRM never reaches it (here: the signal blocked, as in C code
+    holding a lock) is ended by conftest's watchdog past the limit, naming where it hung,
+    instead of holding the run until CI's own limit (a stop once waited 65 min for one)."""
+    import subprocess
+    import sys
+    import time
+
+    tests = Path(__file__).resolve().parent
+    (tmp_path / "test_stuck.py").write_text(
+        "import signal, time\n"
+        "def test_stuck_where_no_alarm_reaches():\n"
+        "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\n"
+        "    time.sleep(120)\n")
+    env = {**os.environ, "MEGACACHE_TEST_HANG_MARGIN_S": "1", "PYTHONPATH": str(tests)}
+    env = {k: v for k, v in env.items() if not k.startswith("PYTEST_")}
+    started = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider",
+         "-o", "timeout=1", "-o", "addopts=", "--rootdir", str(tmp_path),
+         str(tmp_path / "test_stuck.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    took = time.monotonic() - started
+    assert run.returncode != 0
+    assert took < 60, f"the watchdog did not end the hang ({took:.0f} s)"
+    assert "Timeout" in run.stderr and "test_stuck_where_no_alarm_reaches" in run.stderr, \
+        run.stderr[-2000:]
