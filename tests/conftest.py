@@ -252,14 +252,34 @@ def pytest_testnodedown(node: object, error: object) -> None:
 HANG_MARGIN_S = float(os.environ.get("MEGACACHE_TEST_HANG_MARGIN_S", "120"))
 """How long past pytest-timeout's limit a test may go before the watchdog ends its process
 (the environment variable is for the watchdog's own test)."""
+IDLE_LIMIT_S = 30 * 60.0
+"""A process that ran a test and waits this long for the next (or its shutdown) is stuck."""
+CI_RUN_LIMIT_S = 80 * 60.0
+"""In CI, the run's controller ends itself with its stacks before CI's own 90 min limit."""
 
 _WATCHDOG_OUT = pytest.StashKey[TextIO]()
 
 
+def _watch(config: pytest.Config, seconds: float) -> None:
+    """(Re)arm faulthandler's watchdog: past `seconds` it writes every thread's traceback to
+    the real stderr and ends the process. It is a C thread, so it fires where SIGALRM
+    cannot (a test stuck in C code, cleanup blocking after pytest-timeout's one alarm)."""
+    out = config.stash.get(_WATCHDOG_OUT, None)
+    if out is not None and seconds > 0:
+        faulthandler.dump_traceback_later(seconds, exit=True, file=out)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Keep a copy of the real stderr for the hang watchdog (pytest captures fd 2 during a
-    test; a dump written there would go with the process)."""
+    """Keep a copy of the real stderr for the watchdog (pytest captures fd 2 during a test;
+    a dump written there would go with the process). In CI the controller of the run is
+    watched as a whole: a stuck run ends with its stacks printed, not at CI's limit."""
     config.stash[_WATCHDOG_OUT] = os.fdopen(os.dup(2), "w")
+    if os.environ.get("CI", "").lower() == "true" and not hasattr(config, "workerinput"):
+        _watch(config, CI_RUN_LIMIT_S)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -268,15 +288,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
     pytest-timeout raises in the main thread by SIGALRM: a test stuck in C code (a lock
     taken without the GIL, a child's pipe) never sees it, nor does cleanup that blocks
-    after its one alarm, and the whole run would wait for CI's limit with no clue.
-    faulthandler's watchdog is a C thread: past the limit plus a margin it writes every
-    thread's traceback to the real stderr and exits; pytest-xdist reports the test as
-    crashed, names it, and runs the rest on a new worker."""
-    limit = float(item.config.getini("timeout") or 0)
-    out = item.config.stash.get(_WATCHDOG_OUT, None)
-    if limit > 0 and out is not None:
-        faulthandler.dump_traceback_later(limit + HANG_MARGIN_S, exit=True, file=out)
+    after its one alarm, and the whole run would wait for CI's limit with no clue (one
+    stop's CI waited 65 min with 5 tests unreported). Past the limit plus a margin the
+    watchdog ends the worker; pytest-xdist reports the test as crashed, names it, and runs
+    the rest on a new worker. Between tests the process is watched for IDLE_LIMIT_S."""
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0] if marker and marker.args else item.config.getini("timeout") or 0)
+    if limit > 0:
+        _watch(item.config, limit + HANG_MARGIN_S)
+    else:  # pytest-timeout off for this test: only the idle watch stands
+        faulthandler.cancel_dump_traceback_later()
     try:
         yield
     finally:
-        faulthandler.cancel_dump_traceback_later()
+        _watch(item.config, IDLE_LIMIT_S)
