@@ -85,10 +85,15 @@ def run_demo(python: Path, out: Path, steps: int, timeout: float) -> dict[str, A
     return _run(cmd, out, timeout)
 
 
+NEW_MACHINE = "megacache+precompile"
+"""compile_bench's scenario for a new machine: the client's defaults (precompiled Dynamo on
+for verified entries); `--new-machine megacache` measures it with precompiled Dynamo off."""
+
+
 def run_bench(python: Path, out: Path, models: Sequence[str], repeats: int, steps: int,
-              timeout: float) -> dict[str, Any]:
+              timeout: float, new_machine: str = NEW_MACHINE) -> dict[str, Any]:
     cmd = [str(python), str(BENCH_DIR / "compile_bench.py"), "--models", ",".join(models),
-           "--scenarios", "cold,warm-local,megacache", "--repeats", str(repeats),
+           "--scenarios", f"cold,warm-local,{new_machine}", "--repeats", str(repeats),
            "--steps", str(steps), "--out", str(out)]
     return _run(cmd, out, timeout)
 
@@ -120,7 +125,8 @@ def demo_row(version: str, demo: dict[str, Any]) -> dict[str, Any]:
             "nothing_loaded": demo.get("nothing_loaded", "")}
 
 
-def bench_rows(version: str, bench: dict[str, Any]) -> list[dict[str, Any]]:
+def bench_rows(version: str, bench: dict[str, Any],
+               new_machine: str = NEW_MACHINE) -> list[dict[str, Any]]:
     if "summary" not in bench:
         return [{"torch": version, "model": "compile_bench", "source": "compile_bench",
                  "error": bench.get("error", "no result")}]
@@ -128,10 +134,10 @@ def bench_rows(version: str, bench: dict[str, Any]) -> list[dict[str, Any]]:
     by = {(r["model"], r["scenario"]): r for r in bench["summary"]}
     for model in dict.fromkeys(r["model"] for r in bench["summary"]):
         cold, warm, new = (by.get((model, s)) or {} for s in ("cold", "warm-local",
-                                                                "megacache"))
+                                                                new_machine))
         jobs = {s: [j for j in bench["jobs"] if j["model"] == model and j["scenario"] == s
-                    and j.get("ok")] for s in ("cold", "megacache")}
-        losses = [j["losses"] for j in jobs["cold"] + jobs["megacache"]]
+                    and j.get("ok")] for s in ("cold", new_machine)}
+        losses = [j["losses"] for j in jobs["cold"] + jobs[new_machine]]
         errors = [e for r in (cold, warm, new) for e in r.get("errors") or [] if e]
         rows.append({"torch": version, "model": model, "source": "compile_bench",
                      "cold_s": cold.get("ttfs_median_s"),
@@ -205,7 +211,8 @@ def write_docs(report: dict[str, Any]) -> None:
                      for c in report.get("commands", [report["argv"]])], "```", "",
         f"{report['date']}, {report['machine']}; medians of {report['repeats']} repeat(s) "
         f"of {report['steps']} steps; time to first step in seconds, from process start. "
-        "`new machine`: empty Inductor, Triton, TMPDIR and node caches, warm from megacache; "
+        "`new machine`: empty Inductor, Triton, TMPDIR and node caches, warm from megacache "
+        f"(compile_bench's `{report.get('new_machine', 'megacache')}` scenario); "
         "`warm-local`: torch's own restart on the cold run's caches; `no load`: the new "
         "machine loaded nothing, no ratio shown.", "",
         markdown(report["rows"]), "", *notes(report["rows"], report["versions"]), "", END])
@@ -227,6 +234,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-demo", action="store_true", help="the compile benchmark only")
+    parser.add_argument("--new-machine", default=NEW_MACHINE,
+                        choices=("megacache+precompile", "megacache"),
+                        help="the new machine's compile_bench scenario (default: the "
+                             "client's defaults, precompiled Dynamo on)")
     parser.add_argument("--use", action="append", default=[], metavar="VERSION=PYTHON",
                         help="run VERSION with this existing interpreter instead of a venv")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
@@ -263,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"torch {version}: compile benchmark ({args.models})")
         rows += bench_rows(version, run_bench(python, work / f"bench-{version}.json",
                                               args.models.split(","), args.repeats,
-                                              args.steps, args.timeout))
+                                              args.steps, args.timeout, args.new_machine),
+                           args.new_machine)
         log(f"torch {version}: done")
     import platform
 
@@ -281,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "commands": commands,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "repeats": args.repeats, "steps": args.steps, "versions": versions,
+              "new_machine": args.new_machine,
               "rows": rows, "runs": str(work)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
