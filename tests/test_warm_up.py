@@ -5,7 +5,10 @@ exactly as if there had been no warm-up (real torch.compile on a tiny CPU model)
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +16,8 @@ import pytest
 from conftest import need  # noqa: E402
 
 torch = need("torch", "warm_up compiles a real model")
+from ddp_warm_up_job import compiles  # noqa: E402  (tests/ddp_warm_up_job.py)
+from ddp_warm_up_job import model as tiny_model  # noqa: E402
 from torch import nn  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
@@ -43,19 +48,6 @@ def _cache_dir(factory: pytest.TempPathFactory) -> Path:
     return _CACHE[0]
 
 
-def _model() -> nn.Module:
-    """BatchNorm (buffers a forward changes) and Dropout (draws from the generator)."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.ReLU(),
-                         nn.Linear(16, 2))
-
-
-def _compiles() -> int:
-    """Dynamo frames compiled plus Inductor graphs built or loaded (forward and backward)."""
-    return counters["frames"]["total"] + counters["inductor"]["fxgraph_cache_miss"] + \
-        counters["inductor"]["fxgraph_cache_hit"]
-
-
 def _step(compiled: nn.Module, model: nn.Module, opt: torch.optim.Optimizer,
           x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     torch.manual_seed(1)
@@ -73,7 +65,7 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def test_after_warm_up_the_first_step_compiles_nothing_and_matches_no_warm_up() -> None:
-    warm, plain = _model(), _model()
+    warm, plain = tiny_model(), tiny_model()
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
     warm_opt = torch.optim.SGD(warm.parameters(), lr=0.1, momentum=0.9)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
@@ -92,9 +84,9 @@ def test_after_warm_up_the_first_step_compiles_nothing_and_matches_no_warm_up() 
     assert len(after) == len(before) and all(
         torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
-    compiled_before = _compiles()
+    compiled_before = compiles()
     warm_loss = _step(compiled, warm, warm_opt, x, y)
-    assert _compiles() == compiled_before, "the first real step compiled again"
+    assert compiles() == compiled_before, "the first real step compiled again"
 
     torch.manual_seed(7)  # the control: the same trainer, no warm-up
     plain_loss = _step(torch.compile(plain), plain, plain_opt, x, y)
@@ -104,7 +96,7 @@ def test_after_warm_up_the_first_step_compiles_nothing_and_matches_no_warm_up() 
 
 
 def test_the_first_call_waits_for_the_warm_up_instead_of_compiling_twice() -> None:
-    model = _model()
+    model = tiny_model()
     compiled = torch.compile(model)
     handle = megacache_client.warm_up(compiled, torch.randn(4, 8))
     compiled(torch.randn(4, 8)).sum().backward()  # at once: the pre-hook waits
@@ -115,7 +107,7 @@ def test_the_first_call_waits_for_the_warm_up_instead_of_compiling_twice() -> No
 
 def test_a_failed_warm_up_warns_once_and_training_goes_on(
         caplog: pytest.LogCaptureFixture) -> None:
-    model = _model()
+    model = tiny_model()
     compiled = torch.compile(model)
     buffers = copy.deepcopy(list(model.buffers()))
     caplog.set_level(logging.WARNING, logger="megacache")
@@ -144,22 +136,16 @@ def test_a_compiled_call_in_a_warm_up_is_not_the_first_step() -> None:
 def test_a_ddp_model_warms_up_without_collectives_or_the_reducer(tmp_path: Path) -> None:
     """DDP(torch.compile(model)): the inner module runs in DDP's forward context (no
     collective, no reducer), so the first DDP step compiles nothing and its backward (the
-    reducer's first) goes through."""
-    dist = need("torch.distributed", "the DDP warm-up runs a real process group")
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
-                            rank=0, world_size=1)
-    try:
-        model = _model()
-        ddp = DDP(torch.compile(model))
-        handle = megacache_client.warm_up(ddp, torch.randn(4, 8))
-        assert handle.wait(600) is not None, handle.error
-        assert all(p.grad is None for p in model.parameters())
-        compiled_before = _compiles()
-        for _ in range(2):  # a reducer left expecting a backward would fail the second
-            ddp(torch.randn(4, 8)).sum().backward()
-        assert _compiles() == compiled_before
-        assert all(p.grad is not None for p in model.parameters())
-    finally:
-        dist.destroy_process_group()
+    reducer's first) goes through. In a child process (tests/ddp_warm_up_job.py): a Reducer
+    freed in the test worker can deadlock it beyond any timeout."""
+    need("torch.distributed", "the DDP warm-up runs a real process group")
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "ddp_warm_up_job.py"),
+                          str(tmp_path / "store")], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    facts = json.loads(run.stdout.strip().splitlines()[-1])
+    assert facts["warmed"], facts["error"]
+    assert facts["compiles_after_warm_up"] > 0  # the warm-up compiled
+    assert facts["grads_after_warm_up"] == 0  # and left no trace
+    assert facts["compiles_after_steps"] == facts["compiles_after_warm_up"]
+    assert facts["grads_after_steps"] == facts["params"]
