@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import pytest
 from conftest import need
 
 from megacache_client.torch import precompile_verify
@@ -48,3 +49,44 @@ def test_a_round_that_does_not_wait_gets_the_unchecked_as_pending() -> None:
     assert rounds == []  # nothing verified: no round to add it
     later = precompile_verify.check({KIND: [art]}, KIND, wait=False)  # kept per content
     assert later.pending == frozenset() and later.failed == done.failed
+
+
+def test_a_refusal_on_the_artifact_stands_for_the_next_machine_that_traces_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer's check that refuses an artifact on the artifact itself (here: bytes no
+    torch can load, checked in a real child) names its key in the bundle's meta; a new
+    machine that traces the same key again leaves it out without starting a child (its
+    exit waited seconds for the same answer before), and says so in its own meta."""
+    from megacache_client.torch import precompile
+
+    art = Artifact("k-refused", b"the producer's trace, which no torch can load")
+    kept, note, refused = precompile.verified_for_shipping({KIND: [art]}, set(), wait=True)
+    assert kept[KIND] == [] and "not verified" in note and refused == {"k-refused"}
+    meta = precompile.producer_meta(kept, refused)
+    assert meta == {precompile.META_REFUSED: "k-refused"}
+
+    children: list[object] = []
+    monkeypatch.setattr(precompile_verify, "_run_child",
+                        lambda todo: children.append(todo) or {a.key: "" for a in todo})
+    again = Artifact("k-refused", b"a new machine's trace of it (other bytes)")
+    fresh = Artifact("k-fresh", b"a trace nobody refused")
+    kept, note, refused = precompile.verified_for_shipping(
+        {KIND: [again, fresh]}, set(), refused_before=precompile.refused_by([meta]),
+        wait=True)
+    assert [a.key for a in kept[KIND]] == ["k-fresh"] and "producer" in note
+    assert refused == {"k-refused"}
+    assert [[a.key for a in todo] for todo in children] == [["k-fresh"]]  # one child, fresh only
+
+
+def test_a_check_whose_process_failed_refuses_nothing_for_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timeout on a busy machine is no verdict on the artifact: it stays out of this
+    publish but is not named refused, so the next machine checks it again."""
+    from megacache_client.torch import precompile
+
+    monkeypatch.setattr(precompile_verify, "TIMEOUT_S", 0.01)
+    art = Artifact("k-timed-out", b"bytes whose check never got to run")
+    kept, note, refused = precompile.verified_for_shipping({KIND: [art]}, set(), wait=True)
+    assert kept[KIND] == [] and "did not finish" in note
+    assert refused == frozenset()
+    assert precompile.producer_meta(kept, refused) == {}

@@ -222,7 +222,7 @@ def _add_lacking(f: Follow, track: Track, other: str, served: ServedEntry) -> bo
     artifacts = torch_env.merged(theirs, new) if any(new.values()) else None
     counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()} \
         if artifacts is not None else dict(entry.artifact_counts)
-    bundle = _merged_bundle(f.node, ref, theirs, artifacts) \
+    bundle = _merged_bundle(f.node, ref, theirs, artifacts, f.snap.meta) \
         if artifacts is not None else ref
     blobs = [bundle, *(b for b in entry.blobs if b.role != "megacache"), *extra]
     ours = [b for b in (bundle, *extra) if b is not ref]
@@ -271,11 +271,12 @@ def _lacking(theirs: torch_env.Artifacts, ours: torch_env.Artifacts) -> torch_en
 
 
 def _merged_bundle(node: NodeCache, ref: BlobRef, theirs: torch_env.Artifacts,
-                   artifacts: torch_env.Artifacts) -> BlobRef:
-    """The merged artifacts as a bundle blob; its precompile meta
-    is the claimant's when the precompiled entries are theirs (`_lacking`), else ours."""
+                   artifacts: torch_env.Artifacts, ours: dict[str, str]) -> BlobRef:
+    """The merged artifacts as a bundle blob; its precompile meta is the claimant's when
+    the precompiled entries are theirs (`_lacking`), else ours (`ours`: our snapshot's,
+    whose refusals it keeps)."""
     meta = dict(ref.meta) if theirs.get(precompile.ARTIFACT_TYPE) \
-        else precompile.producer_meta(artifacts)
+        else precompile.producer_meta(artifacts, precompile.refused_by([ours]))
     return bundle_blob(node, torch_env.to_bytes(artifacts), meta)
 
 

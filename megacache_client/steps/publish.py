@@ -51,13 +51,18 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
     raw, keys = saved
     artifacts: torch_env.Artifacts | None = None
     note = ""
+    refused: frozenset[str] = frozenset()
     if keys.get(precompile.ARTIFACT_TYPE):  # what may ship decides what is lacking
         artifacts, note = _shippable(raw, precompile_keys)
         # checked before `lacking`: an artifact that fails is never lacking, or every
-        # consumer that traces it would publish again (the verdict is kept per content)
-        artifacts, unverified = precompile.verified_for_shipping(artifacts, {
-            k for t in tracks if t.load.outcome == "hit"
-            for kind, k in t.load.loaded_keys if kind == precompile.ARTIFACT_TYPE},
+        # consumer that traces it would publish again (the verdict is kept per content,
+        # and the loaded entry's producer's refusals stand without a check)
+        hits = [t.load for t in tracks if t.load.outcome == "hit"]
+        artifacts, unverified, refused = precompile.verified_for_shipping(
+            artifacts, {k for load in hits for kind, k in load.loaded_keys
+                        if kind == precompile.ARTIFACT_TYPE},
+            refused_before=precompile.refused_by(
+                load.bundle.ref.meta for load in hits if load.bundle is not None),
             wait=wait_verify, on_verdicts=on_verdicts)
         note = note or unverified
         keys = torch_env.keys_of(artifacts)
@@ -76,7 +81,7 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
     counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()}
     return Snapshot(torch_env.to_bytes(artifacts), counts, kernels,
                     torch_env.compile_seconds(), lacking, new_keys, kernel_ids,
-                    precompile.producer_meta(artifacts)), note
+                    precompile.producer_meta(artifacts, refused)), note
 
 
 def _shippable(raw: bytes, precompile_keys: dict[str, list[str]] | None

@@ -62,6 +62,9 @@ META_TORCH = "precompile_torch"
 META_PYTHON = "precompile_python"
 META_IDS = "precompile_unique_ids"
 META_VERIFIED = "precompile_verified"
+META_REFUSED = "precompile_refused"
+"""Keys of the producer's precompile artifacts its check refused on the artifact itself
+(`precompile_verify.settled`): a consumer that traces one again leaves it out unchecked."""
 """The keys of the bundle's precompile artifacts its producer verified in a child process
 (`precompile_verify`), comma-separated: a consumer loads no other."""
 MAX_IDS = 10**9
@@ -178,30 +181,48 @@ def for_shipping(artifacts: torch_env.Artifacts, compiled: dict[str, list[str]]
         f"{_names(bad)} would not be defined on a new machine")
 
 
+def refused_by(metas: Iterable[dict[str, str]]) -> frozenset[str]:
+    """The precompile keys the producers of these bundles refused (`META_REFUSED`)."""
+    return frozenset(k for meta in metas for k in meta.get(META_REFUSED, "").split(",") if k)
+
+
 def verified_for_shipping(artifacts: torch_env.Artifacts, loaded: set[str], *,
-                          wait: bool = True, on_verdicts: Callable[[], None] | None = None
-                          ) -> tuple[torch_env.Artifacts, str]:
+                          refused_before: frozenset[str] = frozenset(), wait: bool = True,
+                          on_verdicts: Callable[[], None] | None = None
+                          ) -> tuple[torch_env.Artifacts, str, frozenset[str]]:
     """The artifacts this process may publish now that its own precompile artifacts were
-    put to the child-process check (`precompile_verify`), and why any failed ("" = none).
+    put to the child-process check (`precompile_verify`), why any failed ("" = none), and
+    the keys refused on the artifact itself (for the bundle's `META_REFUSED`).
     `loaded`: precompile keys this process loaded from a verified entry (not traced here,
-    already verified by their producer, shipped again as they were). Without `wait`,
-    artifacts whose check is under way are left out for now, without a note: the round
-    `on_verdicts` runs adds them once verified."""
+    already verified by their producer, shipped again as they were). `refused_before`:
+    keys the loaded entry's producer refused; traced again here they are left out without
+    a check (a new machine's exit does not wait seconds for a child to say it again).
+    Without `wait`, artifacts whose check is under way are left out for now, without a
+    note: the round `on_verdicts` runs adds them once verified."""
     from megacache_client.torch import precompile_verify
 
-    own = {ARTIFACT_TYPE: [a for a in artifacts.get(ARTIFACT_TYPE, []) if a.key not in loaded]}
-    if not own[ARTIFACT_TYPE]:
-        return artifacts, ""
-    verdicts = precompile_verify.check(own, ARTIFACT_TYPE, wait=wait, on_verdicts=on_verdicts)
-    left_out = set(verdicts.failed) | verdicts.pending
+    own = [a for a in artifacts.get(ARTIFACT_TYPE, []) if a.key not in loaded]
+    if not own:
+        return artifacts, "", frozenset()
+    known = {a.key: "its producer's check refused it" for a in own if a.key in refused_before}
+    failed, pending = dict(known), frozenset[str]()
+    unchecked = {ARTIFACT_TYPE: [a for a in own if a.key not in known]}
+    if unchecked[ARTIFACT_TYPE]:
+        verdicts = precompile_verify.check(unchecked, ARTIFACT_TYPE, wait=wait,
+                                           on_verdicts=on_verdicts)
+        failed |= verdicts.failed
+        pending = verdicts.pending
+    refused = frozenset(k for k, why in failed.items()
+                        if k in known or precompile_verify.settled(why))
+    left_out = set(failed) | pending
     if not left_out:
-        return artifacts, ""
+        return artifacts, "", refused
     kept = torch_env.without(artifacts, ARTIFACT_TYPE, left_out)
-    n = len(verdicts.failed)
-    if not n:
-        return kept, ""
+    if not failed:
+        return kept, "", refused
+    n = len(failed)
     return kept, (f"{n} precompiled Dynamo entr{'y' if n == 1 else 'ies'} not verified, "
-                  "not shipped: " + next(iter(verdicts.failed.values())))
+                  "not shipped: " + next(iter(failed.values()))), refused
 
 
 def _names(bad: dict[str, list[str]]) -> str:
@@ -316,19 +337,22 @@ def shared_key(compiled: dict[str, list[str]]) -> str:
     return ""
 
 
-def producer_meta(artifacts: torch_env.Artifacts) -> dict[str, str]:
+def producer_meta(artifacts: torch_env.Artifacts, refused: Iterable[str] = ()
+                  ) -> dict[str, str]:
     """What the bundle blob records about its precompile artifacts, for consumers to check.
     Every precompile artifact a bundle holds is a verified one (`verified_for_shipping`
     leaves the others out; loaded ones were verified by their producer), so all are named
-    verified."""
+    verified; `refused` names those the check refused (`META_REFUSED`)."""
     keys = sorted(a.key for a in artifacts.get(ARTIFACT_TYPE, []))
+    said = {META_REFUSED: _joined(sorted(set(refused)), MAX_META)} if refused else {}
     if not keys:
-        return {}
+        return said
     from torch._dynamo import bytecode_transformation
 
     high_water = next(bytecode_transformation._unique_id_counter)
-    return {META_TORCH: torch_env.torch_version(), META_PYTHON: platform.python_version(),
-            META_IDS: str(high_water), META_VERIFIED: _joined(keys, MAX_META)}
+    return {**said, META_TORCH: torch_env.torch_version(),
+            META_PYTHON: platform.python_version(), META_IDS: str(high_water),
+            META_VERIFIED: _joined(keys, MAX_META)}
 
 
 MAX_META = 4096

@@ -47,6 +47,10 @@ TIMEOUT_S = 180.0
 """The child's bound: importing torch and loading a model's graphs takes seconds; a child
 stuck longer than this costs the entry its precompiled output, never the trainer."""
 
+PROCESS_FAILED = "the check's process"
+"""How a verdict begins when the check's process failed as a whole (a crash, a timeout on a
+busy machine): no verdict on the artifact itself, unlike every other failure."""
+
 _VERDICTS: dict[str, str] = {}
 """sha256 of an artifact's content -> why it is not verified ("" = verified)."""
 _LOGGED: set[str] = set()
@@ -116,12 +120,21 @@ def check(artifacts: torch_env.Artifacts, kind: str, *, wait: bool,
     return Verdicts(failed, pending)
 
 
+def settled(why: str) -> bool:
+    """Whether a failed verdict is on the artifact itself (it does not load in a fresh
+    process, names globals a new machine lacks, computes other values): the same trace
+    fails the same way on any machine, so its producer's verdict can stand for everyone
+    who traces it again. A check whose process failed settles nothing."""
+    return bool(why) and not why.startswith(PROCESS_FAILED)
+
+
 def _check_in_background(todo: list[Any], digests: list[str], done: threading.Event,
                          on_verdicts: Callable[[], None] | None) -> None:
     try:
         verdicts = _run_child(todo)
     except Exception as exc:  # never the trainer's problem: the artifacts stay out
-        verdicts = {a.key: f"the check failed: {type(exc).__name__}: {exc}" for a in todo}
+        verdicts = {a.key: f"{PROCESS_FAILED} could not start: {type(exc).__name__}: {exc}"
+                    for a in todo}
     with _CHECKS_LOCK:
         for a, digest in zip(todo, digests, strict=True):
             _VERDICTS[digest] = verdicts[a.key]
@@ -149,14 +162,14 @@ def _run_child(todo: list[Any]) -> dict[str, str]:
                  str(out)], capture_output=True, text=True, timeout=TIMEOUT_S,
                 env=child_env(), cwd=tmp)
             if proc.returncode != 0:
-                why = f"the check's process failed ({proc.returncode}): " + \
+                why = f"{PROCESS_FAILED} failed ({proc.returncode}): " + \
                     (proc.stderr.strip().splitlines() or [""])[-1][:300]
             else:
                 verdicts = json.loads(out.read_text())
         except subprocess.TimeoutExpired:
-            why = f"the check's process did not finish within {TIMEOUT_S:.0f} s"
+            why = f"{PROCESS_FAILED} did not finish within {TIMEOUT_S:.0f} s"
         except (OSError, ValueError) as exc:
-            why = f"the check's process could not run: {type(exc).__name__}: {exc}"
+            why = f"{PROCESS_FAILED} could not run: {type(exc).__name__}: {exc}"
     LAST_SECONDS[0] = round(time.monotonic() - started, 3)
     if why:
         return {a.key: why for a in todo}
