@@ -62,11 +62,11 @@ META_TORCH = "precompile_torch"
 META_PYTHON = "precompile_python"
 META_IDS = "precompile_unique_ids"
 META_VERIFIED = "precompile_verified"
+"""The keys of the bundle's precompile artifacts its producer verified in a child process
+(`precompile_verify`), comma-separated: a consumer loads no other."""
 META_REFUSED = "precompile_refused"
 """Keys of the producer's precompile artifacts its check refused on the artifact itself
 (`precompile_verify.settled`): a consumer that traces one again leaves it out unchecked."""
-"""The keys of the bundle's precompile artifacts its producer verified in a child process
-(`precompile_verify`), comma-separated: a consumer loads no other."""
 MAX_IDS = 10**9
 
 
