@@ -1,6 +1,7 @@
 """The budget of a new machine: process start -> end of step 1, part by part, against eager.
 
     python benchmarks/budget_bench.py [--models mlp,transformer | all] [--repeats 3]
+    python benchmarks/budget_bench.py --hf [--models gpt2,llama | all] [--repeats 2]
 
 Issue 48: a new machine (fresh local caches, warm server, client defaults) should start
 within 1.1x of the same trainer without torch.compile (eager) on the MLP, 1.25x on the
@@ -14,27 +15,38 @@ The parts come from timestamps the job and the client already record: train_job'
 own step timer (LoadResult.steps: fingerprint, lookups, download, unpack, placing, bundle
 load...) and torch's compile seconds. `exit` is the whole process wall minus the end of
 step 1: what the close and interpreter exit add.
+
+`--hf` runs the third-party corpus of the suite instead (tests/corpus_job.py: six Hugging
+Face `transformers` architectures from tiny configs, the unmodified script, `torch.compile
+(model)`), zero-code as its users run it: the new machine gets only `MEGACACHE_URL` and
+`MEGACACHE_MODEL`, the autoload hook does the rest. Its parts are the script's marks.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import benchlib  # benchmarks/benchlib.py, next to this script
 from benchlib import log
 from benchlib import median_of_present as median
-from compile_bench import Bench, local_job, megacache_service
-from jobs import GxxCounter
+from compile_bench import Bench, job_record, local_job, megacache_service
+from jobs import GxxCounter, run_job
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "results" / "budget.json"
+DEFAULT_HF_OUT = BENCH_DIR / "results" / "budget_hf.json"
 CORPUS = ("mlp", "transformer", "dlrm", "conv", "gpt2")
 DEFAULT_MODELS = ("mlp", "transformer")
 KINDS = ("eager", "new", "cold")
+HF_JOB = BENCH_DIR.parent / "tests" / "corpus_job.py"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+OneJob = Callable[[Bench, str, str, str, dict[str, str]], dict[str, Any]]
+"""(bench, model, kind, where, the server's env) -> the job's record."""
 
 
 def new_machine(bench: Bench, model: str, env: dict[str, str], where: str) -> dict[str, Any]:
@@ -51,7 +63,9 @@ def parts(job: dict[str, Any]) -> dict[str, float | None]:
     out: dict[str, float | None] = {
         "imports": marks.get("torch_imported_s"),
         "client enable": _gap(marks, "initialised_s", "torch_imported_s"),
-        "build model": _gap(marks, "built_s", "initialised_s"),
+        # a zero-code script (--hf) has no client call: its build follows the imports
+        "build model": _gap(marks, "built_s", "initialised_s" if "initialised_s" in marks
+                            else "torch_imported_s"),
         "optimizer (imports torch._dynamo)": _gap(marks, "optimizer_s", "built_s"),
         "torch.compile call (client load)": _gap(marks, "compile_called_s", "optimizer_s"),
     }
@@ -74,22 +88,39 @@ def _gap(marks: dict[str, float], late: str, early: str) -> float | None:
     return None
 
 
-def run(bench: Bench, models: Sequence[str], repeats: int) -> list[dict[str, Any]]:
+def bench_job(bench: Bench, model: str, kind: str, where: str, server: dict[str, str]
+              ) -> dict[str, Any]:
+    """One of benchmarks/models.py's models in train_job.py."""
+    if kind == "new":
+        return new_machine(bench, model, server, where)
+    return local_job(bench, model, kind, int(where[1:]), bench.machine(model, where, "cold"))
+
+
+def hf_job(bench: Bench, model: str, kind: str, where: str, server: dict[str, str]
+           ) -> dict[str, Any]:
+    """One corpus model in the unmodified tests/corpus_job.py; megacache only through env."""
+    env = {**server, "MEGACACHE_MODEL": f"corpus-{model}"} if kind == "new" else {}
+    run = run_job(bench.machine("hf", model, where, kind), str(HF_JOB), model,
+                  str(bench.steps), *(["--eager"] if kind == "eager" else []),
+                  env={**env, **OFFLINE, "CXX": "g++"}, gxx=bench.gxx,
+                  runner=[sys.executable], timeout=bench.timeout_s)
+    return job_record(run)
+
+
+def run(bench: Bench, models: Sequence[str], repeats: int, one_job: OneJob = bench_job
+        ) -> list[dict[str, Any]]:
     jobs: list[dict[str, Any]] = []
     with megacache_service(bench.root / "server") as env:
         for model in models:
             log(f"{model}: untimed producer")
-            produced = new_machine(bench, model, env, "producer")
-            log(f"{model}: producer ok={produced.get('ok')}")
+            produced = one_job(bench, model, "new", "producer", env)
+            log(f"{model}: producer ok={produced.get('ok')} {produced.get('error') or ''}")
             for r in range(1, repeats + 1):
                 for kind in KINDS:
-                    if kind == "new":
-                        record = new_machine(bench, model, env, f"r{r}")
-                    else:
-                        record = local_job(bench, model, kind, r,
-                                           bench.machine(model, f"r{r}", "cold"))
+                    record = one_job(bench, model, kind, f"r{r}", env)
                     log(f"{model} {kind} r{r}: ok={record.get('ok')} "
-                        f"tts={record.get('time_to_first_step_s')} wall={record.get('wall_s')}")
+                        f"tts={record.get('time_to_first_step_s')} wall={record.get('wall_s')} "
+                        f"g++={record.get('gxx_builds')} {record.get('error') or ''}")
                     jobs.append({"model": model, "kind": kind, "repeat": r, **record})
     return jobs
 
@@ -111,6 +142,8 @@ def summarize(jobs: Sequence[dict[str, Any]], models: Sequence[str]) -> list[dic
             "new_vs_eager_process": benchlib.ratio(pn, pe) if pn and pe else None,
             "overhead_removed": round((c - n) / (c - e), 3) if c and n and e and c > e
             else None,
+            "new_gxx_builds": max((j.get("gxx_builds") or 0 for j in jobs
+                                   if j["model"] == model and j["kind"] == "new"), default=None),
         })
     return rows
 
@@ -118,34 +151,54 @@ def summarize(jobs: Sequence[dict[str, Any]], models: Sequence[str]) -> list[dic
 def render(rows: Sequence[dict[str, Any]]) -> str:
     out = []
     for row in rows:
-        names = list(dict.fromkeys(n for k in KINDS for n in row["parts"][k]))
+        names = [n for n in dict.fromkeys(n for k in KINDS for n in row["parts"][k])
+                 if any(row["parts"][k].get(n) is not None for k in KINDS)]
         cells = [[n, *(benchlib.fmt_num(row["parts"][k].get(n), "{:.2f}") for k in KINDS)]
                  for n in names]
         out.append(f"{row['model']} (median seconds)")
         out.append(benchlib.markdown_table(("part", *KINDS), cells))
         out.append(f"{row['model']}: new machine / eager = {row['new_vs_eager_step1']}x to end "
                    f"of step 1, {row['new_vs_eager_process']}x whole process; compile "
-                   f"overhead removed {row['overhead_removed']}\n")
+                   f"overhead removed {row['overhead_removed']}; g++ builds on a new machine "
+                   f"{row['new_gxx_builds']}\n")
     return "\n".join(out)
+
+
+def hf_corpus() -> tuple[str, ...]:
+    """The names of tests/corpus_job.py's CORPUS (its one list; importing it imports torch)."""
+    sys.path.insert(0, str(HF_JOB.parent))
+    from corpus_job import CORPUS as HF_CORPUS
+
+    return tuple(HF_CORPUS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                        help=f"comma-separated from {', '.join(CORPUS)}, or all")
+    parser.add_argument("--models", help=f"comma-separated from {', '.join(CORPUS)} (with "
+                        "--hf: from tests/corpus_job.py's CORPUS), or all; default: "
+                        f"{','.join(DEFAULT_MODELS)} (with --hf: all)")
+    parser.add_argument("--hf", action="store_true",
+                        help="the suite's third-party corpus (tests/corpus_job.py), zero-code")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900.0)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path,
+                        help=f"JSON (default {DEFAULT_OUT.name}; with --hf {DEFAULT_HF_OUT.name})")
     parser.add_argument("--keep-temp", action="store_true")
     args = parser.parse_args(argv)
-    models = list(CORPUS) if args.models == "all" else [m for m in args.models.split(",") if m]
+    corpus = hf_corpus() if args.hf else CORPUS
+    chosen = args.models or ("all" if args.hf else ",".join(DEFAULT_MODELS))
+    models = list(corpus) if chosen == "all" else [m for m in chosen.split(",") if m]
+    unknown = [m for m in models if m not in corpus]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(corpus)}")
     with benchlib.temp_root("budget_bench.", args.keep_temp) as root:
         bench = Bench(root, args.steps, args.timeout, GxxCounter(root / "bin"))
-        jobs = run(bench, models, args.repeats)
+        jobs = run(bench, models, args.repeats, hf_job if args.hf else bench_job)
     rows = summarize(jobs, models)
-    benchlib.write_json(args.out, {"date": benchlib.utc_now(), "argv": argv,
+    out = args.out or (DEFAULT_HF_OUT if args.hf else DEFAULT_OUT)
+    benchlib.write_json(out, {"date": benchlib.utc_now(), "argv": argv,
                                    "machine": benchlib.machine_info(), "summary": rows,
                                    "jobs": jobs})
     print(render(rows))

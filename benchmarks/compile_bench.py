@@ -29,7 +29,7 @@ from typing import Any
 import benchlib  # benchmarks/benchlib.py, next to this script
 from benchlib import log
 from benchlib import median_of_present as median
-from jobs import GxxCounter, Machine, TritonCounter, nothing_loaded, run_job
+from jobs import GxxCounter, JobRun, Machine, TritonCounter, nothing_loaded, run_job
 from other_path import DEFAULT_VENV, OtherPath
 from results_md import write_section
 from services import LocalRedis, LocalServer, redis_server_exe
@@ -151,19 +151,24 @@ class Bench:
         run = run_job(machine, "--steps", str(self.steps), "--device", self.device, *args,
                       env={**env, "CXX": "g++"}, gxx=self.gxx, timeout=self.timeout_s,
                       runner=runner, triton=self.triton)
-        record: dict[str, Any] = {"wall_s": round(run.wall_s, 3), "gxx_builds": run.gxx_builds,
-                                  "triton_compiles": run.triton_compiles,
-                                  "triton_kernels": run.triton_kernels}
-        if run.returncode == 0 and run.result:
-            record.update(run.result, ok=True)
-            if run.warnings():
-                record["megacache_log"] = run.warnings()[-5:]
-        else:
-            tail = run.stderr.strip()
-            last = tail.splitlines()[-1] if tail else "no output"
-            record.update(ok=False, error=f"exit {run.returncode}: {last}",
-                          output_tail=tail[-1500:])
-        return record
+        return job_record(run)
+
+
+def job_record(run: JobRun) -> dict[str, Any]:
+    """One finished job as a benchmark row: its wall, builds and result, or why it failed."""
+    record: dict[str, Any] = {"wall_s": round(run.wall_s, 3), "gxx_builds": run.gxx_builds,
+                              "triton_compiles": run.triton_compiles,
+                              "triton_kernels": run.triton_kernels}
+    if run.returncode == 0 and run.result:
+        record.update(run.result, ok=True)
+        if run.warnings():
+            record["megacache_log"] = run.warnings()[-5:]
+    else:
+        tail = run.stderr.strip()
+        last = tail.splitlines()[-1] if tail else "no output"
+        record.update(ok=False, error=f"exit {run.returncode}: {last}",
+                      output_tail=tail[-1500:])
+    return record
 
 
 # -- scenarios ---------------------------------------------------------------------------

@@ -1,25 +1,31 @@
 """Third-party models nobody here wrote, trained a few steps with `torch.compile(model)`.
 
-    python tests/corpus_job.py resnet
+    python tests/corpus_job.py resnet [steps] [--eager]
 
 The script knows nothing about megacache: the cache is switched on from outside (the
 autoload hook and `MEGACACHE_*` variables), as a user would. Each model is a Hugging Face
 `transformers` architecture built from a tiny config in code (no weights download), so a
 new machine compiles exactly what the cold one did. It prints one JSON line: the losses
-(as exact float reprs, so a test can compare bit for bit) and torch's own cache counters.
+(as exact float reprs, so a test can compare bit for bit), torch's own cache counters, and
+seconds from process start to the end of step 1 with marks on the way (for
+benchmarks/budget_bench.py --hf; `--eager` trains without torch.compile: the floor).
 
 CORPUS is the one list of models: adding one is one entry.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+import time
 
-import torch
+PROCESS_START = time.time()
+
+import json  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by path, as users do
 from job_counters import cache_counters  # noqa: E402  (tests/job_counters.py)
@@ -99,24 +105,41 @@ CORPUS: dict[str, Callable[[], tuple[Any, Batch]]] = {
 }
 
 
+def since_start() -> float:
+    return round(time.time() - PROCESS_START, 3)
+
+
 def main() -> None:
-    name = sys.argv[1]
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    args = [a for a in sys.argv[1:] if a != "--eager"]
+    eager = "--eager" in sys.argv[1:]
+    name = args[0]
+    steps = int(args[1]) if len(args) > 1 else 2
+    marks = {"torch_imported_s": since_start()}
     torch.manual_seed(0)
     model, batch = CORPUS[name]()
     model.train()
-    compiled = torch.compile(model)
+    marks["built_s"] = since_start()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    losses = []
+    marks["optimizer_s"] = since_start()
+    compiled = model if eager else torch.compile(model)
+    marks["compile_called_s"] = since_start()
+    losses, step_s = [], []
     for _ in range(steps):
+        started = time.time()
         loss = compiled(**batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
+        step_s.append(round(time.time() - started, 3))
+        if len(step_s) == 1:
+            marks["first_step_end_s"] = since_start()
     print(json.dumps({
         "model": name,
         "losses": [repr(x) for x in losses],
+        "time_to_first_step_s": marks.get("first_step_end_s"),
+        "first_step_s": step_s[0] if step_s else None,
+        "marks": marks,
         **cache_counters(),
     }), flush=True)
 

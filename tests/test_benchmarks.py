@@ -214,3 +214,52 @@ def test_recovery_bench_reads_a_killed_job_s_own_clock() -> None:
     assert got["training_s"] == (30 - 10 - 2) + (70 - 44 - 1)
     assert got["wall_s"] == 70 and got["gxx_per_restart"] == [0]
     assert got["ett_pct"] == pytest.approx(100 * 43 / 70)
+
+
+def test_budget_bench_splits_a_start_and_rates_it_against_eager() -> None:
+    """Hand-made jobs of a zero-code script (tests/corpus_job.py's marks, no client call):
+    the parts come from the marks, the ratios from the medians, rows nobody has are left
+    out, and a new machine's g++ builds are reported (the worst of its runs)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import budget_bench
+
+    def job(kind: str, repeat: int, step1: float, wall: float, gxx: int) -> dict:
+        marks = {"torch_imported_s": 2.0, "built_s": 3.0, "optimizer_s": 3.0,
+                 "compile_called_s": 3.0 if kind == "eager" else 4.0,
+                 "first_step_end_s": step1}
+        return {"model": "bert", "kind": kind, "repeat": repeat, "ok": True, "marks": marks,
+                "time_to_first_step_s": step1, "first_step_s": step1 - marks["compile_called_s"],
+                "wall_s": wall, "gxx_builds": gxx}
+
+    jobs = [job("eager", 1, 4.0, 5.0, 0), job("new", 1, 8.0, 9.0, 0),
+            job("cold", 1, 40.0, 42.0, 30), job("eager", 2, 4.0, 5.0, 0),
+            job("new", 2, 6.0, 7.0, 1), job("cold", 2, 36.0, 38.0, 30),
+            {**job("new", 3, 1.0, 1.0, 0), "ok": False}]  # a failed run counts for nothing
+    row, = budget_bench.summarize(jobs, ["bert"])
+    assert row["parts"]["new"]["build model"] == 1.0  # built_s - torch_imported_s
+    assert row["parts"]["new"]["to end of step 1"] == 7.0 and row["new_vs_eager_step1"] == 1.75
+    assert row["new_vs_eager_process"] == 1.6
+    assert row["overhead_removed"] == pytest.approx((38 - 7) / (38 - 4), abs=1e-3)
+    assert row["new_gxx_builds"] == 1
+    text = budget_bench.render([row])
+    assert "| build model | 1.00 | 1.00 | 1.00 |" in text
+    assert "client enable" not in text  # no job has it: no row of dashes
+    assert "g++ builds on a new machine 1" in text
+
+
+def test_the_corpus_job_trains_eager_as_the_floor(tmp_path: Path) -> None:
+    """`tests/corpus_job.py NAME STEPS --eager` (budget_bench --hf's floor) trains without
+    torch.compile: nothing compiled, and the time to the end of step 1 is reported."""
+    need("torch", "the corpus job trains a torch model")
+    need("transformers", "the corpus is transformers models")
+    from jobs import Machine, run_job
+
+    run = run_job(Machine(tmp_path), str(ROOT / "tests" / "corpus_job.py"), "vit", "2",
+                  "--eager", env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+                  runner=[sys.executable], timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.result["losses"]) == 2
+    assert run.result["fxgraph_miss"] == run.result["fxgraph_hit"] == run.result["aot_miss"] == 0
+    marks = run.result["marks"]
+    assert 0 < marks["torch_imported_s"] <= marks["compile_called_s"] \
+        <= run.result["time_to_first_step_s"] == marks["first_step_end_s"]
