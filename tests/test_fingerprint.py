@@ -109,3 +109,56 @@ def test_the_facts_enable_needs_come_without_importing_dynamo_and_match_inductor
     assert seen["cheap"]["headers"].startswith(str(tmp_path))
     assert seen["cheap"]["hw"] == seen["hw"] and seen["cheap"]["facts"] == seen["facts"]
     assert seen["hw"]["cxx"]
+
+
+def test_class_source_is_what_inspect_gives_with_each_file_parsed_once(tmp_path: Path):
+    """The fingerprint's fast class source (`steps/sources.py`) gives exactly
+    `inspect.getsource` for every class of the modules a model's fingerprint reads, and for
+    the shapes that make a class hard to find: decorated, nested, defined in a function, in
+    an `if`/`try`/`with`/`match` block, redefined later in its file (inspect takes the first
+    definition), with comments trailing its body; a class it cannot find is left to inspect
+    (None), never guessed."""
+    import importlib
+    import inspect
+
+    from megacache_client.steps import sources
+
+    sample = tmp_path / "shapes.py"
+    sample.write_text(
+        "import functools\n"
+        "def deco(c):\n    return c\n"
+        "@deco\n@functools.total_ordering\nclass Decorated:\n"
+        "    def __lt__(self, o):\n        return False\n"
+        "    # a trailing comment of the body\n\n"
+        "class Outer:\n    class Inner:\n        x = 1\n\n"
+        "def factory():\n    class Local:\n        y = 2\n    return Local\n"
+        "if True:\n    class InIf:\n        pass\n"
+        "try:\n    class InTry:\n        pass\nexcept Exception:\n    class InExcept:\n"
+        "        pass\n"
+        "match 1:\n    case 1:\n        class InMatch:\n            pass\n"
+        "class Twice:\n    first = True\n"
+        "class Twice:  # noqa\n    first = False\n"
+        "Made = type('Made', (), {})\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        shapes = importlib.import_module("shapes")
+    finally:
+        sys.path.remove(str(tmp_path))
+    classes = [shapes.Decorated, shapes.Outer, shapes.Outer.Inner, shapes.factory(),
+               shapes.InIf, shapes.InTry, shapes.InMatch, shapes.Twice]
+    names = ["torch.nn.modules.conv", "torch.nn.modules.transformer"]
+    if importlib.util.find_spec("transformers") is not None:
+        names += ["transformers.models.gpt2.modeling_gpt2", "transformers.models.t5.modeling_t5"]
+        from transformers.generation.utils import GenerationMixin
+        from transformers.modeling_utils import ModuleUtilsMixin, PreTrainedModel
+
+        classes += [GenerationMixin, ModuleUtilsMixin, PreTrainedModel]  # ~4,000 lines each
+    for name in names:
+        module = importlib.import_module(name)
+        classes += [c for c in vars(module).values()
+                    if inspect.isclass(c) and c.__module__ == name]
+    assert len(classes) > 30
+    for cls in classes:
+        assert sources.class_source(cls) == inspect.getsource(cls), cls.__qualname__
+    assert sources.class_source(shapes.Made) is None  # no class statement: inspect's call
+    assert sources.class_source(int) is None  # no source file

@@ -25,6 +25,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from megacache_client.steps.sources import class_source
 from megacache_client.wire.manifest import Fingerprint, Scalar, canonical_json
 
 COMPONENTS = ("namespace", "model", "code", "env", "hw", "config")
@@ -193,8 +194,9 @@ def _code_of(objects: list[Any]) -> str:
 @functools.lru_cache(maxsize=4096)
 def _source(obj: Any) -> str:
     try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
+        fast = class_source(obj) if inspect.isclass(obj) else None
+        return fast if fast is not None else inspect.getsource(obj)
+    except (OSError, TypeError, SyntaxError, ValueError):
         return ""
 
 
