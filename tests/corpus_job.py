@@ -134,9 +134,11 @@ def main() -> None:
         step_s.append(round(time.time() - started, 3))
         if len(step_s) == 1:
             marks["first_step_end_s"] = since_start()
+    marks["steps_end_s"] = since_start()
     print(json.dumps({
         "model": name,
         "losses": [repr(x) for x in losses],
+        "step_s": step_s,
         "time_to_first_step_s": marks.get("first_step_end_s"),
         "first_step_s": step_s[0] if step_s else None,
         "marks": marks,
