@@ -1,8 +1,16 @@
-"""What a hung cache server (accepts connections, never answers) costs the ranks of a node.
+"""What a cache server that is down or hung costs a trainer, and the ranks of a node.
 
-    python benchmarks/hung_server_bench.py [--ranks 4] [--out benchmarks/results/hung.json]
+    python benchmarks/hung_server_bench.py [--ranks 4] [--trainer-repeats 3]
+                                           [--out benchmarks/results/hung.json]
 
-Two scenarios side by side, in one run, against the same hung server, default timeouts
+First, a trainer (train_job.py: a compiled MLP, 3 steps, cold, zero-code as users run it)
+with no URL, with its URL on a port where nothing listens (down: connection refused), and
+with its URL on a server that accepts connections and never answers (hung), interleaved,
+`--trainer-repeats` each, a new machine every run: seconds from process start to the end of
+the first step, and the whole process, with their medians side by side. The client's aim:
+down within 0.5 s of no URL for both, hung at most the load deadline (10 s) more.
+
+Then the load step alone, two scenarios side by side against the same hung server, default timeouts
 (connect 3 s, read 30 s, 2 retries):
 
 - `no deadline, own breaker`: how the client behaved before the load deadline and the
@@ -28,6 +36,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from results_md import write_section
 
@@ -61,6 +70,66 @@ def run_rank(url: str, node: Path, extra: dict[str, str]) -> dict[str, object]:
     return dict(json.loads(lines[-1]))
 
 
+TRAINER_CASES = ("no URL", "down", "hung")
+TRAIN_JOB = Path(__file__).resolve().parent / "train_job.py"
+
+
+def run_trainer(case: str, hung_url: str, down_url: str, root: Path) -> dict[str, object]:
+    """One cold trainer process on a new machine (its own caches), zero-code."""
+    from jobs import Machine, clean_env
+
+    machine = Machine(root)
+    env = clean_env() | machine.env() | {"OMP_NUM_THREADS": "1",
+                                         "MEGACACHE_MODEL": "hung-trainer"}
+    if case != "no URL":
+        env["MEGACACHE_URL"] = hung_url if case == "hung" else down_url
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, str(TRAIN_JOB), "--model", "mlp", "--steps", "3",
+                          "--megacache", "env"], env=env, capture_output=True, text=True,
+                         timeout=900)
+    whole = time.monotonic() - started
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"case": case, "failed": out.stderr[-500:]}
+    result = json.loads(lines[-1])
+    return {"case": case, "first_step_s": result["time_to_first_step_s"],
+            "process_s": round(whole, 3),
+            "outcome": (result.get("megacache") or {}).get("outcome", "off"),
+            "warnings": [ln for ln in out.stderr.splitlines() if ln.startswith("megacache:")]}
+
+
+def trainer_table(hung_url: str, repeats: int, root: Path) -> tuple[list[dict[str, object]],
+                                                                   list[dict[str, object]]]:
+    """Rows of every trainer run (cases interleaved) and the medians per case."""
+    down = socket.socket()
+    down.bind(("127.0.0.1", 0))  # bound, never listening: connecting is refused
+    down_url = f"http://127.0.0.1:{down.getsockname()[1]}"
+    rows = []
+    try:
+        for r in range(repeats):
+            for case in TRAINER_CASES:
+                rows.append(run_trainer(case, hung_url, down_url,
+                                        root / f"trainer-{r}-{case.replace(' ', '')}"))
+                print(f"  trainer {case} #{r + 1}: {rows[-1]}", file=sys.stderr)
+    finally:
+        down.close()
+    summary = []
+    base: dict[str, float] = {}
+    for case in TRAINER_CASES:
+        ok = [r for r in rows if r["case"] == case and "failed" not in r]
+        if not ok:
+            summary.append({"case": case, "runs": 0})
+            continue
+        first = statistics.median(float(r["first_step_s"]) for r in ok)  # type: ignore[arg-type]
+        whole = statistics.median(float(r["process_s"]) for r in ok)  # type: ignore[arg-type]
+        base = base or {"first": first, "whole": whole}
+        summary.append({"case": case, "runs": len(ok), "first_step_s": round(first, 2),
+                        "process_s": round(whole, 2),
+                        "first_step_extra_s": round(first - base["first"], 2),
+                        "process_extra_s": round(whole - base["whole"], 2)})
+    return rows, summary
+
+
 def scenario(url: str, root: Path, name: str, extra: dict[str, str], ranks: int
              ) -> list[dict[str, object]]:
     rows = []
@@ -81,20 +150,41 @@ def main() -> int:
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "hung.json")
     parser.add_argument("--no-results-md", action="store_true")
+    parser.add_argument("--trainer-repeats", type=int, default=3,
+                        help="trainer runs per case (no URL, down, hung); 0 skips them")
+    parser.add_argument("--ranks-only", action="store_true",
+                        help="only the load step of --ranks processes (the older table)")
     args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(256)  # accepts connections, never answers
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     started = time.monotonic()
+    trainer_rows: list[dict[str, object]] = []
+    trainer_summary: list[dict[str, object]] = []
+    if args.trainer_repeats > 0 and not args.ranks_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer_rows, trainer_summary = trainer_table(url, args.trainer_repeats, Path(tmp))
+        head = ("| trainer's server | runs | to end of step 1, s | +s vs no URL | "
+                "whole process, s | +s vs no URL |")
+        lines = [head, "|---|---|---|---|---|---|"] + [
+            f"| {t['case']} | {t['runs']} | {t.get('first_step_s', '-')} | "
+            f"{t.get('first_step_extra_s', '-')} | {t.get('process_s', '-')} | "
+            f"{t.get('process_extra_s', '-')} |" for t in trainer_summary]
+        print("\n".join(lines))
+        trainer_md = ("\n\nA cold trainer (compiled MLP, 3 steps, zero-code), medians of "
+                      f"{args.trainer_repeats} interleaved runs:\n\n" + "\n".join(lines))
+    else:
+        trainer_md = ""
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(len(SCENARIOS)) as pool:
         futures = [pool.submit(scenario, url, Path(tmp) / str(n), name, extra, args.ranks)
                    for n, (name, extra) in enumerate(SCENARIOS.items())]
         rows = [row for f in futures for row in f.result()]
     listener.close()
 
-    summary = []
+    summary: list[dict[str, Any]] = []
     for name in SCENARIOS:
         for wave in (1, 2):
             waits = [float(r["waited_s"]) for r in rows  # type: ignore[arg-type]
@@ -110,14 +200,15 @@ def main() -> int:
         f"{s['max_wait_s']} | {', '.join(s['outcomes'])} |" for s in summary]
     print("\n".join(table))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"summary": summary, "ranks": rows,
+    args.out.write_text(json.dumps({"trainer": trainer_summary, "trainer_runs": trainer_rows,
+                                    "summary": summary, "ranks": rows,
                                     "wall_s": round(time.monotonic() - started, 1)}, indent=2))
     if not args.no_results_md:
         write_section("hung", "## Hung server: seconds each rank waits before compiling cold\n\n"
                       "`python benchmarks/hung_server_bench.py --ranks "
                       f"{args.ranks}`: a server that accepts connections and never answers; "
                       "default timeouts (read 30 s, 2 retries). Wave 2 starts after wave 1 "
-                      "is done.\n\n" + "\n".join(table))
+                      "is done.\n\n" + "\n".join(table) + trainer_md)
     return 0
 
 

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from typing import Any
 
 from megacache_client.config import ClientConfig
 from megacache_client.job import JobIdentity
+from megacache_client.publisher import Publisher
 from megacache_client.results import LoadResult, MegacacheError, PublishResult, Snapshot, Track
 from megacache_client.steps.claims import claim_holder
 from megacache_client.steps.fetch import await_prefetch, failure_reason, fetch_blobs, find_entry
@@ -45,7 +45,6 @@ from megacache_client.steps.load import (
 )
 from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.prefetch import Prefetcher
-from megacache_client.steps.publish import shipped, snapshot, upload
 from megacache_client.steps.report import (
     REPORT_DEADLINE_S,
     followups,
@@ -55,8 +54,13 @@ from megacache_client.steps.report import (
 )
 from megacache_client.steps.report import events as track_events
 from megacache_client.steps.settle import Settler
+from megacache_client.torch import (
+    dynamo_store,
+    precompile,
+    start_clock,
+    supported,
+)
 from megacache_client.torch import env as torch_env
-from megacache_client.torch import precompile, precompile_verify, start_clock, supported
 from megacache_client.torch.packs import PackError
 from megacache_client.transport.client import (
     CorruptBlobError,
@@ -89,17 +93,6 @@ class Session:
         self.node = NodeCache(config.node_cache_dir, config.lock_timeout_s)
         self._closed = False
         self._warned = False
-        self._publisher: threading.Thread | None = None
-        self._round_lock = threading.Lock()
-        """One publish round at a time (a settled point's, the exit's, SIGTERM's)."""
-        self._rounds = 0
-        self._settled_at: int | None = None
-        """How many artifacts torch had recorded when a round last left no track lacking
-        anything (None: no round has): the exit skips its round when it is still that."""
-        self._verdicts_since = False
-        """A precompile check has verified entries since the last round began."""
-        self.settler: Settler | None = None
-        self._step_hook: Any = None
         self._report_lock = threading.Lock()
         self._sent: list[Event] | None = None
         """The events sent after the first step (None until they went out)."""
@@ -110,14 +103,13 @@ class Session:
         self.prefetcher: Prefetcher | None = None
         self.precompile_off = ""
         """Why caching precompile is off in this process ("" when on)."""
-        self.precompile_shared = ""
-        """Why this process's precompiled Dynamo output was not shipped ("" when it was)."""
         self._precompile_keys: dict[str, list[str]] = {}
         """torch's precompile key of each compiled callable -> the callables wrapped under it."""
         self.job, self.job_note = JobIdentity.of_process()
         """Which job, attempt and rank this process is (never part of the fingerprint)."""
-        self.holder = claim_holder()
-        """This process's name on a publish claim: unique to it, meaningful in a log."""
+        self.publisher = Publisher(config, self.node, claim_holder(),
+                                   lambda: list(self.tracks.values()), self._warn,
+                                   self._no_track)
 
     def start(self) -> Session:
         """Called when the client is enabled: precompile on, clock started, prefetch begun.
@@ -131,9 +123,26 @@ class Session:
             self.precompile_off = precompile.turn_on(self.config)
         except Exception as exc:
             self.precompile_off = f"could not turn precompile on: {exc}"
+        if not self.precompile_off:
+            self.publisher.precompile_keys = self._precompile_keys
+            self._ignore_shared_precompiled()
         if self.config.prefetch and self.prefetcher is None:
             self.prefetcher = Prefetcher(self.config, self.node).start()
         return self
+
+    def _ignore_shared_precompiled(self) -> None:
+        """Say once that entries in torch's own Dynamo cache dir are not loaded here (this
+        process reads only its own: `dynamo_store`), e.g. ones an earlier client version
+        or torch alone left behind."""
+        try:
+            found = dynamo_store.leftovers()
+        except Exception:
+            return
+        if found:
+            n = len(found)
+            self._warn(f"{n} precompiled Dynamo entr{'y' if n == 1 else 'ies'} in "
+                       f"{found[0].parent} ignored (torch would install them unchecked); "
+                       "this process keeps its own apart")
 
     # -- the first track stands for the session (one model per process is the usual case)
     @property
@@ -169,10 +178,10 @@ class Session:
         except Exception:
             return False
         if dropped:  # the rest of the bundle still serves: a note in the event, no warning
-            self.precompile_shared = self.precompile_shared or (
+            self.publisher.precompile_note = self.publisher.precompile_note or (
                 f"a precompiled package failed to install ({type(exc).__name__}: {exc}); "
                 "Dynamo traced as usual and its output is not shipped")[:500]
-            log.info("megacache: %s", self.precompile_shared)
+            log.info("megacache: %s", self.publisher.precompile_note)
         return dropped
 
     def after_compile(self, compiled: Any) -> Any:
@@ -268,103 +277,20 @@ class Session:
             model=self.model, code=self.code)
 
     # -- step 6: publish what this run compiled ----------------------------------------
-    def publish(self, wait: bool = False) -> PublishResult:
-        """Run a publish round in a background thread (after any round under way).
+    @property
+    def settler(self) -> Settler | None:
+        return self.publisher.settler
 
-        A round uploads only when this run has something its tracks' entries lack (and
-        its earlier rounds did not ship), only from local rank 0, and never overwrites a
-        newer entry (conditional PUT). The settled points run rounds on their own
-        (`_first_step`); this is the exit's and the explicit caller's.
-        """
+    def publish(self, wait: bool = False) -> PublishResult:
+        """Run a publish round in the background (none while one is under way): it uploads
+        only what this run has that its tracks' entries lack, and never overwrites a newer
+        entry (conditional PUT). The settled points run rounds on their own; this is the
+        exit's and the explicit caller's."""
         if self._reporter is not None:  # its verdict decides whether this run replaces
             self._reporter.join(REPORT_DEADLINE_S)  # the bad entry (usually long done)
-        with self._lock:
-            busy = self._publisher is not None and self._publisher.is_alive()
-            if not busy and self._may_publish():
-                self._publisher = threading.Thread(target=self._round, name="megacache-publish",
-                                                   daemon=True)
-                self._publisher.start()
-        return self._join(wait)
-
-    def _may_publish(self) -> bool:
-        why = ""
-        if not self.config.may_publish or not self.tracks:
-            why = "publishing disabled or nothing compiled through megacache"
-        elif os.environ.get("LOCAL_RANK", "0") != "0":
-            why = "only local rank 0 publishes"
-        for track in self.tracks.values() if why else ():
-            track.publish.reason = why
-        self._no_track.publish.reason = why or self._no_track.publish.reason
-        return not why
-
-    def _round(self) -> bool:
-        """One publish round: snapshot (torch's save is incremental; under Dynamo's compile
-        lock), upload what the tracks' entries lack, remember what shipped. One at a time;
-        at most `max_publishes` per process. True when it reached the server or had
-        nothing to send (False: a later settled point may try again)."""
-        with self._round_lock:
-            tracks = list(self.tracks.values())
-            recorded = torch_env.artifacts_recorded()
-            if self._nothing_new(recorded):
-                return True
-            self._verdicts_since = False
-            if self._rounds >= self.config.max_publishes:
-                for track in tracks:
-                    track.publish.reason = track.publish.reason or (
-                        f"publish rounds capped at {self.config.max_publishes}")
-                return True
-            try:
-                keys = None if self.precompile_off else self._precompile_keys
-                # only the exit waits for a precompile check under way: a settled point
-                # ships the rest of the compile now, the verified entries when they are
-                snap, note = snapshot(keys, tracks, self.node, self.config.max_raw_bytes,
-                                      wait_verify=self._closed,
-                                      on_verdicts=self._after_verdicts)
-            except Exception as exc:
-                self._warn(f"could not snapshot cache artifacts: {type(exc).__name__}: {exc}")
-                for track in tracks:
-                    track.publish.reason = "snapshot failed"
-                return False
-            self.precompile_shared = note or self.precompile_shared
-            if snap is None:
-                self._settled_at = recorded
-                return True
-            self._rounds += 1
-            try:
-                done = upload(snap, self.config, self.node, self._first, self.holder)
-                shipped(snap, done)
-            except Exception as exc:
-                for track in snap.tracks:
-                    track.publish.reason = f"publish failed: {type(exc).__name__}: {exc}"
-                self._warn(snap.tracks[0].publish.reason)
-                return False
-            self._settled_at = recorded if len(done) == len(snap.tracks) else None
-            return True
-
-    def _nothing_new(self, recorded: int) -> bool:
-        """At the exit: torch has recorded nothing since a round left no track lacking
-        anything, and no precompile check has verified or is checking entries since; so
-        the exit's round would snapshot (serialise every artifact, scan the kernels) to
-        find nothing to send. A warm new machine's exit skips that."""
-        return (self._closed and recorded >= 0 and recorded == self._settled_at
-                and not self._verdicts_since and not precompile_verify.under_way())
-
-    def _after_verdicts(self) -> None:
-        """A precompile check ended with entries verified: a round adds them (after the
-        round under way; the exit's round waits for the check itself)."""
-        self._verdicts_since = True
-        publisher = self._publisher
-        if publisher is not None and publisher is not threading.current_thread():
-            publisher.join(self.config.publish_wait_s)
-        if not self._closed:
-            self.publish()
-
-    def _join(self, wait: bool, timeout: float | None = None) -> PublishResult:
-        if wait and self._publisher is not None:
-            limit = self.config.publish_wait_s if timeout is None else timeout
-            self._publisher.join(limit)
-            if self._publisher.is_alive() and timeout is None:
-                self._warn(f"publish still running after {limit:.0f}s; leaving it")
+        self.publisher.start_round()
+        if wait:
+            self.publisher.join()
         return self.publish_result
 
     # -- after the first step: report at once, publish at each settled point -------------
@@ -378,18 +304,8 @@ class Session:
     def _after_first_step(self) -> None:
         self.report_start()
         with self._lock:
-            if self._closed or self.settler is not None or not self.config.publish_early \
-                    or not self._may_publish():
-                return
-            self.settler = Settler(torch_env.artifacts_recorded, self._round,
-                                   max_rounds=self.config.max_publishes)
-        try:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            self._step_hook = register_optimizer_step_post_hook(self.settler.step)
-        except Exception as exc:  # no optimizer hook: settled by quiet time alone
-            log.debug("megacache: no optimizer step hook: %s", exc)
-        self.settler.start()
+            if not self._closed:
+                self.publisher.start_settling()
 
     def report_start(self) -> None:
         """Send the run's events now, once (the exit then sends only what changed)."""
@@ -409,7 +325,8 @@ class Session:
 
     def _start_fields(self) -> dict[str, Any]:
         """The event's time-to-start split and precompile fields."""
-        note = self.precompile_off or self.precompile_shared or self.load_result.precompile
+        note = self.precompile_off or self.publisher.precompile_note \
+            or self.load_result.precompile
         return start_fields(self.clock, note)
 
     def report(self) -> Event | None:
@@ -428,18 +345,17 @@ class Session:
     def retire(self) -> None:
         """Stop without publishing or reporting: another session took this one's place."""
         with self._lock:
-            self._closed = True
-        self._stop_settling()
+            self._closed = self.publisher.closed = True
+        self.publisher.stop_settling()
 
     def close(self) -> Event | None:
         """Publish (bounded wait), report, and stop. Safe to call more than once."""
         with self._lock:
             if self._closed or not self.config.enabled:
                 return None
-            self._closed = True
-        self._stop_settling()
+            self._closed = self.publisher.closed = True
+        self.publisher.stop_settling()
         self.publish(wait=True)
-        self._forget_precompiled()
         if self.tracks and self._first.load.entry is not None:
             count_toolchain(self.prefetcher, self._first.load, self.config.prefetch_wait_s)
         return self.report()
@@ -454,24 +370,7 @@ class Session:
             threading.Thread(target=self.report_start, name="megacache-report",
                              daemon=True).start()
             self.publish()  # after the round under way, if any: only what it lacks
-        self._join(True, max(0.0, deadline - time.monotonic()))
-
-    def _stop_settling(self) -> None:
-        if self.settler is not None:
-            self.settler.stop()
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
-
-    def _forget_precompiled(self) -> None:
-        """Leave no precompiled entry on local disk for another process to load ungated."""
-        if self.precompile_off or not precompile.enabled():
-            return
-        try:
-            precompile.forget_local(k for kind, k in self.load_result.loaded_keys
-                                    if kind == precompile.ARTIFACT_TYPE)
-        except Exception as exc:
-            log.debug("megacache: could not clear local precompiled entries: %s", exc)
+        self.publisher.join(max(0.0, deadline - time.monotonic()), warn=False)
 
     def _report_bad(self, exc: CorruptBlobError | PackError, result: LoadResult) -> None:
         """Tell the server which bytes were bad (in the background), so the fleet stops

@@ -15,11 +15,11 @@ import os
 import time
 from typing import Any
 
-from megacache_client import lifecycle
+from megacache_client import lifecycle, publisher
 
 counts = {"early": 0, "exit": 0}
 closing = {"now": False}
-_snapshot, _close = lifecycle.snapshot, lifecycle.Session.close
+_snapshot, _close = publisher.snapshot, lifecycle.Session.close
 
 
 def counted_snapshot(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -32,7 +32,7 @@ def closing_close(self):  # type: ignore[no-untyped-def]
     return _close(self)
 
 
-lifecycle.snapshot = counted_snapshot  # type: ignore[assignment]
+publisher.snapshot = counted_snapshot  # type: ignore[assignment]
 lifecycle.Session.close = closing_close  # type: ignore[method-assign]
 atexit.register(lambda: print(json.dumps(counts), flush=True))
 

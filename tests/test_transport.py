@@ -29,7 +29,7 @@ def test_clients_share_one_tls_context(monkeypatch: pytest.MonkeyPatch, tmp_path
     as httpx reads it."""
     import ssl
 
-    from megacache_client.transport import client as transport
+    from megacache_client.transport import tls as transport
 
     made: list[object] = []
     real = ssl.create_default_context

@@ -21,11 +21,11 @@ a guard failure) picks the same name and Dynamo raises "Name '__builtins_dict___
 exists in scope". The producer records its counter's high-water mark with the bundle and
 the consumer moves its own counter past it before the entry is installed.
 
-torch also keeps precompiled entries on local disk (`<inductor cache>/dynamo/<key>`, written
-by `save_cache_artifacts` and by loading a bundle) under that same weak key, where any later
-process on the node with caching precompile on would pick them up, whatever its model. The
-client removes the entries its process wrote or loaded when it closes, so only its gated
-path ever hands precompiled Dynamo output to torch.
+torch also keeps precompiled entries on local disk (`<inductor cache>/dynamo/<key>`) under
+that same weak key, and installs any it finds there unchecked: the client points torch's
+Dynamo cache at a directory of this process's own before switching caching precompile on
+(`dynamo_store`), so only its gated path ever hands precompiled Dynamo output to torch,
+however the process ends.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from __future__ import annotations
 import itertools
 import logging
 import platform
-import re
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from megacache_client.config import ClientConfig
+from megacache_client.torch import dynamo_store
 from megacache_client.torch import env as torch_env
 from megacache_client.torch.precompile_patches import (
     _INSTALLED,
@@ -98,6 +98,12 @@ def turn_on(config: ClientConfig) -> str:
             and record_traced_graphs()):
         return (f"torch {torch_env.torch_version()}: its precompile package cannot be made "
                 "to record the globals its bytecode loads, which would crash a new machine")
+    try:
+        dynamo_store.claim()
+    except Exception as exc:
+        return (f"torch {torch_env.torch_version()}: its precompiled Dynamo cache cannot be "
+                f"given a directory of this process's own ({type(exc).__name__}: {exc}), "
+                "and in torch's shared one a later process could load it unchecked")
     torch_env.torch_module()._dynamo.config.caching_precompile = True
     stabilize_autograd_keys()
     return ""
@@ -421,25 +427,6 @@ def forget_package_of(target: Any) -> bool:
         return False
     shutil.rmtree(path, ignore_errors=True)
     return True
-
-
-def forget_local(loaded: Iterable[str]) -> int:
-    """Remove this process's precompiled entries from torch's on-disk Dynamo cache.
-
-    `loaded` are the precompile keys this process loaded from a bundle; the ones it recorded
-    itself come from torch's precompile context. Returns how many entries were removed.
-    """
-    from torch._dynamo.package import DynamoCache
-    from torch._dynamo.precompile_context import PrecompileContext
-
-    root = Path(DynamoCache.path_prefix())
-    removed = 0
-    for key in set(loaded) | set(PrecompileContext._dynamo_cache_entries):
-        path = root / key
-        if re.fullmatch(r"[0-9a-f]{64}", key) and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-            removed += 1
-    return removed
 
 
 def counters() -> dict[str, int]:

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import ssl
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +43,7 @@ from megacache_client.transport.retry import (
     retryable,
     retrying,
 )
+from megacache_client.transport.tls import tls_context
 from megacache_client.wire import headers as wire_headers
 from megacache_client.wire import routes
 from megacache_client.wire.escape import escape, escape_logs
@@ -225,6 +223,14 @@ class RemoteCache:
         a = self._exchange(routes.RELEASE_CLAIM, "release claim", key=entry_key,
                            params={"holder": holder})
         self._expect(a, (204, 404, 405, 409), "release claim")
+
+    def reachable(self) -> bool:
+        """Whether the server answers at all (`/healthz`, within this client's deadline):
+        asked before work that only the server can use (a publish round's packs)."""
+        try:
+            return self._exchange(routes.HEALTHZ, "health check").status < 500
+        except TransportError:
+            return False
 
     def whoami(self) -> tuple[str, list[str]]:
         """This client's token name and scopes, as the server knows them."""
@@ -443,32 +449,6 @@ def producer_headers() -> dict[str, str]:
         found[wire_headers.JOB] = job.job_id
         found[wire_headers.ATTEMPT] = str(job.attempt)
     return found
-
-
-_tls: ssl.SSLContext | None = None
-_tls_lock = threading.Lock()
-
-
-def tls_context() -> ssl.SSLContext:
-    """The process's TLS context, made once. httpx makes a new one for every client, loading
-    the whole CA bundle (35-130 ms measured here), and a trainer makes several clients
-    (prefetch, load, publish, report), the load's on the way to the first step. It trusts
-    what httpx would: SSL_CERT_FILE / SSL_CERT_DIR when set, else certifi's bundle (an
-    https:// server, or the S3 store a blob download is redirected to)."""
-    global _tls
-    with _tls_lock:
-        if _tls is None:
-            cafile = os.environ.get("SSL_CERT_FILE") or None
-            capath = os.environ.get("SSL_CERT_DIR") or None
-            if cafile is None and capath is None:
-                try:
-                    import certifi  # httpx's own requirement
-
-                    cafile = certifi.where()
-                except ImportError:  # the system's trust store, then
-                    pass
-            _tls = ssl.create_default_context(cafile=cafile, capath=capath)
-        return _tls
 
 
 def _file_chunks(path: Path, progress: Progress | None, clock: Deadline) -> Iterator[bytes]:

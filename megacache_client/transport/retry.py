@@ -1,8 +1,10 @@
 """The one retry loop every request goes through: backoff, `Retry-After`, breaker, deadline.
 
 A request is an `attempt()` callable. It returns its result, raises `httpx.HTTPError`
-(connection refused, reset, timeout) or `RetryableStatus` (5xx, 429) to ask for another
-try, or raises anything else to stop at once (a 404, a corrupt blob). Each try is counted
+(reset, timeout) or `RetryableStatus` (5xx, 429) to ask for another try, or raises anything
+else to stop at once (a 404, a corrupt blob). A connection that cannot be made (refused,
+unreachable) stops at once and opens the breaker for the node: the client's attempt ends
+without a retry's backoff, and nothing is built for a server nobody can reach. Each try is counted
 by the circuit breaker. A `Deadline` bounds the whole step the requests belong to, not one
 request: waits are cut to what is left of it, and running out of it opens the breaker so
 the node's other ranks stop waiting on the same dead server.
@@ -100,6 +102,11 @@ def retrying(attempt: Callable[[], T], *, what: str, retries: int, breaker: Circ
             break
         try:
             result = attempt()
+        except httpx.ConnectError as exc:
+            # refused or unreachable: nothing listens there now, and a retry a moment
+            # later finds the same; the node's ranks stop asking until the breaker's reset
+            breaker.trip()
+            raise TransportError(f"{what}: {_describe(exc)}") from exc
         except (httpx.HTTPError, RetryableStatus) as exc:
             last = exc
             breaker.failure()
