@@ -12,7 +12,6 @@ made or any check started, and the next settled point tries again.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -67,13 +66,14 @@ class Publisher:
 
     # -- who may publish ----------------------------------------------------------------
     def may_publish(self) -> bool:
-        """Whether this process publishes at all; says why not on every track."""
+        """Whether this process publishes at all; says why not on every track. Every rank
+        of a job may: a rank whose run compiled nothing its entry lacks (data parallel
+        ranks, after the first) uploads nothing, and one that compiled graphs of its own
+        (a pipeline stage, a model-parallel shard) adds them (`steps/claims.py`)."""
         tracks = self.tracks()
         why = ""
         if not self.config.may_publish or not tracks:
             why = "publishing disabled or nothing compiled through megacache"
-        elif os.environ.get("LOCAL_RANK", "0") != "0":
-            why = "only local rank 0 publishes"
         for track in tracks if why else ():
             track.publish.reason = why
         self.no_track.publish.reason = why or self.no_track.publish.reason

@@ -39,6 +39,9 @@ class LoadResult:
     steps: dict[str, float] = field(default_factory=dict)
     precompile: str = ""
     """Why the entry's precompiled Dynamo output was not loaded ("" when loaded or absent)."""
+    withheld: set[tuple[str, str]] = field(default_factory=set)
+    """The (type, key) of the bundle's artifacts compiled for another rank of a job
+    (`torch/ranks.py`): never handed to torch here, kept in any entry this run rewrites."""
     job_note: str = ""
     """Why this process of a job decided alone ("" when the job's resolution decided)."""
     untrusted_etag: str = ""

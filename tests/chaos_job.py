@@ -90,9 +90,22 @@ import torch  # noqa: E402  (the client enables itself right after this import)
 from torch import nn  # noqa: E402
 
 
+class MLP(nn.Module):
+    """The trainer's own model class (`nn.Module.compile()` of a torch-only module such as
+    a bare `nn.Sequential` compiles nothing: Dynamo skips torch's own frames)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
 def main() -> int:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)) \
+        if os.environ.get("COMPILE_STYLE") != "method" else MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if os.environ.get("COMPILE_STYLE") == "method":
         model.compile()
@@ -105,8 +118,9 @@ def main() -> int:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         import torch.distributed as dist
+        from gloo_group import init_group  # benchmarks/, on PYTHONPATH
 
-        dist.init_process_group("gloo")
+        init_group()
     stop_here("before_first_step")
     losses: list[float] = []
     for step, batch in enumerate(batches):

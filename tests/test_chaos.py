@@ -126,6 +126,7 @@ def test_a_sigtermed_consumer_leaves_nothing_that_crashes_the_next_process(
         assert "already exists in scope" not in restart.stderr
 
 
+@pytest.mark.timeout(2400)
 def test_any_stop_leaves_the_node_safe_and_the_restart_warm(
         server: ServerProcess, tmp_path: Path) -> None:
     need("torch", "the job compiles a real model")
@@ -152,6 +153,7 @@ def test_any_stop_leaves_the_node_safe_and_the_restart_warm(
         stopped = run(node, env | {"STOP_KIND": kind, "STOP_POINT": point,
                                    "STOP_DELAY": str(delay)})
         tally[kind] = tally.get(kind, 0) + 1
+        print(f"chaos: {said}: ended {stopped.returncode} in {stopped.seconds:.1f}s")
         assert stopped.returncode != 0, f"{said}: not stopped\n{stopped.stderr[-2000:]}"
         if point != "publish":  # a SIGTERM hands on after the client's grace; others at once
             assert stopped.returncode in ENDED_BY[kind] | {-signal.SIGTERM}, \
@@ -161,6 +163,8 @@ def test_any_stop_leaves_the_node_safe_and_the_restart_warm(
         places = [node] + ([Machine(tmp_path / f"fresh-{i}")] if i % 3 == 2 else [])
         for where in places:
             restart = run(where, env | {"MEGACACHE_JOB_ID": f"chaos-{seed}-{i}-r"}, gxx)
+            print(f"chaos:   restart on {where.root.name}: {restart.returncode} in "
+                  f"{restart.seconds:.1f}s, {restart.result.get('outcome')}")
             assert restart.returncode == 0, f"{said}: restart crashed\n{restart.stderr[-4000:]}"
             got = restart.result["losses"]
             assert all(math.isclose(g, w, rel_tol=1e-6, abs_tol=1e-7)
@@ -176,6 +180,7 @@ def test_any_stop_leaves_the_node_safe_and_the_restart_warm(
           f"{sum(2 if i % 3 == 2 else 1 for i in range(stops))}, crashes 0")
 
 
+@pytest.mark.timeout(1200)
 def test_a_torchrun_job_whose_ranks_are_stopped_restarts_on_its_node(
         server: ServerProcess, tmp_path: Path) -> None:
     """2 ranks under torchrun with 3 restarts: in each failed attempt one rank stops its own
@@ -192,7 +197,8 @@ def test_a_torchrun_job_whose_ranks_are_stopped_restarts_on_its_node(
         "OMP_NUM_THREADS": "1", "CHAOS_RESULTS": str(results),
         "CHAOS_ATTEMPT_STOPS": "sigterm:first_compile:0.3,exception:publish:0.1,"
                                "sigkill:after:0",
-        "CKPT_DIR": str(tmp_path / "ckpt"), "PYTHONPATH": str(HERE)}
+        "CKPT_DIR": str(tmp_path / "ckpt"),
+        "PYTHONPATH": os.pathsep.join((str(HERE), str(HERE.parent / "benchmarks")))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--max-restarts", "3", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "chaos",

@@ -324,6 +324,35 @@ def test_a_dead_claimants_key_is_taken_over_after_its_lease(tmp_path):
         server.stop()
 
 
+def test_a_claim_held_by_a_gone_process_of_this_host_is_released_at_once(server, tmp_path):
+    """A process SIGKILLed during its publish leaves its claim for the lease (10 min); its
+    restart on the same node, whose exit would wait `publish_wait_s` for an upload that
+    never comes, sees the holder was a process of this host that is gone and takes the key
+    now. A holder still running, or of another host, keeps it."""
+    from helpers import make_fingerprint
+
+    from megacache_client.steps.claims import claim_holder
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    host = claim_holder().rsplit("-", 2)[0]
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for holder, taken in ((f"{host}-{int(gone.stdout)}-0badc0de", True),
+                              (f"{host}-{alive.pid}-0badc0de", False),
+                              (f"elsewhere-{int(gone.stdout)}-0badc0de", False)):
+            fp = make_fingerprint(model="fleet-gone", code=holder)
+            held = httpx.post(f"{server.url}/v1/ac/{fp.key()}/claim",
+                              json={"holder": holder, "lease_s": 600})
+            assert held.status_code == 200, held.text
+            result = publish_now(server.url, tmp_path / holder, fp, os.urandom(1 << 16),
+                                 MEGACACHE_PUBLISH_WAIT_S="0")
+            assert result.published is taken, (holder, result.reason)
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 def test_a_skipped_publisher_adds_what_the_claimants_entry_lacks(server, bundles, tmp_path):
     """B compiled other graphs than the claimant: it skips the upload, waits for the
     claimant's entry, then adds its graphs to it (uploading only its merged bundle); a

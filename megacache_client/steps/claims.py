@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from megacache_client.config import ClientConfig
 from megacache_client.results import Snapshot, Track
@@ -26,6 +27,7 @@ from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.shipping import (
     build_manifest,
     bundle_blob,
+    entry_kernel_ids,
     pack_blob,
     toolchain_blob,
     upload_and_write,
@@ -33,8 +35,8 @@ from megacache_client.steps.shipping import (
 )
 from megacache_client.steps.verify import ServedEntry
 from megacache_client.torch import env as torch_env
-from megacache_client.torch import precompile, relocate
-from megacache_client.torch.packs import PackError
+from megacache_client.torch import precompile, ranks, relocate
+from megacache_client.torch.packs import MAX_KERNEL_PACKS, PackError, pack_kind
 from megacache_client.transport.client import RemoteCache, TransportError, UntrustedWriterError
 from megacache_client.wire.manifest import BlobRef, Manifest, sha256_hex
 
@@ -44,11 +46,7 @@ log = logging.getLogger("megacache")
 def claim_holder() -> str:
     """A name for this process on a publish claim: host, pid and a random part (a pid
     is reused, a host name repeats in containers), in the server's id alphabet."""
-    import re
-    import socket
-
-    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64].strip(".-") or "host"
-    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return f"{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 
@@ -71,7 +69,7 @@ def claim_first_publishes(remote: RemoteCache, snap: Snapshot, holder: str, leas
             continue
         key = track.fp.key()
         try:
-            other = remote.claim(key, holder=holder, lease_s=lease_s)
+            other = claim(remote, key, holder, lease_s)
         except TransportError as exc:
             log.debug("megacache: claiming %s failed (%s): publishing unclaimed", key[:12], exc)
             kept.append(track)
@@ -88,6 +86,45 @@ def claim_first_publishes(remote: RemoteCache, snap: Snapshot, holder: str, leas
         skipped.append((track, other))
     snap.tracks[:] = kept
     return claimed, skipped
+
+
+def claim(remote: RemoteCache, key: str, holder: str, lease_s: float) -> str | None:
+    """Claim `key` for `holder`; None when granted, else who holds it. A claim held by a
+    process of this host that is gone (SIGKILLed, say, in the middle of its publish) is
+    released for it first: its restart on the same node would otherwise wait out the lease
+    or `publish_wait_s` at its exit for an upload that will never come."""
+    other = remote.claim(key, holder=holder, lease_s=lease_s)
+    if other and holder_gone(other):
+        log.info("megacache: the claim on %s was held by %s, a process of this host that "
+                 "is gone: released for it", key[:12], other)
+        remote.release_claim(key, holder=other)
+        other = remote.claim(key, holder=holder, lease_s=lease_s)
+    return other
+
+
+def holder_gone(holder: str) -> bool:
+    """Whether a claim's holder (`claim_holder()`: host, pid, random part) was a process
+    of this host that no longer runs. Another host's, or a pid still in use, is not."""
+    parts = holder.rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return False
+    host, pid = parts[0], int(parts[1])
+    if host != _host() or pid == os.getpid() or pid <= 1:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
+def _host() -> str:
+    import re
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64].strip(".-") or "host"
 
 
 def _skip_note(other: str) -> str:
@@ -184,7 +221,7 @@ def _follow_step(f: Follow, track: Track, other: str) -> bool:
     got = f.remote.get_entry(key)
     if got is not None:
         return _add_lacking(f, track, other, got)
-    if f.remote.claim(key, holder=f.holder, lease_s=f.config.claim_lease_s) is not None:
+    if claim(f.remote, key, f.holder, f.config.claim_lease_s) is not None:
         return False
     try:
         if not _vacant(f.remote, key):
@@ -213,13 +250,20 @@ def _add_lacking(f: Follow, track: Track, other: str, served: ServedEntry) -> bo
     same = ref.raw_sha256 is not None and ref.raw_sha256 == sha256_hex(f.snap.raw)
     theirs = {} if same else _bundle_artifacts(f, served, ref)
     new = {} if same else _lacking(theirs, _artifacts_of(f.snap.raw))
-    kernels = f.config.ship_kernels and bool(f.snap.kernels) and entry.blob("kernels") is None
+    kernels = _lacking_kernels(f, entry) if any(new.values()) or not _kernel_roles(entry) \
+        else {}
     if not any(new.values()) and not kernels:
         res.reason = (f"{_skip_note(other)}; the claimant's entry already has everything "
                       "this run compiled")
         return True
-    extra = _extra_blobs(f, entry, kernels)
     artifacts = torch_env.merged(theirs, new) if any(new.values()) else None
+    if artifacts is not None and len(torch_env.to_bytes(artifacts)) > f.config.max_raw_bytes:
+        res.reason = (f"{_skip_note(other)}; adding this run's graphs would take the entry's "
+                      f"bundle past MEGACACHE_MAX_RAW_BYTES ({f.config.max_raw_bytes}): "
+                      "not added (this rank compiles them on every new machine)")
+        log.warning("megacache: %s", res.reason)
+        return True
+    extra = _extra_blobs(f, entry, kernels)
     counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()} \
         if artifacts is not None else dict(entry.artifact_counts)
     bundle = _merged_bundle(f.node, ref, theirs, artifacts, f.snap.meta) \
@@ -235,7 +279,7 @@ def _add_lacking(f: Follow, track: Track, other: str, served: ServedEntry) -> bo
     res.etag = written
     added = sum(len(items) for items in new.values())
     what = [f"{added} artifact(s)"] if added else []
-    what += [f"its {b.role} pack" for b in extra]
+    what += [f"a {b.role} pack" for b in extra]
     res.published = res.merged = True
     res.reason = (f"{_skip_note(other)}; added to the claimant's entry what this run compiled "
                   f"and it lacked: {' and '.join(what)} ({sent} bytes uploaded)")
@@ -261,13 +305,16 @@ def _artifacts_of(raw: bytes) -> torch_env.Artifacts:
 
 def _lacking(theirs: torch_env.Artifacts, ours: torch_env.Artifacts) -> torch_env.Artifacts:
     """Our artifacts the entry's bundle lacks (compared by type and key). Our precompiled
-    Dynamo entries join only a bundle without any: two processes numbered theirs and ours,
-    and their ids could clash in one bundle."""
-    if theirs.get(precompile.ARTIFACT_TYPE):
-        ours = torch_env.without(ours, precompile.ARTIFACT_TYPE)
+    Dynamo entries join only a bundle without any (two processes numbered theirs and ours,
+    and their ids could clash in one bundle), and only with graphs of ours it lacks: a rank
+    that compiled the same graphs as the entry's producer (data parallel) adds nothing."""
     have = {(kind, k) for kind, ks in torch_env.keys_of(theirs).items() for k in ks}
-    return {kind: [a for a in items if (kind, a.key) not in have]
-            for kind, items in ours.items()}
+    new = {kind: [a for a in items if (kind, a.key) not in have]
+           for kind, items in ours.items()}
+    graphs = any(items for kind, items in new.items() if kind != precompile.ARTIFACT_TYPE)
+    if theirs.get(precompile.ARTIFACT_TYPE) or not graphs:
+        new = torch_env.without(new, precompile.ARTIFACT_TYPE)
+    return new
 
 
 def _merged_bundle(node: NodeCache, ref: BlobRef, theirs: torch_env.Artifacts,
@@ -275,20 +322,47 @@ def _merged_bundle(node: NodeCache, ref: BlobRef, theirs: torch_env.Artifacts,
     """The merged artifacts as a bundle blob; its precompile meta is the claimant's when
     the precompiled entries are theirs (`_lacking`), else ours (`ours`: our snapshot's,
     whose refusals it keeps)."""
-    meta = dict(ref.meta) if theirs.get(precompile.ARTIFACT_TYPE) \
+    meta = {k: v for k, v in ref.meta.items() if k.startswith("precompile_")} \
+        if theirs.get(precompile.ARTIFACT_TYPE) \
         else precompile.producer_meta(artifacts, precompile.refused_by([ours]))
+    bindings, _ = ranks.render(ranks.merged(ref.meta, ours))
+    if bindings:
+        meta[ranks.META] = bindings
     return bundle_blob(node, torch_env.to_bytes(artifacts), meta)
 
 
-def _extra_blobs(f: Follow, entry: Manifest, kernels: bool) -> list[BlobRef]:
-    """Our kernels pack (when `kernels`: the entry has none) and our toolchain pack when
-    the entry has none, to add to it. A kernels pack the entry has is kept as it is:
-    merging ours into it would need its files unpacked here; a run that loads the entry
-    and compiles what it lacks adds those (its republish packs the placed kernels too)."""
+def _kernel_roles(entry: Manifest) -> list[str]:
+    return [b.role for b in entry.blobs if pack_kind(b.role) == "kernels"]
+
+
+def _lacking_kernels(f: Follow, entry: Manifest) -> dict[str, Path]:
+    """Our kernels the entry's kernel packs lack (its packs fetched into the node cache to
+    read their index: a stage whose graphs the entry lacked compiled kernels it lacks
+    too); all of ours when it has none; none when kernels do not ship or it holds
+    `MAX_KERNEL_PACKS` already (a process that rewrites the entry packs them as one)."""
+    roles = _kernel_roles(entry)
+    if not f.config.ship_kernels or not f.snap.kernels or len(roles) >= MAX_KERNEL_PACKS:
+        return {}
+    if not roles:
+        return dict(f.snap.kernels)
+    for role in roles:
+        blob = entry.blob(role)
+        if blob is not None:
+            fetch_blob(f.remote, f.node, blob)
+    have = entry_kernel_ids(entry, f.node, f.config.max_raw_bytes)
+    ids = relocate.recorder().ids_for(f.snap.kernels)
+    return {name: path for name, path in f.snap.kernels.items()
+            if relocate.content_ids([name], ids).isdisjoint(have)}
+
+
+def _extra_blobs(f: Follow, entry: Manifest, kernels: dict[str, Path]) -> list[BlobRef]:
+    """A pack of our kernels the entry lacks (its first kernel pack, or one beside the
+    packs it has: `kernels-N`), and our toolchain pack when the entry has none."""
     extra = []
     if kernels:
-        extra.append(pack_blob(f.node, "kernels", f.snap.kernels,
-                                relocate.recorder().ids_for(f.snap.kernels)))
+        roles = _kernel_roles(entry)
+        role = f"kernels-{len(roles) + 1}" if roles else "kernels"
+        extra.append(pack_blob(f.node, role, kernels, relocate.recorder().ids_for(kernels)))
     if f.config.ship_toolchain and entry.blob("toolchain") is None:
         toolchain = toolchain_blob(f.remote, f.node, f.first)
         if toolchain is not None:

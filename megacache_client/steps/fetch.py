@@ -22,7 +22,7 @@ from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.prefetched import Prefetching, PrefetchResult
 from megacache_client.steps.verify import Admitted, ServedEntry
 from megacache_client.torch import relocate
-from megacache_client.torch.packs import PackError
+from megacache_client.torch.packs import PackError, pack_kind
 from megacache_client.transport.client import (
     CircuitOpenError,
     RemoteCache,
@@ -189,11 +189,12 @@ def fetch_blob(remote: RemoteCache, node: NodeCache, blob: BlobRef) -> tuple[Pat
 
 def skip_reason(config: ClientConfig, blob: BlobRef) -> str:
     """Why a compiled-artifact blob cannot help here (it would only cost a download)."""
-    if blob.role == "kernels" and not config.ship_kernels:
+    kind = pack_kind(blob.role)
+    if kind == "kernels" and not config.ship_kernels:
         return "kernels disabled by configuration"
-    if blob.role == "toolchain" and not config.ship_toolchain:
+    if kind == "toolchain" and not config.ship_toolchain:
         return "toolchain disabled by configuration"
-    if blob.role in ("kernels", "toolchain"):
+    if kind is not None:
         return relocate.refusal(blob.meta)
     return ""
 

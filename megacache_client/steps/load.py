@@ -24,8 +24,15 @@ from megacache_client.results import LoadResult
 from megacache_client.steps.prefetched import Prefetching, PrefetchResult
 from megacache_client.steps.verify import Admitted
 from megacache_client.torch import env as torch_env
-from megacache_client.torch import precompile, relocate, vec_isa
-from megacache_client.torch.packs import PackError, decompress_bytes, read_index, safe_name, unpack
+from megacache_client.torch import precompile, ranks, relocate, vec_isa
+from megacache_client.torch.packs import (
+    PackError,
+    decompress_bytes,
+    pack_kind,
+    read_index,
+    safe_name,
+    unpack,
+)
 from megacache_client.wire.manifest import Manifest
 
 log = logging.getLogger("megacache")
@@ -50,15 +57,16 @@ def place_artifacts(admitted: dict[str, Admitted], result: LoadResult, cap: int,
                     prefetched: PrefetchResult | None = None) -> None:
     """Unpack the entry's kernels and toolchain packs (unless the prefetch did)."""
     done = prefetched.placed if prefetched is not None else {}
-    for role in ("kernels", "toolchain"):
-        if role not in admitted:
+    for role in sorted(admitted):
+        kind = pack_kind(role)
+        if kind is None:
             continue
         blob = admitted[role].ref
         count = done.get(blob.digest)
         if count is None:
             with blamed_on("unpack", blob.digest, admitted[role].entry.key):
                 count = place(admitted[role], cap)
-        result.placed[role] = count
+        result.placed[kind] = result.placed.get(kind, 0) + count
     if result.placed.get("kernels"):  # the ISA probe's libraries are on disk now
         vec_isa.probe_in_background()
 
@@ -68,9 +76,10 @@ def place(admitted: Admitted, cap: int) -> int:
     the number of its files there. The only way a pack reaches torch's folders."""
     roots = {"kernels": (torch_env.inductor_cache_dir(), KERNEL_SUFFIXES),
              "toolchain": (torch_env.header_dir(), TOOLCHAIN_SUFFIXES)}
-    if admitted.ref.role not in roots:
+    kind = pack_kind(admitted.ref.role)
+    if kind is None:
         return 0
-    root, suffixes = roots[admitted.ref.role]
+    root, suffixes = roots[kind]
     pack = admitted.path
     ids = relocate.parse_index(read_index(pack))
     placed = _unpack_once(pack, root, suffixes, cap)
@@ -141,12 +150,18 @@ def load_bundle(bundle: Admitted, result: LoadResult, cap: int,
         artifacts = _torch_loads(torch_env.read_artifacts, ready)
         if artifacts is None:
             raise PackError("torch refused the bundle (load_cache_artifacts returned None)")
+        result.withheld = ranks.withheld(artifacts, ref.meta, ranks.position())
+        artifacts = ranks.less(artifacts, result.withheld)
         artifacts, result.precompile = precompile.for_loading(artifacts, result.outcome, ref)
         keys = _torch_loads(torch_env.populate, artifacts)
     if keys.get(precompile.ARTIFACT_TYPE):
         precompile.reserve_ids(ref)
     if result.precompile:
         log.info("megacache: %s", result.precompile)
+    if result.withheld:
+        log.info("megacache: rank %s: %d artifact(s) compiled for other ranks not loaded "
+                 "(compiled here if this rank needs them)", ranks.position(),
+                 len(result.withheld))
     result.loaded_keys = {(kind, k) for kind, ks in keys.items() for k in ks}
 
 

@@ -44,6 +44,7 @@ from megacache_client.steps.prefetched import PrefetchResult
 from megacache_client.steps.verify import ServedEntry
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import relocate
+from megacache_client.torch.packs import pack_kind
 from megacache_client.transport.client import Deadline, RemoteCache
 from megacache_client.wire.manifest import BlobRef, Manifest, Scalar
 
@@ -199,7 +200,7 @@ class Prefetcher:
         cap = self.config.max_raw_bytes
         for entry, blob in wanted:
             admitted = remote.gate.admit(entry, blob.role, self.result.paths[blob.digest])
-            if blob.role in ("kernels", "toolchain"):
+            if pack_kind(blob.role) is not None:
                 self.result.placed[blob.digest] = place(admitted, cap)
             elif blob.role == "megacache":
                 self.result.bundles[blob.digest] = read_bundle(admitted, cap)

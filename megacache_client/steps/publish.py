@@ -20,10 +20,9 @@ from megacache_client.steps import claims, shipping
 from megacache_client.steps.load import KERNEL_SUFFIXES, read_bundle
 from megacache_client.steps.nodecache import NodeCache
 from megacache_client.torch import env as torch_env
-from megacache_client.torch import precompile, relocate
-from megacache_client.torch.packs import PackError, pack_names, read_index
+from megacache_client.torch import precompile, ranks, relocate
 from megacache_client.transport.client import RemoteCache
-from megacache_client.wire.manifest import BlobRef, Manifest
+from megacache_client.wire.manifest import BlobRef
 
 log = logging.getLogger("megacache")
 
@@ -52,6 +51,13 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
     artifacts: torch_env.Artifacts | None = None
     note = ""
     refused: frozenset[str] = frozenset()
+    withheld = {k for t in tracks if t.load.outcome == "hit" for k in t.load.withheld}
+    theirs = _withheld_precompile_meta(tracks)
+    if theirs is not None:  # another rank's Dynamo output stays; ours does not join it
+        precompile_keys = None
+        keys = {kind: ks for kind, ks in keys.items() if kind != precompile.ARTIFACT_TYPE}
+        note = ("the entry's precompiled Dynamo output is another rank's: this rank's is "
+                "not shipped (it traces Dynamo, and loads the rest)")
     if keys.get(precompile.ARTIFACT_TYPE):  # what may ship decides what is lacking
         artifacts, note = _shippable(raw, precompile_keys)
         # checked before `lacking`: an artifact that fails is never lacking, or every
@@ -70,18 +76,56 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
                                   exclude=("triton", "locks"))
     ids = relocate.recorder().ids_for(kernels)
     kernels = relocate.dedupe(kernels, ids)
-    new_keys = {(kind, k) for kind, ks in keys.items() for k in ks}
+    new_keys = {(kind, k) for kind, ks in keys.items() for k in ks} - withheld
     kernel_ids = relocate.content_ids(kernels, ids)
     lacking = [t for t in tracks if _lacks(t, tracks, new_keys, kernel_ids, node, cap)]
     if not lacking:
         return None, note
     if artifacts is None:
         artifacts, note = _shippable(raw, precompile_keys)
-    artifacts = torch_env.merged(_loaded_artifacts(tracks, node, cap), artifacts)
+        note = note if theirs is None else note or "another rank's precompiled Dynamo kept"
+    if theirs is not None:
+        artifacts = torch_env.without(artifacts, precompile.ARTIFACT_TYPE)
+    loaded = _loaded_artifacts(tracks, node, cap)
+    artifacts, bindings = _bind_to_rank(ranks.less(artifacts, withheld), loaded, tracks)
+    artifacts = torch_env.merged(loaded, artifacts)
     counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()}
+    meta = precompile.producer_meta(artifacts, refused) if theirs is None else theirs
     return Snapshot(torch_env.to_bytes(artifacts), counts, kernels,
                     torch_env.compile_seconds(), lacking, new_keys, kernel_ids,
-                    precompile.producer_meta(artifacts, refused)), note
+                    {**meta, **({ranks.META: bindings} if bindings else {})}), note
+
+
+def _withheld_precompile_meta(tracks: Sequence[Track]) -> dict[str, str] | None:
+    """The precompile meta of a loaded bundle whose Dynamo output is another rank's (it is
+    kept, as it was, in any entry this run rewrites), or None when there is none."""
+    for t in tracks:
+        if t.load.outcome == "hit" and t.load.bundle is not None and any(
+                kind == precompile.ARTIFACT_TYPE for kind, _ in t.load.withheld):
+            return {k: v for k, v in t.load.bundle.ref.meta.items()
+                    if k.startswith("precompile_")}
+    return None
+
+
+def _bind_to_rank(ours: torch_env.Artifacts, loaded: torch_env.Artifacts,
+                  tracks: Sequence[Track]) -> tuple[torch_env.Artifacts, str]:
+    """Our artifacts less those whose rank binding does not fit the bundle's meta, and the
+    bindings of the bundle to write: the loaded bundles' (other ranks' stay theirs) and
+    ours at this rank's position (`ranks.bound`: only what this process compiled)."""
+    have = {(kind, a.key) for kind, items in loaded.items() for a in items}
+    own = ranks.less(ours, have)
+    where = ranks.position()
+    metas = [t.load.bundle.ref.meta for t in tracks
+             if t.load.outcome == "hit" and t.load.bundle is not None]
+    rendered, left = ranks.render(ranks.merged(*metas, ours=ranks.bound(own, where),
+                                               where=where))
+    if left:
+        dropped = {(kind, a.key) for kind, items in own.items() for a in items
+                   if ranks.short((kind, a.key)) in left}
+        log.info("megacache: %d rank-bound artifact(s) not shipped: their binding does "
+                 "not fit the bundle's meta", len(dropped))
+        ours = ranks.less(ours, dropped)
+    return ours, rendered
 
 
 def _shippable(raw: bytes, precompile_keys: dict[str, list[str]] | None
@@ -123,10 +167,8 @@ def _loaded_artifacts(tracks: Sequence[Track], node: NodeCache, cap: int
         if not NodeCache.was_verified(bundle.path, ref.digest, ref.size):
             continue  # changed on disk since it was admitted
         artifacts = torch_env.read_artifacts(read_bundle(bundle, cap)) or {}
-        loaded = _loaded_with(tracks, ref)
-        out = torch_env.merged(out, {
-            kind: [a for a in items if (kind, a.key) in loaded]
-            for kind, items in artifacts.items()})
+        kept = _loaded_with(tracks, ref) | {k for t in tracks for k in t.load.withheld}
+        out = torch_env.merged(out, ranks.only(artifacts, kept))
     return out
 
 
@@ -147,7 +189,7 @@ def _lacks(track: Track, tracks: Sequence[Track], new_keys: set[tuple[str, str]]
         return True
     if load.outcome == "hit" and load.entry is not None \
             and new_keys <= _loaded_with(tracks, load.entry.blob("megacache")) \
-            and kernel_ids <= _entry_pack_ids(load.entry, "kernels", node, cap):
+            and kernel_ids <= shipping.entry_kernel_ids(load.entry, node, cap):
         res.reason = "the loaded entry already has everything this run compiled"
         return False
     return True
@@ -162,21 +204,6 @@ def _loaded_with(tracks: Sequence[Track], bundle: BlobRef | None) -> set[tuple[s
         if other is not None and bundle is not None and other.digest == bundle.digest:
             keys |= t.load.loaded_keys
     return keys
-
-
-def _entry_pack_ids(entry: Manifest, role: str, node: NodeCache, cap: int) -> set[str]:
-    """What the entry's pack holds (relocate.content_ids), read from the node cache."""
-    blob = entry.blob(role)
-    if blob is None:
-        return set()
-    path = node.path(blob.digest)
-    if not NodeCache.verified(path, blob.digest, blob.size):
-        return set()
-    try:
-        names = pack_names(path, cap)
-        return relocate.content_ids(names, relocate.parse_index(read_index(path)))
-    except PackError:
-        return set()
 
 
 # -- upload: the blobs once, then an entry per track --------------------------------------

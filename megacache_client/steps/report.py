@@ -68,8 +68,12 @@ def _event(track: Track, counters: dict[str, int], compile_s: float | None,
     if outcome in ("hit", "fallback") and counters["fxgraph_miss"] > 0 \
             and counters["fxgraph_hit"] + counters["aot_hit"] == 0 and served == 0:
         outcome = "inert"
-        res.reason = ("bundle loaded but torch found none of its graphs (FX graph, "
-                      "AOTAutograd and precompiled Dynamo cache hits = 0)")
+        who = f"rank {job['rank']} of {job['world_size']}: " \
+            if job.get("world_size", 1) > 1 else ""
+        res.reason = (f"{who}bundle loaded but torch found none of its graphs: "
+                      f"{counters['fxgraph_miss']} FX graph and {counters['aot_miss']} "
+                      "AOTAutograd cache misses, no FX graph, AOTAutograd or precompiled "
+                      "Dynamo hit")
         warn(res.reason)
     cold = res.entry.cold_compile_s if res.entry is not None else None
     saved = 0.0

@@ -22,7 +22,14 @@ from megacache_client.steps.load import TOOLCHAIN_SUFFIXES
 from megacache_client.steps.nodecache import NodeCache
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import relocate
-from megacache_client.torch.packs import compress_bytes, write_pack
+from megacache_client.torch.packs import (
+    PackError,
+    compress_bytes,
+    pack_kind,
+    pack_names,
+    read_index,
+    write_pack,
+)
 from megacache_client.transport.client import Progress, RemoteCache
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest, sha256_file, sha256_hex
 from megacache_client.wire.text import as_text
@@ -180,3 +187,20 @@ def find_files(root: Path, suffixes: tuple[str, ...], exclude: tuple[str, ...]) 
             found[rel.as_posix()] = path
     return found
 
+
+def entry_kernel_ids(entry: Manifest, node: NodeCache, cap: int) -> set[str]:
+    """What the entry's kernel packs hold (relocate.content_ids), read from the node cache
+    (a pack not there counts as empty)."""
+    ids: set[str] = set()
+    for blob in entry.blobs:
+        if pack_kind(blob.role) != "kernels":
+            continue
+        path = node.path(blob.digest)
+        if not NodeCache.verified(path, blob.digest, blob.size):
+            continue
+        try:
+            names = pack_names(path, cap)
+            ids |= relocate.content_ids(names, relocate.parse_index(read_index(path)))
+        except PackError:
+            continue
+    return ids

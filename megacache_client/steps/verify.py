@@ -38,6 +38,7 @@ from filelock import FileLock
 from megacache_client.errors import UntrustedEntryError, UntrustedWriterError
 from megacache_client.steps.nodecache import NodeCache
 from megacache_client.torch import relocate
+from megacache_client.torch.packs import pack_kind
 from megacache_client.wire import headers as wire_headers
 from megacache_client.wire.manifest import BlobRef, Manifest
 from megacache_client.wire.signing import SigningError, signature_valid
@@ -143,7 +144,7 @@ class Gate:
         if not NodeCache.was_verified(path, ref.digest, ref.size):
             raise UntrustedEntryError(f"the {role} blob {ref.digest[:12]}… at {path} was not "
                                       "verified against its digest by the node cache")
-        if role in ("kernels", "toolchain"):
+        if pack_kind(role) is not None:
             refused = relocate.refusal(ref.meta)
             if refused:
                 raise UntrustedEntryError(f"the {role} pack of entry {entry.key[:12]}… "

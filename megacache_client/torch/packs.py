@@ -27,6 +27,21 @@ import zstandard
 from megacache_client.errors import BadArtifact
 
 ZSTD_LEVEL = 3
+MAX_KERNEL_PACKS = 8
+"""Kernel packs an entry may hold: its first (`kernels`) and the ones ranks that compiled
+what it lacked added beside it (`kernels-2` ...); a process that rewrites the entry packs
+them into one again."""
+
+
+def pack_kind(role: str) -> str | None:
+    """What a blob of `role` is as a pack: `kernels` (the first kernel pack, or one a rank
+    added: `kernels-N`), `toolchain`, or None (not a pack: the bundle)."""
+    if role in ("kernels", "toolchain"):
+        return role
+    head, _, n = role.partition("-")
+    if head == "kernels" and n.isdigit() and 2 <= int(n) <= MAX_KERNEL_PACKS:
+        return "kernels"
+    return None
 
 
 class PackError(ValueError, BadArtifact):
