@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -82,9 +83,16 @@ class Publisher:
     def unreachable(self) -> str:
         """Why the server cannot be reached now ("" = it can): the node's breaker is open,
         or a health check (refused at once, or no answer within `PROBE_S`) fails and opens
-        it. A round then builds nothing: no pack, no precompile check, no compression."""
+        it. A round then builds nothing: no pack, no precompile check, no compression. The
+        exit's round, the last, first waits (up to `PROBE_S`) out a breaker about to close:
+        another thread's request (the run's events) may be the probe that closes it."""
         breaker = breaker_for(self.config.url, self.config.node_cache_dir,
                               self.config.breaker_reset_s)
+        if self.closed:  # the last round: a probe of another thread may be under way
+            waited = time.monotonic() + PROBE_S
+            while breaker.is_open and time.monotonic() < waited \
+                    and breaker.open_for() <= PROBE_S:
+                time.sleep(0.05)
         if not breaker.is_open:
             deadline = Deadline(min(PROBE_S, self.config.load_deadline_s))
             with RemoteCache(self.config, breaker, deadline=deadline) as remote:
@@ -125,6 +133,7 @@ class Publisher:
                 return True
             down = self.unreachable()
             if down:
+                log.debug("megacache: publish round: %s", down)
                 self._say(tracks, down)
                 return False
             self._verdicts_since = False

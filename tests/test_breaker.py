@@ -40,17 +40,42 @@ def test_circuit_breaker_opens_and_half_opens():
     assert not b.is_open
 
 
-def test_dead_server_fails_fast_once_the_breaker_opens(tmp_path: Path):
-    cfg = ClientConfig(url=f"http://127.0.0.1:{free_port()}", retries=0, connect_timeout_s=0.5)
+def test_a_refused_connection_opens_the_breaker_at_once(tmp_path: Path):
+    """Nothing listens: the first request fails without a retry's backoff and opens the
+    breaker for the node; the next fails at once without touching the network."""
+    cfg = ClientConfig(url=f"http://127.0.0.1:{free_port()}", retries=2, connect_timeout_s=0.5)
     breaker = CircuitBreaker(threshold=3, reset_s=60)
     with RemoteCache(cfg, breaker) as remote:
-        for _ in range(3):
-            with pytest.raises(TransportError):
-                remote.get_entry("0" * 64)
+        t = time.monotonic()
+        with pytest.raises(TransportError) as refused:
+            remote.get_entry("0" * 64)
+        assert not isinstance(refused.value, CircuitOpenError)
+        assert time.monotonic() - t < 0.15  # no backoff (0.2 s at least before a retry)
+        assert breaker.is_open
         t = time.monotonic()
         with pytest.raises(CircuitOpenError):
             remote.get_entry("0" * 64)
         assert time.monotonic() - t < 0.05
+
+
+@pytest.mark.e2e
+def test_a_trainer_whose_server_is_down_builds_nothing_to_publish(tmp_path: Path):
+    """The exit's publish round asks before it builds: with nothing listening at the URL it
+    snapshots nothing, packs nothing and starts no precompile check (each of which only
+    the server could use), and says why; the trainer ends as it would without a URL."""
+    from conftest import need
+    from jobs import Machine, run_job
+
+    need("torch", "the trainer compiles a real model")
+    run = run_job(Machine(tmp_path / "node"), "--model", "mlp", "--steps", "3",
+                  "--megacache", "env",
+                  env={"MEGACACHE_URL": f"http://127.0.0.1:{free_port()}",
+                       "MEGACACHE_MODEL": "down", "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.mc["outcome"] == "error", run.mc
+    assert run.mc["publish_reason"].startswith("cache server unreachable: nothing built"), \
+        run.mc
+    assert len(run.warnings()) == 1, run.warnings()
 
 
 def test_the_breaker_is_shared_by_the_processes_of_a_node(tmp_path: Path):
@@ -148,3 +173,40 @@ def test_client_gives_up_quickly_and_the_breaker_stops_the_hammering(mode: str, 
         assert not (tmp_path / "blob").exists()
     finally:
         bad.close()
+
+
+@pytest.mark.e2e
+def test_a_server_that_comes_back_gets_the_compile_of_a_trainer_that_started_without_it(
+        tmp_path: Path):
+    """The server is down when the trainer loads (one warning, a cold compile) and up
+    before it ends: the exit's round finds it answering and publishes the cold compile."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import need
+    from helpers import ServerProcess
+    from jobs import TRAIN_JOB, Machine, clean_env
+
+    need("torch", "the trainer compiles a real model")
+    server = ServerProcess(tmp_path / "data")
+    env = clean_env() | Machine(tmp_path / "node").env() | {
+        "MEGACACHE_URL": server.url, "MEGACACHE_MODEL": "comes-back", "OMP_NUM_THREADS": "1",
+        "MEGACACHE_BREAKER_RESET_S": "1", "MEGACACHE_PRECOMPILE": "0"}
+    trainer = subprocess.Popen([sys.executable, str(TRAIN_JOB), "--model", "mlp", "--steps",
+                                "3", "--megacache", "env", "--init-s", "3"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stderr is not None
+        for line in trainer.stderr:  # the load failed: now the server may come up
+            if line.startswith("megacache: error"):
+                break
+        server.start()
+        out, err = trainer.communicate(timeout=600)
+        assert trainer.returncode == 0, err[-3000:]
+        result = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
+        assert result["megacache"]["outcome"] == "error", result["megacache"]
+        assert result["megacache"]["published"], result["megacache"]["publish_reason"]
+    finally:
+        trainer.kill()
+        server.stop()

@@ -278,7 +278,8 @@ def _add_lacking(f: Follow, track: Track, other: str, served: ServedEntry) -> bo
         return False
     res.etag = written
     added = sum(len(items) for items in new.values())
-    what = [f"{added} artifact(s)"] if added else []
+    kinds = ", ".join(f"{len(items)} {kind}" for kind, items in sorted(new.items()) if items)
+    what = [f"{added} artifact(s) ({kinds})"] if added else []
     what += [f"a {b.role} pack" for b in extra]
     res.published = res.merged = True
     res.reason = (f"{_skip_note(other)}; added to the claimant's entry what this run compiled "
@@ -304,15 +305,17 @@ def _artifacts_of(raw: bytes) -> torch_env.Artifacts:
 
 
 def _lacking(theirs: torch_env.Artifacts, ours: torch_env.Artifacts) -> torch_env.Artifacts:
-    """Our artifacts the entry's bundle lacks (compared by type and key). Our precompiled
-    Dynamo entries join only a bundle without any (two processes numbered theirs and ours,
-    and their ids could clash in one bundle), and only with graphs of ours it lacks: a rank
-    that compiled the same graphs as the entry's producer (data parallel) adds nothing."""
+    """Our artifacts the entry's bundle lacks (compared by type and key), when some are
+    compiled graphs: a rank that compiled the same graphs as the entry's producer (data
+    parallel) adds nothing, not even its own automatic-dynamic profile or Dynamo output.
+    Our precompiled Dynamo entries join only a bundle without any (two processes numbered
+    theirs and ours, and their ids could clash in one bundle)."""
     have = {(kind, k) for kind, ks in torch_env.keys_of(theirs).items() for k in ks}
     new = {kind: [a for a in items if (kind, a.key) not in have]
            for kind, items in ours.items()}
-    graphs = any(items for kind, items in new.items() if kind != precompile.ARTIFACT_TYPE)
-    if theirs.get(precompile.ARTIFACT_TYPE) or not graphs:
+    if not ranks.graphs_in((kind, a.key) for kind, items in new.items() for a in items):
+        return {}  # riders alone (`ranks.RIDERS`): nothing worth an upload
+    if theirs.get(precompile.ARTIFACT_TYPE):
         new = torch_env.without(new, precompile.ARTIFACT_TYPE)
     return new
 

@@ -179,7 +179,10 @@ def _lacks(track: Track, tracks: Sequence[Track], new_keys: set[tuple[str, str]]
     # bad bytes the server confirmed and took out of service: this run's clean bundle is
     # what replaces them; after any other failed load, publishing is not to be trusted
     healed = load.outcome == "invalid" and load.reported in ("quarantined", "withdrawn")
-    if load.outcome in ("invalid", "error") and not healed:
+    # a load that gave torch nothing (the server down or slow when it started) left this
+    # run's compile all its own: it publishes once the server answers
+    unreached = load.outcome == "error" and not load.loaded_keys
+    if load.outcome in ("invalid", "error") and not healed and not unreached:
         res.reason = f"not publishing after a failed load ({load.outcome})"
         return False
     if res.shipped or res.shipped_kernels:  # an earlier round of this process wrote it
@@ -188,9 +191,11 @@ def _lacks(track: Track, tracks: Sequence[Track], new_keys: set[tuple[str, str]]
             return False
         return True
     if load.outcome == "hit" and load.entry is not None \
-            and new_keys <= _loaded_with(tracks, load.entry.blob("megacache")) \
+            and ranks.graphs_in(new_keys) <= _loaded_with(tracks, load.entry.blob("megacache")) \
             and kernel_ids <= shipping.entry_kernel_ids(load.entry, node, cap):
-        res.reason = "the loaded entry already has everything this run compiled"
+        # its own profile of automatic dynamic (torch keys it by rank) or Dynamo output
+        # (traced where the entry's was another rank's) alone is no reason to rewrite it
+        res.reason = "the loaded entry already has every graph this run compiled"
         return False
     return True
 

@@ -40,6 +40,11 @@ COLLECTIVE_MARKERS = (b"_c10d_functional", b"ops.c10d.", b"c10d::", b"_functiona
 """Bytes that only the code of a graph calling a collective holds (every Inductor output
 names `torch._C._distributed_c10d` in its preamble, so that name alone says nothing)."""
 BOUND_KINDS = ("precompile", "inductor", "aot_autograd")
+RIDERS = ("precompile", "pgo")
+"""Artifacts that ride with compiled graphs and never justify an upload alone: precompiled
+Dynamo output (another rank's package of the same function would only replace the
+entry's), and automatic-dynamic profiles, which torch keys by the rank itself (each rank
+of a data-parallel job has its own, saying the same)."""
 
 Key = tuple[str, str]
 """(artifact type, artifact key)."""
@@ -130,3 +135,8 @@ def less(artifacts: torch_env.Artifacts, keys: set[Key]) -> torch_env.Artifacts:
     """The artifacts not of `keys`."""
     return {kind: [a for a in items if (kind, a.key) not in keys] for kind, items in
             artifacts.items()}
+
+
+def graphs_in(keys: Iterable[Key]) -> set[Key]:
+    """The keys of compiled graphs among `keys` (what can make an upload worth it)."""
+    return {k for k in keys if k[0] not in RIDERS}

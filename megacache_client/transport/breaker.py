@@ -79,6 +79,12 @@ class CircuitBreaker:
             self._open_until = max(self._open_until, time.time() + (seconds or self.reset_s))
             self._save()
 
+    def open_for(self) -> float:
+        """Seconds until the breaker lets a call through again (0 when it does now)."""
+        with self._lock:
+            self._load()
+            return max(0.0, self._open_until - time.time())
+
     @property
     def is_open(self) -> bool:
         with self._lock:
