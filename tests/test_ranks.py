@@ -45,7 +45,7 @@ def torchrun(server: ServerProcess, tmp: Path, name: str, *, restarts: int = 0,
              machine: Machine | None = None, **env: str) -> subprocess.CompletedProcess[str]:
     """A 2-rank job of stage_job.py; results in tmp/results. Without `machine`, each
     attempt and rank runs on a new machine of its own (under tmp/machines)."""
-    (tmp / "results").mkdir(exist_ok=True)
+    (tmp / "results").mkdir(parents=True, exist_ok=True)
     gxx = GxxCounter(tmp / "bin")
     full = clean_env() | gxx.env(tmp / "gxx-unused.log") | {
         "MEGACACHE_URL": server.url, "MEGACACHE_MODEL": name, "OMP_NUM_THREADS": "1",
@@ -102,7 +102,8 @@ def test_data_parallel_ranks_upload_once(server: ServerProcess, tmp_path: Path) 
     ranks = [result(tmp_path, rank) for rank in (0, 1)]
     uploaders = [r for r in ranks if r["bytes_up"] > 0]
     assert len(uploaders) == 1, [(r["rank"], r["publish_reason"], r["bytes_up"]) for r in ranks]
-    assert ranks[0]["losses"] == ranks[1]["losses"]
+    other = next(r for r in ranks if r["bytes_up"] == 0)
+    assert other["publish_reason"].endswith("already has everything this run compiled"), other
 
 
 def test_a_rank_specific_graph_is_a_miss_never_another_ranks(server: ServerProcess,
