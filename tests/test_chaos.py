@@ -129,6 +129,38 @@ def test_a_sigtermed_consumer_leaves_nothing_that_crashes_the_next_process(
         assert "already exists in scope" not in restart.stderr
 
 
+TORCH_ALONE = """
+import torch
+torch._dynamo.config.caching_precompile = True
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+torch.compile(model)(torch.randn(8, 16)).sum().backward()
+torch.compiler.save_cache_artifacts()
+"""
+
+
+def test_entries_torch_left_in_its_own_dynamo_cache_are_ignored_with_one_warning(
+        server: ServerProcess, tmp_path: Path) -> None:
+    """torch alone (caching precompile on, its Mega-Cache saved) leaves its entry in
+    `<inductor cache>/dynamo/`, where an earlier client left its own too: the next
+    process with the client on that node reads none of it, says so once, and compiles a
+    new shape in the same module without a crash."""
+    need("torch", "the job compiles a real model")
+    node = Machine(tmp_path / "node")
+    alone = subprocess.run([sys.executable, "-c", TORCH_ALONE], capture_output=True,
+                           text=True, timeout=600,
+                           env=clean_env() | node.env() | {"OMP_NUM_THREADS": "1"})
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    left = shared_precompiled(node)
+    assert len(left) == 1, left
+    ours = run(node, {"MEGACACHE_URL": server.url, "MEGACACHE_MODEL": f"left-{tmp_path.name}",
+                      "STEPS": "3", "CHAOS_BATCHES": "8,5,3"})
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    said = [ln for ln in ours.stderr.splitlines() if ln.startswith("megacache:")]
+    assert len(said) == 1 and "1 precompiled Dynamo entry in" in said[0] \
+        and "ignored" in said[0], said
+    assert shared_precompiled(node) == left  # torch's own, left as torch left it
+
+
 @pytest.mark.timeout(2400)
 def test_any_stop_leaves_the_node_safe_and_the_restart_warm(
         server: ServerProcess, tmp_path: Path) -> None:
