@@ -154,6 +154,8 @@ def main() -> int:
                         help="trainer runs per case (no URL, down, hung); 0 skips them")
     parser.add_argument("--ranks-only", action="store_true",
                         help="only the load step of --ranks processes (the older table)")
+    parser.add_argument("--trainer-only", action="store_true",
+                        help="only the trainer table (no URL / down / hung)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -178,6 +180,12 @@ def main() -> int:
                       f"{args.trainer_repeats} interleaved runs:\n\n" + "\n".join(lines))
     else:
         trainer_md = ""
+    if args.trainer_only:
+        listener.close()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"trainer": trainer_summary,
+                                        "trainer_runs": trainer_rows}, indent=2))
+        return 0
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(len(SCENARIOS)) as pool:
         futures = [pool.submit(scenario, url, Path(tmp) / str(n), name, extra, args.ranks)
                    for n, (name, extra) in enumerate(SCENARIOS.items())]
