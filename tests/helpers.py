@@ -201,7 +201,7 @@ class ForwardingProxy:
     each request goes to `upstream` at `rewrite(path)` (the attacker's choice), after
     `hold(method, path)` seconds (a slow link for that request), unless `answer(method, path)`
     gives the proxy's own answer (status, headers, body). Bodies and headers pass through;
-    hop-by-hop headers do not."""
+    hop-by-hop headers do not. `seen` and `headers` record what each request carried."""
 
     HOP_BY_HOP = ("host", "content-length", "connection", "transfer-encoding",
                   "content-encoding")
@@ -212,13 +212,15 @@ class ForwardingProxy:
                  = lambda method, path: None) -> None:
         drop = self.HOP_BY_HOP
         self.seen: list[tuple[str, str, bytes]] = []  # method, path, body: what was sent
-        seen = self.seen
+        self.headers: list[dict[str, str]] = []  # each request's headers, names lowercased
+        seen, headers = self.seen, self.headers
 
         class Forward(http.server.BaseHTTPRequestHandler):
             def _forward(self) -> None:
                 time.sleep(hold(self.command, self.path))
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
                 seen.append((self.command, self.path, body))
+                headers.append({k.lower(): v for k, v in self.headers.items()})
                 own = answer(self.command, self.path)  # the proxy answers this one itself
                 if own is not None:
                     self.send_response(own[0])

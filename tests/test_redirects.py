@@ -165,13 +165,17 @@ def test_an_announced_origin_is_followed_without_the_token(
                     RemoteCache(ClientConfig(url=proxy.url, token="mc_secret-token",
                                              verify_key=keys[1])) as remote:
                 store.seen.clear()
+                store.headers.clear()
                 if followed:
                     assert remote.download_blob(digest, len(data), tmp_path / "got") == digest
                     assert (tmp_path / "got").read_bytes() == data
                 else:
                     with pytest.raises(RedirectRefused, match="without the server's signature"):
                         remote.download_blob(digest, len(data), tmp_path / "got")
+                # the server's own origin got the token; the store it sent us to did not
+                assert proxy.headers[-1].get("authorization") == "Bearer mc_secret-token"
             assert [p for _, p, _ in store.seen] == ([f"/v1/cas/{digest}"] if followed else [])
+            assert all("authorization" not in h for h in store.headers), store.headers
 
 
 def test_a_configured_origin_is_followed_unannounced(
