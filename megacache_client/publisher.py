@@ -121,6 +121,13 @@ class Publisher:
         if thread.is_alive() and warn:
             self.warn(f"publish still running after {limit:.0f}s; leaving it")
 
+    def idle(self, timeout: float) -> bool:
+        """Wait until no round runs (at most `timeout` seconds); True when none does."""
+        if not self._round_lock.acquire(timeout=timeout):
+            return False
+        self._round_lock.release()
+        return True
+
     def round(self) -> bool:
         """One publish round: snapshot (torch's save is incremental; under Dynamo's compile
         lock), upload what the tracks' entries lack, remember what shipped. At most

@@ -54,7 +54,10 @@ def main() -> None:
     while counts["early"] == 0 and time.monotonic() < deadline:
         train(compiled, opt, 4)
         time.sleep(0.05)
-    time.sleep(0.5)  # the round that snapshot started finishes (its upload, if any)
+    from megacache_client.torch import hook
+
+    session = hook.active_session()  # the round that snapshot started ends (its upload)
+    assert session is not None and session.publisher.idle(300), "a round never ended"
     if os.environ.get("NEW_SHAPE") == "1":
         train(compiled, opt, 6)  # another static shape: torch compiles again
 
