@@ -26,6 +26,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -271,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
+            shutil.rmtree(server.data_dir.parent, ignore_errors=True)  # its store and log
     result["server_workers"] = args.workers if server is not None else None
     result["server_nofile"] = args.server_nofile if server is not None else None
     print_table(result)

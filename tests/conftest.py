@@ -26,6 +26,15 @@ from megacache_server.store.index.sqlite import SqliteIndex  # noqa: E402
 
 _names = itertools.count()
 
+SCRATCH = Path(__import__("tempfile").mkdtemp(prefix="megacache-tests-"))
+"""This test process's temp dir for what the code under test leaves in TMPDIR (torchrun's
+`torchelastic_*` dirs, a child's caches) and for torch's Inductor cache of compiles run in
+the test process: set before anything imports torch, removed when the session ends, so a
+passing run leaves nothing in the temp dir (pytest's own tmp_path dirs go by its retention
+policy, pyproject.toml)."""
+os.environ["TMPDIR"] = str(SCRATCH)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(SCRATCH / "torchinductor"))
+
 
 def environment_missing(what: str, why: object) -> NoReturn:
     """The one way a test gives up on its environment: in CI (`CI=true`) a missing part fails
@@ -228,6 +237,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """No server, Redis or SeaweedFS process a test started may outlive the suite. Under
     pytest-xdist (`-n 2`) each worker checks its own processes and tells the controller,
     whose exit status is the run's."""
+    if session.testsfailed == 0:
+        shutil.rmtree(SCRATCH, ignore_errors=True)
     left = leftover_groups() + session.config.stash.get(_LEFT_BY_WORKERS, [])
     if left:
         print(f"\nprocess groups left running by the tests (now killed): {left}",
