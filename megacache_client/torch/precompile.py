@@ -106,7 +106,44 @@ def turn_on(config: ClientConfig) -> str:
                 "and in torch's shared one a later process could load it unchecked")
     torch_env.torch_module()._dynamo.config.caching_precompile = True
     stabilize_autograd_keys()
+    quiet_dropped_guards()
     return ""
+
+
+DROPPED_GUARD = "is dropped with caching_precompile=True"
+
+
+class _DroppedGuards(logging.Filter):
+    """Keeps torch's "<guard> is dropped with caching_precompile=True" warnings (seven for
+    a small MLP, on every cold compile) out of the trainer's log: they are torch's note that
+    its precompiled entries guard less (the reason the client loads only verified entries
+    of its exact fingerprint, docs/precompiled-dynamo.md), not something a trainer can act
+    on. Said once, at INFO, with how many."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            if DROPPED_GUARD not in record.getMessage():
+                return True
+        except Exception:
+            return True
+        self.dropped += 1
+        if self.dropped == 1:
+            log.info("megacache: torch drops some guards while it records precompiled Dynamo "
+                     "output (\"... %s\"); the client loads only verified entries of the "
+                     "exact fingerprint, and keeps those warnings out of this log",
+                     DROPPED_GUARD)
+        return False
+
+
+def quiet_dropped_guards() -> None:
+    """Install `_DroppedGuards` on torch's guard logger (once)."""
+    guards = logging.getLogger("torch._dynamo.guards")
+    if not any(isinstance(f, _DroppedGuards) for f in guards.filters):
+        guards.addFilter(_DroppedGuards())
 
 
 def unrestorable(artifacts: torch_env.Artifacts) -> dict[str, list[str]]:
