@@ -92,6 +92,9 @@ def test_every_stage_starts_warm_after_one_stage_is_killed(server: ServerProcess
     for rank in (0, 1):
         warm = result(tmp_path, rank, 1)["losses"]
         assert cold[rank] and warm[:len(cold[rank])] == cold[rank], (rank, cold, warm)
+    # both stages' `model.compile()` is one precompile key (`Module._call_impl`): the
+    # bundle holds one rank's package, and only that rank may install it
+    assert sum(result(tmp_path, r, 1)["precompile_hit"] > 0 for r in (0, 1)) <= 1
 
 
 def test_data_parallel_ranks_upload_once(server: ServerProcess, tmp_path: Path) -> None:
@@ -174,6 +177,10 @@ def test_bindings_round_trip_and_withhold_only_other_positions() -> None:
     assert ranks.withheld(artifacts, meta, "0/2") == {theirs}
     assert ranks.withheld(artifacts, meta, "1/2") == {mine}
     assert ranks.withheld(artifacts, meta, "0/1") == {mine, theirs}  # another world size
+    both = {ranks.META: ranks.render(ranks.merged(ours={mine}, where="0/2")
+                                     | ranks.merged(ours={mine}, where="1/2"))[0]}
+    assert ranks.withheld(artifacts, both, "0/2") == {mine}  # whose it is, nobody can say
+    assert ranks.restricted(meta, {theirs}) == {ranks.META: f"1/2={ranks.short(theirs)}"}
     many = {f"{n}/300": {f"inductor:{n:024d}"} for n in range(300)}
     rendered, left = ranks.render(many)
     assert len(rendered) <= ranks.MAX_META and left  # what does not fit is said, not cut

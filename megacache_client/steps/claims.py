@@ -266,7 +266,9 @@ def _add_lacking(f: Follow, track: Track, other: str, served: ServedEntry) -> bo
     extra = _extra_blobs(f, entry, kernels)
     counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()} \
         if artifacts is not None else dict(entry.artifact_counts)
-    bundle = _merged_bundle(f.node, ref, theirs, artifacts, f.snap.meta) \
+    adding = {(kind, a.key) for kind, items in new.items() for a in items}
+    bundle = _merged_bundle(f.node, ref, theirs, artifacts, ranks.restricted(f.snap.meta, adding)
+                            | {k: v for k, v in f.snap.meta.items() if k != ranks.META}) \
         if artifacts is not None else ref
     blobs = [bundle, *(b for b in entry.blobs if b.role != "megacache"), *extra]
     ours = [b for b in (bundle, *extra) if b is not ref]
@@ -328,7 +330,7 @@ def _merged_bundle(node: NodeCache, ref: BlobRef, theirs: torch_env.Artifacts,
     meta = {k: v for k, v in ref.meta.items() if k.startswith("precompile_")} \
         if theirs.get(precompile.ARTIFACT_TYPE) \
         else precompile.producer_meta(artifacts, precompile.refused_by([ours]))
-    bindings, _ = ranks.render(ranks.merged(ref.meta, ours))
+    bindings, _ = ranks.render(ranks.merged(ref.meta, ours))  # ours: only what we add
     if bindings:
         meta[ranks.META] = bindings
     return bundle_blob(node, torch_env.to_bytes(artifacts), meta)

@@ -105,11 +105,20 @@ def render(bindings: Mapping[str, Iterable[str]]) -> tuple[str, set[str]]:
 
 
 def withheld(artifacts: torch_env.Artifacts, meta: Mapping[str, str], where: str) -> set[Key]:
-    """The artifacts of a bundle bound to positions other than `where`."""
+    """The artifacts of a bundle bound to any position other than `where` (a key bound to
+    two positions is withheld too: a bundle holds one artifact per key, whichever rank's
+    it is)."""
     others = {k for pos, keys in parse(meta).items() if pos != where for k in keys}
-    mine = parse(meta).get(where, set())
     return {(kind, a.key) for kind, items in artifacts.items() for a in items
-            if short((kind, a.key)) in others and short((kind, a.key)) not in mine}
+            if short((kind, a.key)) in others}
+
+
+def restricted(meta: Mapping[str, str], keys: Iterable[Key]) -> dict[str, str]:
+    """`meta` with its bindings cut to `keys` (the artifacts of its bundle that go on)."""
+    shorts = {short(k) for k in keys}
+    kept = {pos: {k for k in items if k in shorts} for pos, items in parse(meta).items()}
+    value, _ = render({pos: items for pos, items in kept.items() if items})
+    return {META: value} if value else {}
 
 
 def merged(*metas: Mapping[str, str], ours: Iterable[Key] = (), where: str = ""
