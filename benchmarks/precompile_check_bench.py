@@ -34,7 +34,8 @@ def one(name: str, corpus: bool) -> dict[str, object]:
 
     from megacache_client.config import ClientConfig
     from megacache_client.torch import env as torch_env
-    from megacache_client.torch import precompile, precompile_verify
+    from megacache_client.torch import precompile
+    from megacache_client.torch.precompile import verify as precompile_verify
 
     assert precompile.turn_on(ClientConfig()) == ""
     if corpus:

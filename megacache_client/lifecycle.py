@@ -54,14 +54,10 @@ from megacache_client.steps.report import (
 )
 from megacache_client.steps.report import events as track_events
 from megacache_client.steps.settle import Settler
-from megacache_client.torch import (
-    dynamo_store,
-    precompile,
-    start_clock,
-    supported,
-)
 from megacache_client.torch import env as torch_env
+from megacache_client.torch import precompile, start_clock, supported
 from megacache_client.torch.packs import PackError
+from megacache_client.torch.precompile import store as dynamo_store
 from megacache_client.transport.client import (
     CorruptBlobError,
     Deadline,
@@ -132,7 +128,7 @@ class Session:
 
     def _ignore_shared_precompiled(self) -> None:
         """Say once that entries in torch's own Dynamo cache dir are not loaded here (this
-        process reads only its own: `dynamo_store`), e.g. ones an earlier client version
+        process reads only its own: `precompile/store.py`), e.g. ones an earlier client version
         or torch alone left behind."""
         try:
             found = dynamo_store.leftovers()

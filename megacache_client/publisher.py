@@ -23,7 +23,7 @@ from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.publish import shipped, snapshot, upload
 from megacache_client.steps.settle import Settler
 from megacache_client.torch import env as torch_env
-from megacache_client.torch import precompile_verify
+from megacache_client.torch.precompile import verify as precompile_verify
 from megacache_client.transport.client import Deadline, RemoteCache, breaker_for
 
 log = logging.getLogger("megacache")

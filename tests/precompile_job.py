@@ -23,7 +23,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import megacache_client
 from megacache_client.torch import env as torch_env
-from megacache_client.torch import precompile, precompile_verify
+from megacache_client.torch import precompile
+from megacache_client.torch.precompile import verify as precompile_verify
 
 KIND = sys.argv[1]
 _log = logging.StreamHandler()  # the client's INFO lines, prefixed so they are no warnings

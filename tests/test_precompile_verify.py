@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 from conftest import need
 
-from megacache_client.torch import precompile_verify
+from megacache_client.torch.precompile import verify as precompile_verify
 
 need("torch", "the check's child process imports torch")
 

@@ -24,7 +24,7 @@ the consumer moves its own counter past it before the entry is installed.
 torch also keeps precompiled entries on local disk (`<inductor cache>/dynamo/<key>`) under
 that same weak key, and installs any it finds there unchecked: the client points torch's
 Dynamo cache at a directory of this process's own before switching caching precompile on
-(`dynamo_store`), so only its gated path ever hands precompiled Dynamo output to torch,
+(`store.py`), so only its gated path ever hands precompiled Dynamo output to torch,
 however the process ends.
 """
 
@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from megacache_client.config import ClientConfig
-from megacache_client.torch import dynamo_store
 from megacache_client.torch import env as torch_env
-from megacache_client.torch.precompile_patches import (
+from megacache_client.torch.precompile import store as dynamo_store
+from megacache_client.torch.precompile.patches import (
     _INSTALLED,
     _SERVED,
     count_served_graphs,
@@ -63,10 +63,10 @@ META_PYTHON = "precompile_python"
 META_IDS = "precompile_unique_ids"
 META_VERIFIED = "precompile_verified"
 """The keys of the bundle's precompile artifacts its producer verified in a child process
-(`precompile_verify`), comma-separated: a consumer loads no other."""
+(`verify.py`), comma-separated: a consumer loads no other."""
 META_REFUSED = "precompile_refused"
 """Keys of the producer's precompile artifacts its check refused on the artifact itself
-(`precompile_verify.settled`): a consumer that traces one again leaves it out unchecked."""
+(`verify.settled`): a consumer that traces one again leaves it out unchecked."""
 MAX_IDS = 10**9
 
 
@@ -179,7 +179,7 @@ def for_loading(artifacts: torch_env.Artifacts, outcome: str | None, bundle: Blo
     """The artifacts this run may hand to torch, and why any precompiled ones were left out.
 
     All of them are left out where `refusal` says so; otherwise each entry the producer did
-    not verify in its child-process check (`precompile_verify`: the bundle's meta names the
+    not verify in its child-process check (`verify.py`: the bundle's meta names the
     verified ones; an older producer's name none), and each a fresh process could not run
     (`unrestorable`): a producer that did not check, or a torch that records less than
     this client expects, costs a Dynamo trace, never a crashed step.
@@ -234,7 +234,7 @@ def verified_for_shipping(artifacts: torch_env.Artifacts, loaded: set[str], *,
                           on_verdicts: Callable[[], None] | None = None
                           ) -> tuple[torch_env.Artifacts, str, frozenset[str]]:
     """The artifacts this process may publish now that its own precompile artifacts were
-    put to the child-process check (`precompile_verify`), why any failed ("" = none), and
+    put to the child-process check (`verify.py`), why any failed ("" = none), and
     the keys refused on the artifact itself (for the bundle's `META_REFUSED`).
     `loaded`: precompile keys this process loaded from a verified entry (not traced here,
     already verified by their producer, shipped again as they were). `refused_before`:
@@ -242,7 +242,7 @@ def verified_for_shipping(artifacts: torch_env.Artifacts, loaded: set[str], *,
     a check (a new machine's exit does not wait seconds for a child to say it again).
     Without `wait`, artifacts whose check is under way are left out for now, without a
     note: the round `on_verdicts` runs adds them once verified."""
-    from megacache_client.torch import precompile_verify
+    from megacache_client.torch.precompile import verify as precompile_verify
 
     own = [a for a in artifacts.get(ARTIFACT_TYPE, []) if a.key not in loaded]
     if not own:

@@ -1,8 +1,8 @@
 """The child process that checks precompiled Dynamo output before its entry calls it verified.
 
-`python -m megacache_client.torch.precompile_check <job> <verdicts>` runs in a process that
+`python -m megacache_client.torch.precompile.check <job> <verdicts>` runs in a process that
 never traced anything, as a new machine is: for each precompile artifact of the job
-(`precompile_verify.write_job`) it
+(`verify.write_job`) it
 
 1. unpickles the artifact and checks it was made by this torch and Python;
 2. refuses an entry with no compiled code that torch did not leave out (bypass), and any

@@ -5,7 +5,7 @@ lacks (Hugging Face ResNet's NameError), miss the guards torch could not save, o
 graph that does not compute what was traced. A default must not ship any of that, and a
 static reading of the bytecode cannot tell all of it. So before an entry calls its
 precompile artifacts verified, the publish thread hands them to a fresh interpreter
-(`precompile_check`), which loads each as a new machine would and calls its graphs on
+(`check.py`), which loads each as a new machine would and calls its graphs on
 inputs of the traced shapes against the traced FX graph. Only artifacts that pass are
 shipped, and the bundle's meta names them (`precompile.META_VERIFIED`); a consumer loads
 no other.
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from megacache_client.torch import env as torch_env
-from megacache_client.torch.precompile_patches import CAPTURED
+from megacache_client.torch.precompile.patches import CAPTURED
 
 log = logging.getLogger("megacache")
 
@@ -158,7 +158,7 @@ def _run_child(todo: list[Any]) -> dict[str, str]:
         why = ""
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "megacache_client.torch.precompile_check", str(job),
+                [sys.executable, "-m", "megacache_client.torch.precompile.check", str(job),
                  str(out)], capture_output=True, text=True, timeout=TIMEOUT_S,
                 env=child_env(), cwd=tmp)
             if proc.returncode != 0:

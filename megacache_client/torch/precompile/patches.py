@@ -2,7 +2,7 @@
 
 Each function patches one torch internal once (`_patch_once`) and returns whether the patch
 is in place; `precompile.turn_on` switches caching precompile on only when every patch it
-needs is. They live apart from the gating rules in `precompile.py` because they are what
+needs is. They live apart from the gating rules in `precompile/__init__.py` because they are what
 changes with each torch release: a torch upgrade reads this file first.
 """
 
@@ -266,7 +266,7 @@ CAPTURED: dict[str, tuple[bytes, list[Any], bool] | None] = {}
 """What each compiled graph of this process was traced as, by its precompile backend id:
 the pickled FX graph Dynamo captured, its inputs' specs (`input_spec`) and whether grad
 mode was on (a guard of the graph), None when the graph could not be pickled. The
-publisher's check (`precompile_verify`) calls each precompiled graph on inputs of these
+publisher's check (`verify.py`) calls each precompiled graph on inputs of these
 specs and compares it with this graph."""
 
 
