@@ -31,7 +31,14 @@ from megacache_client.config import ClientConfig
 from megacache_client.errors import TransportError
 from megacache_client.transport.breaker import CircuitBreaker
 from megacache_client.transport.client import Deadline, RemoteCache
-from megacache_client.wire.progress import MAX_RECORDS, ProgressBatch, ProgressRecord, Reason
+from megacache_client.wire.progress import (
+    DETAIL_CAP,
+    MAX_RECORDS,
+    Cause,
+    ProgressBatch,
+    ProgressRecord,
+    Reason,
+)
 
 log = logging.getLogger("megacache")
 
@@ -90,8 +97,27 @@ def checkpoint_load_record(at: float, blocking_s: float, step: int | None = None
                           step=None if step is None else max(step, 0))
 
 
-def end_record(at: float, reason: Reason) -> ProgressRecord:
-    return ProgressRecord(kind="end", at=at, reason=reason)
+def end_record(at: float, reason: Reason, cause: Cause | None = None,
+               detail: str | None = None, exit_code: int | None = None) -> ProgressRecord:
+    """The attempt ended at `at`; failed, why (`wire.progress.CAUSES`)."""
+    failed = reason == "failed"
+    return ProgressRecord(kind="end", at=at, reason=reason,
+                          cause=(cause or "unknown") if failed else None,
+                          detail=_detail(detail) if failed else None,
+                          exit_code=exit_code if failed else None)
+
+
+def failure_record(at: float, cause: Cause, detail: str | None = None) -> ProgressRecord:
+    """What a later attempt learnt of this one's failure (sent in this attempt's name)."""
+    return ProgressRecord(kind="failure", at=at, cause=cause, detail=_detail(detail))
+
+
+def _detail(text: str | None) -> str | None:
+    """Free text as the wire takes it: printable, at most DETAIL_CAP characters."""
+    if not text:
+        return None
+    clean = "".join(c if c.isprintable() else " " for c in text).strip()[:DETAIL_CAP]
+    return clean or None
 
 
 # -- the queue ------------------------------------------------------------------------------
