@@ -114,8 +114,10 @@ class Session:
         """Why this process's precompiled Dynamo output was not shipped ("" when it was)."""
         self._precompile_keys: dict[str, list[str]] = {}
         """torch's precompile key of each compiled callable -> the callables wrapped under it."""
-        self.job, self.job_note = JobIdentity.of_process()
-        """Which job, attempt and rank this process is (never part of the fingerprint)."""
+        self.job, self.job_note = JobIdentity.of_process(
+            config.node_cache_dir if config.enabled and config.telemetry else None)
+        """Which job, attempt and rank this process is (never part of the fingerprint;
+        with telemetry on, what no launcher says from the node's run records: job.py)."""
         self.holder = claim_holder()
         """This process's name on a publish claim: unique to it, meaningful in a log."""
 

@@ -21,6 +21,7 @@ Everything here is best effort: a file that cannot be read says nothing.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -118,10 +119,8 @@ class FatalDump:
                 pass
             self._file = None
         if remove:
-            try:
+            with contextlib.suppress(OSError):
                 self.path.unlink(missing_ok=True)
-            except OSError:
-                pass
 
 
 _ours: list[FatalDump] = []
@@ -131,10 +130,8 @@ def _forget_in_child() -> None:
     """A forked child (a DataLoader worker) dumps nowhere of ours: its crash is its own."""
     for dump in _ours:
         if dump._file is not None:
-            try:
+            with contextlib.suppress(ValueError, RuntimeError):
                 faulthandler.disable()
-            except (ValueError, RuntimeError):
-                pass
             dump._file = None
     _ours.clear()
 
@@ -185,10 +182,7 @@ def _short(where: str | None) -> str:
         return "?"
     path, _, fn = where.rpartition(":")
     parts = path.replace("\\", "/").split("/")
-    if "torch" in parts:
-        parts = parts[parts.index("torch"):]
-    else:
-        parts = parts[-1:]
+    parts = parts[parts.index("torch"):] if "torch" in parts else parts[-1:]
     return "/".join(parts) + f" ({fn})"
 
 

@@ -35,6 +35,7 @@ from megacache_client.wire.progress import (
     DETAIL_CAP,
     MAX_RECORDS,
     Cause,
+    PhaseSpan,
     ProgressBatch,
     ProgressRecord,
     Reason,
@@ -69,9 +70,10 @@ def start_record(started: float, allocation_start: float | None = None) -> Progr
     return ProgressRecord(kind="start", at=started, allocation_start=allocation_start)
 
 
-def training_record(at: float) -> ProgressRecord:
-    """The attempt's first optimizer step ended at `at`."""
-    return ProgressRecord(kind="training", at=at)
+def training_record(at: float, phases: list[PhaseSpan] | None = None) -> ProgressRecord:
+    """The attempt's first optimizer step ended at `at`; `phases`: the spans of the way to
+    it the process saw (`torch/phases.py`)."""
+    return ProgressRecord(kind="training", at=at, phases=phases or None)
 
 
 def heartbeat_record(at: float, step: int, data_wait_s: float | None = None

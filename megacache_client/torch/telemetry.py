@@ -14,7 +14,9 @@ without a change to the trainer:
   allocation start (`MEGACACHE_JOB_START`, `SLURM_JOB_START_TIME`);
 - optimizer steps: one global step post hook (`register_optimizer_step_post_hook`) counts
   them, per optimizer (a step is the most any optimizer took: a GAN's two optimizers count
-  one step each); its cost per step is a dict increment. The first step sends `training`;
+  one step each); its cost per step is a dict increment. The first step sends `training`,
+  with the spans of the way to it (`phases.py`: imports, process groups, model build,
+  the first batch);
 - heartbeats: a daemon thread sends the step count every `heartbeat_s`;
 - checkpoints: `torch.distributed.checkpoint.save`, `async_save` and `load`, timed on the
   loop and (async) in the background (`checkpoints.py`); trainers that checkpoint another
@@ -47,10 +49,12 @@ from typing import Any
 
 from megacache_client.config import ClientConfig
 from megacache_client.job import JobIdentity, allocation_start
+from megacache_client.job import ended as job_ended
 from megacache_client.steps import progress as records
 from megacache_client.steps.lifeline import LIFELINE_S, Lifeline
 from megacache_client.steps.progress import Progress
 from megacache_client.torch import causes
+from megacache_client.torch.phases import Phases
 from megacache_client.wire.progress import Cause, ProgressRecord, Reason
 
 log = logging.getLogger("megacache")
@@ -70,8 +74,12 @@ class Telemetry:
     """One process's progress: counters the hooks touch, records `Progress` sends."""
 
     def __init__(self, progress: Progress, heartbeat_s: float,
-                 lifeline: Lifeline | None = None) -> None:
+                 lifeline: Lifeline | None = None, phases: Phases | None = None,
+                 job: JobIdentity | None = None) -> None:
         self.progress = progress
+        self.job = job or JobIdentity()
+        self.phases = phases or Phases(time.time(), None)
+        """The spans of the way to the first step, sent with it."""
         self.heartbeat_s = heartbeat_s
         self.lifeline = lifeline
         """This attempt's life on the node (`steps/lifeline.py`), renewed while it trains."""
@@ -112,7 +120,7 @@ class Telemetry:
             self.first_step = time.time()
             self.loop_thread = threading.get_ident()
             self.restored(None)
-            self.emit(records.training_record, self.first_step)
+            self.emit(records.training_record, self.first_step, self.phases.first_step())
             self.progress.arm()
 
     def _trains_on(self) -> None:
@@ -121,6 +129,10 @@ class Telemetry:
         self.exits.forget()
         if self.sigterm_at is not None and time.time() - self.sigterm_at > TRAINS_ON_S:
             self.sigterm_at = None
+
+    def first_batch(self, began: float) -> None:
+        """The first DataLoader iterator, made at `began`, gave its first batch."""
+        self.phases.on_first_batch(began)
 
     def emit(self, build: Callable[..., ProgressRecord], *args: Any) -> None:
         try:
@@ -179,8 +191,10 @@ class Telemetry:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._handle = register_optimizer_step_post_hook(self.on_step)
-        from megacache_client.torch import checkpoints, dataloading, frameworks
+        from megacache_client.torch import checkpoints, dataloading, frameworks, phases
 
+        phases.watch(lambda: _active.phases if _active is not None else None)
+        self.phases.install()
         checkpoints.watch_checkpoints(active)
         frameworks.watch()
         dataloading.watch(active)
@@ -220,6 +234,7 @@ class Telemetry:
         if self.ended is not None or _active is not self:
             return
         self.ended = reason
+        job_ended(self.job, reason)  # the node's record: the next run is a new job or not
         if not self.progress.armed:  # never trained: no trainer (a launcher, a helper)
             self.stop("the process never trained")
             return
@@ -263,9 +278,11 @@ class Telemetry:
 
 
 def start(config: ClientConfig, job: JobIdentity, started: float,
-          model: Callable[[], str | None] = lambda: None) -> Telemetry | None:
+          model: Callable[[], str | None] = lambda: None,
+          imported: float | None = None) -> Telemetry | None:
     """Start the process's telemetry (once; later calls return the running one). None when
-    it is off: `telemetry=False`, the client disabled, no job id, or not rank 0."""
+    it is off: `telemetry=False`, the client disabled, no job id, or not rank 0.
+    `imported`: when `import torch` ended (the imports' span ends there)."""
     global _active
     with _lock:
         if _active is not None:
@@ -274,7 +291,8 @@ def start(config: ClientConfig, job: JobIdentity, started: float,
             return None
         progress = Progress(config, job.job_id, job.attempt, model, armed=False)
         lifeline = Lifeline(config.node_cache_dir, job.job_id, job.attempt)
-        telemetry = Telemetry(progress, config.heartbeat_s, lifeline)
+        telemetry = Telemetry(progress, config.heartbeat_s, lifeline,
+                              Phases(started, imported), job)
         progress.alive = telemetry.alive
         alloc = allocation_start() if job.attempt == 0 else None
         telemetry.emit(records.start_record, started, alloc)

@@ -58,7 +58,7 @@ def components(a: AttemptProgress, lo: float, train: float, *, recovering: bool,
     for p in a.phases:
         spans.append((p.at, p.at + p.seconds, p.phase))
         if p.phase == "distributed":
-            groups += p.count
+            groups += p.calls
     batches = [p.at + p.seconds for p in a.phases if p.phase == "first_batch"]
     if batches:
         spans.append((max(batches), train, "first_step"))

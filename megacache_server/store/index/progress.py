@@ -57,7 +57,7 @@ class Span(NamedTuple):
     phase: str
     at: float
     seconds: float
-    count: int
+    calls: int
 
 
 @dataclass(frozen=True)
