@@ -153,11 +153,11 @@ def verdict(dump: Path | None, oom_then: int | None, oom_now: int | None
     match = re.search(r"Fatal Python error: ([A-Za-z -]+)", text)
     if match is not None:
         name = FATAL.get(match.group(1).strip(), match.group(1).strip())
-        where = _main_frame(text)
-        if name == "SIGABRT" and "torch/distributed/" in (where or ""):
+        where, main = _innermost(text)
+        if name == "SIGABRT" and "torch/distributed/" in (main or ""):
             return "collective_timeout", _cap(
-                f"SIGABRT in {_short(where)} (the NCCL watchdog's abort on a collective "
-                "timeout)")
+                f"SIGABRT while the main thread waited in {_short(main)} (the NCCL "
+                "watchdog's abort on a collective timeout)")
         return "killed", _cap(f"{name}" + (f" in {_short(where)}" if where else ""))
     if oom_then is not None and oom_now is not None and oom_now > oom_then:
         return "killed", _cap(f"the OOM killer (the container's oom_kill count "
@@ -165,16 +165,20 @@ def verdict(dump: Path | None, oom_then: int | None, oom_now: int | None
     return "killed", SILENT
 
 
-def _main_frame(text: str) -> str | None:
-    """The innermost frame of the thread faulthandler marks current, else the main one."""
-    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
-    chosen = next((b for b in blocks if "(most recent call first)" in b
-                   and b.lstrip().startswith("Current thread")), None) or next(
-        (b for b in reversed(blocks) if "(most recent call first)" in b), None)
-    if chosen is None:
-        return None
-    frame = re.search(r'File "([^"]+)", line \d+ in (\S+)', chosen)
-    return f"{frame.group(1)}:{frame.group(2)}" if frame else None
+def _innermost(text: str) -> tuple[str | None, str | None]:
+    """The innermost frame of the thread the signal came on (faulthandler's "Current
+    thread"; a native thread, the NCCL watchdog's, has none), and of the main thread
+    (faulthandler lists it last)."""
+    blocks = [b for b in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
+              if "(most recent call first)" in b]
+
+    def top(block: str | None) -> str | None:
+        frame = re.search(r'File "([^"]+)", line \d+ in (\S+)', block or "")
+        return f"{frame.group(1)}:{frame.group(2)}" if frame else None
+
+    current = next((b for b in blocks if b.lstrip().startswith("Current thread")), None)
+    main = blocks[-1] if blocks else None
+    return top(current) or top(main), top(main)
 
 
 def _short(where: str | None) -> str:

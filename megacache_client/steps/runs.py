@@ -66,21 +66,23 @@ def unnamed_job(argv: Sequence[str] | None = None, key: str | None = None) -> st
     return f"{stem}-{(key or command_key(argv))[:8]}-{secrets.token_hex(3)}"
 
 
-def begin(runs_dir: Path, key: str, named: str | None) -> Run | None:
-    """This process's run of the job `named` (None: of the command `key`): the next
-    attempt after a run that did not finish, else attempt 0 of a new job (see the
+def begin(runs_dir: Path, key: str, named: str | None,
+          argv: Sequence[str] | None = None) -> Run | None:
+    """This process's run of the job `named` (None: of the command `key`, `argv`): the
+    next attempt after a run that did not finish, else attempt 0 of a new job (see the
     module). None when the node cache cannot hold the record."""
     path = Path(runs_dir) / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(path) + ".lock", timeout=LOCK_S):
             last = _read(path)
-            if last is not None and last.get("ended") != "finished" \
-                    and not _alive(last.get("pid"), last.get("ticks")) \
-                    and (named is None or last.get("job") == named):
+            ended = None if last is None else last.get("ended")
+            if last is not None and (named is None or last.get("job") == named) and (
+                    ended == "failed"
+                    or ended is None and not _alive(last.get("pid"), last.get("ticks"))):
                 job, attempt = str(last["job"]), int(str(last["attempt"])) + 1
             else:
-                job, attempt = named or unnamed_job(key=key), 0
+                job, attempt = named or unnamed_job(argv, key), 0
             _write(path, {"job": job, "attempt": attempt, "pid": os.getpid(),
                           "ticks": _start_ticks(os.getpid()), "ended": None})
     except (OSError, Timeout, ValueError, KeyError, TypeError) as exc:
