@@ -275,31 +275,76 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         print(json.dumps(found, indent=2))
         return 0
     if args.job:
-        rows = [(a["attempt"], _tenths(a["ett_pct"]), *_split(a["seconds"]),
-                 _tenths(a["time_to_start_s"]), _tenths(a["time_to_recover_s"]),
-                 "failed" if a["failed"] else "live" if a["live"] else a["ended"] or "-")
-                for a in found["attempts"]]
-        rows.append(("TOTAL", _tenths(found["ett_pct"]), *_split(found["seconds"]),
-                     _tenths(found["time_to_start_s"]), _tenths(found["time_to_recover_s"]),
-                     f"{found['failures']} failed"))
-        _table(("attempt", "ETT %", *(short + " s" for _, short in SPLIT),
-                "time to start s", "time to recover s", "state"), rows)
+        _job_attempts(found)
         return 0
     rows = [(j["job_id"], j["ett"].get("model") or "-", _tenths(j["ett"]["ett_pct"]),
-             _tenths(j["ett"]["wall_s"]), *(_tenths(j["ett"].get(k)) for k, _ in REPORT),
-             j["ett"]["failures"]) for j in found if j.get("ett")]
-    _table(("job", "model", "ETT %", "wall s", *(head for _, head in REPORT), "failures"),
-           rows)
+             _seconds(j["ett"]["wall_s"]), *(_seconds(j["ett"].get(k)) for k, _ in REPORT),
+             j["ett"]["failures"], _causes(j["ett"].get("failures_by_cause")))
+            for j in found if j.get("ett")]
+    _table(("job", "model", "ETT %", "wall s", *(head for _, head in REPORT), "failures",
+            "causes"), rows)
     return 0
 
 
+def _job_attempts(found: dict[str, Any]) -> None:
+    """One job: each attempt's split and how it ended; the failures by cause; where each
+    start and recovery went."""
+    rows = [(a["attempt"], _tenths(a["ett_pct"]), *_split(a["seconds"]),
+             _seconds(a["time_to_start_s"]), _seconds(a["time_to_recover_s"]),
+             f"failed:{a.get('cause') or 'unknown'}" if a["failed"]
+             else "live" if a["live"] else a["ended"] or "-")
+            for a in found["attempts"]]
+    rows.append(("TOTAL", _tenths(found["ett_pct"]), *_split(found["seconds"]),
+                 _seconds(found["time_to_start_s"]), _seconds(found["time_to_recover_s"]),
+                 f"{found['failures']} failed"))
+    _table(("attempt", "ETT %", *(short + " s" for _, short in SPLIT),
+            "time to start s", "time to recover s", "state"), rows)
+    failed = [a for a in found["attempts"] if a["failed"]]
+    if failed:
+        print()
+        _table(("attempt", "cause", "why", "unsaved training s"),
+               [(a["attempt"], a.get("cause") or "unknown", a.get("cause_detail") or "-",
+                 _seconds(a.get("lost_s"))) for a in failed])
+    bars = [a for a in found["attempts"] if a.get("components")]
+    if bars:
+        print()
+        _table(("attempt", "of", *(short + " s" for _, short in PARTS), "groups"),
+               [(a["attempt"], "start" if a["time_to_start_s"] is not None else "recover",
+                 *(_seconds(a["components"]["seconds"].get(name)) for name, _ in PARTS),
+                 a["components"]["process_groups"]) for a in bars])
+
+
+PARTS = (("allocation_wait", "alloc"), ("restart_wait", "restart"), ("imports", "imports"),
+         ("distributed", "dist"), ("model_build", "model"), ("checkpoint_restore", "restore"),
+         ("first_batch", "batch"), ("compile", "compile"), ("first_step", "step"),
+         ("other", "other"))
+"""The components of a start or a recovery (the server's `ett_components`), short."""
+
+
+def _causes(rows: list[dict[str, Any]] | None) -> str:
+    """Failures by cause, as `oom:2,preempted:1` ("-": none)."""
+    return ",".join(f"{r['cause']}:{r['failures']}" for r in rows or []) or "-"
+
+
 def _tenths(value: float | None) -> str:
-    """A number to a tenth (0.43 s is 0.4, not 0); "-" when there is none."""
+    """A percentage to a tenth; "-" when there is none."""
     return f"{value:.1f}" if value is not None else "-"
 
 
+def _seconds(value: float | None) -> str:
+    """Seconds to a tenth, under a second in milliseconds (a 0.047 s save is `47ms`, never
+    a bare 0.0); "-" when there is none."""
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    if value < 0.001:
+        return "<1ms"
+    return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.1f}"
+
+
 def _split(seconds: dict[str, float]) -> list[str]:
-    return [_tenths(seconds.get(name, 0.0)) for name, _ in SPLIT]
+    return [_seconds(seconds.get(name, 0.0)) for name, _ in SPLIT]
 
 
 def cmd_autoload(args: argparse.Namespace) -> int:

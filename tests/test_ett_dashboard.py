@@ -30,7 +30,10 @@ def test_dashboard_shows_ett(tmp_path: Path) -> None:
                      {"kind": "checkpoint_save", "at": base + 100, "step": 7,
                       "blocking_s": 4.0},
                      {"kind": "heartbeat", "at": base + 350, "step": 30}],
-                    [{"kind": "start", "at": base + 400}, {"kind": "training", "at": base + 450},
+                    [{"kind": "start", "at": base + 400}, {"kind": "training", "at": base + 450,
+                                                          "phases": [
+                        {"phase": "distributed", "at": base + 402, "seconds": 3.0, "count": 2},
+                        {"phase": "first_batch", "at": base + 420, "seconds": 0.047}]},
                      {"kind": "checkpoint_save", "at": base + 700, "step": 50,
                       "blocking_s": 6.0},
                      {"kind": "heartbeat", "at": now - 5, "step": 90}])):
@@ -74,6 +77,24 @@ def test_dashboard_shows_ett(tmp_path: Path) -> None:
     advice = re.search(r'<tr data-model="llm">(.*?)</tr>', dom.split('data-testid="ett-advice"')[1],
                        re.S)
     assert advice and "low" in html.unescape(advice.group(1))
+    # failures by cause, per namespace and per model (attempt 0 sent no end: lost)
+    causes = dom.split('data-testid="ett-causes"')[1].split("</table>")[0]
+    for scope in ("namespace default", "model llm"):
+        found = re.search(rf'<tr data-scope="{scope}" data-cause="lost">(.*?)</tr>', causes, re.S)
+        assert found, causes[:2000]
+        assert [html.unescape(c) for c in re.findall(r"<td[^>]*>([^<]*)<", found.group(1))] \
+            == [scope, "lost", "1", "4.1 min", "100.0 s"]
+    # the recovery's stacked bar: the API's components, and a 47 ms part never "0.0"
+    starts = dom.split('data-testid="ett-starts"')[1].split("</table>")[0]
+    bar = re.search(r'<tr data-job="live-job" data-attempt="1">(.*?)</tr>', starts, re.S)
+    assert bar, starts[:2000]
+    shown = {k: float(v) for k, v in re.findall(
+        r'data-component="([a-z_]+)" data-seconds="([0-9.]+)"', bar.group(1))}
+    want = job["starts"][1]["seconds"]
+    assert shown == {k: v for k, v in want.items() if v} and shown["first_batch"] == 0.047
+    table = dom.split('data-testid="ett-components"')[1].split("</table>")[0]
+    row = re.search(r'<tr data-model="llm" data-kind="recover">(.*?)</tr>', table, re.S)
+    assert row and "47 ms / 47 ms" in html.unescape(row.group(1)), table[:2000]
 
 
 @pytest.mark.e2e
