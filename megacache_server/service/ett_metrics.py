@@ -102,7 +102,9 @@ def _components(by_ns: dict[str, list[JobSplit]]) -> list[str]:
     for ns, js in sorted(by_ns.items()):
         sums = {k: dict.fromkeys(COMPONENTS, 0.0) for k in ("start", "recover")}
         made = dict.fromkeys(sums, 0)
-        for a in (a for j in js for a in j.attempts if a.components is not None):
+        for a in (a for j in js for a in j.attempts):
+            if a.components is None:
+                continue
             kind = "start" if a.time_to_start_s is not None else "recover"
             for c, v in a.components["seconds"].items():
                 sums[kind][c] += v
@@ -129,12 +131,12 @@ def _model_starts(jobs: list[JobSplit], models: set[tuple[str, str]] | None) -> 
              "process start) to the first optimizer step", f"# TYPE {name} summary"]
     for (ns, model), values in sorted(by.items()):
         ordered = sorted(values)
-        key = f'namespace="{_esc(ns)}",model="{_esc(model)}"'
+        labels = f'namespace="{_esc(ns)}",model="{_esc(model)}"'
         for q in (0.5, 0.9):
             v = ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-            lines.append(f'{name}{{{key},quantile="{q}"}} {v!r}')
-        lines += [f"{name}_sum{{{key}}} {sum(ordered)!r}",
-                  f"{name}_count{{{key}}} {len(ordered)}"]
+            lines.append(f'{name}{{{labels},quantile="{q}"}} {v!r}')
+        lines += [f"{name}_sum{{{labels}}} {sum(ordered)!r}",
+                  f"{name}_count{{{labels}}} {len(ordered)}"]
     return lines
 
 
