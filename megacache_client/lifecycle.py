@@ -116,8 +116,7 @@ class Session:
         """torch's precompile key of each compiled callable -> the callables wrapped under it."""
         self.job, self.job_note = JobIdentity.of_process(
             config.node_cache_dir if config.enabled and config.telemetry else None)
-        """Which job, attempt and rank this process is (never part of the fingerprint;
-        with telemetry on, what no launcher says from the node's run records: job.py)."""
+        """Which job, attempt and rank this process is (not in the fingerprint: job.py)."""
         self.holder = claim_holder()
         """This process's name on a publish claim: unique to it, meaningful in a log."""
 
