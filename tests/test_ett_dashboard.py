@@ -20,7 +20,7 @@ from megacache_client.wire import routes
 @pytest.mark.e2e
 def test_dashboard_shows_ett(tmp_path: Path) -> None:
     ensure_tools({"chromium": "chromium"})
-    server = ServerProcess(tmp_path / "data").start()
+    server = ServerProcess(tmp_path / "data", env={"MEGACACHE_ETT_ROLL_S": "0.5"}).start()
     try:
         now = time.time()
         base = now - 1100
@@ -41,6 +41,10 @@ def test_dashboard_shows_ett(tmp_path: Path) -> None:
                            json={"attempt": attempt, "records": records, "model": "llm"})
                 assert r.status_code == 202, r.text
             api = c.get("/v1/dashboard").json()["ett"]
+            deadline = time.monotonic() + 30
+            while not (trend := c.get("/v1/ett/trend").json())["top_lost"]:
+                assert time.monotonic() < deadline, trend  # rolled within a second or so
+                time.sleep(0.2)
         dom = dump_dom(server.url + "/", tmp_path / "chromium")
     finally:
         server.stop()
@@ -95,6 +99,16 @@ def test_dashboard_shows_ett(tmp_path: Path) -> None:
     table = dom.split('data-testid="ett-components"')[1].split("</table>")[0]
     row = re.search(r'<tr data-model="llm" data-kind="recover">(.*?)</tr>', table, re.S)
     assert row and "47 ms / 47 ms" in html.unescape(row.group(1)), table[:2000]
+    # the trend: the day's row (its split, its failure's cause) and the job that lost most
+    assert 'data-trend="true"' in dom
+    days = dom.split('data-testid="ett-trend"')[1].split("</table>")[0]
+    (day,) = [p for p in trend["series"] if p["wall_s"]]
+    found = re.search(rf'<tr data-day="{day["start"]}">(.*?)</tr>', days, re.S)
+    assert found, days[:2000]
+    cells = [html.unescape(c) for c in re.findall(r"<td[^>]*>([^<]*)<", found.group(1))]
+    assert cells[1] == f"{day['ett_pct']:.1f}%" and "lost 1" in cells, cells
+    top = dom.split('data-testid="ett-top-lost"')[1].split("</table>")[0]
+    assert '<tr data-job="live-job">' in top
 
 
 @pytest.mark.e2e
