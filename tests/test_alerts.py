@@ -103,7 +103,7 @@ def test_a_real_prometheus_scraping_a_real_server_fires_while_a_job_runs(
     (tmp_path / "truth").mkdir()
     (tmp_path / "ckpt").mkdir()
     job = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("ett_causes_job.py"))],
+        [sys.executable, str(ROOT / "benchmarks" / "ett_causes_job.py")],
         env={**clean_env(), **machine.env(), "MEGACACHE_URL": server.url, "RUN": "1",
              "OMP_NUM_THREADS": "1", "MEGACACHE_MODE": "read-only", "STEPS": "100",
              "CKPT_EVERY": "50", "FAIL_AT": "0", "STEP_S": "0.1",

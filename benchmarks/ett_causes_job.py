@@ -1,7 +1,9 @@
-"""A trainer that fails by one cause and is run again, for the ETT causes and components
-test (tests/test_ett_causes.py). Zero-code: nothing here calls megacache; the job's
-identity is the node's record of the command (a rerun after a failure is its next
-attempt) unless the environment names it (SLURM_JOB_ID, SLURM_RESTART_COUNT).
+"""A trainer that fails by one cause and is run again: the job of the ETT causes and
+components benchmark and test (benchmarks/ett_causes.py, tests/test_ett_causes.py), and of
+the alerts' end-to-end test (tests/test_alerts.py). Zero-code: nothing here calls
+megacache; the job's identity is the node's record of the command (a rerun after a
+failure is its next attempt) unless the environment names it (SLURM_JOB_ID,
+SLURM_RESTART_COUNT).
 
 Each run: a gloo process group of one rank and two more groups (`new_group`), a small
 model and its optimizer (BUILD_S of building), a restore of the latest DCP checkpoint
