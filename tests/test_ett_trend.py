@@ -27,7 +27,7 @@ from megacache_client.wire.progress import ProgressRecord
 from megacache_server.service import ett, ett_trend
 from megacache_server.service.ett_roller import Roller
 from megacache_server.store.index.base import Index
-from megacache_server.store.index.ett_rollups import Contribution, Roll, add
+from megacache_server.store.index.ett_rollups import COUNTERS, Contribution, Roll, add
 from megacache_server.store.index.rollups import DAY, HOUR
 
 NOW = time.time()
@@ -55,10 +55,15 @@ async def split_of(index: Index, ns: str, job: str) -> ett.JobSplit:
     return ett.split(found, now=time.time())
 
 
-def sums(rows: list[tuple[str, str, int, dict[str, float]]]) -> dict[str, float]:
+def named(vec: list[float]) -> dict[str, float]:
+    """A row's vector as its non-zero counters by name."""
+    return {k: v for k, v in zip(COUNTERS, vec, strict=True) if v}
+
+
+def sums(rows: list[tuple[str, str, int, list[float]]]) -> dict[str, float]:
     total: dict[str, float] = {}
-    for *_, counters in rows:
-        add(total, counters)
+    for *_, vec in rows:
+        add(total, named(vec))
     return total
 
 
@@ -108,7 +113,7 @@ async def check(index: Index, jobs: list[str]) -> None:
     # each hour's seconds are the split's segments within that hour
     (long,) = [s for s in splits if s.job == "long"]
     hour = int(BASE // HOUR * HOUR + HOUR)
-    (row,) = [c for _, m, start, c in hourly if m == "llm" and start == hour]
+    (row,) = [named(c) for _, m, start, c in hourly if m == "llm" and start == hour]
     clipped = ett.clip(long.segments, hour, hour + HOUR)
     assert all(abs(row.get(f"s_{k}", 0.0) - v) < 1e-3 for k, v in clipped.items())
     trend = ett_trend.trend(daily, "d", int(BASE - 2 * DAY), int(NOW), [])
@@ -131,7 +136,8 @@ def test_a_stale_roll_is_skipped_and_the_top_jobs_and_pruning(
                                          "m", {hour: {"s_training": 1.0}}, 1.0, NOW - DAY))]) == 2
         ((_, model, start, row),) = await index.ett_rows(namespace="ns", period="h",
                                                           since=hour, until=hour, model="m")
-        assert (model, start, row) == ("m", hour, {"s_training": 31.0, "s_lost_progress": 4.0})
+        assert (model, start, named(row)) == ("m", hour, {"s_training": 31.0,
+                                                         "s_lost_progress": 4.0})
         top = await index.ett_top_lost(namespace="ns", since=NOW - 2 * DAY, limit=5)
         assert [(j, lost) for _, j, _, lost, _ in top] == [("a", 40.0), ("b", 1.0)]
         assert [j for _, j, *_ in await index.ett_top_lost(namespace="ns", since=NOW - 60,

@@ -42,7 +42,10 @@ DAILY_KEEP_DAYS = 400
 PERIODS = {"hour": "h", "day": "d"}
 
 Counters = dict[str, float]
+Vector = list[float]
+"""A row's counters in `COUNTERS` order: how rows are read (a month's rows add up in C)."""
 RowKey = tuple[str, str, int]
+INDEX = {name: i for i, name in enumerate(COUNTERS)}
 """(model, period "h" or "d", the period's start)."""
 
 
@@ -101,6 +104,16 @@ def row_deltas(before: Contribution | None, after: Contribution | None
                     row[name] = row.get(name, 0.0) + sign * value
     return {key: kept for key, row in out.items()
             if (kept := {k: v for k, v in row.items() if abs(v) > 1e-9})}
+
+
+def vector(counters: Counters, into: Vector | None = None) -> Vector:
+    """`counters` (plus `into`) as a vector; unknown names are dropped."""
+    out = list(into) if into is not None else [0.0] * len(COUNTERS)
+    for name, value in counters.items():
+        i = INDEX.get(name)
+        if i is not None:
+            out[i] += value
+    return out
 
 
 def add(into: Counters, more: Counters) -> Counters:

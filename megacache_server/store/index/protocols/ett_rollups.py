@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from megacache_server.store.index.ett_rollups import Contribution, Counters, Roll
+from megacache_server.store.index.ett_rollups import Contribution, Roll, Vector
 
 JobKey = tuple[str, str]
 """(namespace, job)."""
@@ -31,9 +31,10 @@ class EttRollupStore(ABC):
 
     @abstractmethod
     async def ett_rows(self, *, namespace: str | None, period: str, since: int, until: int,
-                       model: str | None = None) -> list[tuple[str, str, int, Counters]]:
-        """(namespace, model, start, counters) of the `period` ("h" or "d") rows starting
-        in [since, until], of one namespace (None: every one), of one model (None: all)."""
+                       model: str | None = None) -> list[tuple[str, str, int, Vector]]:
+        """(namespace, model, start, counters as a `Vector`) of the `period` ("h" or "d")
+        rows starting in [since, until], of one namespace (None: every one), of one model
+        (None: all)."""
 
     @abstractmethod
     async def ett_top_lost(self, *, namespace: str | None, since: float, limit: int

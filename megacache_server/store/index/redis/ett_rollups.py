@@ -14,11 +14,13 @@ from redis.exceptions import WatchError
 
 from megacache_server.store.index import rollups
 from megacache_server.store.index.ett_rollups import (
+    COUNTERS,
     DAILY_KEEP_DAYS,
     HOURLY_KEEP_DAYS,
+    INDEX,
     Contribution,
-    Counters,
     Roll,
+    Vector,
     kept_since,
     row_deltas,
 )
@@ -109,23 +111,24 @@ class RedisEttRollups(RedisConnection, EttRollupStore):
                       await self.r.smembers(self.keys.ett_namespaces()))
 
     async def ett_rows(self, *, namespace: str | None, period: str, since: int, until: int,
-                       model: str | None = None) -> list[tuple[str, str, int, Counters]]:
+                       model: str | None = None) -> list[tuple[str, str, int, Vector]]:
         step = rollups.HOUR if period == "h" else rollups.DAY
         first = -(-since // step) * step
 
-        async def op() -> list[tuple[str, str, int, Counters]]:
+        async def op() -> list[tuple[str, str, int, Vector]]:
             wanted = [(ns, start) for ns in await self._ett_namespaces(namespace)
                       for start in range(first, until + 1, step)]
             async with self.r.pipeline(transaction=False) as pipe:
                 for ns, start in wanted:
                     pipe.hgetall(self.keys.ett_row(ns, period, start))
                 found = await pipe.execute()
-            out: dict[tuple[str, str, int], Counters] = {}
+            out: dict[tuple[str, str, int], Vector] = {}
             for (ns, start), row in zip(wanted, found, strict=True):
                 for field, value in row.items():
                     m, _, name = (text(field) or "").partition("\t")
-                    if model is None or m == model:
-                        out.setdefault((ns, m, start), {})[name] = float(value)
+                    i = INDEX.get(name)
+                    if i is not None and (model is None or m == model):
+                        out.setdefault((ns, m, start), [0.0] * len(COUNTERS))[i] = float(value)
             return [(ns, m, start, c) for (ns, m, start), c in out.items()]
 
         return await self._do(op)

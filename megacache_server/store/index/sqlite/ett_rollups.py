@@ -1,6 +1,6 @@
 """EttRollupStore on SQLite: a row per (namespace, period, start, model) holding its counters
-(JSON), a row per job holding its contribution, each roll in one `BEGIN IMMEDIATE`
-transaction (every worker on the file sees it whole)."""
+(a JSON list in `COUNTERS` order: read back in C), a row per job holding its contribution,
+each roll in one `BEGIN IMMEDIATE` transaction (every worker on the file sees it whole)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from megacache_server.store.index.ett_rollups import (
     Contribution,
     Counters,
     Roll,
+    Vector,
     add,
     kept_since,
     row_deltas,
+    vector,
 )
 from megacache_server.store.index.protocols.ett_rollups import EttRollupStore, JobKey
 from megacache_server.store.index.sqlite.connection import SqliteConnection, transaction, unsynced
@@ -66,11 +68,12 @@ class SqliteEttRollups(SqliteConnection, EttRollupStore):
                     row = c.execute("SELECT counters FROM ett_rollups WHERE namespace=? AND "
                                     "period=? AND start=? AND model=?",
                                     (ns, period, start, model)).fetchone()
-                    counters = add(json.loads(row[0]) if row else {}, delta)
+                    counters = vector(delta, json.loads(row[0]) if row else None)
                     c.execute("INSERT OR REPLACE INTO ett_rollups (namespace, period, start, "
                               "model, counters) VALUES (?, ?, ?, ?, ?)",
                               (ns, period, start, model,
-                               json.dumps(counters, separators=(",", ":"))))
+                               json.dumps([round(v, 6) for v in counters],
+                                          separators=(",", ":"))))
             return done
 
         return await self._run(op) if rolls else 0
@@ -81,7 +84,7 @@ class SqliteEttRollups(SqliteConnection, EttRollupStore):
         return {m for (m,) in rows}
 
     async def ett_rows(self, *, namespace: str | None, period: str, since: int, until: int,
-                       model: str | None = None) -> list[tuple[str, str, int, Counters]]:
+                       model: str | None = None) -> list[tuple[str, str, int, Vector]]:
         where, args = ["period=?", "start BETWEEN ? AND ?"], [period, since, until]
         if namespace is not None:
             where.insert(0, "namespace=?")
