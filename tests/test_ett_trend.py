@@ -184,6 +184,8 @@ def test_the_trend_over_http_and_in_megacache_jobs(tmp_path: object) -> None:
             assert found["time_to_start"]["n"] == 1 and found["time_to_recover"]["n"] == 1
             assert found["top_lost"][0]["job_id"] == "trend-job"
             assert found["top_lost"][0]["lost_s"] == 470.0  # 370 s lost + 100 s recovering
+            (ns,) = found["namespaces"]
+            assert ns["namespace"] == "default" and ns["seconds"] == found["seconds"]
             (model,) = found["models"]
             assert model["model"] == "llm" and model["failures"] == 1
             hours = c.get("/v1/ett/trend", params={"days": 5, "period": "hour"}).json()

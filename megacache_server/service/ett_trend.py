@@ -89,9 +89,12 @@ def trend(rows: list[tuple[str, str, int, Vector]], period: str, since: int, unt
     by_start: dict[int, list[float]] = {}
     by_ns: dict[str, list[float]] = {}
     by_cell: dict[tuple[str, int], list[float]] = {}
+    spaces = {ns for ns, *_ in rows}
+    several = len(spaces) > 1  # one namespace (a tenant's view): its sum is the total
     for ns, model, start, vec in rows:
         _into(by_start, start, vec)
-        _into(by_ns, ns, vec)
+        if several:
+            _into(by_ns, ns, vec)
         _into(by_cell, (model, start), vec)
     by_model: dict[str, list[float]] = {}
     cells: dict[str, list[tuple[int, list[float]]]] = {}
@@ -100,6 +103,8 @@ def trend(rows: list[tuple[str, str, int, Vector]], period: str, since: int, unt
         cells.setdefault(model, []).append((start, vec))
     everything = [math.fsum(column) for column in zip(*by_start.values(), strict=True)] \
         if by_start else [0.0] * len(COUNTERS)
+    if not several:
+        by_ns = {ns: everything for ns in spaces}
     return {
         "period": "hour" if period == "h" else "day", "since": first, "until": until,
         **figures(_named(everything)),
