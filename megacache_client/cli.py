@@ -254,7 +254,7 @@ def _job_cells(row: dict[str, Any]) -> tuple[str, str, str, str]:
 
     def seconds(name: str) -> str:
         value = row.get(name)
-        return f"{value:.1f}" if isinstance(value, (int, float)) else "-"
+        return cli_jobs.seconds(value) if isinstance(value, (int, float)) else "-"
 
     return replayed, seconds("tts_p50_s"), seconds("ttr_p50_s"), str(row.get("restarts", "-"))
 
