@@ -20,6 +20,7 @@ the right (401/403) stops the sending for the process. Nothing is sent before `a
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import random
@@ -120,6 +121,15 @@ def _detail(text: str | None) -> str | None:
         return None
     clean = "".join(c if c.isprintable() else " " for c in text).strip()[:DETAIL_CAP]
     return clean or None
+
+
+def _older(records: list[ProgressRecord]) -> list[ProgressRecord] | None:
+    """`records` as a server from before the failures' causes and the start's phases takes
+    them (None: they are already): it refuses fields and kinds it does not know, and would
+    lose the batch's start, first step or end with them."""
+    plain = [dataclasses.replace(r, cause=None, detail=None, exit_code=None, phases=None)
+             for r in records if r.kind != "failure"]
+    return plain if plain and plain != records else None
 
 
 # -- the queue ------------------------------------------------------------------------------
@@ -309,6 +319,10 @@ class Progress:
             log.info("megacache: %d progress records dropped: %s", len(records), exc)
             return True
         result = self._post(batch)
+        if result == "refused" and (plain := _older(batch.records)) is not None:
+            # a server from before the causes and phases: what it knows
+            result = self._post(ProgressBatch(attempt=self.attempt, records=plain,
+                                              model=batch.model))
         if result == "refused":
             self.refused += len(records)
         elif result == "sent":

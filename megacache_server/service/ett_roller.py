@@ -32,6 +32,9 @@ MARGIN_S = 120.0
 heartbeats reach the index within its flush, replicas' clocks differ a little)."""
 ROLL_JOBS = 200_000
 PRUNE_S = 3600.0
+KEPT_ATTEMPTS = 20_000
+"""Attempts whose splits the roller keeps between rolls (a heartbeating job's next roll
+reads its last attempt only); fewer than the views' cache: the roller reads changed jobs."""
 
 
 class Roller:
@@ -41,7 +44,7 @@ class Roller:
         self.index = index
         self.interval_s = interval_s
         self.retention_s = retention_days * 86400
-        self.cache = SplitCache(index)
+        self.cache = SplitCache(index, max_attempts=KEPT_ATTEMPTS)
         self._pruned = 0.0
 
     async def run_forever(self) -> None:

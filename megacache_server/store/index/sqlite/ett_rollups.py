@@ -23,6 +23,9 @@ from megacache_server.store.index.protocols.ett_rollups import EttRollupStore, J
 from megacache_server.store.index.sqlite.connection import SqliteConnection, transaction, unsynced
 
 MARK = "roll"
+MODELS_DAYS = 35
+"""The models a namespace's rows name, as its cap counts them: those of its last 35 days
+(a read of a month's daily rows, not of 400 days')."""
 
 
 class SqliteEttRollups(SqliteConnection, EttRollupStore):
@@ -79,8 +82,10 @@ class SqliteEttRollups(SqliteConnection, EttRollupStore):
         return await self._run(op) if rolls else 0
 
     async def ett_models(self, namespace: str) -> set[str]:
+        since = int(time.time() - MODELS_DAYS * rollups.DAY)
         rows = await self._rows("SELECT DISTINCT model FROM ett_rollups WHERE namespace=? "
-                                "AND period='d' LIMIT ?", (namespace, rollups.MAX_MODELS + 1))
+                                "AND period='d' AND start >= ? LIMIT ?",
+                                (namespace, since, rollups.MAX_MODELS + 1))
         return {m for (m,) in rows}
 
     async def ett_rows(self, *, namespace: str | None, period: str, since: int, until: int,
