@@ -99,7 +99,10 @@ class SqliteEttRollups(SqliteConnection, EttRollupStore):
             args.append(model)
         rows = await self._rows("SELECT namespace, model, start, counters FROM ett_rollups "
                                 f"WHERE {' AND '.join(where)}", args)
-        return [(ns, m, int(start), json.loads(raw)) for ns, m, start, raw in rows]
+        # one decode for every row's counters (a JSON list each): a month's in ~1 ms
+        counters = json.loads("[" + ",".join(raw for *_, raw in rows) + "]")
+        return [(ns, m, int(start), vec)
+                for (ns, m, start, _), vec in zip(rows, counters, strict=True)]
 
     async def ett_top_lost(self, *, namespace: str | None, since: float, limit: int
                            ) -> list[tuple[str, str, str, float, float]]:
