@@ -31,6 +31,8 @@ from megacache_client.steps import postmortem, runs
 from megacache_client.steps.lifeline import Lifeline
 from megacache_client.torch import causes
 
+NOW = 1_800_000_000.0
+
 
 # -- exceptions -----------------------------------------------------------------------------
 def raised(fn: object) -> BaseException:
@@ -297,3 +299,27 @@ def test_a_lone_process_gets_the_command_s_job_a_worker_none(tmp_path: Path) -> 
     out = subprocess.run([sys.executable, str(path), str(tmp_path)], capture_output=True,
                          text=True, timeout=60, env=env)
     assert out.stdout.strip() == "null", (out.stdout, out.stderr)
+
+
+# -- where the start went ---------------------------------------------------------------------
+def test_a_call_that_makes_several_process_groups_is_one_span_counting_them() -> None:
+    """`DeviceMesh` and `new_subgroups` make several groups in one call: one `distributed`
+    span (the outermost call's time), its count the groups made inside it
+    (`_new_process_group_helper` calls), and nothing once the first step is over."""
+    from megacache_client.torch import phases
+
+    spans = phases.Phases(NOW - 10, NOW - 5)
+    phases.watch(lambda: spans)
+    try:
+        helper = phases._timed_group_call(lambda: None, "_new_process_group_helper")
+        mesh = phases._timed_group_call(lambda: [helper() for _ in range(3)], "new_group")
+        mesh()
+        helper()  # a group made on its own
+        (imports, made, alone) = spans.spans
+        assert (imports.phase, imports.seconds) == ("imports", 5.0)
+        assert (made.phase, made.count, alone.count) == ("distributed", 3, 1)
+        assert spans.first_step() == [imports, made, alone]
+        mesh()  # after the first step: not kept
+        assert len(spans.spans) == 3
+    finally:
+        phases.watch(phases._nobody)
