@@ -1,28 +1,30 @@
-"""EttRollupStore on Redis: a hash per (namespace, period, start) of `{model}\\t{counter}`
-sums (HINCRBYFLOAT; it expires when its period is no longer kept), a string per job
-holding its contribution, and zsets of the jobs by lost time and by last roll. A batch of
-rolls is applied in one MULTI under WATCH of its jobs' contributions (a replica rolling
-one of them meanwhile: again, then one at a time)."""
+"""EttRollupStore on Redis: a hash per (namespace, period, start) of model -> its counters
+(a JSON list in `COUNTERS` order: a month's read is 30 HGETALLs of a field per model; it
+expires when its period is no longer kept), a string per job holding its contribution,
+and zsets of the jobs by lost time and by last roll. A batch of rolls is applied in one
+MULTI under WATCH of its jobs' contributions and the rows it adds to (a replica writing
+one of them meanwhile: again, then one roll at a time)."""
 
 from __future__ import annotations
 
 import functools
+import json
 import time
-from typing import Any
 
 from redis.exceptions import WatchError
 
 from megacache_server.store.index import rollups
 from megacache_server.store.index.ett_rollups import (
-    COUNTERS,
     DAILY_KEEP_DAYS,
     HOURLY_KEEP_DAYS,
-    INDEX,
     Contribution,
+    Counters,
     Roll,
     Vector,
+    add,
     kept_since,
     row_deltas,
+    vector,
 )
 from megacache_server.store.index.protocols.ett_rollups import EttRollupStore, JobKey
 from megacache_server.store.index.redis.connection import RedisConnection, text
@@ -59,6 +61,9 @@ class RedisEttRollups(RedisConnection, EttRollupStore):
         return done
 
     async def _roll(self, rolls: list[Roll], tries: int) -> int | None:
+        """The rolls that still apply (their contributions unchanged), with every row they
+        add to, read and written under WATCH: a replica writing any of them meanwhile
+        makes this try again."""
         keys = [self.keys.ett_contrib(r.namespace, r.job) for r in rolls]
         now = time.time()
         async with self.r.pipeline(transaction=True) as pipe:
@@ -66,39 +71,44 @@ class RedisEttRollups(RedisConnection, EttRollupStore):
                 try:
                     await pipe.watch(*set(keys))
                     stored = [await pipe.get(key) for key in keys]
+                    applied = [(roll, key) for roll, key, raw in zip(rolls, keys, stored,
+                                                                     strict=True)
+                               if (Contribution.from_json(raw).version if raw is not None
+                                   else None) == (roll.before.version if roll.before
+                                                  else None)]
+                    sums: dict[tuple[str, str, int], dict[str, Counters]] = {}
+                    for roll, _ in applied:
+                        for (model, period, start), delta in row_deltas(roll.before,
+                                                                        roll.after).items():
+                            if start >= kept_since(period, now):
+                                row = sums.setdefault((roll.namespace, period, start), {})
+                                add(row.setdefault(model, {}), delta)
+                    rows = {self.keys.ett_row(*where): where for where in sums}
+                    if rows:
+                        await pipe.watch(*keys, *rows)
+                    old = {key: await pipe.hmget(key, list(sums[where]))
+                           for key, where in rows.items()}
                     pipe.multi()
-                    n = self._queue(pipe, rolls, keys, stored, now)
+                    for key, where in rows.items():
+                        models = list(sums[where])
+                        pipe.hset(key, mapping={
+                            m: json.dumps([round(v, 6) for v in vector(
+                                sums[where][m], json.loads(raw) if raw else None)],
+                                separators=(",", ":"))
+                            for m, raw in zip(models, old[key], strict=True)})
+                        pipe.expireat(key, int(where[2] + KEEP_S[where[1]] + rollups.DAY))
+                    for roll, key in applied:
+                        ns = roll.namespace
+                        pipe.set(key, roll.after.to_json())
+                        pipe.zadd(self.keys.ett_lost(ns), {roll.job: roll.after.lost_s})
+                        pipe.zadd(self.keys.ett_seen(ns), {roll.job: roll.after.last_seen})
+                        pipe.sadd(self.keys.ett_models(ns), roll.after.model)
+                        pipe.sadd(self.keys.ett_namespaces(), ns)
                     await pipe.execute()
-                    return n
+                    return len(applied)
                 except WatchError:
                     continue
         return None
-
-    def _queue(self, pipe: Any, rolls: list[Roll], keys: list[str], stored: list[Any],
-               now: float) -> int:
-        n = 0
-        rows: set[str] = set()
-        for roll, key, raw in zip(rolls, keys, stored, strict=True):
-            have = Contribution.from_json(raw).version if raw is not None else None
-            if have != (roll.before.version if roll.before else None):
-                continue
-            n += 1
-            for (model, period, start), delta in row_deltas(roll.before, roll.after).items():
-                if start < kept_since(period, now):
-                    continue
-                row = self.keys.ett_row(roll.namespace, period, start)
-                for name, value in delta.items():
-                    pipe.hincrbyfloat(row, f"{model}\t{name}", value)
-                if row not in rows:
-                    rows.add(row)
-                    pipe.expireat(row, int(start + KEEP_S[period] + rollups.DAY))
-            ns = roll.namespace
-            pipe.set(key, roll.after.to_json())
-            pipe.zadd(self.keys.ett_lost(ns), {roll.job: roll.after.lost_s})
-            pipe.zadd(self.keys.ett_seen(ns), {roll.job: roll.after.last_seen})
-            pipe.sadd(self.keys.ett_models(ns), roll.after.model)
-            pipe.sadd(self.keys.ett_namespaces(), ns)
-        return n
 
     async def ett_models(self, namespace: str) -> set[str]:
         found = await self._do(lambda: self.r.smembers(self.keys.ett_models(namespace)))
@@ -122,14 +132,13 @@ class RedisEttRollups(RedisConnection, EttRollupStore):
                 for ns, start in wanted:
                     pipe.hgetall(self.keys.ett_row(ns, period, start))
                 found = await pipe.execute()
-            out: dict[tuple[str, str, int], Vector] = {}
+            out: list[tuple[str, str, int, Vector]] = []
             for (ns, start), row in zip(wanted, found, strict=True):
                 for field, value in row.items():
-                    m, _, name = (text(field) or "").partition("\t")
-                    i = INDEX.get(name)
-                    if i is not None and (model is None or m == model):
-                        out.setdefault((ns, m, start), [0.0] * len(COUNTERS))[i] = float(value)
-            return [(ns, m, start, c) for (ns, m, start), c in out.items()]
+                    m = text(field) or ""
+                    if model is None or m == model:
+                        out.append((ns, m, start, json.loads(value)))
+            return out
 
         return await self._do(op)
 

@@ -66,9 +66,9 @@
   ett_contrib:{ns}:{job} str    a job's part of the ETT rollups (JSON,
                                 ett_rollups.Contribution: its counters per hour)
   ett_row:{ns}:{p}:{start}
-                         hash   "{model}\t{counter}" -> the sum of the contributions for the
-                                hour (p=h) or day (p=d) starting then (expires when no
-                                longer kept)
+                         hash   model -> the sum of the contributions for the hour (p=h)
+                                or day (p=d) starting then, a JSON list in
+                                ett_rollups.COUNTERS order (expires when no longer kept)
   ett_lost:{ns} / ett_seen:{ns}
                          zset   job -> its lost seconds / its last roll's last_seen
   ett_models:{ns}        set    models the namespace's ETT rows name
