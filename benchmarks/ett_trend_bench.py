@@ -5,7 +5,8 @@ one to twenty hours, hourly checkpoints, failures of random causes, one of `--mo
 models, starts spread over the last 30 days), split as the server splits it (`ett.split`),
 and rolled into the rollups as the server's roller does (`ett_trend.contribution`,
 `roll_ett`), in a real index (SQLite, and Redis with `--redis URL`). Then the trend is read
-as `GET /v1/ett/trend?days=30` reads it (`ett_rows` + `ett_trend.trend`), `--reads` times,
+as `GET /v1/ett/trend?days=30` reads it (`ett_rows` + `ett_trend.trend`), `--reads` times
+(wall and CPU time: on a shared machine the wall time waits for the CPU),
 and over HTTP from a real server on the same store (SQLite; reads a second apart, as a
 namespace's views may take a quarter of the server's time: `split_cache.Lane`). The table:
 rows read, and p50/p90 of the read, by backend and period.
@@ -82,21 +83,21 @@ async def fill(index: Index, jobs: int, models: int, seed: int) -> int:
                                     until=int(now)))
 
 
-async def read(index: Index, period: str, days: float) -> tuple[float, int]:
-    """One trend read as the server makes it: (seconds, rows)."""
+async def read(index: Index, period: str, days: float) -> tuple[float, float, int]:
+    """One trend read as the server makes it: (seconds, CPU seconds, rows)."""
     now = time.time()
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     rows = await index.ett_rows(namespace=NAMESPACE, period=period,
                                 since=int(now - days * 86400), until=int(now))
     top = await index.ett_top_lost(namespace=NAMESPACE, since=now - days * 86400, limit=10)
     ett_trend.trend(rows, period, int(now - days * 86400), int(now), top)
-    return time.perf_counter() - began, len(rows)
+    return time.perf_counter() - began, time.process_time() - cpu, len(rows)
 
 
-def quantiles(samples: list[float]) -> dict[str, float]:
+def quantiles(samples: list[float], prefix: str = "") -> dict[str, float]:
     ordered = sorted(samples)
-    return {"p50_ms": round(1000 * statistics.median(ordered), 1),
-            "p90_ms": round(1000 * ordered[max(0, int(0.9 * len(ordered)) - 1)], 1)}
+    return {f"{prefix}p50_ms": round(1000 * statistics.median(ordered), 1),
+            f"{prefix}p90_ms": round(1000 * ordered[max(0, int(0.9 * len(ordered)) - 1)], 1)}
 
 
 async def bench_index(index: Index, args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
@@ -108,12 +109,13 @@ async def bench_index(index: Index, args: argparse.Namespace, name: str) -> list
             f"{time.perf_counter() - began:.1f} s")
         out = []
         for period, days in (("d", DAYS), ("h", 7)):
-            samples, n = [], 0
+            samples, cpus, n = [], [], 0
             for _ in range(args.reads):
-                took, n = await read(index, period, days)
+                took, cpu, n = await read(index, period, days)
                 samples.append(took)
+                cpus.append(cpu)
             out.append({"backend": name, "read": f"{days} days per {period}", "rows": n,
-                        **quantiles(samples)})
+                        **quantiles(samples), **quantiles(cpus, "cpu_")})
         return out
     finally:
         await index.close()
@@ -157,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             redis = RedisIndex(args.redis, prefix=f"trend{time.time_ns()}:")
             found += asyncio.run(bench_index(redis, args, "redis"))
         found.append(bench_http(data, args.reads))
-    print(text_table(("backend", "read", "rows", "p50 ms", "p90 ms"),
+    print(text_table(("backend", "read", "rows", "p50 ms", "p90 ms", "CPU p50 ms"),
                      [(f["backend"], f["read"], str(f["rows"]), f"{f['p50_ms']:.1f}",
-                       f"{f['p90_ms']:.1f}") for f in found]))
+                       f"{f['p90_ms']:.1f}", str(f.get("cpu_p50_ms", "-"))) for f in found]))
     write_json(args.out, {"generated": utc_now(), "machine": machine_info(),
                           "jobs": args.jobs, "models": args.models, "reads": found})
     log(f"wrote {args.out}")

@@ -32,6 +32,7 @@ from megacache_server.store.index.rollups import DAY, HOUR, bucket_of
 
 PERIOD_S = {"h": HOUR, "d": DAY}
 SECONDS = [COUNTERS.index(f"s_{c}") for c in CATEGORIES]
+TRAINING = COUNTERS.index("s_training")
 FAILURES = [COUNTERS.index(f"f_{c}") for c in CAUSES]
 BUCKET_KEYS = {h: [f"{h}_b{i:02d}" for i in range(len(rollups.BUCKETS) + 1)]
                for h in ("tts", "ttr")}
@@ -133,7 +134,8 @@ def _named(vec: list[float] | None) -> Counters:
 
 
 def _ett_pct(vec: list[float]) -> float | None:
-    return ett_pct(dict(zip(CATEGORIES, (vec[i] for i in SECONDS), strict=True)))
+    wall = sum(vec[i] for i in SECONDS)
+    return round(min(100.0, 100.0 * vec[TRAINING] / wall), 3) if wall > 0 else None
 
 
 def figures(c: Counters) -> dict[str, Any]:

