@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from benchlib import BENCH_DIR, log, machine_info, temp_root, text_table, utc_now, write_json
+from frameworks_ett import ended_ett
 from jobs import Machine, clean_env, run_job
 from services import LocalServer
 
@@ -95,18 +95,6 @@ def job_of(machine: Machine) -> str:
     return str(json.loads(record.read_text())["job"])
 
 
-def ended(url: str, job: str, timeout: float = 30.0) -> dict[str, Any]:
-    """The server's ETT of `job` once its two attempts are in and the second has ended."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        r = httpx.get(f"{url}/v1/jobs/{job}/ett", timeout=10)
-        if r.status_code == 200 and len(r.json()["attempts"]) == 2 \
-                and r.json()["attempts"][-1]["ended"]:
-            return dict(r.json())
-        time.sleep(0.25)
-    raise RuntimeError(f"the server has no ended split of {job}")
-
-
 def run_case(case: str, url: str, root: Path) -> dict[str, Any]:
     """Run 0 failing by `case`, run 1 recovering: the server's ETT, the job's facts, and
     the figures (server, the job's clock), with the bound they are held to."""
@@ -128,7 +116,7 @@ def run_case(case: str, url: str, root: Path) -> dict[str, Any]:
                   env={**env, "RUN": "1", **named(1)}, timeout=300)
     if run.returncode != 0:
         raise RuntimeError(f"{case}: run 1 failed\n{run.stderr[-3000:]}")
-    ett = ended(url, slurm if case == "elsewhere" else job_of(here))
+    ett = ended_ett(url, slurm if case == "elsewhere" else job_of(here))
     f0, f1 = facts(truth, 0), facts(truth, 1)
     a0, a1 = ett["attempts"]
     failed_at = sent if sent is not None else f0["fail"]["at"]
