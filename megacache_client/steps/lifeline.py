@@ -79,7 +79,7 @@ class Lifeline:
 
     def end(self) -> None:
         """The attempt said how it ended: nothing for a later one to report."""
-        self.dump.close(remove=True)
+        self.dump.remove()
         try:
             self.path.unlink(missing_ok=True)
         except OSError as exc:

@@ -108,19 +108,13 @@ class FatalDump:
         _ours.append(self)
         return True
 
-    def close(self, remove: bool) -> None:
-        """Stop dumping here (the attempt ended and said so: nothing for a later one)."""
-        if self._file is not None:
-            try:
-                if faulthandler.is_enabled():
-                    faulthandler.disable()
-                self._file.close()
-            except (OSError, ValueError):
-                pass
-            self._file = None
-        if remove:
-            with contextlib.suppress(OSError):
-                self.path.unlink(missing_ok=True)
+    def remove(self) -> None:
+        """The attempt ended and said so: nothing for a later one to read. The file goes;
+        faulthandler keeps its descriptor (a crash while the interpreter ends writes to the
+        unlinked file): disabling it could silence a handler the trainer set since, and
+        closing the file could hand its number to another file."""
+        with contextlib.suppress(OSError):
+            self.path.unlink(missing_ok=True)
 
 
 _ours: list[FatalDump] = []
