@@ -163,14 +163,28 @@ def _kubernetes(env: Mapping[str, str]) -> tuple[str | None, str]:
     return None, ""
 
 
-def _helper_process() -> bool:
-    """A process another Python process made (a spawned DataLoader worker, a pool's):
-    part of its parent's run, never a job of its own."""
+LAUNCHERS = frozenset({"torchrun", "accelerate", "deepspeed", "lightning", "ray"})
+"""Console scripts that start trainers: their own process is no job (its workers are)."""
+
+
+def _helper_process(argv: list[str] | None = None) -> bool:
+    """A process that is part of another's run, never a job of its own: a multiprocessing
+    child (a spawned DataLoader worker, a pool's), a launcher (`torchrun`'s agent), or a
+    module of an installed package run as a program (Inductor's compile workers, `python
+    -m torch.distributed.run`): a trainer's script is the user's own."""
     import sys
+    import sysconfig
 
     mp = sys.modules.get("multiprocessing")
     try:
-        return mp is not None and mp.parent_process() is not None
+        if mp is not None and mp.parent_process() is not None:
+            return True
+        main = Path((sys.argv if argv is None else argv)[0] or "-c")
+        if main.name in LAUNCHERS:
+            return True
+        installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib")}
+        where = main.resolve()
+        return any(where.is_relative_to(Path(d).resolve()) for d in installed if d)
     except Exception:
         return False
 

@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,24 @@ def test_a_rerun_after_a_failure_is_the_next_attempt(tmp_path: Path) -> None:
     other = runs.begin(tmp_path, runs.command_key(["train.py", "--lr", "0.2"], "/work"),
                        None, argv)
     assert other is not None and other.job_id != fresh.job_id
+
+
+def test_records_of_commands_not_run_for_a_month_go(tmp_path: Path) -> None:
+    stale = tmp_path / ("0" * 32 + ".json")
+    stale.write_text("{}")
+    os.utime(stale, (time.time() - 40 * 86400,) * 2)
+    kept = runs.begin(tmp_path, runs.command_key(["new.py"], "/"), None, ["new.py"])
+    assert kept is not None and kept.path.exists() and not stale.exists()
+
+
+def test_a_launcher_or_an_installed_module_is_no_job_of_its_own() -> None:
+    torch = need("torch", "its compile workers' module path")
+    from megacache_client.job import _helper_process
+
+    assert not _helper_process(["/home/me/train.py"])
+    assert _helper_process(["/venv/bin/torchrun"])  # torchrun's agent
+    worker = Path(torch.__file__).parent / "_inductor" / "compile_worker" / "__main__.py"
+    assert _helper_process([str(worker)])  # Inductor's compile workers
 
 
 def test_a_run_still_going_is_not_continued(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ written leaves the process without a job (as before), never stops it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,6 +29,7 @@ import os
 import re
 import secrets
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,8 @@ from filelock import FileLock, Timeout
 log = logging.getLogger("megacache")
 
 LOCK_S = 5.0
+KEEP_S = 30 * 86400.0
+"""Records of runs not started again for this long are removed (a new job starts a scan)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ def begin(runs_dir: Path, key: str, named: str | None,
                 job, attempt = named or unnamed_job(argv, key), 0
             _write(path, {"job": job, "attempt": attempt, "pid": os.getpid(),
                           "ticks": _start_ticks(os.getpid()), "ended": None})
+        if attempt == 0:
+            _prune(path.parent)
     except (OSError, Timeout, ValueError, KeyError, TypeError) as exc:
         log.debug("megacache: no run record on the node: %s", exc)
         return None
@@ -104,6 +110,19 @@ def end(run: Run, reason: str) -> None:
             _write(run.path, {**last, "ended": reason})
     except (OSError, Timeout, ValueError) as exc:
         log.debug("megacache: run record not ended: %s", exc)
+
+
+def _prune(runs_dir: Path) -> None:
+    """Records (and their locks) of commands not run for KEEP_S go: one per distinct
+    command would otherwise pile up on a node for ever."""
+    old = time.time() - KEEP_S
+    try:
+        for entry in os.scandir(runs_dir):
+            if entry.is_file() and entry.stat().st_mtime < old:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+    except OSError:
+        return
 
 
 def _read(path: Path) -> dict[str, object] | None:
