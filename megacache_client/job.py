@@ -66,6 +66,10 @@ class JobIdentity:
     `trainjob`, `k8s-job`, `ray`, `node`: the node's record of the command)."""
     attempt_known: bool = True
     """The launcher counts the attempts (else the node's record does)."""
+    shared: bool = True
+    """Its ranks share the cache's decisions (one resolution of each key per attempt): a
+    job a launcher names. A lone process's job from the node's record has nothing to share:
+    it looks up as a process without a job does (its job is for ETT)."""
 
     @property
     def in_job(self) -> bool:
@@ -220,7 +224,8 @@ def _from_runs(found: JobIdentity, runs_dir: Path,
     if run is None:
         return found
     resolved = replace(found, job_id=run.job_id, attempt=run.attempt,
-                       source=found.source or "node", attempt_known=True)
+                       source=found.source or "node", attempt_known=True,
+                       shared=found.job_id is not None)
     _remembered = (key, resolved)
     _runs[run.job_id] = run
     return resolved

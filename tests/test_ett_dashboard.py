@@ -90,7 +90,8 @@ def test_dashboard_shows_ett(tmp_path: Path) -> None:
             == [scope, "lost", "1", "4.1 min", "100.0 s"]
     # the recovery's stacked bar: the API's components, and a 47 ms part never "0.0"
     starts = dom.split('data-testid="ett-starts"')[1].split("</table>")[0]
-    bar = re.search(r'<tr data-job="live-job" data-attempt="1">(.*?)</tr>', starts, re.S)
+    bar = re.search(r'<tr data-bar-job="live-job" data-bar-attempt="1">(.*?)</tr>', starts,
+                    re.S)
     assert bar, starts[:2000]
     shown = {k: float(v) for k, v in re.findall(
         r'data-component="([a-z_]+)" data-seconds="([0-9.]+)"', bar.group(1))}

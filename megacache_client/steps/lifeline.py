@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -61,10 +62,19 @@ class Lifeline:
         self.path = self.dir / f"attempt-{attempt}.json"
         self.dump = postmortem.FatalDump(self.dir / f"attempt-{attempt}.fatal")
         self._renewed = False
+        self._ended = False
+        self._lock = threading.Lock()
 
     def renew(self, at: float, step: int) -> None:
         """This attempt is alive at `at`, `step` steps done (atomically: a kill mid-write
-        leaves the previous renewal), the container's OOM kills so far beside it."""
+        leaves the previous renewal), the container's OOM kills so far beside it. Never
+        after `end` (the heartbeat thread renewing while the attempt ends must not leave a
+        file a later attempt would call a killed one's)."""
+        with self._lock:
+            if not self._ended:
+                self._renew(at, step)
+
+    def _renew(self, at: float, step: int) -> None:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             if not self._renewed:  # a trainer: a fatal signal leaves its stacks here
@@ -79,6 +89,8 @@ class Lifeline:
 
     def end(self) -> None:
         """The attempt said how it ended: nothing for a later one to report."""
+        with self._lock:
+            self._ended = True
         self.dump.remove()
         try:
             self.path.unlink(missing_ok=True)

@@ -57,9 +57,9 @@ KINDS: tuple[Kind, ...] = ("start", "training", "heartbeat", "checkpoint_save",
   (`cause`, `detail`, `exit_code`); a killed process sends nothing: the server takes its
   last fact.
 - failure: what a later attempt learnt of this one's end (sent in this attempt's name by
-  the next one's rank 0): it was killed (its lifeline on the node, never ended), or the
-  cause its end named was not the first (torchrun stopped it after another rank failed).
-  Dates nothing: `at` is when the failure came, as well as it is known.
+  the next one's rank 0): it was killed (its lifeline on the node, never ended). An end
+  that names its cause stands before it. `at` is when the failure came, as well as it is
+  known.
 """
 
 Reason = Literal["finished", "failed"]

@@ -25,7 +25,7 @@ So the categories sum to the wall time, none is negative, and ETT% = training / 
 never pass 100: a trainer that lies about its times can only move its own job's seconds
 between categories, within the span its records cover. An attempt failed when a later one
 exists or it ended with reason `failed`; a live attempt has not failed. A failed attempt's
-cause (`cause_of`) is what a later attempt learnt of it, else what its end said, else
+cause (`cause_of`) is what its end said, else what a later attempt learnt of it, else
 `lost` (no end, nothing later from its node); its unsaved training is its lost_progress,
 its recovery the next attempt's time to recover. Each start and recovery is split into
 its components (`ett_components`).
@@ -230,15 +230,17 @@ def cause_rows(causes: dict[str, tuple[int, float, float]]) -> list[dict[str, An
 
 
 def cause_of(a: AttemptProgress, failed: bool) -> tuple[str | None, str | None]:
-    """Why a failed attempt failed, and what names it: what a later attempt learnt of it
-    (killed: its lifeline), else what its end said, else `lost`: no end record and
+    """Why a failed attempt failed, and what names it: what its end said, else what a
+    later attempt learnt of it (killed: its lifeline), else `lost`: no end record and
     nothing later from its node. Never a guess: `unknown` where nothing says."""
     if not failed:
         return None, None
+    if a.end_reason == "failed" and a.end_cause:
+        return a.end_cause, a.end_detail
     if a.failure is not None:
         return a.failure[0], a.failure[1]
     if a.end_reason == "failed":
-        return a.end_cause or "unknown", a.end_detail
+        return "unknown", a.end_detail
     if a.end_reason is not None:
         return "unknown", f"it ended {a.end_reason}, and the job ran again"
     return "lost", "no end record and nothing later from its node"
