@@ -342,3 +342,16 @@ def test_a_call_that_makes_several_process_groups_is_one_span_counting_them() ->
         assert len(spans.spans) == 3
     finally:
         phases.watch(phases._nobody)
+
+
+def test_an_attempt_that_ended_leaves_no_lifeline_whatever_its_heartbeat_does(
+        tmp_path: Path) -> None:
+    """The heartbeat thread may renew while the attempt ends (SIGTERM on the main thread):
+    a renewal after the end would leave a file the next attempt calls a killed one's."""
+    line = Lifeline(tmp_path, "job-2", 0)
+    line.renew(NOW, 3)
+    assert line.path.exists()
+    line.end()
+    line.renew(NOW + 1, 4)  # too late
+    assert not line.path.exists()
+    assert Lifeline(tmp_path, "job-2", 1).orphans() == []
