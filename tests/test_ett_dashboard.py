@@ -42,7 +42,7 @@ def test_dashboard_shows_ett(tmp_path: Path) -> None:
                 assert r.status_code == 202, r.text
             api = c.get("/v1/dashboard").json()["ett"]
             deadline = time.monotonic() + 30
-            while not (trend := c.get("/v1/ett/trend").json())["top_lost"]:
+            while not (trend := c.get("/v1/ett/trend").json())["time_to_recover"]["n"]:
                 assert time.monotonic() < deadline, trend  # rolled within a second or so
                 time.sleep(0.2)
         dom = dump_dom(server.url + "/", tmp_path / "chromium")
