@@ -12,6 +12,7 @@ cache setting must never stop a Python process from starting.
 
 import os
 import sys
+import time
 
 # No `from __future__ import annotations` and no `typing` at run time: each is an import that
 # costs every interpreter start milliseconds; only the type checker reads these.
@@ -19,6 +20,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from types import ModuleType
     from typing import Any
+
+
+TORCH_IMPORTED = None
+"""When `import torch` finished (unix seconds), once it has, zero-code."""
 
 
 def activate_from_env() -> None:
@@ -74,7 +79,9 @@ class TorchImportWatcher:
         original_exec = loader.exec_module
 
         def exec_module(module: "ModuleType") -> None:
+            global TORCH_IMPORTED
             original_exec(module)  # a failed torch import raises here: nothing to enable
+            TORCH_IMPORTED = time.time()  # the end of the imports, for ETT (phases.py)
             _enable()
 
         loader.exec_module = exec_module

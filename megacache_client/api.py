@@ -10,6 +10,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -93,8 +95,12 @@ def _adopt(new: Session, old: Session | None) -> None:
 def _start_telemetry(session: Session) -> None:
     """Rank 0 of a job sends its progress from now on (registered after the session's exit
     handler, so the job's end is sent before the exit's publish)."""
+    # zero-code, `import torch` returns to the trainer once this enable is done: its
+    # imports end now; an explicit enable() ends them at its call
+    zero_code = getattr(sys.modules.get("megacache_autoload"), "TORCH_IMPORTED", None)
+    imported = time.time() if zero_code else session.clock.enabled_at
     try:
-        telemetry.start(session.config, session.job, session.clock.started, _model)
+        telemetry.start(session.config, session.job, session.clock.started, _model, imported)
     except Exception as exc:  # never let telemetry break the trainer
         log.info("megacache: job telemetry off: %s: %s", type(exc).__name__, exc)
 

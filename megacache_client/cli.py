@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megacache_client import __version__
+from megacache_client import __version__, cli_jobs
 from megacache_client.config import ClientConfig, ConfigError
 from megacache_client.steps.nodecache import NodeCache
 from megacache_client.transport.breaker import CircuitBreaker
@@ -254,52 +254,27 @@ def _job_cells(row: dict[str, Any]) -> tuple[str, str, str, str]:
 
     def seconds(name: str) -> str:
         value = row.get(name)
-        return f"{value:.1f}" if isinstance(value, (int, float)) else "-"
+        return cli_jobs.seconds(value) if isinstance(value, (int, float)) else "-"
 
     return replayed, seconds("tts_p50_s"), seconds("ttr_p50_s"), str(row.get("restarts", "-"))
 
 
-SPLIT = (("training", "train"), ("data_wait", "data wait"), ("startup", "start"),
-         ("compile", "compile"),
-         ("checkpoint_save", "ckpt save"), ("checkpoint_restore", "restore"),
-         ("lost_progress", "lost"), ("recovery", "recover"), ("idle", "idle"))
-REPORT = (("time_to_start_s", "time to start s"), ("time_to_recover_s", "time to recover s"),
-          ("checkpoint_save_s", "ckpt save s"), ("unsaved_training_s", "unsaved training s"))
-"""A job's figures in the ETT report's words (the server's `ett.report_figures`)."""
-
-
 def cmd_jobs(args: argparse.Namespace) -> int:
     with _remote(_config(args)) as remote:
-        found: Any = remote.job_ett(args.job) if args.job else remote.jobs(limit=args.limit)
+        if args.trend:
+            found: Any = remote.ett_trend(days=args.days, period=args.period,
+                                          **({"model": args.model} if args.model else {}))
+        else:
+            found = remote.job_ett(args.job) if args.job else remote.jobs(limit=args.limit)
     if args.json:
         print(json.dumps(found, indent=2))
-        return 0
-    if args.job:
-        rows = [(a["attempt"], _tenths(a["ett_pct"]), *_split(a["seconds"]),
-                 _tenths(a["time_to_start_s"]), _tenths(a["time_to_recover_s"]),
-                 "failed" if a["failed"] else "live" if a["live"] else a["ended"] or "-")
-                for a in found["attempts"]]
-        rows.append(("TOTAL", _tenths(found["ett_pct"]), *_split(found["seconds"]),
-                     _tenths(found["time_to_start_s"]), _tenths(found["time_to_recover_s"]),
-                     f"{found['failures']} failed"))
-        _table(("attempt", "ETT %", *(short + " s" for _, short in SPLIT),
-                "time to start s", "time to recover s", "state"), rows)
-        return 0
-    rows = [(j["job_id"], j["ett"].get("model") or "-", _tenths(j["ett"]["ett_pct"]),
-             _tenths(j["ett"]["wall_s"]), *(_tenths(j["ett"].get(k)) for k, _ in REPORT),
-             j["ett"]["failures"]) for j in found if j.get("ett")]
-    _table(("job", "model", "ETT %", "wall s", *(head for _, head in REPORT), "failures"),
-           rows)
+    elif args.trend:
+        cli_jobs.trend_tables(found, _table)
+    elif args.job:
+        cli_jobs.job_tables(found, _table)
+    else:
+        cli_jobs.jobs_table(found, _table)
     return 0
-
-
-def _tenths(value: float | None) -> str:
-    """A number to a tenth (0.43 s is 0.4, not 0); "-" when there is none."""
-    return f"{value:.1f}" if value is not None else "-"
-
-
-def _split(seconds: dict[str, float]) -> list[str]:
-    return [_tenths(seconds.get(name, 0.0)) for name, _ in SPLIT]
 
 
 def cmd_autoload(args: argparse.Namespace) -> int:
@@ -364,8 +339,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 
 def _figure(cell: str) -> bool:
-    """A number as the tables print them: 12, 3.4, 56%, 1.2 kB, or none ("", "-")."""
-    text = cell.removesuffix("%").split(" ")[0]
+    """A number as the tables print them: 12, 3.4, 56%, 1.2 kB, 47ms, or none ("", "-")."""
+    text = cell.removesuffix("%").removesuffix("ms").lstrip("<").split(" ")[0]
     try:
         float(text)
     except ValueError:
@@ -443,6 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("jobs", "where each job's wall time went: ETT %% and its split (docs/ett.md)")
     p.add_argument("job", nargs="?", help="one job's attempts instead")
     p.add_argument("--limit", type=int, default=50, help="at most this many jobs")
+    p.add_argument("--trend", action="store_true",
+                   help="the namespace's ETT per day (or hour) instead, and the jobs that "
+                   "lost the most")
+    p.add_argument("--days", type=float, default=30, help="with --trend: how far back")
+    p.add_argument("--period", choices=("day", "hour"), default="day",
+                   help="with --trend: per day or per hour (hourly: at most 8 days)")
+    p.add_argument("--model", help="with --trend: one model only")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(fn=cmd_jobs)
 

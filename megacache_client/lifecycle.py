@@ -101,8 +101,9 @@ class Session:
         """Why caching precompile is off in this process ("" when on)."""
         self._precompile_keys: dict[str, list[str]] = {}
         """torch's precompile key of each compiled callable -> the callables wrapped under it."""
-        self.job, self.job_note = JobIdentity.of_process()
-        """Which job, attempt and rank this process is (never part of the fingerprint)."""
+        self.job, self.job_note = JobIdentity.of_process(
+            config.node_cache_dir if config.enabled and config.telemetry else None)
+        """Which job, attempt and rank this process is (not in the fingerprint: job.py)."""
         self.publisher = Publisher(config, self.node, claim_holder(),
                                    lambda: list(self.tracks.values()), self._warn,
                                    self._no_track)

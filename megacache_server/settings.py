@@ -105,6 +105,9 @@ class Settings(BaseSettings):
         1.0, ge=0, le=60, description="seconds a server process buffers heartbeat-only "
         "progress batches before writing them all in one index transaction (0: each batch "
         "written at once); other workers and replicas see a heartbeat within this")
+    ett_roll_s: float = Field(
+        60.0, ge=0, le=3600, description="seconds between rolls of the jobs that reported "
+        "into the ETT rollups (the trend, GET /v1/ett/trend: docs/ett.md); 0: no rolls")
     progress_buffer_entries: int = Field(
         20_000, ge=1, description="job attempts with buffered heartbeats one process holds "
         "at most (past it the buffer is written early)")

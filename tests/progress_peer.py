@@ -20,9 +20,15 @@ from megacache_client.wire.schema import parse_json
 PROGRESS = re.compile(r"^/v1/jobs/([^/?]+)/progress$")
 
 
+NEWER = {"cause", "detail", "exit_code", "phases"}
+"""What a server from before the failures' causes and the start's phases did not know (it
+refused a batch holding any, or a `failure` record, with 422)."""
+
+
 class ProgressPeer:
-    def __init__(self, status: int = 202) -> None:
+    def __init__(self, status: int = 202, older: bool = False) -> None:
         self.status = status
+        self.older = older
         self.batches: list[tuple[str, dict[str, Any]]] = []
         """(job, the batch as sent), in arrival order."""
         self.invalid: list[str] = []
@@ -40,6 +46,9 @@ class ProgressPeer:
                     return self._answer(404, {"error": {"message": "not found"}})
                 try:
                     parse_json(ProgressBatch, body)
+                    if peer.older and any(NEWER & set(r) or r["kind"] == "failure"
+                                          for r in json.loads(body)["records"]):
+                        raise ValueError("unknown field (a server from before #60)")
                 except Exception as exc:
                     with peer.lock:
                         peer.invalid.append(str(exc))
@@ -84,8 +93,8 @@ class ProgressPeer:
 
 
 @contextlib.contextmanager
-def recording(status: int = 202) -> Iterator[ProgressPeer]:
-    peer = ProgressPeer(status)
+def recording(status: int = 202, older: bool = False) -> Iterator[ProgressPeer]:
+    peer = ProgressPeer(status, older)
     peer._thread.start()
     try:
         yield peer

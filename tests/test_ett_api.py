@@ -54,7 +54,10 @@ def timeline(base: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
              {"kind": "heartbeat", "at": base + 350, "step": 300}]
     second = [{"kind": "start", "at": base + 400},
               {"kind": "checkpoint_load", "at": base + 410, "blocking_s": 20.0, "step": 70},
-              {"kind": "training", "at": base + 450},
+              {"kind": "training", "at": base + 450, "phases": [
+                  {"phase": "distributed", "at": base + 402, "seconds": 3.0, "count": 2},
+                  {"phase": "model_build", "at": base + 405, "seconds": 4.0},
+                  {"phase": "first_batch", "at": base + 430, "seconds": 5.0}]},
               {"kind": "checkpoint_save", "at": base + 700, "step": 500, "blocking_s": 6.0},
               {"kind": "end", "at": base + 1000, "reason": "finished"}]
     return first, second
@@ -63,6 +66,13 @@ def timeline(base: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 WANT = {"training": 810.0, "data_wait": 0.0, "startup": 30.0, "compile": 10.0,
         "checkpoint_save": 14.0, "checkpoint_restore": 20.0, "lost_progress": 100.0,
         "recovery": 16.0, "idle": 0.0}
+RECOVERY = {"allocation_wait": 0.0, "restart_wait": 0.0, "imports": 0.0, "distributed": 1.0,
+            "model_build": 4.0, "checkpoint_restore": 20.0, "first_batch": 5.0,
+            "compile": 10.0, "first_step": 5.0, "other": 1.0}
+"""Attempt 1's 46 s from the failure (404 s) to its first step (450 s), by component: its
+process started at 400 s (no wait after the failure), its process groups' 3 s from 402 s
+are 1 s after the failure, the first step runs from the first batch (435 s), compile aside
+(440-450 s); 409-410 s is nobody's."""
 
 
 def test_progress_in_split_out_everywhere(ett_server: ServerProcess) -> None:
@@ -92,6 +102,12 @@ def test_progress_in_split_out_everywhere(ett_server: ServerProcess) -> None:
     a0, a1 = body["attempts"]
     assert a0["failed"] and a0["time_to_start_s"] == 30.0 and a0["lost_s"] == 100.0
     assert a1["time_to_recover_s"] == 46.0 and a1["ended"] == "finished"
+    # no end record, and nothing later from its node: lost; what it cost, by cause
+    assert (a0["cause"], a1["cause"]) == ("lost", None), (a0, a1)
+    assert body["failures_by_cause"] == [{"cause": "lost", "failures": 1,
+                                          "unsaved_training_s": 100.0, "recovery_s": 46.0}]
+    assert a1["components"] == {"seconds": RECOVERY, "process_groups": 2}
+    assert sum(a0["components"]["seconds"].values()) == a0["time_to_start_s"] == 30.0
     assert a0["cache"] is None and a1["cache"] == {"outcome": "miss", "compile_s": 10.0,
                                                    "tts_s": None, "ranks": 1}
     advice = body["advice"]
@@ -121,21 +137,43 @@ def test_progress_in_split_out_everywhere(ett_server: ServerProcess) -> None:
     assert stats["time_to_recover"] == {"n": 1, "p50_s": 46.0, "p90_s": 46.0}
     (model,) = stats["models"]
     assert model["model"] == "llm" and model["advice"]["failures"] == 1
+    assert model["failures_by_cause"] == body["failures_by_cause"]
+    assert stats["namespaces"][0]["failures_by_cause"] == body["failures_by_cause"]
+    assert model["components"]["recover"]["checkpoint_restore"] == {
+        "n": 1, "p50_s": 20.0, "p90_s": 20.0}
+    assert model["components"]["recover"]["process_groups"]["p50_s"] == 2
     dash = team_a.get("/v1/dashboard").json()["ett"]
     assert dash["ett_pct"] == 81.0 and dash["shown"][0]["job_id"] == "run-1"
     assert dash["shown"][0]["seconds"] == WANT
     assert dash["shown"][0]["time_to_recover_s"] == 46.0
+    assert [b["kind"] for b in dash["shown"][0]["starts"]] == ["start", "recover"]
+    assert dash["shown"][0]["starts"][1]["seconds"] == RECOVERY
+    assert dash["shown"][0]["starts"][1]["cause"] == "lost"
 
     scrape = token_client(ett_server, "metrics").get("/metrics").text
-    seconds, lost = {}, {}
+    seconds, lost, causes, parts = {}, {}, {}, {}
     for family in text_string_to_metric_families(scrape):
         for s in family.samples:
             if s.name == "megacache_job_seconds_total" and s.labels["namespace"] == "team-a":
                 seconds[s.labels["category"]] = s.value
+            if s.name.startswith("megacache_job_failure") \
+                    and s.labels["namespace"] == "team-a":
+                causes[(s.name, s.labels["cause"])] = s.value
+            if s.name == "megacache_job_start_component_seconds_total" \
+                    and s.labels["namespace"] == "team-a" and s.labels["kind"] == "recover":
+                parts[s.labels["component"]] = s.value
             if s.name.startswith(("megacache_job_lost_seconds", "megacache_job_time_to_")) \
                     and s.labels["namespace"] == "team-a":
                 lost[s.name + s.labels.get("le", "")] = s.value
     assert seconds == WANT
+    # failures by cause: every cause a series (increase() sees the first failure)
+    assert causes[("megacache_job_failures_total", "lost")] == 1
+    assert causes[("megacache_job_failure_unsaved_seconds_total", "lost")] == 100.0
+    assert causes[("megacache_job_failure_recovery_seconds_total", "lost")] == 46.0
+    assert sum(v for (n, _), v in causes.items() if n == "megacache_job_failures_total") == 1
+    assert len(causes) == 3 * 8 and parts == RECOVERY
+    assert 'megacache_model_time_to_start_seconds{namespace="team-a",model="llm",' \
+           'quantile="0.5"} 30.0' in scrape
     # time to start and to recover: the job's own figures (ETT's), as histograms
     assert (lost["megacache_job_time_to_start_seconds_count"],
             lost["megacache_job_time_to_start_seconds_sum"]) == (1, 30.0)
@@ -193,6 +231,29 @@ def bad_batches(now: float) -> dict[str, Any]:
         "no records": {"attempt": 0, "records": []},
         "too many records": {"attempt": 0, "records": [ok] * (MAX_RECORDS + 1)},
         "long model": {"attempt": 0, "records": [ok], "model": "m" * 257},
+        "unknown cause": {"attempt": 0, "records": [
+            {"kind": "end", "at": now, "reason": "failed", "cause": "cosmic rays"}]},
+        "lost from a client": {"attempt": 0, "records": [
+            {"kind": "failure", "at": now, "cause": "lost"}]},
+        "failure without a cause": {"attempt": 0, "records": [{"kind": "failure", "at": now}]},
+        "long detail": {"attempt": 0, "records": [
+            {"kind": "end", "at": now, "reason": "failed", "cause": "exception",
+             "detail": "E" * 201}]},
+        "control characters in a detail": {"attempt": 0, "records": [
+            {"kind": "end", "at": now, "reason": "failed", "cause": "exception",
+             "detail": "a\x1b[31mb"}]},
+        "string exit code": {"attempt": 0, "records": [
+            {"kind": "end", "at": now, "reason": "failed", "cause": "exit_code",
+             "exit_code": "3"}]},
+        "unknown phase": {"attempt": 0, "records": [
+            {"kind": "training", "at": now, "phases": [
+                {"phase": "coffee", "at": now, "seconds": 1.0}]}]},
+        "negative phase": {"attempt": 0, "records": [
+            {"kind": "training", "at": now, "phases": [
+                {"phase": "distributed", "at": now, "seconds": -1.0}]}]},
+        "too many phases": {"attempt": 0, "records": [
+            {"kind": "training", "at": now, "phases": [
+                {"phase": "distributed", "at": now, "seconds": 1.0}] * 65}]},
         "string time": {"attempt": 0, "records": [ok | {"at": "yesterday"}]},
         "not json": "{attempt: 0",
         "not an object": "[1, 2]",
@@ -298,18 +359,20 @@ def test_megacache_jobs_prints_each_jobs_split(ett_server: ServerProcess) -> Non
     table = megacache("jobs").splitlines()
     assert table[0].split() == ["job", "model", "ETT", "%", "wall", "s", "time", "to", "start",
                                 "s", "time", "to", "recover", "s", "ckpt", "save", "s",
-                                "unsaved", "training", "s", "failures"]
+                                "unsaved", "training", "s", "failures", "causes"]
     row = next(line.split() for line in table if line.startswith("cli-job"))
     # the report's words, in tenths of a second: time to start, time to recover,
-    # checkpoint save time, unsaved training time
-    assert row == ["cli-job", "llm", "81.0", "1000.0", "30.0", "46.0", "14.0", "100.0", "1"]
+    # checkpoint save time, unsaved training time; the failure's cause (no end: lost)
+    assert row == ["cli-job", "llm", "81.0", "1000.0", "30.0", "46.0", "14.0", "100.0", "1",
+                   "lost:1"]
     attempts = megacache("jobs", "cli-job").splitlines()
     # no compile reported: attempt 1's 10 s of compile count as recovery here
-    assert attempts[2].split() == ["0", "65.8", "266.0", "0.0", "30.0", "0.0", "8.0", "0.0",
-                                   "100.0", "0.0", "0.0", "30.0", "-", "failed"]
+    assert attempts[2].split() == ["0", "65.8", "266.0", "0", "30.0", "0", "8.0", "0",
+                                   "100.0", "0", "0", "30.0", "-", "failed:lost"]
     assert attempts[3].split()[-3:] == ["-", "46.0", "finished"]
     assert attempts[4].split()[:3] == ["TOTAL", "81.0", "810.0"]
     assert attempts[4].split()[-2:] == ["1", "failed"]  # the failures under "state"
+    assert attempts[8].split()[:3] == ["0", "lost", "no"]  # the failure's cause, and why
     assert json.loads(megacache("jobs", "cli-job", "--json"))["ett_pct"] == 81.0
     missing = subprocess.run([sys.executable, "-m", "megacache_client.cli", "jobs", "nope"],
                              capture_output=True, text=True, env=env, timeout=120)

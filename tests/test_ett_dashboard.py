@@ -20,7 +20,7 @@ from megacache_client.wire import routes
 @pytest.mark.e2e
 def test_dashboard_shows_ett(tmp_path: Path) -> None:
     ensure_tools({"chromium": "chromium"})
-    server = ServerProcess(tmp_path / "data").start()
+    server = ServerProcess(tmp_path / "data", env={"MEGACACHE_ETT_ROLL_S": "0.5"}).start()
     try:
         now = time.time()
         base = now - 1100
@@ -30,7 +30,10 @@ def test_dashboard_shows_ett(tmp_path: Path) -> None:
                      {"kind": "checkpoint_save", "at": base + 100, "step": 7,
                       "blocking_s": 4.0},
                      {"kind": "heartbeat", "at": base + 350, "step": 30}],
-                    [{"kind": "start", "at": base + 400}, {"kind": "training", "at": base + 450},
+                    [{"kind": "start", "at": base + 400}, {"kind": "training", "at": base + 450,
+                                                          "phases": [
+                        {"phase": "distributed", "at": base + 402, "seconds": 3.0, "count": 2},
+                        {"phase": "first_batch", "at": base + 420, "seconds": 0.047}]},
                      {"kind": "checkpoint_save", "at": base + 700, "step": 50,
                       "blocking_s": 6.0},
                      {"kind": "heartbeat", "at": now - 5, "step": 90}])):
@@ -38,6 +41,10 @@ def test_dashboard_shows_ett(tmp_path: Path) -> None:
                            json={"attempt": attempt, "records": records, "model": "llm"})
                 assert r.status_code == 202, r.text
             api = c.get("/v1/dashboard").json()["ett"]
+            deadline = time.monotonic() + 30
+            while not (trend := c.get("/v1/ett/trend").json())["time_to_recover"]["n"]:
+                assert time.monotonic() < deadline, trend  # rolled within a second or so
+                time.sleep(0.2)
         dom = dump_dom(server.url + "/", tmp_path / "chromium")
     finally:
         server.stop()
@@ -74,6 +81,35 @@ def test_dashboard_shows_ett(tmp_path: Path) -> None:
     advice = re.search(r'<tr data-model="llm">(.*?)</tr>', dom.split('data-testid="ett-advice"')[1],
                        re.S)
     assert advice and "low" in html.unescape(advice.group(1))
+    # failures by cause, per namespace and per model (attempt 0 sent no end: lost)
+    causes = dom.split('data-testid="ett-causes"')[1].split("</table>")[0]
+    for scope in ("namespace default", "model llm"):
+        found = re.search(rf'<tr data-scope="{scope}" data-cause="lost">(.*?)</tr>', causes, re.S)
+        assert found, causes[:2000]
+        assert [html.unescape(c) for c in re.findall(r"<td[^>]*>([^<]*)<", found.group(1))] \
+            == [scope, "lost", "1", "4.1 min", "100.0 s"]
+    # the recovery's stacked bar: the API's components, and a 47 ms part never "0.0"
+    starts = dom.split('data-testid="ett-starts"')[1].split("</table>")[0]
+    bar = re.search(r'<tr data-bar-job="live-job" data-bar-attempt="1">(.*?)</tr>', starts,
+                    re.S)
+    assert bar, starts[:2000]
+    shown = {k: float(v) for k, v in re.findall(
+        r'data-component="([a-z_]+)" data-seconds="([0-9.]+)"', bar.group(1))}
+    want = job["starts"][1]["seconds"]
+    assert shown == {k: v for k, v in want.items() if v} and shown["first_batch"] == 0.047
+    table = dom.split('data-testid="ett-components"')[1].split("</table>")[0]
+    row = re.search(r'<tr data-model="llm" data-kind="recover">(.*?)</tr>', table, re.S)
+    assert row and "47 ms / 47 ms" in html.unescape(row.group(1)), table[:2000]
+    # the trend: the day's row (its split, its failure's cause) and the job that lost most
+    assert 'data-trend="true"' in dom
+    days = dom.split('data-testid="ett-trend"')[1].split("</table>")[0]
+    (day,) = [p for p in trend["series"] if p["wall_s"]]
+    found = re.search(rf'<tr data-day="{day["start"]}">(.*?)</tr>', days, re.S)
+    assert found, days[:2000]
+    cells = [html.unescape(c) for c in re.findall(r"<td[^>]*>([^<]*)<", found.group(1))]
+    assert cells[1] == f"{day['ett_pct']:.1f}%" and "lost 1" in cells, cells
+    top = dom.split('data-testid="ett-top-lost"')[1].split("</table>")[0]
+    assert '<tr data-job="live-job">' in top
 
 
 @pytest.mark.e2e

@@ -309,3 +309,27 @@ def test_a_job_split_from_its_kept_prefix_equals_one_painting_of_every_attempt()
         for (s1, e1, c1), (s2, e2, c2) in zip(got.segments, want.segments, strict=True):
             assert c1 == c2 and s1 == pytest.approx(s2) and e1 == pytest.approx(e2)
     assert 100 < followed < 400  # both kinds of restart were drawn
+
+
+@pytest.mark.parametrize(("first", "cause"), [
+    # it said why: that stands, whatever the restart found on the node
+    ([rec("end", 50, reason="failed", cause="preempted", detail="SIGTERM"),
+      rec("failure", 50, cause="killed", detail="x")], "preempted"),
+    # it said nothing: the restart's word
+    ([rec("failure", 50, cause="killed", detail="SIGSEGV")], "killed"),
+    # nothing from it, nothing from its node
+    ([], "lost"),
+    # failed, without a cause (an older client)
+    ([rec("end", 50, reason="failed")], "unknown"),
+    # said it finished, and the job ran again
+    ([rec("end", 50, reason="finished")], "unknown"),
+])
+def test_the_cause_of_a_failure_is_its_own_word_else_the_restart_s_else_lost(
+        first: list[ProgressRecord], cause: str) -> None:
+    done = ett.split(job([rec("start", 0), rec("training", 10), rec("heartbeat", 50, step=4),
+                          *first],
+                         [rec("start", 60), rec("training", 70),
+                          rec("end", 90, reason="finished")]), now=T0 + 100)
+    a0, a1 = done.attempts
+    assert (a0.failed, a0.cause, a1.cause) == (True, cause, None)
+    assert done.totals.by_cause == {cause: (1, 40.0, 20.0)}  # 10-50 lost, 50-70 recovering

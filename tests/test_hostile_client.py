@@ -54,6 +54,7 @@ CALLS: dict[str, Callable[[RemoteCache, Path], Any]] = {
         "j", b'{"attempt":0,"records":[{"kind":"heartbeat","at":1800000000.0,"step":1}]}'),
     "jobs": lambda r, _: r.jobs(),
     "job_ett": lambda r, _: r.job_ett("j"),
+    "ett_trend": lambda r, _: r.ett_trend(days=30),
 }
 """One call of each public method; what it returns must be harmless (below)."""
 
@@ -103,7 +104,7 @@ def test_a_hostile_server_costs_a_call_its_deadline_and_no_memory(
     # nothing a hostile answer holds is taken for an entry, a listing or a blob
     assert not isinstance(outcome, ServedEntry | list | dict)
     if name in ("get_entry", "resolve_entry", "list_entries", "whoami", "stats", "jobs",
-                "job_ett", "download_blob") and mode != "drip_headers":
+                "job_ett", "ett_trend", "download_blob") and mode != "drip_headers":
         assert isinstance(outcome, TransportError), (name, mode, outcome)
     assert not (tmp_path / "blob").exists()
 

@@ -122,6 +122,8 @@ CASES: dict[tuple[str, str], Case] = {
     # ... and what it reports is recorded there (the victim's job of that id unchanged)
     ("POST", "/v1/jobs/{job}/progress"): Case(
         "write", "/v1/jobs/{job}-2/progress", "progress", other=202, limit=128 * 1024),
+    # the caller's namespace's rollups only (the victim's rows unseen: checked at the end)
+    ("GET", "/v1/ett/trend"): Case("read", "/v1/ett/trend", numbers=("?days",), other=200),
     ("GET", "/v1/quarantine"): Case("read", "/v1/quarantine", numbers=("?limit",),
                                     other=200),
     ("GET", "/v1/whoami"): Case("read", "/v1/whoami", other=200),
@@ -248,6 +250,7 @@ def hostile(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         tmp_path_factory.mktemp("hostile") / "data", *args, "--auth",
         "--max-blob-size", str(MAX_BLOB), log_level="info",
         env={**env, "MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_REPORT_BURST": "1000",
+             "MEGACACHE_ETT_ROLL_S": "0.5",
              "MEGACACHE_UPLOAD_IDLE_TIMEOUT_S": "5", "MEGACACHE_MIN_UPLOAD_GRACE_S": "3"}),
         request.param, args).start()
     yield proc
@@ -662,11 +665,19 @@ def test_after_every_attack_the_victim_is_whole_and_nothing_was_stored(
             assert ett["seconds"]["training"] == 90.0 and ett["wall_s"] == 100.0, ett
             assert len(ett["attempts"]) == 1 and ett["model"] == world.secret_model
         assert c.get("/v1/quarantine").json()["quarantined"] == []
+        deadline = time.monotonic() + 30  # the victim's jobs rolled into its trend
+        while not c.get("/v1/ett/trend").json()["models"]:
+            assert time.monotonic() < deadline, "the victim's jobs never reached its trend"
+            time.sleep(0.25)
+        assert [m["model"] for m in c.get("/v1/ett/trend").json()["models"]] == [
+            world.secret_model]
     attacker = {"authorization": f"Bearer {world.tokens['read']}"}
     with httpx.Client(base_url=server.url, headers=attacker, timeout=30) as c:
         assert c.get("/v1/ac", params={"limit": 1000}).json() == {"entries": []}
         assert c.get("/v1/quarantine").json()["quarantined"] == []
         assert c.get("/v1/jobs/victim-job/ett").status_code == 404
+        trend = c.get("/v1/ett/trend", params={"days": 400}).json()
+        assert world.secret_model not in json.dumps(trend), trend  # no victim's row, no job
         assert c.head(f"/v1/cas/{sha256(b'not the victim' + b's bytes')}").status_code == 404
         # the last request, named: once its line is in the log (one worker, written in
         # order), so is every attack's before it

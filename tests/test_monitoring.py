@@ -104,7 +104,8 @@ def test_every_dashboard_query_names_an_exported_series(tmp_path: Path):
                    "megacache_http_request_duration_seconds_bucket", "megacache_store_bytes",
                    "megacache_replays_total", "megacache_job_seconds_total",
                    "megacache_checkpoint_blocking_seconds_bucket",
-                   "megacache_job_lost_seconds_bucket"):
+                   "megacache_job_lost_seconds_bucket", "megacache_job_failures_total",
+                   "megacache_job_start_component_seconds_total"):
         assert needed in wanted  # what the dashboard is for
     exported = exported_after_traffic(tmp_path)
     assert wanted <= exported, sorted(wanted - exported)
@@ -132,6 +133,10 @@ def test_the_monitoring_profile_provisions_prometheus_and_grafana():
     assert job["authorization"]["credentials_file"] in mounts["prometheus"]
     targets = {t for sc in job["static_configs"] for t in sc["targets"]}
     assert {"megacache:8787", "replica-1:8787", "replica-2:8787"} == targets
+    # ETT's rules (tests/test_alerts.py) are loaded from the file the repository holds
+    [rules] = prom["rule_files"]
+    assert mounts["prometheus"][rules].resolve() == (DOCKER / "prometheus" /
+                                                     "megacache.rules.yml").resolve()
 
     provisioning = mounts["grafana"]["/etc/grafana/provisioning"]
     [source] = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text()

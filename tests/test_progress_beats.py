@@ -19,7 +19,7 @@ from conftest import BACKENDS, _configured, backend_args
 from helpers import ServerProcess
 
 from megacache_client.wire import routes
-from megacache_client.wire.progress import ProgressRecord
+from megacache_client.wire.progress import PhaseSpan, ProgressRecord
 from megacache_server.service.beats import Beats
 from megacache_server.store.index.progress import AttemptProgress, Fold, merge
 
@@ -81,12 +81,17 @@ def test_a_summary_is_stored_as_asdict_would_write_it() -> None:
     would, and reads back equal."""
     base = 1_700_000_000.0
     records = [ProgressRecord(kind="start", at=base, allocation_start=base - 5),
-               ProgressRecord(kind="training", at=base + 10), beat(base + 20, 3),
+               ProgressRecord(kind="training", at=base + 10, phases=[
+                   PhaseSpan(phase="distributed", at=base + 2, seconds=1.5, count=3)]),
+               beat(base + 20, 3),
                *(ProgressRecord(kind="checkpoint_save", at=base + 30 + k, step=k,
                                 blocking_s=0.5 * k, background_s=1.0) for k in range(40)),
                ProgressRecord(kind="checkpoint_load", at=base + 90, blocking_s=2.0, step=1),
-               ProgressRecord(kind="end", at=base + 100, reason="failed")]
+               ProgressRecord(kind="end", at=base + 100, reason="failed", cause="exit_code",
+                              detail="exit code 3", exit_code=3),
+               ProgressRecord(kind="failure", at=base + 99, cause="killed", detail="SIGSEGV")]
     summary = merge(None, 3, "m", records, base + 101)
+    assert summary.phases and summary.failure and summary.end_cause == "exit_code"
     assert summary.to_json() == json.dumps(dataclasses.asdict(summary), separators=(",", ":"))
     assert AttemptProgress.from_json(summary.to_json()) == summary
 

@@ -164,6 +164,7 @@ def test_sigterm_finishes_the_publish_sends_the_end_and_ends_the_process(
     assert entries["entries"], "the compile was not published before the process ended"
     (attempt,) = ett_of(cache.url, job)["attempts"]
     assert attempt["ended"] == "failed" and attempt["failed"], attempt
+    assert (attempt["cause"], attempt["cause_detail"]) == ("preempted", "SIGTERM"), attempt
     assert abs(attempt["end"] - sent) < 1.5, (attempt["end"], sent)
 
 
@@ -176,9 +177,11 @@ def test_sigterm_goes_on_to_the_trainer_s_own_handler(cache: ServerProcess,
     assert proc.returncode == 3, proc.stderr.read() if proc.stderr else ""
     assert marker.exists() and took < GRACE_S + 3
     (attempt,) = ett_of(cache.url, job)["attempts"]
-    # ours ran first: a sign of life at the signal; the trainer's handler then exited
-    # cleanly (sys.exit), which reads as finished
-    assert attempt["ended"] == "finished" and abs(attempt["end"] - sent) < 1.5, attempt
+    # ours ran first: a sign of life at the signal; the trainer's handler then exited with
+    # sys.exit(3): the attempt failed, preempted (the SIGTERM came first), code 3 noted
+    assert attempt["ended"] == "failed" and abs(attempt["end"] - sent) < 1.5, attempt
+    assert (attempt["cause"], attempt["exit_code"]) == ("preempted", 3), attempt
+    assert attempt["cause_detail"] == "SIGTERM, then exit code 3", attempt
 
 
 def test_sigterm_ends_a_trainer_stuck_in_native_code(cache: ServerProcess,

@@ -29,7 +29,7 @@ from megacache_client.config import ClientConfig, ConfigError
 from megacache_client.job import JobIdentity, allocation_start
 from megacache_client.steps import progress as p
 from megacache_client.steps.progress import Progress, ProgressQueue
-from megacache_client.wire.progress import MAX_RECORDS, ProgressRecord
+from megacache_client.wire.progress import MAX_RECORDS, PhaseSpan, ProgressRecord
 
 HERE = Path(__file__).resolve().parent
 NOW = time.time()
@@ -155,6 +155,30 @@ def test_a_refused_batch_is_dropped_and_a_server_without_the_route_stops_it(
         assert sender.flush(10) and "refused progress" in sender.stopped
         sender.put(beat(2))
         assert len(sender.queue) == 0  # nothing more is kept
+
+
+def test_a_server_from_before_the_causes_still_gets_the_start_and_the_end(
+        tmp_path: Path) -> None:
+    """A server that refuses what it does not know (a cause, the phases) is sent the same
+    batch without them: it loses the why and the where, not the first step or the end."""
+    spans = [PhaseSpan(phase="distributed", at=NOW, seconds=0.5, count=2)]
+    with recording(older=True) as peer:
+        sender = Progress(config(peer.url, tmp_path), "job-1", 0).start()
+        sender.put_all([p.start_record(NOW), p.training_record(NOW + 1, spans),
+                        p.end_record(NOW + 2, "failed", "oom", "torch.OutOfMemoryError")])
+        assert sender.flush(10) and sender.refused == 0, peer.invalid
+        kinds = {r["kind"]: r for r in peer.records()}
+        assert set(kinds) >= {"start", "training", "end"}
+        assert kinds["end"]["reason"] == "failed" and "cause" not in kinds["end"]
+        assert "phases" not in kinds["training"] and peer.invalid  # refused once, then sent
+        sender.stop("test")
+    with recording() as peer:  # today's server: all of it
+        sender = Progress(config(peer.url, tmp_path), "job-1", 0).start()
+        sender.put(p.end_record(NOW + 2, "failed", "oom", "torch.OutOfMemoryError"))
+        assert sender.flush(10)
+        (end,) = [r for r in peer.records() if r["kind"] == "end"]
+        assert (end["cause"], end["detail"]) == ("oom", "torch.OutOfMemoryError")
+        sender.stop("test")
 
 
 def dead_url() -> str:

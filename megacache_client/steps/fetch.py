@@ -89,7 +89,7 @@ def find_entry(remote: RemoteCache, fp: Fingerprint, result: LoadResult, fallbac
 def _find_entry(remote: RemoteCache, fp: Fingerprint, result: LoadResult, fallback: bool,
                 prefetched: PrefetchResult | None, job: JobIdentity | None
                 ) -> ServedEntry | None:
-    if job is not None and job.job_id is not None:
+    if job is not None and job.job_id is not None and job.shared:
         try:
             return _resolve_for_job(remote, fp, result, fallback, job)
         except ResolutionUnsupported as exc:

@@ -8,9 +8,10 @@ training time and in time to recover. So rank 0 also renews a small file in the 
 `LIFELINE_S`; a clean end removes it. When a later attempt of the job starts on the same
 node (torchrun restarts there; so does a supervisor), it finds the files of the attempts
 that never said they ended, and reports each one's last renewal as that attempt's last
-sign of life (a heartbeat of that attempt): the failure is then dated within a second. A
-restart on another node (a fresh container) finds nothing, and the heartbeat's precision
-stands.
+sign of life (a heartbeat of that attempt): the failure is then dated within a second,
+and named: `killed`, with what the node still shows of how (`postmortem.py`: a fatal
+signal's dump, the container's OOM kills). A restart on another node (a fresh container)
+finds nothing, and the heartbeat's precision stands (the server calls that failure `lost`).
 
 Everything here is best effort and off the training loop: a file that cannot be written or
 read costs a debug line.
@@ -23,10 +24,14 @@ import logging
 import math
 import os
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from megacache_client.steps import postmortem
+from megacache_client.wire.progress import Cause
 
 log = logging.getLogger("megacache")
 
@@ -43,6 +48,8 @@ class LastSign:
     attempt: int
     at: float
     step: int
+    cause: Cause = "killed"
+    detail: str = postmortem.SILENT
 
 
 class Lifeline:
@@ -53,20 +60,38 @@ class Lifeline:
         self.dir = Path(node_dir) / "lifelines" / safe
         self.attempt = attempt
         self.path = self.dir / f"attempt-{attempt}.json"
+        self.dump = postmortem.FatalDump(self.dir / f"attempt-{attempt}.fatal")
+        self._renewed = False
+        self._ended = False
+        self._lock = threading.Lock()
 
     def renew(self, at: float, step: int) -> None:
         """This attempt is alive at `at`, `step` steps done (atomically: a kill mid-write
-        leaves the previous renewal)."""
+        leaves the previous renewal), the container's OOM kills so far beside it. Never
+        after `end` (the heartbeat thread renewing while the attempt ends must not leave a
+        file a later attempt would call a killed one's)."""
+        with self._lock:
+            if not self._ended:
+                self._renew(at, step)
+
+    def _renew(self, at: float, step: int) -> None:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            if not self._renewed:  # a trainer: a fatal signal leaves its stacks here
+                self._renewed = True
+                self.dump.enable()
             tmp = self.dir / f".{uuid.uuid4().hex}.tmp"
-            tmp.write_text(json.dumps({"at": at, "step": step}))
+            tmp.write_text(json.dumps({"at": at, "step": step,
+                                       "oom_kills": postmortem.oom_kills()}))
             os.replace(tmp, self.path)
         except OSError as exc:
             log.debug("megacache: lifeline not renewed: %s", exc)
 
     def end(self) -> None:
         """The attempt said how it ended: nothing for a later one to report."""
+        with self._lock:
+            self._ended = True
+        self.dump.remove()
         try:
             self.path.unlink(missing_ok=True)
         except OSError as exc:
@@ -80,17 +105,30 @@ class Lifeline:
             paths = sorted(self.dir.glob("attempt-*.json"))
         except OSError:
             return found
+        oom_now = postmortem.oom_kills()
         for path in paths:
             sign = _read(path)
             if sign is None or sign.attempt >= self.attempt:
                 continue
+            dump = path.with_suffix(".fatal")
+            cause, detail = postmortem.verdict(dump if dump.exists() else None,
+                                               _oom_kills(path), oom_now)
             try:
                 path.unlink(missing_ok=True)
+                dump.unlink(missing_ok=True)
             except OSError:
                 continue
             if time.time() - sign.at <= MAX_AGE_S:
-                found.append(sign)
+                found.append(LastSign(sign.attempt, sign.at, sign.step, cause, detail))
         return sorted(found, key=lambda s: s.attempt)
+
+
+def _oom_kills(path: Path) -> int | None:
+    try:
+        value = json.loads(path.read_text()[:200]).get("oom_kills")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _read(path: Path) -> LastSign | None:

@@ -20,6 +20,7 @@ the right (401/403) stops the sending for the process. Nothing is sent before `a
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import random
@@ -31,7 +32,15 @@ from megacache_client.config import ClientConfig
 from megacache_client.errors import TransportError
 from megacache_client.transport.breaker import CircuitBreaker
 from megacache_client.transport.client import Deadline, RemoteCache
-from megacache_client.wire.progress import MAX_RECORDS, ProgressBatch, ProgressRecord, Reason
+from megacache_client.wire.progress import (
+    DETAIL_CAP,
+    MAX_RECORDS,
+    Cause,
+    PhaseSpan,
+    ProgressBatch,
+    ProgressRecord,
+    Reason,
+)
 
 log = logging.getLogger("megacache")
 
@@ -62,9 +71,10 @@ def start_record(started: float, allocation_start: float | None = None) -> Progr
     return ProgressRecord(kind="start", at=started, allocation_start=allocation_start)
 
 
-def training_record(at: float) -> ProgressRecord:
-    """The attempt's first optimizer step ended at `at`."""
-    return ProgressRecord(kind="training", at=at)
+def training_record(at: float, phases: list[PhaseSpan] | None = None) -> ProgressRecord:
+    """The attempt's first optimizer step ended at `at`; `phases`: the spans of the way to
+    it the process saw (`torch/phases.py`)."""
+    return ProgressRecord(kind="training", at=at, phases=phases or None)
 
 
 def heartbeat_record(at: float, step: int, data_wait_s: float | None = None
@@ -90,8 +100,36 @@ def checkpoint_load_record(at: float, blocking_s: float, step: int | None = None
                           step=None if step is None else max(step, 0))
 
 
-def end_record(at: float, reason: Reason) -> ProgressRecord:
-    return ProgressRecord(kind="end", at=at, reason=reason)
+def end_record(at: float, reason: Reason, cause: Cause | None = None,
+               detail: str | None = None, exit_code: int | None = None) -> ProgressRecord:
+    """The attempt ended at `at`; failed, why (`wire.progress.CAUSES`)."""
+    failed = reason == "failed"
+    return ProgressRecord(kind="end", at=at, reason=reason,
+                          cause=(cause or "unknown") if failed else None,
+                          detail=_detail(detail) if failed else None,
+                          exit_code=exit_code if failed else None)
+
+
+def failure_record(at: float, cause: Cause, detail: str | None = None) -> ProgressRecord:
+    """What a later attempt learnt of this one's failure (sent in this attempt's name)."""
+    return ProgressRecord(kind="failure", at=at, cause=cause, detail=_detail(detail))
+
+
+def _detail(text: str | None) -> str | None:
+    """Free text as the wire takes it: printable, at most DETAIL_CAP characters."""
+    if not text:
+        return None
+    clean = "".join(c if c.isprintable() else " " for c in text).strip()[:DETAIL_CAP]
+    return clean or None
+
+
+def _older(records: list[ProgressRecord]) -> list[ProgressRecord] | None:
+    """`records` as a server from before the failures' causes and the start's phases takes
+    them (None: they are already): it refuses fields and kinds it does not know, and would
+    lose the batch's start, first step or end with them."""
+    plain = [dataclasses.replace(r, cause=None, detail=None, exit_code=None, phases=None)
+             for r in records if r.kind != "failure"]
+    return plain if plain and plain != records else None
 
 
 # -- the queue ------------------------------------------------------------------------------
@@ -281,6 +319,10 @@ class Progress:
             log.info("megacache: %d progress records dropped: %s", len(records), exc)
             return True
         result = self._post(batch)
+        if result == "refused" and (plain := _older(batch.records)) is not None:
+            # a server from before the causes and phases: what it knows
+            result = self._post(ProgressBatch(attempt=self.attempt, records=plain,
+                                              model=batch.model))
         if result == "refused":
             self.refused += len(records)
         elif result == "sent":

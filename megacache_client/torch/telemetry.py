@@ -14,18 +14,21 @@ without a change to the trainer:
   allocation start (`MEGACACHE_JOB_START`, `SLURM_JOB_START_TIME`);
 - optimizer steps: one global step post hook (`register_optimizer_step_post_hook`) counts
   them, per optimizer (a step is the most any optimizer took: a GAN's two optimizers count
-  one step each); its cost per step is a dict increment. The first step sends `training`;
+  one step each); its cost per step is a dict increment. The first step sends `training`,
+  with the spans of the way to it (`phases.py`: imports, process groups, model build,
+  the first batch);
 - heartbeats: a daemon thread sends the step count every `heartbeat_s`;
 - checkpoints: `torch.distributed.checkpoint.save`, `async_save` and `load`, timed on the
   loop and (async) in the background (`checkpoints.py`); trainers that checkpoint another
   way, or bound `save` before the client was enabled, say so with
   `megacache_client.checkpoint()` / `checkpoint_saved()` / `checkpoint_loaded()`;
 - the end: `finished` at interpreter exit, `failed` on an uncaught exception
-  (`sys.excepthook`, chained) and on a SIGTERM that ends the process (`preempted`). A
-  process killed with SIGKILL sends nothing: the server dates its failure by the last thing
-  it is known to have done, its last batch (each ends with a heartbeat at its send time) or
-  its lifeline on the node (`steps/lifeline.py`), which the next attempt there reports.
-  `sys.exit(n)` with n != 0 reads as finished (atexit cannot see the code).
+  (`sys.excepthook`, chained), on `sys.exit(n)` with n != 0 and on SIGTERM, each with its
+  cause (`causes.py`: `exception`, `oom`, `collective_timeout`, `exit_code`, `preempted`).
+  A process killed with SIGKILL sends nothing: the server dates its failure by the last
+  thing it is known to have done, its last batch (each ends with a heartbeat at its send
+  time) or its lifeline on the node (`steps/lifeline.py`), which the next attempt there
+  reports, with the cause it can tell (`killed`).
 
 Everything here is fail-open: an error is a debug line, and the sending is
 `steps/progress.py`'s thread's business, never the training loop's.
@@ -46,16 +49,22 @@ from typing import Any
 
 from megacache_client.config import ClientConfig
 from megacache_client.job import JobIdentity, allocation_start
+from megacache_client.job import ended as job_ended
 from megacache_client.steps import progress as records
 from megacache_client.steps.lifeline import LIFELINE_S, Lifeline
 from megacache_client.steps.progress import Progress
-from megacache_client.wire.progress import ProgressRecord, Reason
+from megacache_client.torch import causes
+from megacache_client.torch.phases import Phases
+from megacache_client.wire.progress import Cause, ProgressRecord, Reason
 
 log = logging.getLogger("megacache")
 
 EXIT_FLUSH_S = 2.0
 """How long the exit waits for the last records to be sent (not at all when the server
 was failing already)."""
+TRAINS_ON_S = 60.0
+"""A SIGTERM the process outlives by this long while it trains (a handler that ignored
+it) is not how its attempt ends."""
 
 _lock = threading.Lock()
 _active: Telemetry | None = None
@@ -65,8 +74,12 @@ class Telemetry:
     """One process's progress: counters the hooks touch, records `Progress` sends."""
 
     def __init__(self, progress: Progress, heartbeat_s: float,
-                 lifeline: Lifeline | None = None) -> None:
+                 lifeline: Lifeline | None = None, phases: Phases | None = None,
+                 job: JobIdentity | None = None) -> None:
         self.progress = progress
+        self.job = job or JobIdentity()
+        self.phases = phases or Phases(time.time(), None)
+        """The spans of the way to the first step, sent with it."""
         self.heartbeat_s = heartbeat_s
         self.lifeline = lifeline
         """This attempt's life on the node (`steps/lifeline.py`), renewed while it trains."""
@@ -79,6 +92,10 @@ class Telemetry:
         self._restore: tuple[float, float, int | None] | None = None
         """A restore made of several calls, being added up: (start, seconds, step)."""
         self.ended: Reason | None = None
+        self.exits = causes.ExitWatch()
+        """`sys.exit(n)`'s code, for the end's cause (atexit cannot see it)."""
+        self.sigterm_at: float | None = None
+        """When SIGTERM reached the process: however it then ends, it was preempted."""
         self._stopping = threading.Event()
         self._handle: Any = None
         self._previous_hook: Any = None
@@ -97,12 +114,25 @@ class Telemetry:
         (and a restore still being added up: the trainer trains again)."""
         key = id(optimizer)
         self.counts[key] = self.counts.get(key, 0) + 1
+        if self.exits.noted is not None or self.sigterm_at is not None:
+            self._trains_on()
         if self.first_step is None:
             self.first_step = time.time()
             self.loop_thread = threading.get_ident()
             self.restored(None)
-            self.emit(records.training_record, self.first_step)
+            self.emit(records.training_record, self.first_step, self.phases.first_step())
             self.progress.arm()
+
+    def _trains_on(self) -> None:
+        """A step after a `SystemExit` the trainer caught, or long after a SIGTERM it
+        ignored: neither is how the attempt ends."""
+        self.exits.forget()
+        if self.sigterm_at is not None and time.time() - self.sigterm_at > TRAINS_ON_S:
+            self.sigterm_at = None
+
+    def first_batch(self, began: float) -> None:
+        """The first DataLoader iterator, made at `began`, gave its first batch."""
+        self.phases.on_first_batch(began)
 
     def emit(self, build: Callable[..., ProgressRecord], *args: Any) -> None:
         try:
@@ -147,9 +177,10 @@ class Telemetry:
             if self.lifeline is not None and self.progress.armed:
                 if not looked:  # a trainer: it reports what earlier attempts left
                     looked = True
-                    self.progress.earlier += [
-                        (s.attempt, records.heartbeat_record(s.at, s.step))
-                        for s in self.lifeline.orphans()]
+                    for s in self.lifeline.orphans():
+                        self.progress.earlier += [
+                            (s.attempt, records.heartbeat_record(s.at, s.step)),
+                            (s.attempt, records.failure_record(s.at, s.cause, s.detail))]
                 self.lifeline.renew(time.time(), self.step)
             if time.monotonic() >= due:
                 due += self.heartbeat_s
@@ -160,15 +191,18 @@ class Telemetry:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._handle = register_optimizer_step_post_hook(self.on_step)
-        from megacache_client.torch import checkpoints, dataloading, frameworks
+        from megacache_client.torch import checkpoints, dataloading, frameworks, phases
 
+        phases.watch(lambda: _active.phases if _active is not None else None)
+        self.phases.install()
         checkpoints.watch_checkpoints(active)
         frameworks.watch()
         dataloading.watch(active)
         threading.Thread(target=self._beat, name="megacache-heartbeat", daemon=True).start()
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
-        atexit.register(self.end, "finished")
+        self.exits.install()
+        atexit.register(self.at_exit)
         self.progress.start()
 
     def _excepthook(self, kind: type[BaseException], value: BaseException,
@@ -176,19 +210,36 @@ class Telemetry:
         try:
             (self._previous_hook or sys.__excepthook__)(kind, value, tb)
         finally:
-            self.end("failed")
+            cause, detail = causes.of_exception(value)
+            if self.sigterm_at is not None:  # the SIGTERM came first: it ended the attempt
+                cause, detail = "preempted", f"SIGTERM, then {detail}"
+            self.end("failed", cause=cause, detail=detail)
 
-    def end(self, reason: Reason, wait: float = EXIT_FLUSH_S) -> None:
-        """The attempt ended: send `end` and wait (bounded) for the records to leave, even
-        when the last sends failed (a server back from a short outage gets the end)."""
+    def at_exit(self) -> None:
+        """Interpreter exit: finished, unless `sys.exit(n)` said otherwise or a SIGTERM
+        came first."""
+        cause, detail, code = self.exits.ending()
+        if self.sigterm_at is not None:
+            cause, detail = "preempted", "SIGTERM" + (f", then {detail}" if detail else "")
+        if cause is None:
+            self.end("finished")
+        else:
+            self.end("failed", cause=cause, detail=detail, exit_code=code or None)
+
+    def end(self, reason: Reason, wait: float = EXIT_FLUSH_S, *, cause: Cause | None = None,
+            detail: str | None = None, exit_code: int | None = None) -> None:
+        """The attempt ended (why, when it failed): send `end` and wait (bounded) for the
+        records to leave, even when the last sends failed (a server back from a short
+        outage gets the end)."""
         if self.ended is not None or _active is not self:
             return
         self.ended = reason
+        job_ended(self.job, reason)  # the node's record: the next run is a new job or not
         if not self.progress.armed:  # never trained: no trainer (a launcher, a helper)
             self.stop("the process never trained")
             return
         self.emit(self.alive, time.time())  # the last data wait, then the end
-        self.emit(records.end_record, time.time(), reason)
+        self.emit(records.end_record, time.time(), reason, cause, detail, exit_code)
         self._stopping.set()
         if self.lifeline is not None:
             self.lifeline.end()
@@ -203,8 +254,9 @@ class Telemetry:
         """SIGTERM: a sign of life now (the attempt's `end`, failed, when the signal is about
         to end the process), sent within a second or by `deadline`."""
         wait = max(0.0, min(deadline - time.monotonic(), EXIT_FLUSH_S / 2))
+        self.sigterm_at = time.time()
         if ending:
-            self.end("failed", wait)
+            self.end("failed", wait, cause="preempted", detail="SIGTERM")
         elif self.ended is None and self.progress.armed:
             self.emit(self.alive, time.time())
             self.progress.flush(wait)
@@ -218,16 +270,19 @@ class Telemetry:
             self._handle.remove()
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_hook
-        atexit.unregister(self.end)
+        self.exits.uninstall()
+        atexit.unregister(self.at_exit)
         with _lock:
             if _active is self:
                 _active = None
 
 
 def start(config: ClientConfig, job: JobIdentity, started: float,
-          model: Callable[[], str | None] = lambda: None) -> Telemetry | None:
+          model: Callable[[], str | None] = lambda: None,
+          imported: float | None = None) -> Telemetry | None:
     """Start the process's telemetry (once; later calls return the running one). None when
-    it is off: `telemetry=False`, the client disabled, no job id, or not rank 0."""
+    it is off: `telemetry=False`, the client disabled, no job id, or not rank 0.
+    `imported`: when `import torch` ended (the imports' span ends there)."""
     global _active
     with _lock:
         if _active is not None:
@@ -236,7 +291,8 @@ def start(config: ClientConfig, job: JobIdentity, started: float,
             return None
         progress = Progress(config, job.job_id, job.attempt, model, armed=False)
         lifeline = Lifeline(config.node_cache_dir, job.job_id, job.attempt)
-        telemetry = Telemetry(progress, config.heartbeat_s, lifeline)
+        telemetry = Telemetry(progress, config.heartbeat_s, lifeline,
+                              Phases(started, imported), job)
         progress.alive = telemetry.alive
         alloc = allocation_start() if job.attempt == 0 else None
         telemetry.emit(records.start_record, started, alloc)

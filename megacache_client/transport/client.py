@@ -252,11 +252,8 @@ class RemoteCache:
             params["hw"] = component_digest(hw)
         if self.config.trusted_writers:
             params["writers"] = self.config.trusted_writers
-        a = self._exchange(routes.LIST_ENTRIES, "list entries", cap=reader.LISTING_JSON,
-                           params=params)
-        self._expect(a, (200,), "list entries")
         entries: list[Manifest] = []
-        for e in a.json()["entries"]:
+        for e in self._listing(routes.LIST_ENTRIES, "list entries", params=params)["entries"]:
             try:
                 entries.append(parse(Manifest, e))
             except SchemaError as exc:  # stored before the text rule, or a hostile server
@@ -419,23 +416,26 @@ class RemoteCache:
                            headers={"content-type": "application/json"}, job=job)
         self._expect(a, (200, 201, 202, 204), "post progress")
 
+    def _listing(self, route: Route, what: str, **kw: Any) -> Any:
+        """A GET answered with a JSON listing (capped), decoded."""
+        a = self._exchange(route, what, cap=reader.LISTING_JSON, **kw)
+        self._expect(a, (200,), what)
+        return a.json()
+
     def stats(self) -> dict[str, Any]:
-        a = self._exchange(routes.STATS, "stats", cap=reader.LISTING_JSON)
-        self._expect(a, (200,), "stats")
-        return dict(a.json())
+        return dict(self._listing(routes.STATS, "stats"))
 
     def jobs(self, *, limit: int = 50) -> list[dict[str, Any]]:
         """The namespace's jobs that reported last, each with its ETT split (`ett`)."""
-        a = self._exchange(routes.JOBS, "jobs", cap=reader.LISTING_JSON,
-                           params={"limit": limit})
-        self._expect(a, (200,), "jobs")
-        return list(a.json()["jobs"])
+        return list(self._listing(routes.JOBS, "jobs", params={"limit": limit})["jobs"])
 
     def job_ett(self, job: str) -> dict[str, Any]:
         """One job's Effective Training Time, per attempt (docs/ett.md)."""
-        a = self._exchange(routes.JOB_ETT, "job ETT", cap=reader.LISTING_JSON, job=job)
-        self._expect(a, (200,), "job ETT")
-        return dict(a.json())
+        return dict(self._listing(routes.JOB_ETT, "job ETT", job=job))
+
+    def ett_trend(self, **params: Any) -> dict[str, Any]:
+        """The namespace's ETT per day or hour (`days`, `period`, `model`: docs/ett.md)."""
+        return dict(self._listing(routes.ETT_TREND, "ETT trend", params=params))
 
 
 def producer_headers() -> dict[str, str]:

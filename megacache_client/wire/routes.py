@@ -46,6 +46,7 @@ STATS = Route("GET", "/v1/stats")
 JOBS = Route("GET", "/v1/jobs")
 JOB_PROGRESS = Route("POST", "/v1/jobs/{job}/progress")
 JOB_ETT = Route("GET", "/v1/jobs/{job}/ett")
+ETT_TREND = Route("GET", "/v1/ett/trend")
 QUARANTINE = Route("GET", "/v1/quarantine")
 WHOAMI = Route("GET", "/v1/whoami")
 # operators: dashboard, metrics, health, docs

@@ -35,6 +35,7 @@ from megacache_server.api.routes.health import router as health_router
 from megacache_server.api.routes.jobs import router as jobs_router
 from megacache_server.api.routes.observability import router as observe_router
 from megacache_server.api.routes.progress import router as progress_router
+from megacache_server.api.routes.progress import trend_router
 from megacache_server.api.routes.trust import router as trust_router
 from megacache_server.errors import ApiError, BadRequest, error_body
 from megacache_server.service.cache import Cache
@@ -43,6 +44,7 @@ from megacache_server.service.collector import (
     LocalCollector,
     SubprocessCollector,
 )
+from megacache_server.service.ett_roller import Roller
 from megacache_server.service.metered import MeteredCollector, MeteredTenantCache
 from megacache_server.service.signing import check_signing_key
 from megacache_server.service.trust import Scrubber
@@ -90,6 +92,10 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         beats = cache.parts.progress.beats
         if beats.flush_s > 0:
             tasks.append(asyncio.create_task(beats.run_forever()))
+        if settings.ett_roll_s > 0:  # one process rolls at a time: the rest wait on its lock
+            tasks.append(asyncio.create_task(Roller(
+                storage.index, settings.ett_roll_s, settings.event_retention_days
+            ).run_forever()))
         if settings.scrub_bytes_per_s > 0:  # one process scrubs: the rest wait on its lock
             tasks.append(asyncio.create_task(Scrubber(settings, storage).run_forever()))
         try:
@@ -120,6 +126,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.include_router(jobs_router)
     app.include_router(events_router)
     app.include_router(progress_router)
+    app.include_router(trend_router)
     app.include_router(trust_router)
     app.include_router(observe_router)
     app.include_router(health_router)

@@ -24,7 +24,11 @@ covers it:
 So the categories sum to the wall time, none is negative, and ETT% = training / wall can
 never pass 100: a trainer that lies about its times can only move its own job's seconds
 between categories, within the span its records cover. An attempt failed when a later one
-exists or it ended with reason `failed`; a live attempt has not failed.
+exists or it ended with reason `failed`; a live attempt has not failed. A failed attempt's
+cause (`cause_of`) is what its end said, else what a later attempt learnt of it, else
+`lost` (no end, nothing later from its node); its unsaved training is its lost_progress,
+its recovery the next attempt's time to recover. Each start and recovery is split into
+its components (`ett_components`).
 
 The last attempt is painted from where the attempts before it ended: a restart that
 reports times inside its predecessors' span (a skewed clock, a late record) cannot repaint
@@ -41,6 +45,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from megacache_client.wire.progress import CAUSES
+from megacache_server.service import ett_components
 from megacache_server.store.index.progress import AttemptProgress, JobProgress
 
 CATEGORIES = ("training", "data_wait", "startup", "compile", "checkpoint_save",
@@ -73,6 +79,12 @@ class AttemptSplit:
     save_buckets: tuple[int, ...] = ()
     """Saves by blocking seconds, as reported (`progress.SAVE_BUCKETS`, then +Inf)."""
     saves_blocking_s: float = 0.0
+    cause: str | None = None
+    """Why it failed (`wire.progress.CAUSES`; None: it did not)."""
+    cause_detail: str | None = None
+    exit_code: int | None = None
+    components: dict[str, Any] | None = None
+    """Its time to start or to recover, by component (`ett_components`)."""
 
     @property
     def wall_s(self) -> float:
@@ -88,7 +100,9 @@ class AttemptSplit:
                 "lost_s": _r(self.seconds["lost_progress"]) if self.failed else None,
                 "checkpoint_saves": self.saves, "checkpoint_loads": self.loads,
                 "checkpoint_blocking_s": _r(self.seconds["checkpoint_save"]),
-                "checkpoint_restore_s": _r(self.seconds["checkpoint_restore"])}
+                "checkpoint_restore_s": _r(self.seconds["checkpoint_restore"]),
+                "cause": self.cause, "cause_detail": self.cause_detail,
+                "exit_code": self.exit_code, "components": self.components}
 
 
 @dataclass(frozen=True)
@@ -105,6 +119,8 @@ class JobTotals:
     save_intervals: int
     recoveries: list[float]
     lost_per_failure: list[float]
+    by_cause: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+    """Per cause of its failures: (failures, unsaved training s, recovery s)."""
 
 
 @dataclass
@@ -127,7 +143,8 @@ class JobSplit:
             save_interval_s=sum(s for s, _ in spans), save_intervals=sum(n for _, n in spans),
             recoveries=[a.time_to_recover_s for a in self.attempts[1:]
                         if a.time_to_recover_s is not None],
-            lost_per_failure=[a.seconds["lost_progress"] for a in self.attempts if a.failed])
+            lost_per_failure=[a.seconds["lost_progress"] for a in self.attempts if a.failed],
+            by_cause=by_cause(self.attempts))
 
     @property
     def seconds(self) -> dict[str, float]:
@@ -175,10 +192,58 @@ class JobSplit:
                **report_figures(seconds, self.time_to_start_s, self.recoveries()),
                "seconds": {k: _r(v) for k, v in seconds.items()},
                "failures": self.totals.failures,
+               "failures_by_cause": cause_rows(self.totals.by_cause),
                "lost_s_per_failure": [_r(x) for x in self.lost_per_failure()]}
         if attempts:
             row["attempts"] = [a.row() for a in self.attempts]
         return row
+
+
+def by_cause(attempts: list[AttemptSplit]) -> dict[str, tuple[int, float, float]]:
+    """Per cause: the failures, the training they threw away (each failed attempt's
+    lost_progress) and the recovery they cost (the next attempt's time to recover)."""
+    out: dict[str, tuple[int, float, float]] = {}
+    for i, a in enumerate(attempts):
+        if not a.failed:
+            continue
+        later = attempts[i + 1].time_to_recover_s if i + 1 < len(attempts) else None
+        n, lost, recovery = out.get(a.cause or "unknown", (0, 0.0, 0.0))
+        out[a.cause or "unknown"] = (n + 1, lost + a.seconds["lost_progress"],
+                                     recovery + (later or 0.0))
+    return out
+
+
+def add_causes(parts: Any) -> dict[str, tuple[int, float, float]]:
+    """`by_cause` summed over jobs (or windows)."""
+    out: dict[str, tuple[int, float, float]] = {}
+    for part in parts:
+        for cause, (n, lost, recovery) in part.items():
+            m, l0, r0 = out.get(cause, (0, 0.0, 0.0))
+            out[cause] = (m + n, l0 + lost, r0 + recovery)
+    return out
+
+
+def cause_rows(causes: dict[str, tuple[int, float, float]]) -> list[dict[str, Any]]:
+    """`by_cause` as rows, in the order of `CAUSES`."""
+    return [{"cause": c, "failures": causes[c][0], "unsaved_training_s": _r(causes[c][1]),
+             "recovery_s": _r(causes[c][2])} for c in CAUSES if c in causes]
+
+
+def cause_of(a: AttemptProgress, failed: bool) -> tuple[str | None, str | None]:
+    """Why a failed attempt failed, and what names it: what its end said, else what a
+    later attempt learnt of it (killed: its lifeline), else `lost`: no end record and
+    nothing later from its node. Never a guess: `unknown` where nothing says."""
+    if not failed:
+        return None, None
+    if a.end_reason == "failed" and a.end_cause:
+        return a.end_cause, a.end_detail
+    if a.failure is not None:
+        return a.failure[0], a.failure[1]
+    if a.end_reason == "failed":
+        return "unknown", a.end_detail
+    if a.end_reason is not None:
+        return "unknown", f"it ended {a.end_reason}, and the job ran again"
+    return "lost", "no end record and nothing later from its node"
 
 
 def report_figures(seconds: dict[str, float], time_to_start_s: float | None,
@@ -286,7 +351,8 @@ def _run(attempts: list[AttemptProgress], compile_s: dict[int, float], now: floa
     for i, a in enumerate(attempts):
         zone = (max(edges[i], wall[0]), max(edges[i + 1], edges[i]))
         splits.append(_attempt(a, first + i, zone, spans[i], prev_end[i], failed[i],
-                               _clip_sorted(segments, starts, *zone), now))
+                               _clip_sorted(segments, starts, *zone), now,
+                               compile_s.get(a.attempt, 0.0)))
     return _Run(splits, segments, spans)
 
 
@@ -329,21 +395,22 @@ def _clamp(t: float | None, lo: float, hi: float) -> float | None:
     return None if t is None else min(max(t, lo), hi)
 
 
-def _paint(intervals: list[Segment], lo: float, hi: float) -> list[Segment]:
-    """Each second of [lo, hi] under the highest-priority interval covering it (else idle),
-    as merged segments: a sweep over the intervals' edges."""
+def _paint(intervals: list[Segment], lo: float, hi: float,
+           priority: tuple[str, ...] = _PRIORITY, rest: str = "idle") -> list[Segment]:
+    """Each second of [lo, hi] under the highest-priority interval covering it (else
+    `rest`), as merged segments: a sweep over the intervals' edges."""
     edges: list[tuple[float, int, str]] = []
     for s, e, c in intervals:
         s, e = max(s, lo), min(e, hi)
         if e > s:
             edges += [(s, 1, c), (e, -1, c)]
     edges.sort(key=lambda x: x[0])
-    active = dict.fromkeys(_PRIORITY, 0)
+    active = dict.fromkeys(priority, 0)
     out: list[Segment] = []
     at = lo
-    for t, delta, c in [*edges, (hi, 0, "idle")]:
+    for t, delta, c in [*edges, (hi, 0, rest)]:
         if t > at:
-            now = next((p for p in _PRIORITY if active[p] > 0), "idle")
+            now = next((p for p in priority if active[p] > 0), rest)
             if out and out[-1][2] == now and out[-1][1] == at:
                 out[-1] = (out[-1][0], t, now)
             else:
@@ -388,7 +455,8 @@ def _cummax(values: list[float]) -> list[float]:
 
 def _attempt(a: AttemptProgress, i: int, zone: tuple[float, float],
              span: tuple[float, float], prev_end: float | None, failed: bool,
-             seconds: dict[str, float], now: float | None) -> AttemptSplit:
+             seconds: dict[str, float], now: float | None,
+             compile_s: float = 0.0) -> AttemptSplit:
     lo, hi = span
     train = _clamp(a.training_at, lo, hi)
     live = (not failed and a.end_at is None and now is not None
@@ -396,6 +464,12 @@ def _attempt(a: AttemptProgress, i: int, zone: tuple[float, float],
     saves = sorted(a.saves, key=lambda s: s.at)
     interval = ((saves[-1].at - a.first_save_at, a.saves_n - 1)
                 if a.saves_n > 1 and saves and a.first_save_at is not None else None)
+    cause, detail = cause_of(a, failed)
+    begin = prev_end if prev_end is not None else lo if i == 0 else None
+    parts = (ett_components.components(a, begin, max(begin, train),
+                                       recovering=prev_end is not None,
+                                       compile_s=compile_s)
+             if begin is not None and train is not None else None)
     return AttemptSplit(
         attempt=a.attempt, start=zone[0], end=zone[1], seconds=seconds,
         failed=failed, live=live, ended=a.end_reason,
@@ -403,7 +477,9 @@ def _attempt(a: AttemptProgress, i: int, zone: tuple[float, float],
         time_to_recover_s=(max(0.0, train - prev_end)
                            if prev_end is not None and train is not None else None),
         saves=a.saves_n, loads=a.loads_n, save_interval=interval,
-        save_buckets=a.save_buckets, saves_blocking_s=a.saves_blocking_s)
+        save_buckets=a.save_buckets, saves_blocking_s=a.saves_blocking_s,
+        cause=cause, cause_detail=detail, exit_code=a.exit_code if failed else None,
+        components=parts)
 
 
 def _clip_sorted(segments: list[Segment], starts: list[float], lo: float,

@@ -18,10 +18,13 @@ from typing import Any
 from megacache_server.service.ett import (
     CATEGORIES,
     JobSplit,
+    add_causes,
+    cause_rows,
     ett_pct,
     report_figures,
     total,
 )
+from megacache_server.service.ett_components import COMPONENTS
 
 
 def window(splits: Iterable[JobSplit], since: float, until: float) -> dict[str, Any]:
@@ -34,19 +37,51 @@ def window(splits: Iterable[JobSplit], since: float, until: float) -> dict[str, 
     for j, seconds in per_job:
         by_model.setdefault(j.model or "", []).append((j, seconds))
         by_namespace.setdefault(j.namespace, []).append(seconds)
+    by_ns_jobs: dict[str, list[JobSplit]] = {}
+    for j in jobs:
+        by_ns_jobs.setdefault(j.namespace, []).append(j)
     models = []
     for model, rows in sorted(by_model.items()):
         found = [j for j, _ in rows]
         models.append({"model": model or None, "jobs": len(rows),
                        **_figures(total(s for _, s in rows)), **starts(found),
                        "failures": sum(j.totals.failures for j, _ in rows),
+                       "failures_by_cause": causes(found),
+                       "components": component_quantiles(found),
                        "advice": advice(found), "advice_why": no_advice_why(found)})
     return {"since": since, "until": until, "jobs": len(jobs),
             "live": sum(j.live for j in jobs),
             **_figures(total(s for _, s in per_job)), **starts(jobs),
-            "namespaces": [{"namespace": ns, "jobs": len(rows), **_figures(total(rows))}
+            "failures_by_cause": causes(jobs),
+            "namespaces": [{"namespace": ns, "jobs": len(rows), **_figures(total(rows)),
+                            "failures_by_cause": causes(by_ns_jobs[ns])}
                            for ns, rows in sorted(by_namespace.items())],
             "models": models}
+
+
+def causes(jobs: list[JobSplit]) -> list[dict[str, Any]]:
+    """The jobs' failures by cause: how many, the training they threw away, the recovery
+    they cost (`ett.by_cause`)."""
+    return cause_rows(add_causes(j.totals.by_cause for j in jobs))
+
+
+def component_quantiles(jobs: list[JobSplit]) -> dict[str, dict[str, Any]]:
+    """Median and p90 of each component (`ett_components`) of the jobs' starts and of
+    their recoveries, over those that have it (nearest rank, as `starts`), and of the
+    process groups made; components nobody spent a millisecond in are left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in ("start", "recover"):
+        parts = [a.components for j in jobs for a in j.attempts
+                 if a.components is not None
+                 and (a.time_to_start_s if kind == "start" else a.time_to_recover_s)
+                 is not None]
+        if not parts:
+            continue
+        row = {c: _quantiles([p["seconds"][c] for p in parts]) for c in COMPONENTS
+               if any(p["seconds"][c] >= 0.001 for p in parts)}
+        row["process_groups"] = _quantiles([p["process_groups"] for p in parts])
+        out[kind] = row
+    return out
 
 
 def tiles(splits: list[JobSplit], since: float, until: float, shown: int
@@ -60,9 +95,18 @@ def tiles(splits: list[JobSplit], since: float, until: float, shown: int
                      "live": j.live, "last_seen": j.last_seen, **_figures(seconds),
                      **report_figures(seconds, j.time_to_start_s, j.recoveries()),
                      "failures": j.totals.failures,
+                     "failures_by_cause": cause_rows(j.totals.by_cause),
                      "lost_s_per_failure": [round(x, 3) for x in j.lost_per_failure()],
-                     "attempts": len(j.attempts)})
+                     "attempts": len(j.attempts), "starts": bars(j)})
     return {**window(splits, since, until), "shown": jobs}
+
+
+def bars(job: JobSplit) -> list[dict[str, Any]]:
+    """The job's start and each recovery, by component: a stacked bar each."""
+    return [{"attempt": a.attempt, "kind": "start" if a.time_to_start_s is not None
+             else "recover", "cause": job.attempts[i - 1].cause if i else None,
+             **a.components} for i, a in enumerate(job.attempts)
+            if a.components is not None]
 
 
 def _figures(seconds: dict[str, float]) -> dict[str, Any]:

@@ -178,6 +178,10 @@ class MeteredTenantCache:
     async def quarantines(self, *, limit: int = 100) -> list[dict[str, Any]]:
         return await self.inner.quarantines(limit=limit)
 
+    async def ett_trend(self, *, days: float, period: str,
+                        model: str | None = None) -> dict[str, Any]:
+        return await self.inner.ett_trend(days=days, period=period, model=model)
+
     async def stats(self, *, since: float | None) -> dict[str, Any]:
         return await self.inner.stats(since=since)
 

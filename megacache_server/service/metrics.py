@@ -82,7 +82,7 @@ async def cache_metrics(cache: TenantCache) -> bytes:
     # on the event loop every lookup would wait for.
     return await to_thread.run_sync(
         lambda: _render([*families, *_model_families(models)]) + _job_histograms(models)
-        + ett_families(figures.jobs))
+        + ett_families(figures.jobs, {(m.namespace, m.model) for m in models}))
 
 
 def _trust_families(figures: Figures) -> list[Any]:

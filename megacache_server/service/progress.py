@@ -21,15 +21,18 @@ from megacache_client.wire.events import JOB_ID_PATTERN
 from megacache_client.wire.progress import MAX_AGE_S, MAX_SKEW_S, ProgressBatch
 from megacache_client.wire.schema import SchemaError, parse_json
 from megacache_server.errors import NotFound, Unprocessable
-from megacache_server.service import ett, ett_report
+from megacache_server.service import ett, ett_report, ett_trend
 from megacache_server.service.auth import Principal
 from megacache_server.service.beats import Beats
 from megacache_server.service.quotas import Quotas
 from megacache_server.service.split_cache import SplitCache
 from megacache_server.store.index.base import Index, JobView
+from megacache_server.store.index.ett_rollups import HOURLY_KEEP_DAYS, PERIODS
 
 MAX_ETT_JOBS = 1000
 """Jobs an ETT report over a window reads (those that reported last)."""
+TOP_LOST = 10
+"""Jobs the trend lists by lost time (lost progress and recovery)."""
 
 
 class Progress:
@@ -72,7 +75,7 @@ class Progress:
             raise NotFound(f"no progress reported for job {job!r}", code="job_not_found")
         view = await self.index.job_view(principal.home, job)
         now = time.time()
-        done = ett.split(found, compile_s=_compile_s(view), now=now)
+        done = ett.split(found, compile_s=compile_seconds(view), now=now)
         row = {**done.row(), "advice": ett_report.advice([done]),
                "advice_why": ett_report.no_advice_why([done]),
                "timeline": [[round(a, 3), round(b, 3), c] for a, b, c in done.segments]}
@@ -106,7 +109,31 @@ class Progress:
                 views = await self.index.recent_jobs(namespace=scope, limit=min(limit, 500))
             by_job = {(v.namespace, v.job_id): v for v in views}
             return await self.cache.splits(
-                stamps, lambda ns, job: _compile_s(by_job.get((ns, job))))
+                stamps, lambda ns, job: compile_seconds(by_job.get((ns, job))))
+
+    async def trend(self, principal: Principal, *, days: float, period: str,
+                    model: str | None = None, top: int = TOP_LOST) -> dict[str, Any]:
+        """The caller's ETT per hour or day (`period`) over the last `days`, from the
+        rollups (`ett_trend`): one read of the rows, whatever the jobs' number, and the
+        `top` jobs that lost the most."""
+        if period not in PERIODS:
+            raise Unprocessable(f"period is one of {', '.join(PERIODS)}", code="invalid_period")
+        code = PERIODS[period]
+        if code == "h" and days > HOURLY_KEEP_DAYS:
+            raise Unprocessable(f"hourly rows are kept {HOURLY_KEEP_DAYS} days: ask for "
+                                f"days <= {HOURLY_KEEP_DAYS}, or period=day",
+                                code="invalid_period")
+        now = time.time()
+        since = int(now - days * 86400)
+        async with self.cache.lane(principal.namespace):
+            rows = await self.index.ett_rows(namespace=principal.namespace, period=code,
+                                             since=since, until=int(now), model=model)
+            top_lost = await self.index.ett_top_lost(namespace=principal.namespace,
+                                                     since=since, limit=top)
+        if model is not None:
+            top_lost = [t for t in top_lost if t[2] == model]
+        return await to_thread.run_sync(ett_trend.trend, rows, code, since, int(now),
+                                        top_lost)
 
     async def report(self, principal: Principal, *, since: float | None) -> dict[str, Any]:
         """ETT of the caller's jobs within [since, now] (since None: as far as kept)."""
@@ -119,7 +146,9 @@ class Progress:
         return found
 
 
-def _compile_s(view: JobView | None) -> dict[int, float]:
+def compile_seconds(view: JobView | None) -> dict[int, float]:
+    """Each attempt's compile seconds, as the cache's events tell them (its slowest
+    rank's)."""
     return {a.attempt: a.compile_s for a in view.attempts} if view is not None else {}
 
 

@@ -49,3 +49,22 @@ async def get_ett(
     """The job's wall time split per attempt into training, startup, compile, checkpoint
     save and restore, lost progress, recovery and idle; ETT%; failures; checkpoint advice."""
     return await cache.job_ett(job, since_s=since)
+
+
+trend_router = APIRouter(prefix="/v1/ett", tags=["jobs"], responses=error_responses(
+    401, 403, 422, 431, 503))
+
+
+@trend_router.get("/trend")
+async def get_ett_trend(
+    cache: Reader,
+    days: Annotated[float, Query(gt=0, le=400, description="how far back")] = 30,
+    period: Annotated[str, Query(description="day or hour (hourly: at most 8 days)")] = "day",
+    model: Annotated[str | None, Query(min_length=1, max_length=256,
+                                       description="one model only")] = None,
+) -> JSONResponse:
+    """The namespace's Effective Training Time per day or hour: ETT%, seconds by category,
+    failures by cause, time to start and to recover (p50/p90), per namespace and model,
+    and the jobs that lost the most (docs/ett.md). Sent as it is made (plain JSON, ~150 kB
+    for a month of 50 models: FastAPI's encoder would take longer than making it)."""
+    return JSONResponse(await cache.ett_trend(days=days, period=period, model=model))

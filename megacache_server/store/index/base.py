@@ -24,6 +24,7 @@ from megacache_server.store.index.protocols.entries import (
     entry_etag,
     sequenced,
 )
+from megacache_server.store.index.protocols.ett_rollups import EttRollupStore
 from megacache_server.store.index.protocols.events import (
     MAX_VIEW_ATTEMPTS,
     AttemptRecord,
@@ -57,7 +58,8 @@ from megacache_server.store.index.protocols.trust import (
 __all__ = [
     "MAX_CLAIM_LEASE_S", "MAX_QUARANTINE_RECORDS", "MAX_RESOLUTION_TTL_S", "MAX_VIEW_ATTEMPTS",
     "AttemptRecord", "BlobLedger", "BlobRecord", "Claim", "ClaimStore", "EntryInfo",
-    "EntryStore", "EventLog", "Index", "JobStore", "JobView", "LockStore", "MissReason",
+    "EntryStore", "EttRollupStore", "EventLog", "Index", "JobStore", "JobView", "LockStore",
+    "MissReason",
     "ModelStats", "NewEntry", "PendingHold", "Precondition", "ProgressStore", "QuarantineRecord",
     "QuotaStore", "RateStore", "Resolution", "StoredEntry", "TimelineSlot", "TokenRecord",
     "TokenStore", "TrustStore", "canonical", "check_precondition", "clamp_ttl", "entry_etag",
@@ -66,7 +68,7 @@ __all__ = [
 
 
 class Index(EntryStore, BlobLedger, QuotaStore, TokenStore, EventLog, RateStore, LockStore,
-            JobStore, ClaimStore, TrustStore, ProgressStore):
+            JobStore, ClaimStore, TrustStore, ProgressStore, EttRollupStore):
     """Every protocol of `protocols/`, with the calls that span them and the index's lifecycle."""
 
     name: str = "abstract"

@@ -3,9 +3,10 @@ attempt, and the one rule that folds a batch of records into it, shared by every
 
 A trainer heartbeats every few seconds for weeks; the index keeps none of those records,
 only what the split (`service.ett`) needs: the attempt's first process start, allocation
-start, first training step, first and last heartbeat, the latest `MAX_SAVES` checkpoint
-saves (older ones as a count, a sum and histogram buckets), the latest `MAX_LOADS` loads
-(the same), and its end. However many records a flood sends, an attempt's summary stays
+start, first training step (with the spans of the way to it the process saw), first and
+last heartbeat, the latest `MAX_SAVES` checkpoint saves (older ones as a count, a sum and
+histogram buckets), the latest `MAX_LOADS` loads (the same), its end and why, and what a
+later attempt learnt of its failure. However many records a flood sends, an attempt's summary stays
 a few KiB; a job keeps its newest `MAX_ATTEMPTS` attempts, a namespace its latest
 `MAX_JOBS` jobs.
 """
@@ -16,7 +17,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from megacache_client.wire.progress import MAX_SKEW_S, MODEL_CAP, ProgressRecord
+from megacache_client.wire.progress import MAX_PHASES, MAX_SKEW_S, MODEL_CAP, ProgressRecord
 from megacache_client.wire.text import escape_foreign, is_text
 
 MAX_SAVES = 32
@@ -50,6 +51,15 @@ class Load:
     step: int | None = None
 
 
+class Span(NamedTuple):
+    """A part of the way to the first step, as the process saw it (`wire.PhaseSpan`)."""
+
+    phase: str
+    at: float
+    seconds: float
+    calls: int
+
+
 @dataclass(frozen=True)
 class AttemptProgress:
     """One attempt's time line, summarised. Times are the trainer's clock, as sent (the
@@ -81,6 +91,13 @@ class AttemptProgress:
     data_wait: tuple[float, float] | None = None
     """(at, seconds) of the latest heartbeat that said how long the loop had waited for
     data since the first step (cumulative, so the latest says all)."""
+    end_cause: str | None = None
+    end_detail: str | None = None
+    exit_code: int | None = None
+    failure: tuple[str, str | None, float] | None = None
+    """(cause, detail, at) of the failure as a later attempt learnt it: it stands before
+    the end's own cause (`wire.progress` `failure`)."""
+    phases: tuple[Span, ...] = ()
 
     def to_json(self) -> str:
         """`dataclasses.asdict` as JSON, without its recursive deep copy (60% of a
@@ -95,8 +112,9 @@ class AttemptProgress:
         d: dict[str, Any] = json.loads(raw)
         d["saves"] = tuple(Save(**s) for s in d["saves"])
         d["loads"] = tuple(Load(**s) for s in d["loads"])
-        for name in ("first_heartbeat", "last_heartbeat", "data_wait"):
+        for name in ("first_heartbeat", "last_heartbeat", "data_wait", "failure"):
             d[name] = tuple(d[name]) if d.get(name) is not None else None
+        d["phases"] = tuple(Span(*p) for p in d.get("phases", ()))
         d["save_buckets"] = tuple(d["save_buckets"])
         if d.get("model") is not None and not is_text(d["model"], MODEL_CAP):
             # Stored by a server from before the text rule (a lone surrogate breaks every
@@ -206,6 +224,9 @@ def merge(state: AttemptProgress | None, attempt: int, model: str | None,
             s = replace(s, start_at=_min(s.start_at, r.at),
                         allocation_start=_min(s.allocation_start, r.allocation_start))
         elif r.kind == "training":
+            if r.phases and (s.training_at is None or r.at <= s.training_at):
+                s = replace(s, phases=tuple(Span(p.phase, p.at, float(p.seconds), p.count)
+                                            for p in r.phases[:MAX_PHASES]))
             s = replace(s, training_at=_min(s.training_at, r.at))
         elif r.kind == "heartbeat":
             beat = _beat(r)
@@ -233,7 +254,10 @@ def merge(state: AttemptProgress | None, attempt: int, model: str | None,
             s = replace(s, loads_n=s.loads_n + 1,
                         loads_blocking_s=s.loads_blocking_s + load.blocking_s)
         elif r.kind == "end" and (s.end_at is None or r.at >= s.end_at):
-            s = replace(s, end_at=r.at, end_reason=r.reason)
+            s = replace(s, end_at=r.at, end_reason=r.reason, end_cause=r.cause,
+                        end_detail=r.detail, exit_code=r.exit_code)
+        elif r.kind == "failure" and r.cause is not None:
+            s = replace(s, failure=(r.cause, r.detail, r.at))
     saves.sort(key=lambda k: k.at)
     loads.sort(key=lambda k: k.at)
     return replace(s, saves=tuple(saves[-MAX_SAVES:]), loads=tuple(loads[-MAX_LOADS:]),

@@ -14,6 +14,7 @@ from megacache_server.store.index.protocols.entries import NewEntry, entry_etag
 from megacache_server.store.index.redis.blobs import UNREF_RESEED_S, RedisBlobs
 from megacache_server.store.index.redis.connection import SCRIPT_BATCH
 from megacache_server.store.index.redis.entries import RedisEntries
+from megacache_server.store.index.redis.ett_rollups import RedisEttRollups
 from megacache_server.store.index.redis.events import RedisEvents
 from megacache_server.store.index.redis.jobs import RedisJobs
 from megacache_server.store.index.redis.locks import RedisLocks
@@ -25,7 +26,7 @@ from megacache_server.store.index.redis.trust import RedisTrust
 
 
 class RedisIndex(RedisEntries, RedisQuotas, RedisBlobs, RedisTokens, RedisEvents, RedisRates,
-                 RedisLocks, RedisJobs, RedisTrust, RedisProgress, Index):
+                 RedisLocks, RedisJobs, RedisTrust, RedisProgress, RedisEttRollups, Index):
     name = "redis"
 
     async def eviction_facts(self, digests: list[str], now: float

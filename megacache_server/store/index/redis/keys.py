@@ -63,6 +63,16 @@
                                 by the attempts of one job)
   progress_counted       set    namespaces whose progress_attempts count is whole (counted
                                 from their hashes once: older servers kept no count)
+  ett_contrib:{ns}:{job} str    a job's part of the ETT rollups (JSON,
+                                ett_rollups.Contribution: its counters per hour)
+  ett_row:{ns}:{p}:{start}
+                         hash   model -> the sum of the contributions for the hour (p=h)
+                                or day (p=d) starting then, a JSON list in
+                                ett_rollups.COUNTERS order (expires when no longer kept)
+  ett_lost:{ns} / ett_seen:{ns}
+                         zset   job -> its lost seconds / its last roll's last_seen
+  ett_models:{ns}        set    models the namespace's ETT rows name
+  ett_ns                 set    namespaces with ETT rows;  ett_mark  float: the last roll
   rate:{bucket}          hash   a token bucket: tokens, at (expires once it would be full)
   heartbeat              float  the last write readiness made
 
@@ -223,6 +233,27 @@ class Keys:
 
     def progress_counted(self) -> str:
         return self._name("progress_counted")
+
+    def ett_contrib(self, namespace: str, job: str) -> str:
+        return self._name("ett_contrib", namespace, job)
+
+    def ett_row(self, namespace: str, period: str, start: int) -> str:
+        return self._name("ett_row", namespace, period, start)
+
+    def ett_lost(self, namespace: str) -> str:
+        return self._name("ett_lost", namespace)
+
+    def ett_seen(self, namespace: str) -> str:
+        return self._name("ett_seen", namespace)
+
+    def ett_models(self, namespace: str) -> str:
+        return self._name("ett_models", namespace)
+
+    def ett_namespaces(self) -> str:
+        return self._name("ett_ns")
+
+    def ett_mark(self) -> str:
+        return self._name("ett_mark")
 
     def rate(self, bucket: str) -> str:
         return self._name("rate", bucket)

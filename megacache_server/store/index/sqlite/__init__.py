@@ -10,6 +10,7 @@ from __future__ import annotations
 from megacache_server.store.index.base import Index
 from megacache_server.store.index.sqlite.blobs import SqliteBlobs
 from megacache_server.store.index.sqlite.entries import SqliteEntries
+from megacache_server.store.index.sqlite.ett_rollups import SqliteEttRollups
 from megacache_server.store.index.sqlite.events import SqliteEvents
 from megacache_server.store.index.sqlite.jobs import SqliteJobs
 from megacache_server.store.index.sqlite.locks import SqliteLocks
@@ -21,7 +22,8 @@ from megacache_server.store.index.sqlite.trust import SqliteTrust
 
 
 class SqliteIndex(SqliteEntries, SqliteBlobs, SqliteQuotas, SqliteTokens, SqliteEvents,
-                  SqliteRates, SqliteLocks, SqliteJobs, SqliteTrust, SqliteProgress, Index):
+                  SqliteRates, SqliteLocks, SqliteJobs, SqliteTrust, SqliteProgress,
+                  SqliteEttRollups, Index):
     name = "sqlite"
 
 

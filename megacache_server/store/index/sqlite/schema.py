@@ -163,6 +163,30 @@ CREATE TABLE IF NOT EXISTS progress_jobs (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS progress_jobs_by_seen ON progress_jobs (namespace, last_seen);
 CREATE INDEX IF NOT EXISTS progress_jobs_by_age ON progress_jobs (last_seen);
+CREATE TABLE IF NOT EXISTS ett_rollups (
+    namespace   TEXT NOT NULL,
+    period      TEXT NOT NULL,
+    start       INTEGER NOT NULL,
+    model       TEXT NOT NULL,
+    counters    TEXT NOT NULL,
+    PRIMARY KEY (namespace, period, start, model)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS ett_rollups_by_start ON ett_rollups (period, start);
+CREATE TABLE IF NOT EXISTS ett_contrib (
+    namespace    TEXT NOT NULL,
+    job          TEXT NOT NULL,
+    model        TEXT NOT NULL,
+    lost_s       REAL NOT NULL,
+    last_seen    REAL NOT NULL,
+    contribution TEXT NOT NULL,
+    PRIMARY KEY (namespace, job)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS ett_contrib_by_lost ON ett_contrib (namespace, lost_s);
+CREATE INDEX IF NOT EXISTS ett_contrib_by_seen ON ett_contrib (last_seen);
+CREATE TABLE IF NOT EXISTS ett_marks (
+    key  TEXT PRIMARY KEY,
+    at   REAL NOT NULL
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS claims (
     namespace   TEXT NOT NULL,
     key         TEXT NOT NULL,
