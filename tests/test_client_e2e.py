@@ -108,8 +108,13 @@ def test_two_local_ranks_download_once(cache, producer, gxx, tmp_path):
     entry = httpx.get(f"{cache.url}/v1/ac/{runs[0].mc['entry_key']}").json()
     total = sum(b["size"] for b in entry["blobs"])
     assert sum(r.mc["bytes_down"] for r in runs) == total  # prefetch may split it
-    assert [r.mc["publish_reason"] for r in runs] == [
-        "the loaded entry already has every graph this run compiled"] * 2  # every rank may
+    # every rank may publish, and none has anything the entry lacks: a rank whose
+    # precompiled Dynamo output loaded compiled nothing (torch recorded nothing at all)
+    nothing_lacking = {"the loaded entry already has every graph this run compiled",
+                       "torch recorded no cache artifacts"}
+    assert all(r.mc["publish_reason"] in nothing_lacking for r in runs), [
+        r.mc["publish_reason"] for r in runs]
+    assert [r.mc["published"] for r in runs] == [False, False]
     assert [r.mc["bytes_up"] for r in runs] == [0, 0]
 
 
@@ -245,5 +250,7 @@ def test_server_stopped_mid_run(producer, gxx, tmp_path):
     assert result["loss"] > 0
     assert result["megacache"]["outcome"] == "miss"
     assert not result["megacache"]["published"]
-    assert "publish failed" in result["megacache"]["publish_reason"]
+    # the exit's round probes the server before building anything (#56): a server that
+    # is gone costs neither the packs nor the precompile check
+    assert "unreachable: nothing built" in result["megacache"]["publish_reason"]
     assert len([ln for ln in err.splitlines() if ln.startswith("megacache:")]) == 1, err

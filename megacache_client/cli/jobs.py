@@ -2,7 +2,7 @@
 starts and recoveries went, and the namespace over time (`--trend`), as tables.
 
 The server answers (`GET /v1/jobs`, `/v1/jobs/{job}/ett`, `/v1/ett/trend`); this only
-draws them (`cli.py` fetches, and hands its table printer in). Seconds are shown to a
+draws them (`cli/__init__.py` fetches, and hands its table printer in). Seconds are shown to a
 tenth, and under a second in milliseconds: a 0.047 s checkpoint save is `47ms`, never a
 bare `0.0`.
 """

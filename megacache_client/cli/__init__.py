@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megacache_client import __version__, cli_jobs
+from megacache_client import __version__
+from megacache_client.cli import jobs as cli_jobs
 from megacache_client.config import ClientConfig, ConfigError
 from megacache_client.steps.nodecache import NodeCache
 from megacache_client.transport.breaker import CircuitBreaker
@@ -278,7 +279,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_autoload(args: argparse.Namespace) -> int:
-    source = Path(__file__).resolve().parent.parent / "megacache_autoload.pth"
+    source = Path(__file__).resolve().parents[2] / "megacache_autoload.pth"
     if not source.exists():
         raise ConfigError(f"{source} is missing: reinstall megacache (the wheel ships it)")
     text = source.read_text()
@@ -463,8 +464,3 @@ def transport_exit_code(exc: TransportError) -> ExitCode:
     if exc.status in (401, 403):
         return ExitCode.CONFIG
     return ExitCode.PROBLEM
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
