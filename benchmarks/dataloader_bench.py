@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.calls, args.repeats = 100_000, 3
-    from megacache_client.torch import dataloading
+    from megacache_client.ett import dataloading
 
     def ready(_it: Any) -> int:  # a batch that is there already: the wrapper is all the cost
         return 0

@@ -190,9 +190,9 @@ def _rank(spec: dict[str, Any], fp: Any, raw: bytes, job: Any, config: Any,
     from megacache_client.results import LoadResult, Snapshot, Track
     from megacache_client.steps import fetch, load
     from megacache_client.steps.claims import claim_holder
-    from megacache_client.steps.nodecache import NodeCache
     from megacache_client.steps.publish import upload
     from megacache_client.transport.client import RemoteCache
+    from megacache_client.transport.nodecache import NodeCache
 
     responses: list[httpx.Response] = []
     result = LoadResult(key=fp.key())

@@ -1,6 +1,6 @@
 """The public entry points: `enable()`, `session()` (context manager) and `cached` (decorator);
 for a job's Effective Training Time, `checkpoint()` (context manager), `checkpoint_saved()`
-and `checkpoint_loaded()` (`torch/telemetry.py`); `warm_up()` compiles on a fast batch in
+and `checkpoint_loaded()` (`ett/telemetry.py`); `warm_up()` compiles on a fast batch in
 the background while the data loader fills (`torch/warmup.py`)."""
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from megacache_client.config import ClientConfig
+from megacache_client.ett import telemetry
+from megacache_client.ett.telemetry import checkpoint, checkpoint_loaded, checkpoint_saved
 from megacache_client.lifecycle import Session
 from megacache_client.results import MegacacheError
 from megacache_client.steps import preemption
 from megacache_client.steps.prefetch import Prefetcher
-from megacache_client.torch import hook, supported, telemetry
-from megacache_client.torch.telemetry import checkpoint, checkpoint_loaded, checkpoint_saved
+from megacache_client.torch import hook, supported
 from megacache_client.torch.warmup import WarmUp, warm_up
 
 __all__ = ["WarmUp", "cached", "checkpoint", "checkpoint_loaded", "checkpoint_saved", "disable",
@@ -51,7 +52,7 @@ def enable(*, model: str | None = None, code: str | None = None,
             return _inert(cfg, why, compile_options)
     session = Session(cfg, compile_options=compile_options)
     if cfg.enabled:
-        _adopt(session, hook.active_session())
+        _adopt(session, _active())
         session.start()
         hook.install(session)
         atexit.register(_close_at_exit, session)
@@ -72,6 +73,12 @@ def _inert(cfg: ClientConfig, why: str, compile_options: dict[str, Any] | None) 
     session = Session(dataclasses.replace(cfg, mode="off"), compile_options=compile_options)
     session.load_result.outcome, session.load_result.reason = "inert", why
     return session
+
+
+def _active() -> Session | None:
+    """The session the torch.compile hook routes to (the hook knows it only as an observer)."""
+    active = hook.active_session()
+    return active if isinstance(active, Session) else None
 
 
 def _adopt(new: Session, old: Session | None) -> None:
@@ -114,14 +121,14 @@ def _progress_on_sigterm(deadline: float, ending: bool) -> None:
 
 def _publish_on_sigterm(deadline: float, _ending: bool) -> None:
     """SIGTERM: the publish under way finished, or one run, by `deadline`."""
-    s = hook.active_session()
+    s = _active()
     if s is not None:
         s.preempted(deadline)
 
 
 def _model() -> str | None:
     """The model the active session compiles (what the job trains), when known."""
-    s = hook.active_session()
+    s = _active()
     if s is None:
         return None
     fp = s.fp
@@ -130,7 +137,7 @@ def _model() -> str | None:
 
 def disable(session: Session | None = None) -> None:
     """Publish and report (bounded wait), then restore torch.compile."""
-    target = session or hook.active_session()
+    target = session or _active()
     if target is not None:
         target.close()
     hook.uninstall(target)

@@ -74,7 +74,7 @@ class ClientConfig:
     prefetch: bool = True
     prefetch_wait_s: float = 60.0
     trusted_writers: str = ""
-    """Whose entries this process runs (`steps/verify.py`): token names, `ci-*`, `scope:admin`;
+    """Whose entries this process runs (`transport/trust.py`): token names, `ci-*`, `scope:admin`;
     empty runs anyone's."""
     redirect_origins: str = ""
     """Origins (`https://s3.internal:9000`, comma- or space-separated) a blob download may be
@@ -82,7 +82,7 @@ class ClientConfig:
     (`transport/redirects.py`): the operator's word, for any address, link-local included."""
     telemetry: bool = True
     """Rank 0 of a job sends its progress (steps, heartbeats, checkpoints) for the job's
-    Effective Training Time (`torch/telemetry.py`); `MEGACACHE_TELEMETRY=0` turns it off."""
+    Effective Training Time (`ett/telemetry.py`); `MEGACACHE_TELEMETRY=0` turns it off."""
     heartbeat_s: float = HEARTBEAT_S
     publish_early: bool = True
     """Publish once a compile has settled (the step after it completed), in the background,

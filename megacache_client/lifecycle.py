@@ -43,7 +43,6 @@ from megacache_client.steps.load import (
     place_artifacts,
     watch_kernel_keys,
 )
-from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.prefetch import Prefetcher
 from megacache_client.steps.report import (
     REPORT_DEADLINE_S,
@@ -64,6 +63,7 @@ from megacache_client.transport.client import (
     DeadlineExceeded,
     RemoteCache,
 )
+from megacache_client.transport.nodecache import NodeCache
 from megacache_client.wire.events import Event, Outcome
 from megacache_client.wire.manifest import Fingerprint
 

@@ -19,12 +19,12 @@ from typing import Any
 
 from megacache_client.config import ClientConfig
 from megacache_client.results import PublishResult, Track
-from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.publish import shipped, snapshot, upload
 from megacache_client.steps.settle import Settler
 from megacache_client.torch import env as torch_env
 from megacache_client.torch.precompile import verify as precompile_verify
 from megacache_client.transport.client import Deadline, RemoteCache, breaker_for
+from megacache_client.transport.nodecache import NodeCache
 
 log = logging.getLogger("megacache")
 

@@ -8,13 +8,34 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from megacache_client.wire.events import Outcome
-from megacache_client.wire.manifest import Fingerprint, Manifest
+from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 
-if TYPE_CHECKING:
-    from megacache_client.steps.verify import Admitted, ServedEntry
+
+@dataclass(frozen=True)
+class ServedEntry:
+    """A manifest the gate let through, with what proved it: made only by
+    `transport.trust.Gate.entry`."""
+
+    manifest: Manifest
+    etag: str
+    provenance: str | None
+    asked: str
+    """The key the client asked for (a fallback answers with another key's manifest)."""
+
+    @property
+    def key(self) -> str:
+        return self.manifest.key
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """One blob of a `ServedEntry`, on local disk, verified: made only by `Gate.admit`."""
+
+    entry: ServedEntry
+    ref: BlobRef
+    path: Path
 
 
 class MegacacheError(RuntimeError):

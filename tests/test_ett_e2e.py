@@ -15,7 +15,7 @@ backend pair), whose split of the job's wall time must agree with the trainers' 
 
 The settings are the defaults (a 30 s heartbeat): a killed rank 0's failure is dated by
 the last thing it is known to have done, here its lifeline on the node (renewed every
-0.5 s, reported by attempt 1's rank 0: `steps/lifeline.py`); a killed rank 1's by rank
+0.5 s, reported by attempt 1's rank 0: `ett/lifeline.py`); a killed rank 1's by rank
 0's end, sent when torchrun's SIGTERM reaches it (`steps/preemption.py`). Both are within
 the tolerance of the job's own clock. (With the heartbeat alone, a killed attempt was
 dated up to 30 s early: #46.)

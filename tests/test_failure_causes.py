@@ -11,7 +11,7 @@ exceptions, real exits, real fatal signals and real run records on disk.
   `torch.distributed` (the NCCL watchdog's abort) `collective_timeout`; a rise in the
   container's OOM kills names the OOM killer;
 - the job of a command no launcher names is the node's record of its last run
-  (`steps/runs.py`); the launchers' variables name it where they can (`job.py`).
+  (`job/runs.py`); the launchers' variables name it where they can (`job.py`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ from pathlib import Path
 import pytest
 from conftest import need
 
-from megacache_client.job import JobIdentity
-from megacache_client.steps import postmortem, runs
-from megacache_client.steps.lifeline import Lifeline
-from megacache_client.torch import causes
+from megacache_client.ett import causes, postmortem
+from megacache_client.ett.lifeline import Lifeline
+from megacache_client.job import JobIdentity, runs
 
 NOW = 1_800_000_000.0
 
@@ -111,7 +110,7 @@ def test_sys_exit_is_noted_and_a_caught_one_forgotten() -> None:
 
 EXITS = """
 import sys, time
-import megacache_client.torch.causes as causes
+import megacache_client.ett.causes as causes
 watch = causes.ExitWatch()
 watch.install()
 import atexit
@@ -136,7 +135,7 @@ def test_the_exit_handler_sees_the_code_a_process_ends_with(body: str, ending: s
 # -- fatal signals and the OOM killer, read by the restart -----------------------------------
 CRASH = """
 import os, sys, threading, time, pathlib
-from megacache_client.steps import postmortem
+from megacache_client.ett import postmortem
 postmortem.FatalDump(pathlib.Path(sys.argv[1])).enable()
 if sys.argv[2] == "segv":
     import ctypes
@@ -325,7 +324,7 @@ def test_a_call_that_makes_several_process_groups_is_one_span_counting_them() ->
     """`DeviceMesh` and `new_subgroups` make several groups in one call: one `distributed`
     span (the outermost call's time), its count the groups made inside it
     (`_new_process_group_helper` calls), and nothing once the first step is over."""
-    from megacache_client.torch import phases
+    from megacache_client.ett import phases
 
     spans = phases.Phases(NOW - 10, NOW - 5)
     phases.watch(lambda: spans)

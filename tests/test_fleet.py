@@ -150,9 +150,9 @@ def test_a_cold_fleet_uploads_the_bundle_once(server, tmp_path):
     from megacache_client.results import LoadResult, Snapshot, Track
     from megacache_client.steps.claims import claim_holder
     from megacache_client.steps.fingerprint import compute
-    from megacache_client.steps.nodecache import NodeCache
     from megacache_client.steps.publish import upload
     from megacache_client.transport.client import RemoteCache
+    from megacache_client.transport.nodecache import NodeCache
 
     raw = os.urandom(4 << 20)  # bytes the server has never seen (nothing is loaded here)
     fp = compute(model="fleet-cold", code="v1")
@@ -191,7 +191,7 @@ CLAIMANT = textwrap.dedent("""
     import json, os, sys
     from megacache_client.config import ClientConfig
     from megacache_client.wire.manifest import Fingerprint
-    from megacache_client.steps.nodecache import NodeCache
+    from megacache_client.transport.nodecache import NodeCache
     from megacache_client.steps.publish import upload
     from megacache_client.results import LoadResult, Snapshot, Track
     from megacache_client.wire.schema import parse
@@ -207,7 +207,7 @@ CLAIMANT = textwrap.dedent("""
 def publisher(url: str, node: Path, **settings: str) -> tuple[Any, Any]:
     """A publisher's config and node cache, as a node of its own would have them."""
     from megacache_client.config import ClientConfig
-    from megacache_client.steps.nodecache import NodeCache
+    from megacache_client.transport.nodecache import NodeCache
 
     config = ClientConfig.from_env({"MEGACACHE_URL": url, "MEGACACHE_NODE_CACHE_DIR": str(node),
                                     "MEGACACHE_SHIP_TOOLCHAIN": "0", **settings})

@@ -62,7 +62,7 @@ def test_a_framework_outside_the_known_versions_gets_one_warning_and_no_hook(
         version: str) -> None:
     import types
 
-    from megacache_client.torch import frameworks
+    from megacache_client.ett import frameworks
 
     module = types.ModuleType("fakefw")
     module.__version__ = version  # type: ignore[attr-defined]
@@ -81,7 +81,7 @@ def test_a_framework_lacking_a_known_call_gets_one_warning_and_no_hook(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
-    from megacache_client.torch import frameworks
+    from megacache_client.ett import frameworks
 
     module = types.ModuleType("accelerate")
     module.__version__ = "1.5.0"  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""The gate (megacache_client/steps/verify.py) on its own: what it refuses of an answer,
+"""The gate (megacache_client/transport/trust.py) on its own: what it refuses of an answer,
 and what it admits of a file, before anything reaches torch."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from helpers import make_fingerprint, make_manifest
 
 from megacache_client.config import ClientConfig
 from megacache_client.errors import UntrustedEntryError, UntrustedWriterError
-from megacache_client.steps.nodecache import NodeCache
-from megacache_client.steps.verify import Gate
+from megacache_client.transport.nodecache import NodeCache
+from megacache_client.transport.trust import Gate
 from megacache_client.wire import headers
 
 

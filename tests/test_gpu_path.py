@@ -19,11 +19,11 @@ from helpers import ServerProcess
 
 from megacache_client.config import ClientConfig
 from megacache_client.lifecycle import Session
-from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.shipping import build_manifest, bundle_blob, upload_blobs
 from megacache_client.torch import env as torch_env
 from megacache_client.transport.breaker import CircuitBreaker
 from megacache_client.transport.client import RemoteCache
+from megacache_client.transport.nodecache import NodeCache
 from megacache_client.wire.manifest import Fingerprint, Scalar
 
 ROOT = Path(__file__).resolve().parent.parent

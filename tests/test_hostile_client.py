@@ -23,11 +23,11 @@ from hostile_peer import FORGED, MODES, HostilePeer, hostile
 
 from megacache_client.config import ClientConfig
 from megacache_client.errors import Finding, TransportError
-from megacache_client.steps.verify import ServedEntry
 from megacache_client.transport.breaker import CircuitBreaker
 from megacache_client.transport.client import RemoteCache
 from megacache_client.transport.redirects import RedirectRefused
 from megacache_client.transport.retry import Deadline
+from megacache_client.transport.trust import ServedEntry
 
 DEADLINE_S = 1.0
 SLACK_S = 1.0

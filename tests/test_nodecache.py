@@ -1,4 +1,4 @@
-"""The node cache (megacache_client/steps/nodecache.py): one download for every rank of a node."""
+"""The node cache (`transport/nodecache.py`): one download for every rank of a node."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from helpers import sha256
 
-from megacache_client.steps.nodecache import NodeCache
+from megacache_client.transport.nodecache import NodeCache
 
 
 def test_node_cache_downloads_once_for_many_ranks(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch):
-    from megacache_client.steps import nodecache
+    from megacache_client.transport import nodecache
 
     data = os.urandom(100_000)
     digest = sha256(data)

@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from megacache_client.results import LoadResult, Track
 from megacache_client.steps import report
-from megacache_client.steps.verify import ServedEntry
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import precompile
+from megacache_client.transport.trust import ServedEntry
 from megacache_client.wire.events import Event
 from megacache_client.wire.schema import parse_json
 from megacache_server.store.index import rollups

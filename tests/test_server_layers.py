@@ -8,10 +8,11 @@ and no module imports itself back through others at import time.
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
+
+from layers import import_cycles, imports, module_name
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "megacache_server"
@@ -25,31 +26,6 @@ CLIENT_SHARED = {"wire"}
 nothing else of the client, so a change to the trainer's side cannot break the server."""
 
 
-def _module(path: Path, root: Path) -> str:
-    parts = path.relative_to(root.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _imports(path: Path, *, top_level_only: bool) -> set[str]:
-    """Absolute names `path` imports (relative imports resolved)."""
-    tree = ast.parse(path.read_text())
-    package = _module(path, path.parents[len(path.relative_to(ROOT).parts) - 2])
-    if path.name != "__init__.py":
-        package = package.rpartition(".")[0]
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
-    found: set[str] = set()
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
-                                + ([base] if base else []))
-            found |= {f"{base}.{a.name}" for a in node.names}
-    return found
-
-
 def _rank(module: str) -> int:
     part = module.split(".")[1] if "." in module else ""
     return RANK[part]
@@ -58,8 +34,8 @@ def _rank(module: str) -> int:
 def test_no_import_runs_upward():
     upward = []
     for path in sorted(SERVER.rglob("*.py")):
-        module = _module(path, SERVER)
-        for name in _imports(path, top_level_only=False):
+        module = module_name(path, SERVER)
+        for name in imports(path, top_level_only=False):
             top, _, rest = name.partition(".")
             part = rest.split(".")[0]
             if (top == "megacache_server" and part in RANK and _rank(name) > _rank(module)) \
@@ -69,22 +45,22 @@ def test_no_import_runs_upward():
 
 
 def test_the_client_never_imports_the_server():
-    found = [f"{_module(p, CLIENT)} imports {name}" for p in sorted(CLIENT.rglob("*.py"))
-             for name in _imports(p, top_level_only=False)
+    found = [f"{module_name(p, CLIENT)} imports {name}" for p in sorted(CLIENT.rglob("*.py"))
+             for name in imports(p, top_level_only=False)
              if name.split(".")[0] == "megacache_server"]
     assert not found, "\n".join(found)
 
 
 def test_the_wire_contract_imports_nothing_else_of_the_client():
     wire = CLIENT / "wire"
-    found = [f"{_module(p, CLIENT)} imports {name}" for p in sorted(wire.rglob("*.py"))
-             for name in _imports(p, top_level_only=False)
+    found = [f"{module_name(p, CLIENT)} imports {name}" for p in sorted(wire.rglob("*.py"))
+             for name in imports(p, top_level_only=False)
              if name.split(".")[0] == "megacache_client"
              and not name.startswith("megacache_client.wire.")]
     assert not found, "\n".join(found)
 
 
-def test_importing_the_wire_contract_loads_no_other_client_module():
+def test_importing_the_wire_contract_loads_no_other_clientmodule_name():
     """The package root is lazy: `import megacache_client.wire` (what every server module
     does) runs no module of the trainer's side, so none of them can break the server."""
     code = ("import sys, megacache_client.wire.manifest, megacache_client.wire.events, "
@@ -106,30 +82,5 @@ def test_the_client_settings_the_server_knows_are_the_client_config():
 
 
 def test_no_import_cycles():
-    modules = {_module(p, SERVER): p for p in SERVER.rglob("*.py")}
-    graph = {m: {n for n in (_owner(i, modules) for i in _imports(p, top_level_only=True))
-                 if n is not None and n != m}
-             for m, p in modules.items()}
-    cycles = []
-    state: dict[str, int] = {}
-
-    def visit(m: str, stack: list[str]) -> None:
-        state[m] = 1
-        for n in sorted(graph[m]):
-            if state.get(n) == 1:
-                cycles.append(" -> ".join([*stack[stack.index(n):], n]))
-            elif n not in state:
-                visit(n, [*stack, n])
-        state[m] = 2
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [m])
+    cycles = import_cycles(SERVER)
     assert not cycles, "\n".join(cycles)
-
-
-def _owner(name: str, modules: dict[str, Path]) -> str | None:
-    """The server module an imported name lives in (`a.b.C` -> `a.b`), if any."""
-    while name and name not in modules:
-        name = name.rpartition(".")[0]
-    return name or None

@@ -26,9 +26,9 @@ from jobs import Machine, run_job
 from progress_peer import ProgressPeer, recording
 
 from megacache_client.config import ClientConfig, ConfigError
+from megacache_client.ett import sender as p
+from megacache_client.ett.sender import Progress, ProgressQueue
 from megacache_client.job import JobIdentity, allocation_start
-from megacache_client.steps import progress as p
-from megacache_client.steps.progress import Progress, ProgressQueue
 from megacache_client.wire.progress import MAX_RECORDS, PhaseSpan, ProgressRecord
 
 HERE = Path(__file__).resolve().parent
@@ -208,7 +208,7 @@ def test_a_dead_server_keeps_the_records_for_later_and_blocks_no_one(tmp_path: P
 def telemetry_on(tmp_path: Path) -> Iterator[list[object]]:
     """Start telemetry here for a job; stopped (hooks removed) after the test."""
     need("torch", "the hooks are torch's")
-    from megacache_client.torch import telemetry
+    from megacache_client.ett import telemetry
 
     started: list[object] = []
     yield started
@@ -235,7 +235,7 @@ def heartbeats(t: object, n: int) -> threading.Event:
 
 
 def start_here(url: str, tmp_path: Path, started: list[object], **kw: object) -> object:
-    from megacache_client.torch import telemetry
+    from megacache_client.ett import telemetry
 
     t = telemetry.start(config(url, tmp_path, **kw), JobIdentity(job_id="job-7", attempt=0),
                         NOW - 5)
@@ -246,7 +246,7 @@ def start_here(url: str, tmp_path: Path, started: list[object], **kw: object) ->
 
 def test_off_without_a_job_off_the_switch_and_off_rank_0(tmp_path: Path) -> None:
     need("torch", "the hooks are torch's")
-    from megacache_client.torch import telemetry
+    from megacache_client.ett import telemetry
 
     cfg = config("http://127.0.0.1:9", tmp_path)
     assert telemetry.start(cfg, JobIdentity(), NOW) is None
@@ -329,7 +329,7 @@ def test_an_uncaught_exception_ends_failed_after_the_trainer_s_own_hook(
         tmp_path: Path, telemetry_on, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from megacache_client.torch import telemetry
+    from megacache_client.ett import telemetry
 
     seen: list[str] = []
     monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(str(value)))
@@ -417,7 +417,7 @@ def test_a_checkpoint_module_imported_later_is_patched_on_import() -> None:
     import subprocess
 
     code = ("import sys, torch\n"
-            "from megacache_client.torch import checkpoints, frameworks\n"
+            "from megacache_client.ett import checkpoints, frameworks\n"
             "assert 'torch.distributed.checkpoint' not in sys.modules\n"
             "assert 'transformers' not in sys.modules and 'lightning' not in sys.modules\n"
             "checkpoints.watch_checkpoints(lambda: None)\n"

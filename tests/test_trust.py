@@ -26,9 +26,9 @@ from megacache_client.config import ClientConfig
 from megacache_client.job import JobIdentity
 from megacache_client.results import LoadResult, Snapshot, Track
 from megacache_client.steps.fetch import find_entry
-from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.publish import upload
 from megacache_client.transport.client import RemoteCache
+from megacache_client.transport.nodecache import NodeCache
 from megacache_client.wire.manifest import Fingerprint, component_digest
 
 

@@ -29,9 +29,9 @@ from typing import Any
 from megacache_client import __version__
 from megacache_client.cli import jobs as cli_jobs
 from megacache_client.config import ClientConfig, ConfigError
-from megacache_client.steps.nodecache import NodeCache
 from megacache_client.transport.breaker import CircuitBreaker
 from megacache_client.transport.client import RemoteCache, TransportError
+from megacache_client.transport.nodecache import NodeCache
 from megacache_client.wire import exitcodes
 from megacache_client.wire.escape import escape
 from megacache_client.wire.events import REPLAYS

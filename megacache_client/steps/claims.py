@@ -23,7 +23,6 @@ from megacache_client.config import ClientConfig
 from megacache_client.results import Snapshot, Track
 from megacache_client.steps.fetch import fetch_blob
 from megacache_client.steps.load import read_bundle
-from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.shipping import (
     build_manifest,
     bundle_blob,
@@ -33,11 +32,12 @@ from megacache_client.steps.shipping import (
     upload_and_write,
     upload_blobs,
 )
-from megacache_client.steps.verify import ServedEntry
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import precompile, ranks, relocate
 from megacache_client.torch.packs import MAX_KERNEL_PACKS, PackError, pack_kind
 from megacache_client.transport.client import RemoteCache, TransportError, UntrustedWriterError
+from megacache_client.transport.nodecache import NodeCache
+from megacache_client.transport.trust import ServedEntry
 from megacache_client.wire.manifest import BlobRef, Manifest, sha256_hex
 
 log = logging.getLogger("megacache")

@@ -18,9 +18,7 @@ from megacache_client.errors import exc_text
 from megacache_client.job import RESOLUTION_TTL_S, JobIdentity
 from megacache_client.results import LoadResult
 from megacache_client.steps.fingerprint import COMPONENTS, describe, differing
-from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.prefetched import Prefetching, PrefetchResult
-from megacache_client.steps.verify import Admitted, ServedEntry
 from megacache_client.torch import relocate
 from megacache_client.torch.packs import PackError, pack_kind
 from megacache_client.transport.client import (
@@ -30,6 +28,8 @@ from megacache_client.transport.client import (
     UntrustedEntryError,
     UntrustedWriterError,
 )
+from megacache_client.transport.nodecache import NodeCache
+from megacache_client.transport.trust import Admitted, ServedEntry
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest, component_digest
 
 

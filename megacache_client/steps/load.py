@@ -22,7 +22,6 @@ from filelock import FileLock, Timeout
 from megacache_client.errors import blamed_on
 from megacache_client.results import LoadResult
 from megacache_client.steps.prefetched import Prefetching, PrefetchResult
-from megacache_client.steps.verify import Admitted
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import precompile, ranks, relocate, vec_isa
 from megacache_client.torch.packs import (
@@ -33,6 +32,7 @@ from megacache_client.torch.packs import (
     safe_name,
     unpack,
 )
+from megacache_client.transport.trust import Admitted
 from megacache_client.wire.manifest import Manifest
 
 log = logging.getLogger("megacache")

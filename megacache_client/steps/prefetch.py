@@ -39,13 +39,13 @@ from megacache_client.config import ClientConfig
 from megacache_client.errors import UntrustedEntryError, UntrustedWriterError, exc_text
 from megacache_client.steps.fetch import fetch_blob, skip_reason
 from megacache_client.steps.load import place, read_bundle
-from megacache_client.steps.nodecache import NodeCache
 from megacache_client.steps.prefetched import PrefetchResult
-from megacache_client.steps.verify import ServedEntry
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import relocate
 from megacache_client.torch.packs import pack_kind
 from megacache_client.transport.client import Deadline, RemoteCache
+from megacache_client.transport.nodecache import NodeCache
+from megacache_client.transport.trust import ServedEntry
 from megacache_client.wire.manifest import BlobRef, Manifest, Scalar
 
 log = logging.getLogger("megacache")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from megacache_client.steps.verify import ServedEntry
+from megacache_client.transport.trust import ServedEntry
 
 
 @dataclass

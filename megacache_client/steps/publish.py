@@ -18,10 +18,10 @@ from megacache_client.config import ClientConfig
 from megacache_client.results import Snapshot, Track
 from megacache_client.steps import claims, shipping
 from megacache_client.steps.load import KERNEL_SUFFIXES, read_bundle
-from megacache_client.steps.nodecache import NodeCache
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import precompile, ranks, relocate
 from megacache_client.transport.client import RemoteCache
+from megacache_client.transport.nodecache import NodeCache
 from megacache_client.wire.manifest import BlobRef
 
 log = logging.getLogger("megacache")

@@ -19,7 +19,6 @@ from pathlib import Path
 from megacache_client.config import ClientConfig
 from megacache_client.results import Snapshot, Track
 from megacache_client.steps.load import TOOLCHAIN_SUFFIXES
-from megacache_client.steps.nodecache import NodeCache
 from megacache_client.torch import env as torch_env
 from megacache_client.torch import relocate
 from megacache_client.torch.packs import (
@@ -31,6 +30,7 @@ from megacache_client.torch.packs import (
     write_pack,
 )
 from megacache_client.transport.client import Progress, RemoteCache
+from megacache_client.transport.nodecache import NodeCache
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest, sha256_file, sha256_hex
 from megacache_client.wire.text import as_text
 from megacache_client.wire.version import __version__

@@ -14,19 +14,28 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from megacache_client.lifecycle import Session
+from typing import Any, Protocol
 
 log = logging.getLogger("megacache")
 
+class CompileObserver(Protocol):
+    """What the hook needs of a session (`lifecycle.Session` is one): told before and
+    after each compile, and asked whether a precompiled package torch could not install
+    may be dropped. A protocol, so this layer never imports the lifecycle above it."""
+
+    def before_compile(self, target: Any, options: dict[str, Any]) -> None: ...
+
+    def after_compile(self, compiled: Any) -> Any: ...
+
+    def drop_precompiled(self, target: Any, exc: Exception) -> bool: ...
+
+
 _lock = threading.Lock()
 _original: Any = None
-_active: Session | None = None
+_active: CompileObserver | None = None
 
 
-def install(session: Session) -> None:
+def install(session: CompileObserver) -> None:
     """Route torch.compile calls through `session` (replacing any earlier session)."""
     global _original, _active
     import torch
@@ -38,7 +47,7 @@ def install(session: Session) -> None:
             torch.compile = _wrap(_original)
 
 
-def uninstall(session: Session | None = None) -> None:
+def uninstall(session: CompileObserver | None = None) -> None:
     """Stop routing compile calls to `session` (or to any session) and restore torch.compile."""
     global _original, _active
     import torch
@@ -52,7 +61,7 @@ def uninstall(session: Session | None = None) -> None:
             _original = None
 
 
-def active_session() -> Session | None:
+def active_session() -> CompileObserver | None:
     return _active
 
 

@@ -32,7 +32,6 @@ from megacache_client.errors import (
     UntrustedWriterError,
 )
 from megacache_client.job import JobIdentity
-from megacache_client.steps.verify import Gate, ServedEntry
 from megacache_client.transport import reader, redirects
 from megacache_client.transport.breaker import CircuitBreaker, breaker_for
 from megacache_client.transport.redirects import RedirectPolicy
@@ -44,6 +43,7 @@ from megacache_client.transport.retry import (
     retrying,
 )
 from megacache_client.transport.tls import tls_context
+from megacache_client.transport.trust import Gate, ServedEntry
 from megacache_client.wire import headers as wire_headers
 from megacache_client.wire import routes
 from megacache_client.wire.escape import escape, escape_logs

@@ -90,7 +90,7 @@ ExitCode = Annotated[int, Range(-(2**31), 2**31 - 1)]
 PhaseName = Literal["imports", "distributed", "model_build", "first_batch"]
 PHASES: tuple[PhaseName, ...] = ("imports", "distributed", "model_build", "first_batch")
 """The parts of a start (or a recovery) the client sees from inside the process
-(`torch/phases.py`); the server adds those it sees from outside (docs/ett.md)."""
+(`ett/phases.py`); the server adds those it sees from outside (docs/ett.md)."""
 MAX_PHASES = 64
 """Spans a `training` record carries: a trainer making hundreds of process groups sends
 their first spans, and the rest summed into the last one (`count` says how many)."""

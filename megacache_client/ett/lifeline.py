@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from megacache_client.steps import postmortem
+from megacache_client.ett import postmortem
 from megacache_client.wire.progress import Cause
 
 log = logging.getLogger("megacache")

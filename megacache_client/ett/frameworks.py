@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from megacache_client.torch import checkpoints, imports
+from megacache_client.ett import checkpoints
+from megacache_client.torch import imports
 
 log = logging.getLogger("megacache")
 

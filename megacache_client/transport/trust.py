@@ -29,48 +29,24 @@ import contextlib
 import json
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
 from megacache_client.errors import UntrustedEntryError, UntrustedWriterError
-from megacache_client.steps.nodecache import NodeCache
+from megacache_client.results import Admitted, ServedEntry
 from megacache_client.torch import relocate
 from megacache_client.torch.packs import pack_kind
+from megacache_client.transport.nodecache import NodeCache
 from megacache_client.wire import headers as wire_headers
-from megacache_client.wire.manifest import BlobRef, Manifest
+from megacache_client.wire.manifest import Manifest
 from megacache_client.wire.signing import SigningError, signature_valid
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from megacache_client.config import ClientConfig
-
-@dataclass(frozen=True)
-class ServedEntry:
-    """A manifest the gate let through, with what proved it: made only by `Gate.entry`."""
-
-    manifest: Manifest
-    etag: str
-    provenance: str | None
-    asked: str
-    """The key the client asked for (a fallback answers with another key's manifest)."""
-
-    @property
-    def key(self) -> str:
-        return self.manifest.key
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """One blob of a `ServedEntry`, on local disk, verified: made only by `Gate.admit`."""
-
-    entry: ServedEntry
-    ref: BlobRef
-    path: Path
-
 
 class Gate:
     """The client's checks on everything it would hand to torch, in one place."""

@@ -27,11 +27,11 @@ without a change to the trainer:
   cause (`causes.py`: `exception`, `oom`, `collective_timeout`, `exit_code`, `preempted`).
   A process killed with SIGKILL sends nothing: the server dates its failure by the last
   thing it is known to have done, its last batch (each ends with a heartbeat at its send
-  time) or its lifeline on the node (`steps/lifeline.py`), which the next attempt there
+  time) or its lifeline on the node (`ett/lifeline.py`), which the next attempt there
   reports, with the cause it can tell (`killed`).
 
 Everything here is fail-open: an error is a debug line, and the sending is
-`steps/progress.py`'s thread's business, never the training loop's.
+`ett/sender.py`'s thread's business, never the training loop's.
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ from types import TracebackType
 from typing import Any
 
 from megacache_client.config import ClientConfig
+from megacache_client.ett import causes
+from megacache_client.ett import sender as records
+from megacache_client.ett.lifeline import LIFELINE_S, Lifeline
+from megacache_client.ett.phases import Phases
+from megacache_client.ett.sender import Progress
 from megacache_client.job import JobIdentity, allocation_start
 from megacache_client.job import ended as job_ended
-from megacache_client.steps import progress as records
-from megacache_client.steps.lifeline import LIFELINE_S, Lifeline
-from megacache_client.steps.progress import Progress
-from megacache_client.torch import causes
-from megacache_client.torch.phases import Phases
 from megacache_client.wire.progress import Cause, ProgressRecord, Reason
 
 log = logging.getLogger("megacache")
@@ -82,7 +82,7 @@ class Telemetry:
         """The spans of the way to the first step, sent with it."""
         self.heartbeat_s = heartbeat_s
         self.lifeline = lifeline
-        """This attempt's life on the node (`steps/lifeline.py`), renewed while it trains."""
+        """This attempt's life on the node (`ett/lifeline.py`), renewed while it trains."""
         self.counts: dict[int, int] = {}
         self.first_step: float | None = None
         self.loop_thread: int | None = None
@@ -191,7 +191,7 @@ class Telemetry:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._handle = register_optimizer_step_post_hook(self.on_step)
-        from megacache_client.torch import checkpoints, dataloading, frameworks, phases
+        from megacache_client.ett import checkpoints, dataloading, frameworks, phases
 
         phases.watch(lambda: _active.phases if _active is not None else None)
         self.phases.install()

@@ -22,7 +22,7 @@ find the same entry).
 
 A lone process (world size 1) that no launcher names is a job of its own command: the
 node's record makes a rerun after a failure its next attempt, a rerun after it finished a
-new job (`steps/runs.py`; only with telemetry on, `of_process(runs_dir=...)`).
+new job (`job/runs.py`; only with telemetry on, `of_process(runs_dir=...)`).
 
 The job's allocation start (when the scheduler gave it its resources, for its Effective
 Training Time) is `MEGACACHE_JOB_START` (unix seconds or ISO 8601), else
@@ -80,7 +80,7 @@ class JobIdentity:
         """This process's identity, and why it is none ("" when the launcher's variables
         read well): a variable that is not a job id costs the job's shared decision, never
         the trainer. With `runs_dir` (the node's run records), what the launcher leaves
-        out is filled from them (`steps/runs.py`), once per process: later calls, with or
+        out is filled from them (`job/runs.py`), once per process: later calls, with or
         without it, get the same answer."""
         try:
             found = cls.from_env()
@@ -213,9 +213,9 @@ def _ray_run() -> str | None:
 def _from_runs(found: JobIdentity, runs_dir: Path,
                key: tuple[int, str | None]) -> JobIdentity:
     """`found` with what the node's run record adds: the job of an unnamed command, the
-    attempt a launcher does not count (`steps/runs.py`)."""
+    attempt a launcher does not count (`job/runs.py`)."""
     global _remembered
-    from megacache_client.steps import runs
+    from megacache_client.job import runs
 
     command = runs.command_key()
     run = runs.begin(Path(runs_dir) / "runs",
@@ -240,7 +240,7 @@ def ended(job: JobIdentity, reason: str) -> None:
     says so, for the next run of the command (nothing when no record made it)."""
     run = _runs.get(job.job_id or "")
     if run is not None:
-        from megacache_client.steps import runs
+        from megacache_client.job import runs
 
         runs.end(run, reason)  # type: ignore[arg-type]
 

@@ -1,6 +1,6 @@
 """The progress step: a job's time line (`wire.progress`), sent in the background.
 
-Rank 0 of a job attempt records facts (`torch/telemetry.py` hooks them: the start, the
+Rank 0 of a job attempt records facts (`ett/telemetry.py` hooks them: the start, the
 first optimizer step, heartbeats, checkpoints, the end) and `Progress.put`s them here. One
 thread, never the trainer's, sends them in batches of up to `MAX_RECORDS` through the
 client's one transport (`RemoteCache`: its deadline and retries apply; a breaker of its own,
@@ -73,7 +73,7 @@ def start_record(started: float, allocation_start: float | None = None) -> Progr
 
 def training_record(at: float, phases: list[PhaseSpan] | None = None) -> ProgressRecord:
     """The attempt's first optimizer step ended at `at`; `phases`: the spans of the way to
-    it the process saw (`torch/phases.py`)."""
+    it the process saw (`ett/phases.py`)."""
     return ProgressRecord(kind="training", at=at, phases=phases or None)
 
 
@@ -331,7 +331,7 @@ class Progress:
 
     def _send_earlier(self) -> None:
         """The last signs of the job's earlier attempts that ended without saying so
-        (`steps/lifeline.py`), each as a heartbeat of its own attempt; one try each."""
+        (`ett/lifeline.py`), each as a heartbeat of its own attempt; one try each."""
         while self.earlier and self.armed and not self.stopped:
             attempt, record = self.earlier.pop(0)
             try:
