@@ -1,5 +1,6 @@
 """The tree keeps the shape it promises: the Layout of docs/architecture.md names what is
-there and only that, the client's top level stays small, and no module grows past what one reader holds."""
+there and only that, the client's top level stays small, and no module grows past what one
+reader holds."""
 
 from __future__ import annotations
 
