@@ -79,6 +79,8 @@ def test_push_ls_show_pull_stats(server: ServerProcess, tmp_path: Path):
     pulled = megacache("pull", row[0], env=env)
     assert pulled.returncode == 0 and "downloaded" in pulled.stdout
     assert "kB" in pulled.stderr and "0.0/0.0" not in pulled.stderr, pulled.stderr
+    # not on a terminal (captured here): whole lines, never run together with `\r`
+    assert "\r" not in pulled.stderr and pulled.stderr.count("\n") <= 5 * 2, pulled.stderr
     digest = shown["blobs"][0]["digest"]
     assert (tmp_path / "other-node" / "blobs" / digest).stat().st_size == shown["blobs"][0]["size"]
     again = megacache("pull", key, env=env)
@@ -233,6 +235,12 @@ def test_explain_claims_a_saving_only_for_what_a_job_would_load(server: ServerPr
     found = json.loads(fallback.stdout)
     assert fallback.returncode == 0 and found["outcome"] == "fallback", found
     assert found["differing"] == ["code"] and found["entry"]["code"] == "c1"
+    # without --code the trainer's code is its model's source hash, which the command
+    # cannot see: it says so, and never calls the entry a mere fallback for that alone
+    auto = megacache("explain", "--model", "explained", env=env)
+    assert auto.returncode == 0, auto.stderr
+    assert "lookup       hit or fallback:" in auto.stdout, auto.stdout
+    assert "code         automatic:" in auto.stdout and "'unknown'" not in auto.stdout
     miss = megacache("explain", "--model", "never-published", env=env)
     assert miss.returncode == 1, miss.stderr
     assert "lookup       miss: no entry for model 'never-published' yet" in miss.stdout

@@ -40,26 +40,34 @@ from megacache_client.wire.manifest import Fingerprint, is_hex64
 
 
 class ProgressBar:
-    """A transfer progress line on stderr; redraws at most 10 times a second."""
+    """A transfer progress line on stderr: redrawn in place at most 10 times a second on a
+    terminal; elsewhere (a log file, a CI step) one line at each quarter, never a `\r`."""
 
     def __init__(self, label: str) -> None:
         self.label = label
         self.started = time.monotonic()
         self._last = 0.0
+        self._tty = sys.stderr.isatty()
+        self._quarter = -1
 
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()
-        if now - self._last < 0.1 and done < total:
-            return
-        self._last = now
         frac = done / total if total else 1.0
+        if self._tty:
+            if now - self._last < 0.1 and done < total:
+                return
+        elif int(frac * 4) <= self._quarter and done < total:
+            return
+        self._last, self._quarter = now, int(frac * 4)
         rate = done / max(now - self.started, 1e-6)
-        bar = "#" * int(frac * 30)
-        end = "\n" if done >= total else ""
         scale, unit = byte_unit(total)
-        sys.stderr.write(f"\r{self.label:<24} [{bar:<30}] {frac:6.1%} "
-                         f"{done / scale:8.1f}/{total / scale:.1f} {unit} "
-                         f"{rate / byte_unit(rate)[0]:7.1f} {byte_unit(rate)[1]}/s{end}")
+        line = (f"{self.label:<24} [{'#' * int(frac * 30):<30}] {frac:6.1%} "
+                f"{done / scale:8.1f}/{total / scale:.1f} {unit} "
+                f"{rate / byte_unit(rate)[0]:7.1f} {byte_unit(rate)[1]}/s")
+        if self._tty:
+            sys.stderr.write(f"\r{line}{chr(10) if done >= total else ''}")
+        else:
+            sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
 
@@ -119,7 +127,10 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
         raise ConfigError(f"{why}: a job here would not use the cache")
     config = ClientConfig.from_env(model=args.model, code=args.code)  # no server needed
     fp = _here(args, config)
-    print(json.dumps({"key": fp.key(), **fp.to_dict()}, indent=2))
+    out: dict[str, Any] = {"key": fp.key(), **fp.to_dict()}
+    if config.code is None:
+        out["code_note"] = AUTOMATIC_CODE
+    print(json.dumps(out, indent=2))
     return 0
 
 
@@ -140,6 +151,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"key": fp.key(), "model": fp.model, "code": fp.code,
                               "outcome": result.outcome, "reason": result.reason,
                               "differing": result.differing}
+    if config.code is None:
+        report["code"] = "automatic"
+        report["code_note"] = AUTOMATIC_CODE
+        if result.outcome == "fallback" and result.differing == ["code"]:
+            # the trainer's key is not this one: its code is its model's source hash, which
+            # only the trainer computes; an entry that differs in code alone is what it finds
+            report["outcome"] = "hit or fallback"
+            report["reason"] = ("the newest entry of this model, env and hw: an exact hit "
+                                "for a trainer whose model source is the entry's, else "
+                                "loaded as a fallback")
     if found is not None:
         m = found.manifest
         report["entry"] = {"key": m.key, "torch": m.torch_version, "code": m.fingerprint.code,
@@ -148,14 +169,20 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return _explained(report, args.json)
 
 
+AUTOMATIC_CODE = ("automatic: the trainer hashes its compiled model's source, which this "
+                  "command cannot see; give --code (or MEGACACHE_CODE) for a trainer's exact key")
+
+
 def _explained(report: dict[str, Any], as_json: bool) -> int:
-    loads = report["outcome"] in ("hit", "fallback")
+    loads = report["outcome"] in ("hit", "fallback", "hit or fallback")
     if as_json:
         print(json.dumps(report, indent=2))
         return 0 if loads else 1
     if "key" in report:
         print(f"fingerprint  {report['key']} (model {report['model']!r}, code "
               f"{report['code']!r})")
+        if "code_note" in report:
+            print(f"code         {report['code_note']}")
     print(f"lookup       {report['outcome']}: {report['reason']}")
     entry = report.get("entry")
     if loads and entry is not None:
