@@ -106,6 +106,8 @@ def report(cold: JobRun, warm: JobRun) -> None:
     c, w = cold.result["counters"], warm.result["counters"]
     rows.append(("FX graph cache hit/miss", f"{c['fxgraph_hit']}/{c['fxgraph_miss']}",
                  f"{w['fxgraph_hit']}/{w['fxgraph_miss']}"))
+    rows.append(("precompiled Dynamo hits", str(cold.result.get("precompile_hit", 0)),
+                 str(warm.result.get("precompile_hit", 0))))
     rows.append(("g++ builds", str(cold.gxx_builds), str(warm.gxx_builds)))
     if cold.result.get("device") == "cuda":
         rows.append(("Triton compilations", str(cold.triton_compiles),
@@ -123,6 +125,10 @@ def report(cold: JobRun, warm: JobRun) -> None:
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     print()
+    if warm.result.get("precompile_hit") and w["fxgraph_hit"] + w["fxgraph_miss"] == 0:
+        print("Machine B's FX graph cache saw no lookup (0/0): its precompiled Dynamo hits "
+              "installed the compiled graphs whole, so Dynamo traced nothing and Inductor "
+              "was never asked.")
     print(verdict(cold, warm))
 
 

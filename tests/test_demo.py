@@ -23,6 +23,9 @@ def test_demo_shows_a_warm_start(tmp_path: Path):
     assert lines["megacache"].split()[1:] == ["miss", "hit"]
     assert lines["g++ builds"].split()[-1] == "0"
     assert "Compile time saved on the new machine" in proc.stdout
+    fx = lines["FX graph cache hit/miss"].split()[-1]
+    if int(lines["precompiled Dynamo hits"].split()[-1]) > 0 and fx == "0/0":
+        assert "FX graph cache saw no lookup (0/0)" in proc.stdout  # the newcomer's puzzle
     assert "machine B: same job on a new machine" in proc.stderr  # progress is shown
 
 
