@@ -85,6 +85,7 @@ class Clock:
         if ATTEMPT == 0 and step == KILL_AT:
             self.kill_when = step + KILL_AFTER
         if self.kill_when is not None and step >= self.kill_when:
+            time.sleep(float(os.environ.get("KILL_DELAY_S", "0")))  # training, unsaved
             fact("kill", step=step, slept=SLEPT[0] - self.slept_at_first)
             os.kill(os.getpid(), signal.SIGKILL)
 
