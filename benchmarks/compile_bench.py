@@ -26,13 +26,20 @@ from importlib import util
 from pathlib import Path
 from typing import Any
 
-import benchlib  # benchmarks/benchlib.py, next to this script
-from benchlib import log
-from benchlib import median_of_present as median
-from jobs import GxxCounter, JobRun, Machine, TritonCounter, nothing_loaded, run_job
-from other_path import DEFAULT_VENV, OtherPath
-from results_md import write_section
-from services import LocalRedis, LocalServer, redis_server_exe
+from benchmarks.harness import TRAIN_JOB, benchlib
+from benchmarks.harness.benchlib import log
+from benchmarks.harness.benchlib import median_of_present as median
+from benchmarks.harness.machines import (
+    GxxCounter,
+    JobRun,
+    Machine,
+    TritonCounter,
+    nothing_loaded,
+    run_job,
+)
+from benchmarks.harness.other_path import DEFAULT_VENV, OtherPath
+from benchmarks.harness.results_md import write_section
+from benchmarks.harness.servers import LocalRedis, LocalServer, redis_server_exe
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -143,7 +150,7 @@ class Bench:
         runner = None
         if other_path:
             assert self.other is not None
-            runner = [str(self.other.python), str(BENCH_DIR / "train_job.py")]
+            runner = [str(self.other.python), str(TRAIN_JOB)]
             env = {**env, **self.other.env()}
         # Inductor runs config.cpp.cxx = $CXX or "g++" through PATH (cpp_builder
         # .get_cpp_compiler -> cpp_compiler_search): pinning CXX to the default "g++" keeps

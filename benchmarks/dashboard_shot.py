@@ -19,8 +19,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
-from services import LocalServer
 
+from benchmarks.harness.servers import LocalServer
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 
 ROOT = Path(__file__).resolve().parent

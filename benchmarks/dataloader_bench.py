@@ -23,7 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import BENCH_DIR, log, machine_info, text_table, utc_now, write_json
+from benchmarks.harness.benchlib import (
+    BENCH_DIR,
+    log,
+    machine_info,
+    text_table,
+    utc_now,
+    write_json,
+)
 
 STEP_S = 0.010
 

@@ -20,9 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from jobs import (  # noqa: E402
+from benchmarks.harness.machines import (  # noqa: E402
     GxxCounter,
     JobRun,
     Machine,
@@ -31,7 +29,7 @@ from jobs import (  # noqa: E402
     nothing_loaded,
     run_job,
 )
-from services import LocalServer  # noqa: E402
+from benchmarks.harness.servers import LocalServer  # noqa: E402
 
 
 def say(message: str) -> None:

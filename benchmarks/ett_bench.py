@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import (
+
+from benchmarks.harness.benchlib import (
     BENCH_DIR,
     log,
     machine_info,
@@ -44,7 +45,7 @@ from benchlib import (
     text_table,
     write_json,
 )
-from services import LocalRedis, LocalSeaweedS3, LocalServer
+from benchmarks.harness.servers import LocalRedis, LocalSeaweedS3, LocalServer
 
 CATEGORIES = ("training", "startup", "compile", "checkpoint_save", "checkpoint_restore",
               "lost_progress", "recovery", "idle")

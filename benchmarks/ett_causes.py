@@ -28,12 +28,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import BENCH_DIR, log, machine_info, temp_root, text_table, utc_now, write_json
-from frameworks_ett import ended_ett
-from jobs import Machine, clean_env, run_job
-from services import LocalServer
+from benchmarks.frameworks_ett import ended_ett
+from benchmarks.harness import ETT_CAUSES_JOB
+from benchmarks.harness.benchlib import (
+    BENCH_DIR,
+    log,
+    machine_info,
+    temp_root,
+    text_table,
+    utc_now,
+    write_json,
+)
+from benchmarks.harness.machines import Machine, clean_env, run_job
+from benchmarks.harness.servers import LocalServer
 
-JOB = BENCH_DIR / "ett_causes_job.py"
+JOB = ETT_CAUSES_JOB
 SETTINGS = {"OMP_NUM_THREADS": "1", "MEGACACHE_MODE": "read-only", "STEPS": "12",
             "CKPT_EVERY": "4", "FAIL_AT": "10", "STEP_S": "0.1"}
 CASES: dict[str, tuple[str, str, int | None]] = {

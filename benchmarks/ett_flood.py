@@ -39,10 +39,19 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
-from benchlib import BENCH_DIR, log, machine_info, proc_field, temp_root, text_table, write_json
-from ett_bench import MISS, post, server_on, summary
-from scale_bench import Lookups
-from services import LocalServer
+
+from benchmarks.ett_bench import MISS, post, server_on, summary
+from benchmarks.harness.benchlib import (
+    BENCH_DIR,
+    log,
+    machine_info,
+    proc_field,
+    temp_root,
+    text_table,
+    write_json,
+)
+from benchmarks.harness.servers import LocalServer
+from benchmarks.scale_bench import Lookups
 
 VIEWS = ("/v1/dashboard", "/v1/stats", "/v1/jobs")
 

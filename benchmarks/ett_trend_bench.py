@@ -29,9 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import BENCH_DIR, log, machine_info, temp_root, text_table, utc_now, write_json
-from services import LocalServer
 
+from benchmarks.harness.benchlib import (
+    BENCH_DIR,
+    log,
+    machine_info,
+    temp_root,
+    text_table,
+    utc_now,
+    write_json,
+)
+from benchmarks.harness.servers import LocalServer
 from megacache_client.wire.progress import CAUSES, ProgressRecord
 from megacache_server.service import ett, ett_trend
 from megacache_server.store.index.base import Index

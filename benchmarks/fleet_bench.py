@@ -59,7 +59,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import (  # benchmarks/benchlib.py, next to this script
+
+from benchmarks.harness.benchlib import (
     fmt_num,
     generated_by,
     grouped_bars,
@@ -77,8 +78,8 @@ from benchlib import (  # benchmarks/benchlib.py, next to this script
     utc_now,
     write_json,
 )
-from results_md import write_section  # benchmarks/results_md.py, next to this script
-from services import LocalRedis, LocalSeaweedS3, LocalServer  # benchmarks/services.py
+from benchmarks.harness.results_md import write_section
+from benchmarks.harness.servers import LocalRedis, LocalSeaweedS3, LocalServer
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -27,11 +27,21 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import BENCH_DIR, log, machine_info, temp_root, text_table, utc_now, write_json
-from jobs import Machine, run_job
-from services import LocalServer
 
-JOB = BENCH_DIR / "framework_job.py"
+from benchmarks.harness import FRAMEWORK_JOB
+from benchmarks.harness.benchlib import (
+    BENCH_DIR,
+    log,
+    machine_info,
+    temp_root,
+    text_table,
+    utc_now,
+    write_json,
+)
+from benchmarks.harness.machines import Machine, run_job
+from benchmarks.harness.servers import LocalServer
+
+JOB = FRAMEWORK_JOB
 PACKAGES = {"hf": "transformers", "accelerate": "accelerate", "lightning": "lightning",
             "pytorch_lightning": "pytorch_lightning"}
 SETTINGS = {"STEPS": "20", "EVERY": "5", "KILL_AT": "10", "KILL_AFTER": "3",

@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 import httpx
-from services import LOOPBACK, LocalServer
 
 import megacache_server
+from benchmarks.harness.servers import LOOPBACK, LocalServer
 
 ROOT = Path(__file__).resolve().parent
 

@@ -38,7 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from results_md import write_section
+from benchmarks.harness import TRAIN_JOB
+from benchmarks.harness.results_md import write_section
 
 RANK = """
 import json, sys
@@ -71,12 +72,11 @@ def run_rank(url: str, node: Path, extra: dict[str, str]) -> dict[str, object]:
 
 
 TRAINER_CASES = ("no URL", "down", "hung")
-TRAIN_JOB = Path(__file__).resolve().parent / "train_job.py"
 
 
 def run_trainer(case: str, hung_url: str, down_url: str, root: Path) -> dict[str, object]:
     """One cold trainer process on a new machine (its own caches), zero-code."""
-    from jobs import Machine, clean_env
+    from benchmarks.harness.machines import Machine, clean_env
 
     machine = Machine(root)
     env = clean_env() | machine.env() | {"OMP_NUM_THREADS": "1",
@@ -157,7 +157,6 @@ def main() -> int:
     parser.add_argument("--trainer-only", action="store_true",
                         help="only the trainer table (no URL / down / hung)")
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

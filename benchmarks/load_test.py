@@ -10,7 +10,7 @@ loopback only. Afterwards every acknowledged write is read back and its bytes re
 
 Two phases of `--seconds` each, on one server: `calm` (the well-behaved tenant alone),
 then `hostile`, where another tenant (its own token and namespace) runs
-benchmarks/hostile.py in its own process beside them: 150 MiB header lines, 1,100 idle
+benchmarks/harness/hostile.py in its own process beside them: 150 MiB header lines, 1,100 idle
 sockets against a server whose processes may open 512 descriptors each (1,024 for 2
 workers), an event flood and non-finite manifests. The well-behaved clients must see no
 error and lose no write; their latency is reported for both phases.
@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import percentile  # benchmarks/benchlib.py, next to this script
-from services import LocalServer
 
+from benchmarks.harness import HOSTILE
+from benchmarks.harness.benchlib import percentile
+from benchmarks.harness.servers import LocalServer
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 
 ROOT = Path(__file__).resolve().parent
@@ -199,10 +200,10 @@ async def run(url: str, clients: int, seconds: float, max_requests: int, seed_n:
 
 async def hostile_process(url: str, tenants: Tenants, seconds: float,
                           into: dict[str, Any]) -> None:
-    """benchmarks/hostile.py in its own process: another tenant, not our event loop."""
+    """benchmarks/harness/hostile.py in its own process: another tenant, not our event loop."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "hostile.json"
-        cmd = [sys.executable, str(ROOT / "hostile.py"), "--url", url, "--namespace",
+        cmd = [sys.executable, str(HOSTILE), "--url", url, "--namespace",
                HOSTILE_NAMESPACE, "--seconds", str(seconds), "--idle-sockets",
                str(tenants.idle_sockets), "--out", str(out)]
         if tenants.hostile:

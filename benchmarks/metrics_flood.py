@@ -19,9 +19,10 @@ import tempfile
 from pathlib import Path
 
 import httpx
-from benchlib import text_table, write_json
 from prometheus_client.parser import text_string_to_metric_families
-from services import LocalServer
+
+from benchmarks.harness.benchlib import text_table, write_json
+from benchmarks.harness.servers import LocalServer
 
 
 def main(argv: list[str]) -> int:

@@ -25,11 +25,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import benchlib  # benchmarks/benchlib.py, next to this script
-from benchlib import fmt_num, log, median_of_present
-from jobs import Machine, nothing_loaded, run_job
-from results_md import write_section
-from services import LocalServer
+from benchmarks.harness import benchlib
+from benchmarks.harness.benchlib import fmt_num, log, median_of_present
+from benchmarks.harness.machines import Machine, nothing_loaded, run_job
+from benchmarks.harness.results_md import write_section
+from benchmarks.harness.servers import LocalServer
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "results" / "overlap.json"

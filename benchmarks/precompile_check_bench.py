@@ -9,7 +9,7 @@ torch's Mega-Cache saved, then the check a publish runs in its background thread
 (`precompile_verify.verify`: a child process loads every precompile artifact fresh and
 compares its graphs with the traced ones). Prints one JSON line per model: the child's
 wall seconds, how many artifacts were checked and why any failed. `--corpus` takes the
-transformers models of tests/corpus_job.py (in train mode, so their dropout graphs are
+transformers models of benchmarks/harness/corpus_job.py (in train mode, so their dropout graphs are
 compared by shapes and dtypes only).
 """
 
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
-TESTS = BENCH_DIR.parent / "tests"
 
 
 def one(name: str, corpus: bool) -> dict[str, object]:
@@ -39,8 +38,7 @@ def one(name: str, corpus: bool) -> dict[str, object]:
 
     assert precompile.turn_on(ClientConfig()) == ""
     if corpus:
-        sys.path.insert(0, str(TESTS))
-        from corpus_job import CORPUS
+        from benchmarks.harness.corpus_job import CORPUS
 
         torch.manual_seed(0)
         model, batch = CORPUS[name]()
@@ -48,8 +46,7 @@ def one(name: str, corpus: bool) -> dict[str, object]:
         compiled = torch.compile(model)
         compiled(**batch).loss.backward()
     else:
-        sys.path.insert(0, str(BENCH_DIR))
-        from models import build
+        from benchmarks.harness.models import build
 
         model, make_batch, loss_fn = build(name)
         inputs, target = make_batch(0)
@@ -66,7 +63,7 @@ def one(name: str, corpus: bool) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mlp,transformer,dlrm,conv")
-    parser.add_argument("--corpus", default="", help="tests/corpus_job.py models instead")
+    parser.add_argument("--corpus", default="", help="harness/corpus_job.py models instead")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:

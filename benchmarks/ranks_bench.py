@@ -28,13 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import STAGE_JOB
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-from jobs import GxxCounter, clean_env  # noqa: E402
-from services import LocalServer, free_port  # noqa: E402
-
-STAGE_JOB = HERE / "stage_job.py"
+from benchmarks.harness.machines import GxxCounter, clean_env  # noqa: E402
+from benchmarks.harness.servers import LocalServer, free_port  # noqa: E402
 
 
 def puts(url: str) -> dict[str, float]:

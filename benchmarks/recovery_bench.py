@@ -59,8 +59,7 @@ def trainer() -> None:
     fact("started", at0=STARTED)
     import torch  # the client (zero-code) enables itself right after this import
 
-    sys.path.insert(0, str(BENCH))
-    from models import build
+    from benchmarks.harness.models import build
 
     try:
         from megacache_client import checkpoint_saved
@@ -114,7 +113,8 @@ if __name__ == "__main__" and "--trainer" in sys.argv:
 
 # -- the driver ---------------------------------------------------------------------------------
 import httpx  # noqa: E402
-from benchlib import (  # noqa: E402
+
+from benchmarks.harness.benchlib import (  # noqa: E402
     BENCH_DIR,
     fmt_num,
     log,
@@ -124,8 +124,8 @@ from benchlib import (  # noqa: E402
     utc_now,
     write_json,
 )
-from jobs import GxxCounter, Machine, clean_env  # noqa: E402
-from services import LocalServer  # noqa: E402
+from benchmarks.harness.machines import GxxCounter, Machine, clean_env  # noqa: E402
+from benchmarks.harness.servers import LocalServer  # noqa: E402
 
 
 def read_truth(path: Path) -> list[dict[str, Any]]:
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     low, high = (float(x) for x in args.kill_range.split(","))
     rng = random.Random(args.seed)
     runs: dict[str, list[dict[str, Any]]] = {w: [] for w in WAYS}
-    from benchlib import temp_root
+    from benchmarks.harness.benchlib import temp_root
 
     with temp_root("megacache-recovery-", args.keep) as root:
         gxx = GxxCounter(root / "bin")

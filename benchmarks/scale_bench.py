@@ -61,7 +61,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import (  # benchmarks/benchlib.py, next to this script
+
+from benchmarks.harness import LOOKUP_LOAD
+from benchmarks.harness.benchlib import (
     generated_by,
     image_link,
     log,
@@ -74,14 +76,13 @@ from benchlib import (  # benchmarks/benchlib.py, next to this script
     utc_now,
     write_json,
 )
-from results_md import write_section  # benchmarks/results_md.py, next to this script
-from services import (  # benchmarks/services.py
+from benchmarks.harness.results_md import write_section
+from benchmarks.harness.servers import (
     LocalRedis,
     LocalSeaweedS3,
     LocalServer,
     redis_server_exe,
 )
-
 from megacache_client.wire.events import Event
 from megacache_client.wire.manifest import (
     BlobRef,
@@ -646,7 +647,7 @@ class Lookups:
         keys, out = Path(self._tmp.name) / "keys", Path(self._tmp.name) / "out"
         keys.write_text("".join(e.key + "\n" for e in self.sample))
         self._proc = subprocess.Popen(
-            [sys.executable, str(HERE / "lookup_load.py"), self.server.url, str(keys), str(out)],
+            [sys.executable, str(LOOKUP_LOAD), self.server.url, str(keys), str(out)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         if self._proc.stdout.readline().strip() != "ready":

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import (
+
+from benchmarks.harness.benchlib import (
     generated_by,
     log,
     machine_info,
@@ -38,9 +39,8 @@ from benchlib import (
     utc_now,
     write_json,
 )
-from results_md import write_section
-from services import LocalServer
-
+from benchmarks.harness.results_md import write_section
+from benchmarks.harness.servers import LocalServer
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 from megacache_client.wire.schema import parse
 

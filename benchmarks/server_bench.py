@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchlib import (
+from benchmarks.harness.benchlib import (
     BENCH_DIR,
     LOOPBACK,
     REPO,
@@ -55,15 +55,27 @@ from benchlib import (
     utc_now,
     write_json,
 )
-from results_md import write_section
-from serverbench.fixtures import create_entry, make_blob, put_fixture
-from serverbench.gets import run_gets
-from serverbench.lookups import LOOKUP_CLIENTS, run_lookups
-from serverbench.measure import Bench
-from serverbench.puts import put_targets, run_puts
-from serverbench.report import goals, render_goals, render_section, render_tables, write_chart
-from serverbench.services import WORKERS, nginx_service, ours_service, py_spy, redis_service
-from services import redis_server_exe
+from benchmarks.harness.results_md import write_section
+from benchmarks.harness.servers import redis_server_exe
+from benchmarks.serverbench.fixtures import create_entry, make_blob, put_fixture
+from benchmarks.serverbench.gets import run_gets
+from benchmarks.serverbench.lookups import LOOKUP_CLIENTS, run_lookups
+from benchmarks.serverbench.measure import Bench
+from benchmarks.serverbench.puts import put_targets, run_puts
+from benchmarks.serverbench.report import (
+    goals,
+    render_goals,
+    render_section,
+    render_tables,
+    write_chart,
+)
+from benchmarks.serverbench.services import (
+    WORKERS,
+    nginx_service,
+    ours_service,
+    py_spy,
+    redis_service,
+)
 
 DEFAULT_OUT = BENCH_DIR / "results" / "server.json"
 

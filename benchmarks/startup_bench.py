@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import machine_info, markdown_table, utc_now, write_json  # next to this script
-from results_md import write_section  # benchmarks/results_md.py, next to this script
+from benchmarks.harness.benchlib import machine_info, markdown_table, utc_now, write_json
+from benchmarks.harness.results_md import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_MS = 5.0

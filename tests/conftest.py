@@ -14,13 +14,9 @@ from typing import NoReturn, TextIO, TypeVar
 
 import httpx
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-
 from helpers import ServerProcess  # noqa: E402
-from services import LocalRedis, LocalSeaweedS3, leftover_groups  # noqa: E402
 
+from benchmarks.harness.servers import LocalRedis, LocalSeaweedS3, leftover_groups  # noqa: E402
 from megacache_server.store.index.base import Index  # noqa: E402
 from megacache_server.store.index.sqlite import SqliteIndex  # noqa: E402
 

@@ -170,8 +170,7 @@ def _job(scenario: str, ttfs: float, outcome: str | None, fx_hit: int) -> dict:
 def test_compile_bench_claims_no_ratio_for_a_run_that_loaded_nothing():
     """A megacache job that missed (faster than cold anyway: a warm OS file cache) gets no
     ratio, a note saying what was missed and why, and a missed goal."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import compile_bench
+    from benchmarks import compile_bench
 
     jobs = [_job("cold", 20.0, None, 0), _job("warm-local", 5.0, None, 2),
             _job("megacache", 15.0, "miss", 0)]
@@ -196,8 +195,7 @@ def test_recovery_bench_reads_a_killed_job_s_own_clock() -> None:
     """The job's figures by its own clock, on a hand-made two-attempt time line: started at
     0, first step at 10, saves ending at 20 and 30 (1 s each), killed at 34; restarted, its
     first step at 44, a save ending at 60 (1 s), the end at 70."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import recovery_bench
+    from benchmarks import recovery_bench
 
     def facts(*rows: tuple[str, float, dict[str, float]]) -> list[dict[str, float | str]]:
         return [{"fact": name, "at": at, **extra} for name, at, extra in rows]
@@ -217,11 +215,10 @@ def test_recovery_bench_reads_a_killed_job_s_own_clock() -> None:
 
 
 def test_budget_bench_splits_a_start_and_rates_it_against_eager() -> None:
-    """Hand-made jobs of a zero-code script (tests/corpus_job.py's marks, no client call):
+    """Hand-made jobs of a zero-code script (harness/corpus_job.py's marks, no client call):
     the parts come from the marks, the ratios from the medians, rows nobody has are left
     out, and a new machine's g++ builds are reported (the worst of its runs)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import budget_bench
+    from benchmarks import budget_bench
 
     def job(kind: str, repeat: int, step1: float, wall: float, gxx: int) -> dict:
         marks = {"torch_imported_s": 2.0, "built_s": 3.0, "optimizer_s": 3.0,
@@ -248,13 +245,14 @@ def test_budget_bench_splits_a_start_and_rates_it_against_eager() -> None:
 
 
 def test_the_corpus_job_trains_eager_as_the_floor(tmp_path: Path) -> None:
-    """`tests/corpus_job.py NAME STEPS --eager` (budget_bench --hf's floor) trains without
+    """`harness/corpus_job.py NAME STEPS --eager` (budget_bench --hf's floor) trains without
     torch.compile: nothing compiled, and the time to the end of step 1 is reported."""
     need("torch", "the corpus job trains a torch model")
     need("transformers", "the corpus is transformers models")
-    from jobs import Machine, run_job
+    from benchmarks.harness import CORPUS_JOB
+    from benchmarks.harness.machines import Machine, run_job
 
-    run = run_job(Machine(tmp_path), str(ROOT / "tests" / "corpus_job.py"), "vit", "2",
+    run = run_job(Machine(tmp_path), str(CORPUS_JOB), "vit", "2",
                   "--eager", env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
                   runner=[sys.executable], timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

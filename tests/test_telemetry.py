@@ -22,9 +22,9 @@ from typing import cast
 
 import pytest
 from conftest import need
-from jobs import Machine, run_job
 from progress_peer import ProgressPeer, recording
 
+from benchmarks.harness.machines import Machine, run_job
 from megacache_client.config import ClientConfig, ConfigError
 from megacache_client.job import JobIdentity, allocation_start
 from megacache_client.steps import progress as p

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchlib import (
+from benchmarks.harness.benchlib import (
     MiB,
     fmt_num,
     generated_by,

@@ -29,10 +29,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from services import LOOPBACK
-
-BENCH_DIR = Path(__file__).resolve().parent
-REPO = BENCH_DIR.parent
+from benchmarks.harness import BENCH_DIR, REPO
+from benchmarks.harness.servers import LOOPBACK
 
 MiB = 1024 * 1024
 SIZE_UNITS = {"": 1, "B": 1, "KiB": 1024, "MiB": MiB, "GiB": 1024 * MiB}
