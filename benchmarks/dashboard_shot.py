@@ -100,10 +100,10 @@ def screenshot(url: str, path: Path, profile: Path) -> None:
         raise RuntimeError(f"chromium wrote no screenshot to {path}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "dashboard.png")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="megacache-dash-"))
     with LocalServer(work / "data") as server:
         seed(server.url)

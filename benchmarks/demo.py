@@ -36,7 +36,7 @@ def say(message: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp",
                         choices=("mlp", "transformer", "dlrm", "conv", "gpt2"))
@@ -48,7 +48,7 @@ def main() -> int:
     parser.add_argument("--warm-from", choices=("same", "empty"), default="same",
                         help="empty: machine B asks a second, empty server (what the report "
                              "says when the new machine loads nothing)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="megacache-demo-"))
     root.mkdir(parents=True, exist_ok=True)

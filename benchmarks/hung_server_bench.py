@@ -144,7 +144,7 @@ def scenario(url: str, root: Path, name: str, extra: dict[str, str], ranks: int
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--out", type=Path,
@@ -156,7 +156,7 @@ def main() -> int:
                         help="only the load step of --ranks processes (the older table)")
     parser.add_argument("--trainer-only", action="store_true",
                         help="only the trainer table (no URL / down / hung)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

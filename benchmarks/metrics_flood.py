@@ -25,7 +25,7 @@ from benchmarks.harness.benchlib import text_table, write_json
 from benchmarks.harness.servers import LocalServer
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", type=int, default=2000)
     ap.add_argument("--unbounded", action="store_true", help="lift both budgets (as before)")
@@ -63,4 +63,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -60,12 +60,12 @@ def one(name: str, corpus: bool) -> dict[str, object]:
             "check_s": round(time.monotonic() - started, 2), "failed": failed}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mlp,transformer,dlrm,conv")
     parser.add_argument("--corpus", default="", help="harness/corpus_job.py models instead")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(one(args.one, bool(args.corpus))), flush=True)
         return

@@ -93,11 +93,11 @@ def job(url: str, root: Path, model: str, ranks: int, stages: str, kill: bool
             "entry_puts": after["entry"] - before["entry"]}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2, choices=(2, 3, 4))
     parser.add_argument("--out", type=Path, default=HERE / "results" / "ranks.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out: dict[str, Any] = {"command": " ".join(["python", *sys.argv]), "ranks": args.ranks,
                            "jobs": []}
     with tempfile.TemporaryDirectory() as tmp:

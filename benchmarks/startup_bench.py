@@ -117,14 +117,14 @@ def table(result: dict) -> str:
          for r in result["rows"]))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40, help="runs of each variant")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "startup.json")
     parser.add_argument("--write-results", action="store_true",
                         help="also replace the startup section of RESULTS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     result = run(args.rounds)
     write_json(args.out, result, indent=2)
     print(table(result))
