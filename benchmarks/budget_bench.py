@@ -35,6 +35,7 @@ from benchmarks.harness import CORPUS_JOB, benchlib
 from benchmarks.harness.benchlib import log
 from benchmarks.harness.benchlib import median_of_present as median
 from benchmarks.harness.machines import GxxCounter, run_job
+from benchmarks.harness.record import make_record, write_record
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "results" / "budget.json"
@@ -199,9 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs = run(bench, models, args.repeats, hf_job if args.hf else bench_job)
     rows = summarize(jobs, models)
     out = args.out or (DEFAULT_HF_OUT if args.hf else DEFAULT_OUT)
-    benchlib.write_json(out, {"date": benchlib.utc_now(), "argv": argv,
-                                   "machine": benchlib.machine_info(), "summary": rows,
-                                   "jobs": jobs})
+    write_record(make_record("budget_bench", argv, rows, jobs=jobs), out)
     print(render(rows))
     return 0 if all(j.get("ok") for j in jobs) else 1
 

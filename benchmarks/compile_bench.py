@@ -38,6 +38,7 @@ from benchmarks.harness.machines import (
     run_job,
 )
 from benchmarks.harness.other_path import DEFAULT_VENV, OtherPath
+from benchmarks.harness.record import make_record, write_record
 from benchmarks.harness.results_md import write_section
 from benchmarks.harness.servers import LocalRedis, LocalServer, redis_server_exe
 
@@ -595,7 +596,7 @@ SECTION_TITLES = {"compile": "Compile benchmark results",
 def write_results_md(report: dict[str, Any], chart: Path | None,
                      section: str = "compile") -> None:
     """Regenerate one section of RESULTS.md from one run (other sections stay)."""
-    m, rows = report["machine"], report["summary"]
+    m, rows = report["machine"], report["rows"]
     title = SECTION_TITLES.get(section, "Time to start: precompiled Dynamo and prefetch "
                                         "(compile benchmark)")
     lines = [
@@ -702,13 +703,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       args.device, triton)
         jobs = run_benchmark(bench, args.models, args.scenarios, args.repeats)
     rows = summarize(jobs, args.models, args.scenarios)
-    report = {
-        "date": benchlib.utc_now(), "argv": argv, "repeats": args.repeats, "steps": args.steps,
-        "machine": compile_machine_info(), "summary": rows, "jobs": jobs,
-        "device": args.device,
-        "gpu": next((j["gpu"] for j in jobs if j.get("gpu")), None),
-    }
-    benchlib.write_json(args.out, report)
+    report = make_record(
+        "compile_bench", argv, rows, goals=start_goals(rows), machine=compile_machine_info(),
+        repeats=args.repeats, steps=args.steps, jobs=jobs, device=args.device,
+        gpu=next((j["gpu"] for j in jobs if j.get("gpu")), None))
+    write_record(report, args.out)
     chart = args.out.with_suffix(".png")
     have_chart = write_chart(rows, chart)
     print(render_text(rows))

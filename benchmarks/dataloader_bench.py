@@ -26,11 +26,9 @@ from typing import Any
 from benchmarks.harness.benchlib import (
     BENCH_DIR,
     log,
-    machine_info,
     text_table,
-    utc_now,
-    write_json,
 )
+from benchmarks.harness.record import given_argv, make_record, write_record
 
 STEP_S = 0.010
 
@@ -86,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                         "share_of_10ms_step": share}
         rows.append((way, f"{ns:.0f}", f"{extra:+.0f}", f"{100 * share:.5f}%"))
     print(text_table(("way", "ns per batch", "extra ns", "of a 10 ms step"), rows))
-    write_json(args.out, {"generated": utc_now(), "machine": machine_info(),
-                          "args": vars(args) | {"out": str(args.out)}, "summary": summary,
-                          "runs_ns": found})
+    write_record(make_record("dataloader_bench", given_argv(argv),
+                             [{"way": way, **row} for way, row in summary.items()],
+                             runs_ns=found), args.out)
     log(f"wrote {args.out}")
     return 0
 

@@ -37,14 +37,13 @@ import httpx
 from benchmarks.harness.benchlib import (
     BENCH_DIR,
     log,
-    machine_info,
     percentile,
     pyplot,
     save_figure,
     temp_root,
     text_table,
-    write_json,
 )
+from benchmarks.harness.record import given_argv, make_record, write_record
 from benchmarks.harness.servers import LocalRedis, LocalSeaweedS3, LocalServer
 
 CATEGORIES = ("training", "startup", "compile", "checkpoint_save", "checkpoint_restore",
@@ -264,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for flush_s in args.flush_s.split(","):
                 rows.append(run_backend(backend, args, root / f"{backend.replace('+', '-')}"
                                         f"-{flush_s or 'default'}", flush_s))
-    write_json(args.out, {"machine": machine_info(), "argv": sys.argv[1:], "rows": rows})
+    write_record(make_record("ett_bench", given_argv(argv), rows), args.out)
     plot(rows[0]["timeline"], args.out.with_suffix(".png"))
     print(text_table(
         ("backend", "flush s", "jobs", "beats/s", "lookup p99 idle ms", "lookup p99 beating ms",

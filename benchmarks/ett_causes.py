@@ -33,13 +33,11 @@ from benchmarks.harness import ETT_CAUSES_JOB
 from benchmarks.harness.benchlib import (
     BENCH_DIR,
     log,
-    machine_info,
     temp_root,
     text_table,
-    utc_now,
-    write_json,
 )
 from benchmarks.harness.machines import Machine, clean_env, run_job
+from benchmarks.harness.record import given_argv, make_record, write_record
 from benchmarks.harness.servers import LocalServer
 
 JOB = ETT_CAUSES_JOB
@@ -178,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             (name, f"{s:.3f}", "-" if c is None else f"{c:.3f}")
             for name, (s, c) in f["components"].items() if s or c]))
         break  # one restart's bar
-    write_json(args.out, {"generated": utc_now(), "machine": machine_info(),
-                          "causes": found})
+    write_record(make_record("ett_causes", given_argv(argv),
+                             [{"cause": cause, **row} for cause, row in found.items()]),
+                 args.out)
     log(f"wrote {args.out}")
     return 0
 

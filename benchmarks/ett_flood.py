@@ -44,12 +44,11 @@ from benchmarks.ett_bench import MISS, post, server_on, summary
 from benchmarks.harness.benchlib import (
     BENCH_DIR,
     log,
-    machine_info,
     proc_field,
     temp_root,
     text_table,
-    write_json,
 )
+from benchmarks.harness.record import given_argv, make_record, write_record
 from benchmarks.harness.servers import LocalServer
 from benchmarks.scale_bench import Lookups
 
@@ -304,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with temp_root("ett-flood-", args.keep) as root:
         result = run(args, root)
     print(table(result))
-    write_json(args.out, {"argv": sys.argv, "machine": machine_info(), **result})
+    write_record(make_record("ett_flood", given_argv(argv), [result]), args.out)
     log(f"wrote {args.out}")
     return 0
 

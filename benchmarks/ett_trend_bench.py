@@ -33,12 +33,10 @@ import httpx
 from benchmarks.harness.benchlib import (
     BENCH_DIR,
     log,
-    machine_info,
     temp_root,
     text_table,
-    utc_now,
-    write_json,
 )
+from benchmarks.harness.record import given_argv, make_record, write_record
 from benchmarks.harness.servers import LocalServer
 from megacache_client.wire.progress import CAUSES, ProgressRecord
 from megacache_server.service import ett, ett_trend
@@ -170,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text_table(("backend", "read", "rows", "p50 ms", "p90 ms", "CPU p50 ms"),
                      [(f["backend"], f["read"], str(f["rows"]), f"{f['p50_ms']:.1f}",
                        f"{f['p90_ms']:.1f}", str(f.get("cpu_p50_ms", "-"))) for f in found]))
-    write_json(args.out, {"generated": utc_now(), "machine": machine_info(),
-                          "jobs": args.jobs, "models": args.models, "reads": found})
+    write_record(make_record("ett_trend_bench", given_argv(argv), found, jobs=args.jobs,
+                             models=args.models), args.out)
     log(f"wrote {args.out}")
     return 0
 

@@ -76,8 +76,8 @@ from benchmarks.harness.benchlib import (
     temp_root,
     text_table,
     utc_now,
-    write_json,
 )
+from benchmarks.harness.record import make_record, write_record
 from benchmarks.harness.results_md import write_section
 from benchmarks.harness.servers import LocalRedis, LocalSeaweedS3, LocalServer
 
@@ -685,13 +685,14 @@ def main(argv: list[str] | None = None) -> int:
                   "and load the bundle into it; the others run the client's lookup, fetch, "
                   "verify and place with the producer's torch facts (2 cores cannot hold "
                   "128 torch imports)")
-    result = {"date": utc_now(), "argv": argv_list,
-              "machine": machine_info({"torch": "torch"}), **measured,
-              "torch_note": torch_note, "goals": goals(rows)}
+    result = make_record("fleet_bench", argv_list, rows, goals=goals(rows),
+                         machine=machine_info({"torch": "torch"}),
+                         **{k: v for k, v in measured.items() if k != "rows"},
+                         torch_note=torch_note)
     chart_path = args.out.with_suffix(".png")
     if chart(rows, chart_path):
         result["chart"] = str(chart_path)
-    write_json(args.out, result, indent=2)
+    write_record(result, args.out, indent=2)
     print(text_table(HEADER, table_rows(rows)))
     print()
     print(f"entry: {measured['entry']['blobs']}")

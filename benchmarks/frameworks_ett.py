@@ -32,13 +32,11 @@ from benchmarks.harness import FRAMEWORK_JOB
 from benchmarks.harness.benchlib import (
     BENCH_DIR,
     log,
-    machine_info,
     temp_root,
     text_table,
-    utc_now,
-    write_json,
 )
 from benchmarks.harness.machines import Machine, run_job
+from benchmarks.harness.record import given_argv, make_record, write_record
 from benchmarks.harness.servers import LocalServer
 
 JOB = FRAMEWORK_JOB
@@ -127,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                     for name, (s, c) in found[fw]["figures"].items()]))
         finally:
             server.stop()
-    write_json(args.out, {"generated": utc_now(), "machine": machine_info(),
-                          "frameworks": found})
+    write_record(make_record("frameworks_ett", given_argv(argv),
+                             [{"framework": fw, **row} for fw, row in found.items()]),
+                 args.out)
     log(f"wrote {args.out}")
     return 0
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import TRAIN_JOB
+from benchmarks.harness.record import given_argv, make_record, write_record
 from benchmarks.harness.results_md import write_section
 
 RANK = """
@@ -181,9 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer_md = ""
     if args.trainer_only:
         listener.close()
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"trainer": trainer_summary,
-                                        "trainer_runs": trainer_rows}, indent=2))
+        write_record(make_record("hung_server_bench", given_argv(argv), trainer_summary,
+                                 trainer_runs=trainer_rows), args.out, indent=2)
         return 0
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(len(SCENARIOS)) as pool:
         futures = [pool.submit(scenario, url, Path(tmp) / str(n), name, extra, args.ranks)
@@ -206,13 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         f"| {s['scenario']} | {s['wave']} | {s['ranks']} | {s['median_wait_s']} | "
         f"{s['max_wait_s']} | {', '.join(s['outcomes'])} |" for s in summary]
     print("\n".join(table))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"trainer": trainer_summary, "trainer_runs": trainer_rows,
-                                    "summary": summary, "ranks": rows,
-                                    "wall_s": round(time.monotonic() - started, 1)}, indent=2))
+    write_record(make_record("hung_server_bench", given_argv(argv), trainer_summary,
+                             trainer_runs=trainer_rows, ranks_summary=summary, ranks=rows,
+                             wall_s=round(time.monotonic() - started, 1)),
+                 args.out, indent=2)
     if not args.no_results_md:
         write_section("hung", "## Hung server: seconds each rank waits before compiling cold\n\n"
-                      "`python benchmarks/hung_server_bench.py --ranks "
+                      "`python -m benchmarks hung_server_bench --ranks "
                       f"{args.ranks}`: a server that accepts connections and never answers; "
                       "default timeouts (read 30 s, 2 retries). Wave 2 starts after wave 1 "
                       "is done.\n\n" + "\n".join(table) + trainer_md)

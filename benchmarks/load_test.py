@@ -40,6 +40,7 @@ import httpx
 
 from benchmarks.harness import HOSTILE
 from benchmarks.harness.benchlib import percentile
+from benchmarks.harness.record import given_argv, make_record, write_record
 from benchmarks.harness.servers import LocalServer
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 
@@ -277,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     result["server_workers"] = args.workers if server is not None else None
     result["server_nofile"] = args.server_nofile if server is not None else None
     print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_record(make_record("load_test", given_argv(argv), [result]), args.out, indent=2)
     return 0 if result["errors"] == 0 and not result["writes_lost_or_corrupt"] else 1
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.harness.benchlib import text_table, write_json
+from benchmarks.harness.benchlib import text_table
+from benchmarks.harness.record import given_argv, make_record, write_record
 from benchmarks.harness.servers import LocalServer
 
 
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text_table(["models posted", "budgets", "bytes", "lines", "series per namespace"],
                      [[str(args.models), "lifted" if args.unbounded else "default",
                        str(found["scrape_bytes"]), str(found["scrape_lines"]), str(series)]]))
-    write_json(args.out, found)
+    write_record(make_record("metrics_flood", given_argv(argv), [found]), args.out)
     return 0
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from benchmarks.harness import benchlib
 from benchmarks.harness.benchlib import fmt_num, log, median_of_present
 from benchmarks.harness.machines import Machine, nothing_loaded, run_job
+from benchmarks.harness.record import given_argv, make_record, write_record
 from benchmarks.harness.results_md import write_section
 from benchmarks.harness.servers import LocalServer
 
@@ -181,7 +182,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = given_argv(argv)
     args = parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -193,12 +195,13 @@ def main(argv: Sequence[str]) -> int:
                              args.steps, args.timeout)
     rows = summarize(jobs, models, scenarios)
     print(table(rows, markdown=False))
-    report = {"date": benchlib.utc_now(), "argv": list(argv), "loader_s": args.loader_s,
-              "repeats": args.repeats, "goal": GOAL,
-              "scenarios": {k: v[2] for k, v in SCENARIOS.items() if k in scenarios},
-              "machine": benchlib.machine_info({"torch": "torch"}), "summary": rows,
-              "jobs": jobs}
-    benchlib.write_json(args.out, report)
+    report = make_record(
+        "overlap_bench", argv, rows,
+        goals=[f"a start with a slow loader and warm_up <= {GOAL}x max(compile, loader)"],
+        machine=benchlib.machine_info({"torch": "torch"}),
+        loader_s=args.loader_s, repeats=args.repeats,
+        scenarios={k: v[2] for k, v in SCENARIOS.items() if k in scenarios}, jobs=jobs)
+    write_record(report, args.out)
     log(f"wrote {args.out}")
     if args.write_results:
         write_section("overlap", "\n".join([

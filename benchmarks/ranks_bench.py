@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import STAGE_JOB
+from benchmarks.harness.machines import GxxCounter, clean_env
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.servers import LocalServer, free_port
 
 HERE = Path(__file__).resolve().parent
-
-from benchmarks.harness.machines import GxxCounter, clean_env  # noqa: E402
-from benchmarks.harness.servers import LocalServer, free_port  # noqa: E402
 
 
 def puts(url: str) -> dict[str, float]:
@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=2, choices=(2, 3, 4))
     parser.add_argument("--out", type=Path, default=HERE / "results" / "ranks.json")
     args = parser.parse_args(argv)
-    out: dict[str, Any] = {"command": " ".join(["python", *sys.argv]), "ranks": args.ranks,
-                           "jobs": []}
+    out: dict[str, Any] = {"ranks": args.ranks, "jobs": []}
     with tempfile.TemporaryDirectory() as tmp:
         server = LocalServer(Path(tmp) / "data").start()
         try:
@@ -132,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         f"| {j['job']} | {j['scenario']} | {j['job_to_first_step_s']} | "
         f"{j['blob_puts']:.0f} | {j['entry_puts']:.0f} |" for j in out["jobs"]]
     print("\n".join(table) + "\n\n" + "\n".join(jobs))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    write_record(make_record("ranks_bench", given_argv(argv), out["jobs"], ranks=args.ranks),
+                 args.out, indent=2)
     return 0
 
 

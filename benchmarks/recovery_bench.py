@@ -118,13 +118,11 @@ from benchmarks.harness.benchlib import (  # noqa: E402
     BENCH_DIR,
     fmt_num,
     log,
-    machine_info,
     median,
     text_table,
-    utc_now,
-    write_json,
 )
 from benchmarks.harness.machines import GxxCounter, Machine, clean_env  # noqa: E402
+from benchmarks.harness.record import given_argv, make_record, write_record  # noqa: E402
 from benchmarks.harness.servers import LocalServer  # noqa: E402
 
 
@@ -243,11 +241,12 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     summary = summarise(runs)
     print(report(summary))
-    write_json(args.out, {"generated": utc_now(), "machine": machine_info(),
-                          "args": {k: str(v) for k, v in vars(args).items()},
-                          "summary": summary,
-                          "runs": {w: [{k: v for k, v in run.items() if k != "attempts"}
-                                       for run in rs] for w, rs in runs.items()}})
+    rows = [{"way": way, **row} for way, row in summary["ways"].items()]
+    write_record(make_record(
+        "recovery_bench", given_argv(argv), rows,
+        server_minus_clock=summary["server_minus_clock"],
+        runs={w: [{k: v for k, v in run.items() if k != "attempts"} for run in rs]
+              for w, rs in runs.items()}), args.out)
     log(f"wrote {args.out}")
     return 0
 

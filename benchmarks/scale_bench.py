@@ -73,9 +73,8 @@ from benchmarks.harness.benchlib import (
     pyplot,
     save_figure,
     temp_root,
-    utc_now,
-    write_json,
 )
+from benchmarks.harness.record import given_argv, make_record, write_record
 from benchmarks.harness.results_md import write_section
 from benchmarks.harness.servers import (
     LocalRedis,
@@ -959,7 +958,7 @@ def _jobs_line(rows: list[dict[str, Any]]) -> str:
 
 def markdown(result: dict[str, Any], command: str) -> str:
     m = result["machine"]
-    missed = result["goals_missed"]
+    missed = result["goals"]
     return "\n".join([
         "# Store at scale",
         "",
@@ -1040,13 +1039,16 @@ def parse(argv: list[str] | None = None) -> Args:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop children on the way out
-    command = " ".join(sys.argv[1:] if argv is None else argv)
+    argv = given_argv(argv)
+    command = " ".join(argv)
     rows: list[dict[str, Any]] = []
     if args.from_json:
         runs = [json.loads(p.read_text()) for p in args.from_json]
         rows = [r for run in runs for r in run["rows"]]
-        command = "; python benchmarks/scale_bench.py ".join(
-            run["command"].removeprefix("python benchmarks/scale_bench.py ") for run in runs)
+        command = "; python -m benchmarks scale_bench ".join(
+            " ".join(run["argv"]) if "argv" in run  # a record; before it, a command line
+            else run["command"].removeprefix("python benchmarks/scale_bench.py ")
+            for run in runs)
         args.n_fast, args.n_slow = runs[0]["n_fast"], runs[0]["n_slow"]
     else:
         with workdir(args.workdir) as root:
@@ -1055,11 +1057,11 @@ def main(argv: list[str] | None = None) -> int:
     measured_on = machine()
     if args.from_json and "git_commit" in runs[0]["machine"]:
         measured_on = runs[0]["machine"]  # the commit and machine that measured the rows
-    result = {"date": utc_now(), "machine": measured_on, "command": command,
-              "n_fast": args.n_fast, "n_slow": args.n_slow, "notes": args.notes, "rows": rows}
     missed = goals(rows)
-    result["goals_missed"] = missed
-    write_json(args.out, result, indent=2)
+    result = make_record("scale_bench", argv, rows, goals=missed, machine=measured_on,
+                         measured_with=command, n_fast=args.n_fast, n_slow=args.n_slow,
+                         notes=args.notes)
+    write_record(result, args.out, indent=2)
     print(table(rows))
     print("\n" + "\n".join(["goals missed:", *missed] if missed else ["all goals met"]))
     if args.chart is not None:

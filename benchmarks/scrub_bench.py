@@ -30,15 +30,13 @@ import httpx
 from benchmarks.harness.benchlib import (
     generated_by,
     log,
-    machine_info,
     machine_line,
     markdown_table,
     percentile,
     temp_root,
     text_table,
-    utc_now,
-    write_json,
 )
+from benchmarks.harness.record import given_argv, make_record, write_record
 from benchmarks.harness.results_md import write_section
 from benchmarks.harness.servers import LocalServer
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
@@ -143,10 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows]
     print(text_table(header, cells))
     print(f"p99 with the scrub on / off: {ratio:.2f}x" if ratio else "p99 ratio: n/a")
-    report = {"date": utc_now(), "argv": sys.argv[1:] if argv is None else argv,
-              "machine": machine_info(), "rate": args.rate, "blobs": args.blobs,
-              "blob_mib": args.blob_mib, "rows": rows, "p99_ratio": ratio}
-    write_json(args.out, report)
+    report = make_record("scrub_bench", given_argv(argv), rows, rate=args.rate,
+                         blobs=args.blobs, blob_mib=args.blob_mib, p99_ratio=ratio)
+    write_record(report, args.out)
     if args.write_results:
         lines = ["## The scrub's cost on lookups", "", *generated_by("scrub_bench.py",
                                                                       report["argv"]),

@@ -52,9 +52,8 @@ from benchmarks.harness.benchlib import (
     parse_list,
     parse_size,
     temp_root,
-    utc_now,
-    write_json,
 )
+from benchmarks.harness.record import make_record, write_record
 from benchmarks.harness.results_md import write_section
 from benchmarks.harness.servers import redis_server_exe
 from benchmarks.serverbench.fixtures import create_entry, make_blob, put_fixture
@@ -186,18 +185,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     with temp_root("server_bench.", args.keep_temp) as root:
         measured = run_benchmark(args, root)
-    report: dict[str, Any] = {
-        "date": utc_now(), "argv": argv, "machine": server_machine_info(), "workers": WORKERS,
-        "log_level": "warning", "repeats": args.repeats, "duration_s": args.duration,
-        "put_duration_s": args.put_duration, **measured,
-    }
+    tables = {job: measured.pop(job) for job in ("get", "put", "lookup")}
+    report = make_record(
+        "server_bench", argv, tables, machine=server_machine_info(), workers=WORKERS,
+        log_level="warning", repeats=args.repeats, duration_s=args.duration,
+        put_duration_s=args.put_duration, **measured)
     report["goals"] = goals(report)
     print(render_tables(report))
     print()
     print(render_goals(report))
     chart: Path | None = None
     if args.out is not None:
-        write_json(args.out, report)
+        write_record(report, args.out)
         chart = args.out.with_suffix(".png")
         if not write_chart(report, chart):
             chart = None
@@ -205,9 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_results_md:
         write_section("server", render_section(report, chart))
         log("wrote the server section of benchmarks/RESULTS.md")
-    errors = sum(r[t]["errors"] for r in report["get"] + report["put"]
+    errors = sum(r[t]["errors"] for r in tables["get"] + tables["put"]
                  for t in ("ours", "nginx", "redis") if t in r)
-    errors += sum(r["errors"] for r in report["lookup"])
+    errors += sum(r["errors"] for r in tables["lookup"])
     if errors:
         log(f"{errors} failed requests: see {args.out}")
     return 1 if errors else 0

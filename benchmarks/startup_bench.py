@@ -31,7 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness.benchlib import machine_info, markdown_table, utc_now, write_json
+from benchmarks.harness.benchlib import markdown_table
+from benchmarks.harness.record import given_argv, make_record, write_record
 from benchmarks.harness.results_md import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,9 +105,9 @@ def run(rounds: int) -> dict:
                      "min_ms": round(min(ms), 2), "added_ms": round(med - base, 2),
                      "vs_no_hook": round(med / base, 3)})
     added = next(r["added_ms"] for r in rows if r["variant"] == "hook")
-    return {"benchmark": "startup", "command": "python -c pass, MEGACACHE_URL set",
+    return {"measures": "python -c pass, MEGACACHE_URL set",
             "goal_added_ms": GOAL_MS, "hook_added_ms": added, "goal_met": added <= GOAL_MS,
-            "rows": rows, "machine": machine_info(), "date": utc_now()}
+            "rows": rows}
 
 
 def table(result: dict) -> str:
@@ -125,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-results", action="store_true",
                         help="also replace the startup section of RESULTS.md")
     args = parser.parse_args(argv)
-    result = run(args.rounds)
-    write_json(args.out, result, indent=2)
+    measured = run(args.rounds)
+    result = make_record(
+        "startup_bench", given_argv(argv), measured.pop("rows"),
+        goals=[{"goal": f"the hook adds <= {GOAL_MS} ms", "met": measured["goal_met"]}],
+        **measured)
+    write_record(result, args.out, indent=2)
     print(table(result))
     verdict = "met" if result["goal_met"] else "MISSED"
     print(f"\nhook adds {result['hook_added_ms']:+.1f} ms (median) to `python -c pass` with "

@@ -3,13 +3,18 @@ They check that the scripts work, never how fast anything is."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 from conftest import ensure_tools, need
+
+from benchmarks.harness.record import FIELDS, make_record, write_record
 
 pytestmark = pytest.mark.e2e
 
@@ -29,6 +34,89 @@ def assert_chart(path: Path, figsize: tuple[float, float], dpi: int) -> None:
     assert colours is not None and len(colours) > 1, f"{path} is blank"
 
 
+def benchmark_modules() -> list[str]:
+    """The benchmarks as the file system has them: benchmarks/*.py but the package's own."""
+    return sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")
+                  if not p.name.startswith("__"))
+
+
+def test_the_runner_lists_every_benchmark_with_what_it_answers() -> None:
+    """`python -m benchmarks --list` names each module of benchmarks/ once, with the opening
+    of its docstring; each has the `main(argv)` the runner calls; no helper of the harness
+    is listed."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "--list"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    listed = dict(line.split(None, 1) for line in run.stdout.splitlines())
+    assert sorted(listed) == benchmark_modules()
+    assert {"compile_bench", "server_bench", "nightly"} <= set(listed)
+    assert not set(listed) & {"machines", "servers", "models", "benchlib", "train_job"}
+    for name, what in listed.items():
+        assert what.strip() and "(no docstring)" not in what, name
+        tree = ast.parse((ROOT / "benchmarks" / f"{name}.py").read_text())
+        main = next((f for f in tree.body if isinstance(f, ast.FunctionDef)
+                     and f.name == "main"), None)
+        assert main is not None and len(main.args.args) == 1, f"{name}: no main(argv)"
+        assert main.args.defaults, f"{name}: main(argv) needs argv=None (run as a script)"
+    assert "[--quick --write-results]" in listed["compile_bench"]
+
+
+def test_the_runner_refuses_a_name_that_is_no_benchmark() -> None:
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "machines"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "no benchmark 'machines'" in run.stderr, run.stderr
+    assert "compile_bench" in run.stderr  # the names it would take
+
+
+def test_a_quick_benchmark_runs_through_the_runner_and_writes_the_one_record(
+        tmp_path: Path) -> None:
+    """`python -m benchmarks NAME --quick` passes the benchmark its own options and the
+    JSON it writes opens with the record's fields, filled."""
+    need("torch")
+    out = tmp_path / "dataloader.json"
+    argv = ["--quick", "--out", str(out)]
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "dataloader_bench", *argv],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert list(record)[:len(FIELDS)] == list(FIELDS)
+    assert record["benchmark"] == "dataloader_bench" and record["argv"] == argv
+    assert datetime.fromisoformat(record["date"]).tzinfo is not None
+    assert record["machine"]["cores"] > 0 and record["machine"]["git_commit"]
+    import torch
+
+    assert record["torch"] == torch.__version__
+    assert record["goals"] == []
+    ways = {row["way"]: row for row in record["rows"]}
+    assert len(ways) == 3 and all(row["ns_per_batch"] > 0 for row in ways.values()), ways
+    assert "runs_ns" in record  # the benchmark's own field, after the common ones
+
+
+def test_the_record_keeps_its_own_fields_its_own(tmp_path: Path) -> None:
+    """A benchmark's field may not shadow a common one, and what is written is a record."""
+    record = make_record("x_bench", ["--quick"], [{"a": 1}], goals=["g"], machine={"m": 1},
+                         extra=2)
+    assert record["benchmark"] == "x_bench" and record["extra"] == 2
+    assert record["machine"] == {"m": 1} and record["goals"] == ["g"]
+    with pytest.raises(ValueError, match="torch"):
+        make_record("x_bench", [], [], torch="2.0")
+    with pytest.raises(ValueError, match="missing"):
+        write_record({"benchmark": "x_bench", "rows": []}, tmp_path / "x.json")
+    assert write_record(record, tmp_path / "x.json") == tmp_path / "x.json"
+    assert json.loads((tmp_path / "x.json").read_text()) == record
+
+
+def test_every_benchmark_writes_json_through_the_one_helper() -> None:
+    """A benchmark that writes its results file by hand would bring back the many
+    formats: each module that writes JSON does it with write_record."""
+    by_hand = []
+    for name in benchmark_modules():
+        source = (ROOT / "benchmarks" / f"{name}.py").read_text()
+        if re.search(r"write_json\(|\bout\b\S*\.write_text\(json\.dumps", source):
+            by_hand.append(name)  # its results file (`--out`), by hand
+    assert not by_hand, f"write a record with benchmarks.harness.record: {by_hand}"
+
+
 def test_compile_bench_quick_writes_valid_json(tmp_path: Path):
     need("torch")
     out = tmp_path / "compile.json"
@@ -37,7 +125,7 @@ def test_compile_bench_quick_writes_valid_json(tmp_path: Path):
                          timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
-    rows = {(r["model"], r["scenario"]): r for r in result["summary"]}
+    rows = {(r["model"], r["scenario"]): r for r in result["rows"]}
     assert set(rows) == {("mlp", "cold"), ("mlp", "megacache")}
     for row in rows.values():
         assert row["ok"] == row["runs"] == 1
@@ -58,13 +146,13 @@ def test_server_bench_quick_writes_tables_json_and_chart(tmp_path: Path):
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [(r["size_mib"], r["readers"]) for r in report["get"]] == [(1, 1), (1, 16)]
-    for row in report["get"] + report["put"]:
+    assert [(r["size_mib"], r["readers"]) for r in report["rows"]["get"]] == [(1, 1), (1, 16)]
+    for row in report["rows"]["get"] + report["rows"]["put"]:
         for target in ("ours", "nginx"):
             assert row[target]["errors"] == 0 and row[target]["mb_s"] > 0
             assert len(row[target]["runs"]) == 1
-    assert {r["target"] for r in report["lookup"]} == {"ours", "healthz", "nginx"}
-    assert all(r["errors"] == 0 and r["requests_s"] > 0 for r in report["lookup"])
+    assert {r["target"] for r in report["rows"]["lookup"]} == {"ours", "healthz", "nginx"}
+    assert all(r["errors"] == 0 and r["requests_s"] > 0 for r in report["rows"]["lookup"])
     assert report["machine"]["git_commit"] and report["manifest_bytes"] > 0
     assert [g["met"] for g in report["goals"]][0] is None  # 64 MiB x16 is not in --quick
     assert_chart(out.with_suffix(".png"), (15, 4.8), dpi=110)  # serverbench/report.py
