@@ -1,7 +1,7 @@
 """The budget of a new machine: process start -> end of step 1, part by part, against eager.
 
-    python benchmarks/budget_bench.py [--models mlp,transformer | all] [--repeats 3]
-    python benchmarks/budget_bench.py --hf [--models gpt2,llama | all] [--repeats 2]
+    python -m benchmarks budget_bench [--models mlp,transformer | all] [--repeats 3]
+    python -m benchmarks budget_bench --hf [--models gpt2,llama | all] [--repeats 2]
 
 Issue 48: a new machine (fresh local caches, warm server, client defaults) should start
 within 1.1x of the same trainer without torch.compile (eager) on the MLP, 1.25x on the

@@ -1,7 +1,7 @@
 """Time to first training step with and without a remote compile cache, job by job.
 
-    python benchmarks/compile_bench.py --quick
-    python benchmarks/compile_bench.py --models mlp,transformer,dlrm --repeats 3 --write-results
+    python -m benchmarks compile_bench --quick
+    python -m benchmarks compile_bench --models mlp,transformer,dlrm --repeats 3 --write-results
 
 Every job is a fresh `train_job.py` process with its own Inductor/Triton cache dirs and its
 own TMPDIR (Inductor keeps precompiled headers there), so each one sees what a new machine

@@ -1,6 +1,6 @@
 """Seed a server with a week of realistic runs and photograph its dashboard.
 
-    python benchmarks/dashboard_shot.py            # writes benchmarks/results/dashboard.png
+    python -m benchmarks dashboard_shot            # writes benchmarks/results/dashboard.png
 
 The README's screenshot comes from here; the dashboard test uses the same seeding and the
 same headless Chromium calls to check the page shows what the API says.

@@ -7,8 +7,8 @@ dataloading.py`). Here the wrapper is timed around a `__next__` whose batch is r
 unwrapped, wrapped with telemetry off (the wrapper asks and calls through), wrapped and
 timing (rank 0's loop thread). The cost per batch is set beside a 10 ms training step.
 
-    python benchmarks/dataloader_bench.py             # 1,000,000 calls, 7 repeats (~15 s)
-    python benchmarks/dataloader_bench.py --quick     # 100,000 calls, 3 repeats
+    python -m benchmarks dataloader_bench             # 1,000,000 calls, 7 repeats (~15 s)
+    python -m benchmarks dataloader_bench --quick     # 100,000 calls, 3 repeats
 
 Results: a table on stdout, JSON (`--out`, default benchmarks/results/dataloader.json).
 """

@@ -1,6 +1,6 @@
 """The main job: a cold start, then a new machine that starts warm from megacache.
 
-    python benchmarks/demo.py [--model mlp|transformer|dlrm|conv|gpt2] [--device cuda]
+    python -m benchmarks demo [--model mlp|transformer|dlrm|conv|gpt2] [--device cuda]
 
 Starts the embedded server (local disk + SQLite) on a free loopback port, runs a small
 training job on "machine A" with empty caches (it compiles cold and publishes), then the

@@ -14,9 +14,9 @@ For each backend (sqlite+fs, redis+s3), against one real server (one worker):
 
 Results: a table on stdout, JSON (`--out`, default benchmarks/results/ett_bench.json).
 
-    python benchmarks/ett_bench.py                       # 10,000 jobs, both backends
-    python benchmarks/ett_bench.py --quick               # 200 jobs: checks the script works
-    python benchmarks/ett_bench.py --flush-s 0,1         # beats written one by one, then
+    python -m benchmarks ett_bench                       # 10,000 jobs, both backends
+    python -m benchmarks ett_bench --quick               # 200 jobs: checks the script works
+    python -m benchmarks ett_bench --flush-s 0,1         # beats written one by one, then
                                                          # coalesced (a row each)
 """
 

@@ -10,8 +10,8 @@ command: its next attempt), or, for `elsewhere`, SIGKILLed and run again on anot
 unsaved training time and time to recover (server / the job's clock), and for one restart
 the components of its time to recover (server / the job's clock).
 
-    python benchmarks/ett_causes.py                       # every cause
-    python benchmarks/ett_causes.py --causes oom,sigkill
+    python -m benchmarks ett_causes                       # every cause
+    python -m benchmarks ett_causes --causes oom,sigkill
 
 Results: tables on stdout, JSON (`--out`, default benchmarks/results/ett_causes.json).
 tests/test_ett_causes.py holds the same figures to their bounds.

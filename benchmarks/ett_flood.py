@@ -19,9 +19,9 @@ index, fs blobs, one worker, auth off: the two tenants are two clients):
 
 Goal (issue 47): flooded lookup p99 <= 1.5x quiet, RSS growth from the reads <= +200 MiB.
 
-    python benchmarks/ett_flood.py                          # 1000 jobs x 64 attempts
-    python benchmarks/ett_flood.py --fill store             # the same, filled in seconds
-    python benchmarks/ett_flood.py --jobs 100 --attempts 8 --seconds 10   # a quick check
+    python -m benchmarks ett_flood                          # 1000 jobs x 64 attempts
+    python -m benchmarks ett_flood --fill store             # the same, filled in seconds
+    python -m benchmarks ett_flood --jobs 100 --attempts 8 --seconds 10   # a quick check
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ and over HTTP from a real server on the same store (SQLite; reads a second apart
 namespace's views may take a quarter of the server's time: `split_cache.Lane`). The table:
 rows read, and p50/p90 of the read, by backend and period.
 
-    python benchmarks/ett_trend_bench.py                      # 20,000 jobs, SQLite
-    python benchmarks/ett_trend_bench.py --jobs 2000 --reads 5   # a quick check
+    python -m benchmarks ett_trend_bench                      # 20,000 jobs, SQLite
+    python -m benchmarks ett_trend_bench --jobs 2000 --reads 5   # a quick check
 
 Results: a table on stdout, JSON (`--out`, default benchmarks/results/ett_trend.json).
 """

@@ -36,8 +36,8 @@ lookups per node (client requests to /v1/ac*); distinct resolutions (entry key +
 over all ranks; for the cold fleet, bundle uploads (ranks that sent bytes, and PUT
 /v1/cas answered 201 by the servers).
 
-    python benchmarks/fleet_bench.py --nodes 8,32,128 --ranks 2 --write-results
-    python benchmarks/fleet_bench.py --quick     # N = 4, 8: checks the script works
+    python -m benchmarks fleet_bench --nodes 8,32,128 --ranks 2 --write-results
+    python -m benchmarks fleet_bench --quick     # N = 4, 8: checks the script works
 """
 
 from __future__ import annotations

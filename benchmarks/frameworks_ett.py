@@ -8,8 +8,8 @@ is SIGKILLed 3 steps after step 10's checkpoint and resumed on the same node; it
 loader sleeps 10 ms a sample. The table: checkpoint save time (attempt 0), the restore,
 unsaved training time, time to recover and data wait (attempt 1), server and clock.
 
-    python benchmarks/frameworks_ett.py                 # every installed framework
-    python benchmarks/frameworks_ett.py --frameworks hf
+    python -m benchmarks frameworks_ett                 # every installed framework
+    python -m benchmarks frameworks_ett --frameworks hf
 
 Results: a table per framework on stdout, JSON (`--out`, default
 benchmarks/results/frameworks_ett.json). tests/test_frameworks.py holds the same figures.

@@ -1,6 +1,6 @@
 """One connection sends a 150 MiB header line; what does it cost the server and the others?
 
-    python benchmarks/header_flood.py                   # the server of this checkout
+    python -m benchmarks header_flood                   # the server of this checkout
     cd /tmp && PYTHONPATH=/other/checkout python /this/checkout/benchmarks/header_flood.py
 
 (the second form measures another version: run it outside any checkout, since

@@ -1,6 +1,6 @@
 """What a cache server that is down or hung costs a trainer, and the ranks of a node.
 
-    python benchmarks/hung_server_bench.py [--ranks 4] [--trainer-repeats 3]
+    python -m benchmarks hung_server_bench [--ranks 4] [--trainer-repeats 3]
                                            [--out benchmarks/results/hung.json]
 
 First, a trainer (train_job.py: a compiled MLP, 3 steps, cold, zero-code as users run it)

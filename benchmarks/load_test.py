@@ -1,8 +1,8 @@
 """Load test: many concurrent clients doing what trainers do, then check nothing was lost.
 
-    python benchmarks/load_test.py                 # 200 clients, 60 s + 60 s, server here
-    python benchmarks/load_test.py --clients 20 --seconds 5     # the test suite's short run
-    python benchmarks/load_test.py --no-hostile    # the well-behaved clients alone
+    python -m benchmarks load_test                 # 200 clients, 60 s + 60 s, server here
+    python -m benchmarks load_test --clients 20 --seconds 5     # the test suite's short run
+    python -m benchmarks load_test --no-hostile    # the well-behaved clients alone
 
 The mix per request: 70% entry lookups (job start: is there a bundle?), 20% blob
 downloads, 10% new entries (upload a blob, then its manifest). Bounded in time and count,

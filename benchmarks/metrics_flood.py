@@ -1,7 +1,7 @@
 """One tenant posts events under N distinct model names; what does a /metrics scrape cost?
 
-    python benchmarks/metrics_flood.py            # budgets as configured (the defaults)
-    python benchmarks/metrics_flood.py --models 2000 --unbounded   # budgets lifted: as before
+    python -m benchmarks metrics_flood            # budgets as configured (the defaults)
+    python -m benchmarks metrics_flood --models 2000 --unbounded   # budgets lifted: as before
 
 Runs a loopback server (auth off, event rate limit off), posts `--models` events each with
 a new model name (auth off: all in namespace `default`), then scrapes /metrics

@@ -1,7 +1,7 @@
 """Compile overlapped with the data loader: does a start cost max(compile, data), not the sum?
 
-    python benchmarks/overlap_bench.py --models mlp --repeats 3 --loader-s 5
-    python benchmarks/overlap_bench.py --quick
+    python -m benchmarks overlap_bench --models mlp --repeats 3 --loader-s 5
+    python -m benchmarks overlap_bench --quick
 
 A trainer whose DataLoader workers take `--loader-s` seconds to yield their first batch
 (`train_job.py --loader-s`: each worker sleeps in its worker_init_fn), timed from process

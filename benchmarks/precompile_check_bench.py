@@ -1,7 +1,7 @@
 """What the publisher's check of precompiled Dynamo output costs, model by model.
 
-    python benchmarks/precompile_check_bench.py --models mlp,transformer,dlrm,conv
-    python benchmarks/precompile_check_bench.py --corpus gpt2,llama,bert,resnet,vit,t5
+    python -m benchmarks precompile_check_bench --models mlp,transformer,dlrm,conv
+    python -m benchmarks precompile_check_bench --corpus gpt2,llama,bert,resnet,vit,t5
 
 Each model runs in a fresh process with its own Inductor cache: compiled with precompiled
 Dynamo on (the client's patches in place, as `enable()` puts them), one training step,

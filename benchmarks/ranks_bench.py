@@ -1,7 +1,7 @@
 """Every rank warm: a job whose ranks compile different things against one whose ranks are
 the same, cold, on new machines, and restarted after one rank is SIGKILLed.
 
-    python benchmarks/ranks_bench.py [--ranks 2] [--out benchmarks/results/ranks.json]
+    python -m benchmarks ranks_bench [--ranks 2] [--out benchmarks/results/ranks.json]
 
 Each job is `torchrun --nproc-per-node RANKS stage_job.py` over gloo on this machine,
 zero-code, default settings, every rank on a machine of its own (its own Inductor cache,

@@ -21,8 +21,8 @@ not training) and wall. For `megacache` the server's ETT of the job (`GET
 
 Results: tables on stdout, JSON (`--out`, default benchmarks/results/recovery.json).
 
-    python benchmarks/recovery_bench.py                 # mlp, 3 kills, 3 repeats
-    python benchmarks/recovery_bench.py --quick         # 1 kill, 1 repeat: the script works
+    python -m benchmarks recovery_bench                 # mlp, 3 kills, 3 repeats
+    python -m benchmarks recovery_bench --quick         # 1 kill, 1 repeat: the script works
 """
 
 from __future__ import annotations

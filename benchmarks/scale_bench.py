@@ -32,8 +32,8 @@ spread over the last 13 days (inside raw-event retention: GC has nothing to prun
   Redis index's own `bulk_load` (the keys `put`/`record_blob` write, in large pipelines);
   events as rollup hashes written in pipelines (the same keys `add_event` writes).
 
-    python benchmarks/scale_bench.py --sizes 10000,100000,300000 --write-results
-    python benchmarks/scale_bench.py --quick     # 2k entries: checks the script works
+    python -m benchmarks scale_bench --sizes 10000,100000,300000 --write-results
+    python -m benchmarks scale_bench --quick     # 2k entries: checks the script works
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the background scrub costs lookups: entry-lookup latency with the scrub off and on.
 
-    python benchmarks/scrub_bench.py --write-results
-    python benchmarks/scrub_bench.py --quick     # small store, few lookups: checks it works
+    python -m benchmarks scrub_bench --write-results
+    python -m benchmarks scrub_bench --quick     # small store, few lookups: checks it works
 
 One store (SQLite + local disk) of `--blobs` blobs of `--blob-mib` MiB, each named by an
 entry, is served by a fresh server per phase, the phases alternating `--rounds` times so

@@ -1,8 +1,8 @@
 """Blob and entry throughput of megacache-server, side by side with nginx and Redis.
 
-    python benchmarks/server_bench.py              # full run, ~6 min; writes results + RESULTS.md
-    python benchmarks/server_bench.py --quick      # smoke test: 1 MiB, 1 and 16 readers
-    python benchmarks/server_bench.py --sizes 64MiB --readers 16 --repeats 5
+    python -m benchmarks server_bench              # full run, ~6 min; writes results + RESULTS.md
+    python -m benchmarks server_bench --quick      # smoke test: 1 MiB, 1 and 16 readers
+    python -m benchmarks server_bench --sizes 64MiB --readers 16 --repeats 5
 
 What a job start looks like to the cache: every rank asks for the same bundle at once. For
 each blob size and reader count, N connections fetch the same blob in a loop for a few

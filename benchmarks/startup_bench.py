@@ -16,7 +16,7 @@ packages through plain path lines, so they differ only in the hook:
 Runs are interleaved (one of each variant per round) so machine noise hits all alike; the
 figure that counts is the median difference to `no hook` within this one run.
 
-    python benchmarks/startup_bench.py [--rounds 40] [--out results/startup.json] [--write-results]
+    python -m benchmarks startup_bench [--rounds 40] [--out results/startup.json] [--write-results]
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
           f"MEGACACHE_URL set; goal <= {GOAL_MS:g} ms: {verdict}. JSON: {args.out}")
     if args.write_results:
         write_section("startup", "## Interpreter start-up with the zero-code hook\n\n"
-                      f"`python benchmarks/startup_bench.py --rounds {args.rounds}` "
+                      f"`python -m benchmarks startup_bench --rounds {args.rounds}` "
                       f"({result['date']}, {result['machine']['cores']} CPUs, Python "
                       f"{result['machine']['python']}): `python -c pass` with "
                       "MEGACACHE_URL set, interleaved runs.\n\n" + table(result) + "\n")

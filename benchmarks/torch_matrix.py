@@ -1,9 +1,9 @@
 """The client on each torch a user may bring: one venv per torch version, the demo and the
 compile benchmark in each, one table.
 
-    python benchmarks/torch_matrix.py                        # 2.9.1, 2.13.0, 2.14.1
-    python benchmarks/torch_matrix.py --versions 2.14.1 --models mlp --write-docs
-    python benchmarks/torch_matrix.py --use 2.13.0=.venv/bin/python   # an existing venv
+    python -m benchmarks torch_matrix                        # 2.9.1, 2.13.0, 2.14.1
+    python -m benchmarks torch_matrix --versions 2.14.1 --models mlp --write-docs
+    python -m benchmarks torch_matrix --use 2.13.0=.venv/bin/python   # an existing venv
 
 Each version gets a venv under ~/.cache/megacache-torch-matrix/venv-<version> (made once,
 then reused): `pip install -e <this repo>[server] torch==<version>`, PyPI's default build
