@@ -117,6 +117,26 @@ def test_every_benchmark_writes_json_through_the_one_helper() -> None:
     assert not by_hand, f"write a record with benchmarks.harness.record: {by_hand}"
 
 
+def test_the_harness_is_one_way_and_edits_no_path() -> None:
+    """The tests use the benchmarks' harness, never the other way round: nothing under
+    benchmarks/ imports a module of tests/, and neither side puts a directory on sys.path
+    (the harness is the package `benchmarks.harness`)."""
+    test_modules = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"tests"}
+    found = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level \
+                else []
+            found += [f"{path.relative_to(ROOT)} imports {n}" for n in names
+                      if n.split(".")[0] in test_modules]
+    for path in [*(ROOT / "benchmarks").rglob("*.py"), ROOT / "tests" / "conftest.py"]:
+        if "sys.path.insert" in path.read_text() or "sys.path.append" in path.read_text():
+            found.append(f"{path.relative_to(ROOT)} edits sys.path")
+    assert not found, found
+
+
 def test_compile_bench_quick_writes_valid_json(tmp_path: Path):
     need("torch")
     out = tmp_path / "compile.json"
