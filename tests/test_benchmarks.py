@@ -68,6 +68,23 @@ def test_the_runner_refuses_a_name_that_is_no_benchmark() -> None:
     assert "compile_bench" in run.stderr  # the names it would take
 
 
+def test_the_nightly_command_runs_the_nightly_tier_and_only_it() -> None:
+    """`python -m benchmarks nightly` (the command docs/benchmarks.md gives) selects the
+    tests marked nightly, which every plain pytest run leaves out; pytest's own options
+    pass through (here: collect, do not run)."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "nightly", "--collect-only",
+                          "tests/test_corpus.py"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    collected = [line for line in run.stdout.splitlines() if "::" in line]
+    assert collected and all("::test_precompile_off_nightly[" in c for c in collected), \
+        collected
+    plain = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                            "tests/test_corpus.py"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert not set(collected) & set(plain.stdout.splitlines())  # left out of a plain run
+
+
 def test_a_quick_benchmark_runs_through_the_runner_and_writes_the_one_record(
         tmp_path: Path) -> None:
     """`python -m benchmarks NAME --quick` passes the benchmark its own options and the
