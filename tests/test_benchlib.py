@@ -1,4 +1,4 @@
-"""The benchmarks' shared helpers (benchmarks/benchlib.py) and the server benchmark's wire
+"""The benchmarks' shared helpers (benchmarks/harness/benchlib.py) and the server benchmark's wire
 framing: pure functions and real processes, no timing."""
 
 from __future__ import annotations
