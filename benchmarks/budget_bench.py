@@ -1,7 +1,7 @@
 """The budget of a new machine: process start -> end of step 1, part by part, against eager.
 
-    python benchmarks/budget_bench.py [--models mlp,transformer | all] [--repeats 3]
-    python benchmarks/budget_bench.py --hf [--models gpt2,llama | all] [--repeats 2]
+    python -m benchmarks budget_bench [--models mlp,transformer | all] [--repeats 3]
+    python -m benchmarks budget_bench --hf [--models gpt2,llama | all] [--repeats 2]
 
 Issue 48: a new machine (fresh local caches, warm server, client defaults) should start
 within 1.1x of the same trainer without torch.compile (eager) on the MLP, 1.25x on the
@@ -16,8 +16,8 @@ own step timer (LoadResult.steps: fingerprint, lookups, download, unpack, placin
 load...) and torch's compile seconds. `exit` is the whole process wall minus the end of
 step 1: what the close and interpreter exit add.
 
-`--hf` runs the third-party corpus of the suite instead (tests/corpus_job.py: six Hugging
-Face `transformers` architectures from tiny configs, the unmodified script, `torch.compile
+`--hf` runs the third-party corpus of the suite instead (benchmarks/harness/corpus_job.py: six
+Hugging Face `transformers` architectures from tiny configs, the unmodified script, `torch.compile
 (model)`), zero-code as its users run it: the new machine gets only `MEGACACHE_URL` and
 `MEGACACHE_MODEL`, the autoload hook does the rest. Its parts are the script's marks.
 """
@@ -30,11 +30,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import benchlib  # benchmarks/benchlib.py, next to this script
-from benchlib import log
-from benchlib import median_of_present as median
-from compile_bench import Bench, job_record, local_job, megacache_service
-from jobs import GxxCounter, run_job
+from benchmarks.compile_bench import Bench, job_record, local_job, megacache_service
+from benchmarks.harness import CORPUS_JOB, benchlib
+from benchmarks.harness.benchlib import log
+from benchmarks.harness.benchlib import median_of_present as median
+from benchmarks.harness.machines import GxxCounter, run_job
+from benchmarks.harness.record import make_record, write_record
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "results" / "budget.json"
@@ -42,7 +43,7 @@ DEFAULT_HF_OUT = BENCH_DIR / "results" / "budget_hf.json"
 CORPUS = ("mlp", "transformer", "dlrm", "conv", "gpt2")
 DEFAULT_MODELS = ("mlp", "transformer")
 KINDS = ("eager", "new", "cold")
-HF_JOB = BENCH_DIR.parent / "tests" / "corpus_job.py"
+HF_JOB = CORPUS_JOB
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 OneJob = Callable[[Bench, str, str, str, dict[str, str]], dict[str, Any]]
@@ -90,7 +91,7 @@ def _gap(marks: dict[str, float], late: str, early: str) -> float | None:
 
 def bench_job(bench: Bench, model: str, kind: str, where: str, server: dict[str, str]
               ) -> dict[str, Any]:
-    """One of benchmarks/models.py's models in train_job.py."""
+    """One of benchmarks/harness/models.py's models in train_job.py."""
     if kind == "new":
         return new_machine(bench, model, server, where)
     return local_job(bench, model, kind, int(where[1:]), bench.machine(model, where, "cold"))
@@ -98,7 +99,8 @@ def bench_job(bench: Bench, model: str, kind: str, where: str, server: dict[str,
 
 def hf_job(bench: Bench, model: str, kind: str, where: str, server: dict[str, str]
            ) -> dict[str, Any]:
-    """One corpus model in the unmodified tests/corpus_job.py; megacache only through env."""
+    """One corpus model in the unmodified benchmarks/harness/corpus_job.py; megacache only
+    through env."""
     env = {**server, "MEGACACHE_MODEL": f"corpus-{model}"} if kind == "new" else {}
     run = run_job(bench.machine("hf", model, where, kind), str(HF_JOB), model,
                   str(bench.steps), *(["--eager"] if kind == "eager" else []),
@@ -165,9 +167,9 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def hf_corpus() -> tuple[str, ...]:
-    """The names of tests/corpus_job.py's CORPUS (its one list; importing it imports torch)."""
-    sys.path.insert(0, str(HF_JOB.parent))
-    from corpus_job import CORPUS as HF_CORPUS
+    """The names of benchmarks/harness/corpus_job.py's CORPUS (its one list; importing it
+    imports torch)."""
+    from benchmarks.harness.corpus_job import CORPUS as HF_CORPUS
 
     return tuple(HF_CORPUS)
 
@@ -176,10 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", help=f"comma-separated from {', '.join(CORPUS)} (with "
-                        "--hf: from tests/corpus_job.py's CORPUS), or all; default: "
+                        "--hf: from harness/corpus_job.py's CORPUS), or all; default: "
                         f"{','.join(DEFAULT_MODELS)} (with --hf: all)")
     parser.add_argument("--hf", action="store_true",
-                        help="the suite's third-party corpus (tests/corpus_job.py), zero-code")
+                        help="the third-party corpus (harness/corpus_job.py), zero-code")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900.0)
@@ -198,9 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs = run(bench, models, args.repeats, hf_job if args.hf else bench_job)
     rows = summarize(jobs, models)
     out = args.out or (DEFAULT_HF_OUT if args.hf else DEFAULT_OUT)
-    benchlib.write_json(out, {"date": benchlib.utc_now(), "argv": argv,
-                                   "machine": benchlib.machine_info(), "summary": rows,
-                                   "jobs": jobs})
+    write_record(make_record("budget_bench", argv, rows, jobs=jobs), out)
     print(render(rows))
     return 0 if all(j.get("ok") for j in jobs) else 1
 

@@ -1,7 +1,7 @@
 """Time to first training step with and without a remote compile cache, job by job.
 
-    python benchmarks/compile_bench.py --quick
-    python benchmarks/compile_bench.py --models mlp,transformer,dlrm --repeats 3 --write-results
+    python -m benchmarks compile_bench --quick
+    python -m benchmarks compile_bench --models mlp,transformer,dlrm --repeats 3 --write-results
 
 Every job is a fresh `train_job.py` process with its own Inductor/Triton cache dirs and its
 own TMPDIR (Inductor keeps precompiled headers there), so each one sees what a new machine
@@ -26,13 +26,21 @@ from importlib import util
 from pathlib import Path
 from typing import Any
 
-import benchlib  # benchmarks/benchlib.py, next to this script
-from benchlib import log
-from benchlib import median_of_present as median
-from jobs import GxxCounter, JobRun, Machine, TritonCounter, nothing_loaded, run_job
-from other_path import DEFAULT_VENV, OtherPath
-from results_md import write_section
-from services import LocalRedis, LocalServer, redis_server_exe
+from benchmarks.harness import TRAIN_JOB, benchlib
+from benchmarks.harness.benchlib import log
+from benchmarks.harness.benchlib import median_of_present as median
+from benchmarks.harness.machines import (
+    GxxCounter,
+    JobRun,
+    Machine,
+    TritonCounter,
+    nothing_loaded,
+    run_job,
+)
+from benchmarks.harness.other_path import DEFAULT_VENV, OtherPath
+from benchmarks.harness.record import make_record, write_record
+from benchmarks.harness.results_md import write_section
+from benchmarks.harness.servers import LocalRedis, LocalServer, redis_server_exe
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -143,7 +151,7 @@ class Bench:
         runner = None
         if other_path:
             assert self.other is not None
-            runner = [str(self.other.python), str(BENCH_DIR / "train_job.py")]
+            runner = [str(self.other.python), str(TRAIN_JOB)]
             env = {**env, **self.other.env()}
         # Inductor runs config.cpp.cxx = $CXX or "g++" through PATH (cpp_builder
         # .get_cpp_compiler -> cpp_compiler_search): pinning CXX to the default "g++" keeps
@@ -588,7 +596,7 @@ SECTION_TITLES = {"compile": "Compile benchmark results",
 def write_results_md(report: dict[str, Any], chart: Path | None,
                      section: str = "compile") -> None:
     """Regenerate one section of RESULTS.md from one run (other sections stay)."""
-    m, rows = report["machine"], report["summary"]
+    m, rows = report["machine"], report["rows"]
     title = SECTION_TITLES.get(section, "Time to start: precompiled Dynamo and prefetch "
                                         "(compile benchmark)")
     lines = [
@@ -695,13 +703,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       args.device, triton)
         jobs = run_benchmark(bench, args.models, args.scenarios, args.repeats)
     rows = summarize(jobs, args.models, args.scenarios)
-    report = {
-        "date": benchlib.utc_now(), "argv": argv, "repeats": args.repeats, "steps": args.steps,
-        "machine": compile_machine_info(), "summary": rows, "jobs": jobs,
-        "device": args.device,
-        "gpu": next((j["gpu"] for j in jobs if j.get("gpu")), None),
-    }
-    benchlib.write_json(args.out, report)
+    report = make_record(
+        "compile_bench", argv, rows, goals=start_goals(rows), machine=compile_machine_info(),
+        repeats=args.repeats, steps=args.steps, jobs=jobs, device=args.device,
+        gpu=next((j["gpu"] for j in jobs if j.get("gpu")), None))
+    write_record(report, args.out)
     chart = args.out.with_suffix(".png")
     have_chart = write_chart(rows, chart)
     print(render_text(rows))

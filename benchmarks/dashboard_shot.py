@@ -1,6 +1,6 @@
 """Seed a server with a week of realistic runs and photograph its dashboard.
 
-    python benchmarks/dashboard_shot.py            # writes benchmarks/results/dashboard.png
+    python -m benchmarks dashboard_shot            # writes benchmarks/results/dashboard.png
 
 The README's screenshot comes from here; the dashboard test uses the same seeding and the
 same headless Chromium calls to check the page shows what the API says.
@@ -19,8 +19,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
-from services import LocalServer
 
+from benchmarks.harness.servers import LocalServer
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 
 ROOT = Path(__file__).resolve().parent
@@ -100,10 +100,10 @@ def screenshot(url: str, path: Path, profile: Path) -> None:
         raise RuntimeError(f"chromium wrote no screenshot to {path}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "dashboard.png")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="megacache-dash-"))
     with LocalServer(work / "data") as server:
         seed(server.url)

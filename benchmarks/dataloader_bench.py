@@ -7,8 +7,8 @@ dataloading.py`). Here the wrapper is timed around a `__next__` whose batch is r
 unwrapped, wrapped with telemetry off (the wrapper asks and calls through), wrapped and
 timing (rank 0's loop thread). The cost per batch is set beside a 10 ms training step.
 
-    python benchmarks/dataloader_bench.py             # 1,000,000 calls, 7 repeats (~15 s)
-    python benchmarks/dataloader_bench.py --quick     # 100,000 calls, 3 repeats
+    python -m benchmarks dataloader_bench             # 1,000,000 calls, 7 repeats (~15 s)
+    python -m benchmarks dataloader_bench --quick     # 100,000 calls, 3 repeats
 
 Results: a table on stdout, JSON (`--out`, default benchmarks/results/dataloader.json).
 """
@@ -23,7 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import BENCH_DIR, log, machine_info, text_table, utc_now, write_json
+from benchmarks.harness.benchlib import (
+    BENCH_DIR,
+    log,
+    text_table,
+)
+from benchmarks.harness.record import given_argv, make_record, write_record
 
 STEP_S = 0.010
 
@@ -79,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                         "share_of_10ms_step": share}
         rows.append((way, f"{ns:.0f}", f"{extra:+.0f}", f"{100 * share:.5f}%"))
     print(text_table(("way", "ns per batch", "extra ns", "of a 10 ms step"), rows))
-    write_json(args.out, {"generated": utc_now(), "machine": machine_info(),
-                          "args": vars(args) | {"out": str(args.out)}, "summary": summary,
-                          "runs_ns": found})
+    write_record(make_record("dataloader_bench", given_argv(argv),
+                             [{"way": way, **row} for way, row in summary.items()],
+                             runs_ns=found), args.out)
     log(f"wrote {args.out}")
     return 0
 

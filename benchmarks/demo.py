@@ -1,6 +1,6 @@
 """The main job: a cold start, then a new machine that starts warm from megacache.
 
-    python benchmarks/demo.py [--model mlp|transformer|dlrm|conv|gpt2] [--device cuda]
+    python -m benchmarks demo [--model mlp|transformer|dlrm|conv|gpt2] [--device cuda]
 
 Starts the embedded server (local disk + SQLite) on a free loopback port, runs a small
 training job on "machine A" with empty caches (it compiles cold and publishes), then the
@@ -20,9 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from jobs import (  # noqa: E402
+from benchmarks.harness.machines import (  # noqa: E402
     GxxCounter,
     JobRun,
     Machine,
@@ -31,14 +29,14 @@ from jobs import (  # noqa: E402
     nothing_loaded,
     run_job,
 )
-from services import LocalServer  # noqa: E402
+from benchmarks.harness.servers import LocalServer  # noqa: E402
 
 
 def say(message: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp",
                         choices=("mlp", "transformer", "dlrm", "conv", "gpt2"))
@@ -50,7 +48,7 @@ def main() -> int:
     parser.add_argument("--warm-from", choices=("same", "empty"), default="same",
                         help="empty: machine B asks a second, empty server (what the report "
                              "says when the new machine loads nothing)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="megacache-demo-"))
     root.mkdir(parents=True, exist_ok=True)

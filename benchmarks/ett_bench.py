@@ -14,9 +14,9 @@ For each backend (sqlite+fs, redis+s3), against one real server (one worker):
 
 Results: a table on stdout, JSON (`--out`, default benchmarks/results/ett_bench.json).
 
-    python benchmarks/ett_bench.py                       # 10,000 jobs, both backends
-    python benchmarks/ett_bench.py --quick               # 200 jobs: checks the script works
-    python benchmarks/ett_bench.py --flush-s 0,1         # beats written one by one, then
+    python -m benchmarks ett_bench                       # 10,000 jobs, both backends
+    python -m benchmarks ett_bench --quick               # 200 jobs: checks the script works
+    python -m benchmarks ett_bench --flush-s 0,1         # beats written one by one, then
                                                          # coalesced (a row each)
 """
 
@@ -33,18 +33,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import (
+
+from benchmarks.harness.benchlib import (
     BENCH_DIR,
     log,
-    machine_info,
     percentile,
     pyplot,
     save_figure,
     temp_root,
     text_table,
-    write_json,
 )
-from services import LocalRedis, LocalSeaweedS3, LocalServer
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.servers import LocalRedis, LocalSeaweedS3, LocalServer
 
 CATEGORIES = ("training", "startup", "compile", "checkpoint_save", "checkpoint_restore",
               "lost_progress", "recovery", "idle")
@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for flush_s in args.flush_s.split(","):
                 rows.append(run_backend(backend, args, root / f"{backend.replace('+', '-')}"
                                         f"-{flush_s or 'default'}", flush_s))
-    write_json(args.out, {"machine": machine_info(), "argv": sys.argv[1:], "rows": rows})
+    write_record(make_record("ett_bench", given_argv(argv), rows), args.out)
     plot(rows[0]["timeline"], args.out.with_suffix(".png"))
     print(text_table(
         ("backend", "flush s", "jobs", "beats/s", "lookup p99 idle ms", "lookup p99 beating ms",

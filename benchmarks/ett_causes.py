@@ -10,8 +10,8 @@ command: its next attempt), or, for `elsewhere`, SIGKILLed and run again on anot
 unsaved training time and time to recover (server / the job's clock), and for one restart
 the components of its time to recover (server / the job's clock).
 
-    python benchmarks/ett_causes.py                       # every cause
-    python benchmarks/ett_causes.py --causes oom,sigkill
+    python -m benchmarks ett_causes                       # every cause
+    python -m benchmarks ett_causes --causes oom,sigkill
 
 Results: tables on stdout, JSON (`--out`, default benchmarks/results/ett_causes.json).
 tests/test_ett_causes.py holds the same figures to their bounds.
@@ -28,12 +28,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import BENCH_DIR, log, machine_info, temp_root, text_table, utc_now, write_json
-from frameworks_ett import ended_ett
-from jobs import Machine, clean_env, run_job
-from services import LocalServer
+from benchmarks.frameworks_ett import ended_ett
+from benchmarks.harness import ETT_CAUSES_JOB
+from benchmarks.harness.benchlib import (
+    BENCH_DIR,
+    log,
+    temp_root,
+    text_table,
+)
+from benchmarks.harness.machines import Machine, clean_env, run_job
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.servers import LocalServer
 
-JOB = BENCH_DIR / "ett_causes_job.py"
+JOB = ETT_CAUSES_JOB
 SETTINGS = {"OMP_NUM_THREADS": "1", "MEGACACHE_MODE": "read-only", "STEPS": "12",
             "CKPT_EVERY": "4", "FAIL_AT": "10", "STEP_S": "0.1"}
 CASES: dict[str, tuple[str, str, int | None]] = {
@@ -169,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             (name, f"{s:.3f}", "-" if c is None else f"{c:.3f}")
             for name, (s, c) in f["components"].items() if s or c]))
         break  # one restart's bar
-    write_json(args.out, {"generated": utc_now(), "machine": machine_info(),
-                          "causes": found})
+    write_record(make_record("ett_causes", given_argv(argv),
+                             [{"cause": cause, **row} for cause, row in found.items()]),
+                 args.out)
     log(f"wrote {args.out}")
     return 0
 

@@ -19,9 +19,9 @@ index, fs blobs, one worker, auth off: the two tenants are two clients):
 
 Goal (issue 47): flooded lookup p99 <= 1.5x quiet, RSS growth from the reads <= +200 MiB.
 
-    python benchmarks/ett_flood.py                          # 1000 jobs x 64 attempts
-    python benchmarks/ett_flood.py --fill store             # the same, filled in seconds
-    python benchmarks/ett_flood.py --jobs 100 --attempts 8 --seconds 10   # a quick check
+    python -m benchmarks ett_flood                          # 1000 jobs x 64 attempts
+    python -m benchmarks ett_flood --fill store             # the same, filled in seconds
+    python -m benchmarks ett_flood --jobs 100 --attempts 8 --seconds 10   # a quick check
 """
 
 from __future__ import annotations
@@ -39,10 +39,18 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
-from benchlib import BENCH_DIR, log, machine_info, proc_field, temp_root, text_table, write_json
-from ett_bench import MISS, post, server_on, summary
-from scale_bench import Lookups
-from services import LocalServer
+
+from benchmarks.ett_bench import MISS, post, server_on, summary
+from benchmarks.harness.benchlib import (
+    BENCH_DIR,
+    log,
+    proc_field,
+    temp_root,
+    text_table,
+)
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.servers import LocalServer
+from benchmarks.scale_bench import Lookups
 
 VIEWS = ("/v1/dashboard", "/v1/stats", "/v1/jobs")
 
@@ -295,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with temp_root("ett-flood-", args.keep) as root:
         result = run(args, root)
     print(table(result))
-    write_json(args.out, {"argv": sys.argv, "machine": machine_info(), **result})
+    write_record(make_record("ett_flood", given_argv(argv), [result]), args.out)
     log(f"wrote {args.out}")
     return 0
 

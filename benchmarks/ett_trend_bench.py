@@ -11,8 +11,8 @@ and over HTTP from a real server on the same store (SQLite; reads a second apart
 namespace's views may take a quarter of the server's time: `split_cache.Lane`). The table:
 rows read, and p50/p90 of the read, by backend and period.
 
-    python benchmarks/ett_trend_bench.py                      # 20,000 jobs, SQLite
-    python benchmarks/ett_trend_bench.py --jobs 2000 --reads 5   # a quick check
+    python -m benchmarks ett_trend_bench                      # 20,000 jobs, SQLite
+    python -m benchmarks ett_trend_bench --jobs 2000 --reads 5   # a quick check
 
 Results: a table on stdout, JSON (`--out`, default benchmarks/results/ett_trend.json).
 """
@@ -29,9 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import BENCH_DIR, log, machine_info, temp_root, text_table, utc_now, write_json
-from services import LocalServer
 
+from benchmarks.harness.benchlib import (
+    BENCH_DIR,
+    log,
+    temp_root,
+    text_table,
+)
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.servers import LocalServer
 from megacache_client.wire.progress import CAUSES, ProgressRecord
 from megacache_server.service import ett, ett_trend
 from megacache_server.store.index.base import Index
@@ -162,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text_table(("backend", "read", "rows", "p50 ms", "p90 ms", "CPU p50 ms"),
                      [(f["backend"], f["read"], str(f["rows"]), f"{f['p50_ms']:.1f}",
                        f"{f['p90_ms']:.1f}", str(f.get("cpu_p50_ms", "-"))) for f in found]))
-    write_json(args.out, {"generated": utc_now(), "machine": machine_info(),
-                          "jobs": args.jobs, "models": args.models, "reads": found})
+    write_record(make_record("ett_trend_bench", given_argv(argv), found, jobs=args.jobs,
+                             models=args.models), args.out)
     log(f"wrote {args.out}")
     return 0
 

@@ -36,8 +36,8 @@ lookups per node (client requests to /v1/ac*); distinct resolutions (entry key +
 over all ranks; for the cold fleet, bundle uploads (ranks that sent bytes, and PUT
 /v1/cas answered 201 by the servers).
 
-    python benchmarks/fleet_bench.py --nodes 8,32,128 --ranks 2 --write-results
-    python benchmarks/fleet_bench.py --quick     # N = 4, 8: checks the script works
+    python -m benchmarks fleet_bench --nodes 8,32,128 --ranks 2 --write-results
+    python -m benchmarks fleet_bench --quick     # N = 4, 8: checks the script works
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import (  # benchmarks/benchlib.py, next to this script
+
+from benchmarks.harness.benchlib import (
     fmt_num,
     generated_by,
     grouped_bars,
@@ -75,10 +76,10 @@ from benchlib import (  # benchmarks/benchlib.py, next to this script
     temp_root,
     text_table,
     utc_now,
-    write_json,
 )
-from results_md import write_section  # benchmarks/results_md.py, next to this script
-from services import LocalRedis, LocalSeaweedS3, LocalServer  # benchmarks/services.py
+from benchmarks.harness.record import make_record, write_record
+from benchmarks.harness.results_md import write_section
+from benchmarks.harness.servers import LocalRedis, LocalSeaweedS3, LocalServer
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -684,13 +685,14 @@ def main(argv: list[str] | None = None) -> int:
                   "and load the bundle into it; the others run the client's lookup, fetch, "
                   "verify and place with the producer's torch facts (2 cores cannot hold "
                   "128 torch imports)")
-    result = {"date": utc_now(), "argv": argv_list,
-              "machine": machine_info({"torch": "torch"}), **measured,
-              "torch_note": torch_note, "goals": goals(rows)}
+    result = make_record("fleet_bench", argv_list, rows, goals=goals(rows),
+                         machine=machine_info({"torch": "torch"}),
+                         **{k: v for k, v in measured.items() if k != "rows"},
+                         torch_note=torch_note)
     chart_path = args.out.with_suffix(".png")
     if chart(rows, chart_path):
         result["chart"] = str(chart_path)
-    write_json(args.out, result, indent=2)
+    write_record(result, args.out, indent=2)
     print(text_table(HEADER, table_rows(rows)))
     print()
     print(f"entry: {measured['entry']['blobs']}")

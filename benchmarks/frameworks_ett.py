@@ -8,8 +8,8 @@ is SIGKILLed 3 steps after step 10's checkpoint and resumed on the same node; it
 loader sleeps 10 ms a sample. The table: checkpoint save time (attempt 0), the restore,
 unsaved training time, time to recover and data wait (attempt 1), server and clock.
 
-    python benchmarks/frameworks_ett.py                 # every installed framework
-    python benchmarks/frameworks_ett.py --frameworks hf
+    python -m benchmarks frameworks_ett                 # every installed framework
+    python -m benchmarks frameworks_ett --frameworks hf
 
 Results: a table per framework on stdout, JSON (`--out`, default
 benchmarks/results/frameworks_ett.json). tests/test_frameworks.py holds the same figures.
@@ -27,11 +27,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import BENCH_DIR, log, machine_info, temp_root, text_table, utc_now, write_json
-from jobs import Machine, run_job
-from services import LocalServer
 
-JOB = BENCH_DIR / "framework_job.py"
+from benchmarks.harness import FRAMEWORK_JOB
+from benchmarks.harness.benchlib import (
+    BENCH_DIR,
+    log,
+    temp_root,
+    text_table,
+)
+from benchmarks.harness.machines import Machine, run_job
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.servers import LocalServer
+
+JOB = FRAMEWORK_JOB
 PACKAGES = {"hf": "transformers", "accelerate": "accelerate", "lightning": "lightning",
             "pytorch_lightning": "pytorch_lightning"}
 SETTINGS = {"STEPS": "20", "EVERY": "5", "KILL_AT": "10", "KILL_AFTER": "3",
@@ -121,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                     for name, (s, c) in found[fw]["figures"].items()]))
         finally:
             server.stop()
-    write_json(args.out, {"generated": utc_now(), "machine": machine_info(),
-                          "frameworks": found})
+    write_record(make_record("frameworks_ett", given_argv(argv),
+                             [{"framework": fw, **row} for fw, row in found.items()]),
+                 args.out)
     log(f"wrote {args.out}")
     return 0
 

@@ -1,6 +1,6 @@
 """One connection sends a 150 MiB header line; what does it cost the server and the others?
 
-    python benchmarks/header_flood.py                   # the server of this checkout
+    python -m benchmarks header_flood                   # the server of this checkout
     cd /tmp && PYTHONPATH=/other/checkout python /this/checkout/benchmarks/header_flood.py
 
 (the second form measures another version: run it outside any checkout, since
@@ -16,7 +16,6 @@ Prints a table and writes JSON (default benchmarks/results/header_flood.json).
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import sys
 import tempfile
@@ -25,9 +24,10 @@ import time
 from pathlib import Path
 
 import httpx
-from services import LOOPBACK, LocalServer
 
 import megacache_server
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.servers import LOOPBACK, LocalServer
 
 ROOT = Path(__file__).resolve().parent
 
@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result['sent_mib']:>9} {result['seconds']:>8} "
           f"{f'{before} -> {peak}':>13} {result['healthz_max_ms']:>15}  {answer}"
           f"{f'  ({len(failures)} failed probes)' if failures else ''}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_record(make_record("header_flood", given_argv(argv), [result]), args.out, indent=2)
     return 0
 
 

@@ -1,6 +1,6 @@
 """What a cache server that is down or hung costs a trainer, and the ranks of a node.
 
-    python benchmarks/hung_server_bench.py [--ranks 4] [--trainer-repeats 3]
+    python -m benchmarks hung_server_bench [--ranks 4] [--trainer-repeats 3]
                                            [--out benchmarks/results/hung.json]
 
 First, a trainer (train_job.py: a compiled MLP, 3 steps, cold, zero-code as users run it)
@@ -38,7 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from results_md import write_section
+from benchmarks.harness import TRAIN_JOB
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.results_md import write_section
 
 RANK = """
 import json, sys
@@ -71,12 +73,11 @@ def run_rank(url: str, node: Path, extra: dict[str, str]) -> dict[str, object]:
 
 
 TRAINER_CASES = ("no URL", "down", "hung")
-TRAIN_JOB = Path(__file__).resolve().parent / "train_job.py"
 
 
 def run_trainer(case: str, hung_url: str, down_url: str, root: Path) -> dict[str, object]:
     """One cold trainer process on a new machine (its own caches), zero-code."""
-    from jobs import Machine, clean_env
+    from benchmarks.harness.machines import Machine, clean_env
 
     machine = Machine(root)
     env = clean_env() | machine.env() | {"OMP_NUM_THREADS": "1",
@@ -144,7 +145,7 @@ def scenario(url: str, root: Path, name: str, extra: dict[str, str], ranks: int
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--out", type=Path,
@@ -156,8 +157,7 @@ def main() -> int:
                         help="only the load step of --ranks processes (the older table)")
     parser.add_argument("--trainer-only", action="store_true",
                         help="only the trainer table (no URL / down / hung)")
-    args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    args = parser.parse_args(argv)
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -182,9 +182,8 @@ def main() -> int:
         trainer_md = ""
     if args.trainer_only:
         listener.close()
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"trainer": trainer_summary,
-                                        "trainer_runs": trainer_rows}, indent=2))
+        write_record(make_record("hung_server_bench", given_argv(argv), trainer_summary,
+                                 trainer_runs=trainer_rows), args.out, indent=2)
         return 0
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(len(SCENARIOS)) as pool:
         futures = [pool.submit(scenario, url, Path(tmp) / str(n), name, extra, args.ranks)
@@ -207,13 +206,13 @@ def main() -> int:
         f"| {s['scenario']} | {s['wave']} | {s['ranks']} | {s['median_wait_s']} | "
         f"{s['max_wait_s']} | {', '.join(s['outcomes'])} |" for s in summary]
     print("\n".join(table))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"trainer": trainer_summary, "trainer_runs": trainer_rows,
-                                    "summary": summary, "ranks": rows,
-                                    "wall_s": round(time.monotonic() - started, 1)}, indent=2))
+    write_record(make_record("hung_server_bench", given_argv(argv), trainer_summary,
+                             trainer_runs=trainer_rows, ranks_summary=summary, ranks=rows,
+                             wall_s=round(time.monotonic() - started, 1)),
+                 args.out, indent=2)
     if not args.no_results_md:
         write_section("hung", "## Hung server: seconds each rank waits before compiling cold\n\n"
-                      "`python benchmarks/hung_server_bench.py --ranks "
+                      "`python -m benchmarks hung_server_bench --ranks "
                       f"{args.ranks}`: a server that accepts connections and never answers; "
                       "default timeouts (read 30 s, 2 retries). Wave 2 starts after wave 1 "
                       "is done.\n\n" + "\n".join(table) + trainer_md)

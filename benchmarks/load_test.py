@@ -1,8 +1,8 @@
 """Load test: many concurrent clients doing what trainers do, then check nothing was lost.
 
-    python benchmarks/load_test.py                 # 200 clients, 60 s + 60 s, server here
-    python benchmarks/load_test.py --clients 20 --seconds 5     # the test suite's short run
-    python benchmarks/load_test.py --no-hostile    # the well-behaved clients alone
+    python -m benchmarks load_test                 # 200 clients, 60 s + 60 s, server here
+    python -m benchmarks load_test --clients 20 --seconds 5     # the test suite's short run
+    python -m benchmarks load_test --no-hostile    # the well-behaved clients alone
 
 The mix per request: 70% entry lookups (job start: is there a bundle?), 20% blob
 downloads, 10% new entries (upload a blob, then its manifest). Bounded in time and count,
@@ -10,7 +10,7 @@ loopback only. Afterwards every acknowledged write is read back and its bytes re
 
 Two phases of `--seconds` each, on one server: `calm` (the well-behaved tenant alone),
 then `hostile`, where another tenant (its own token and namespace) runs
-benchmarks/hostile.py in its own process beside them: 150 MiB header lines, 1,100 idle
+benchmarks/harness/hostile.py in its own process beside them: 150 MiB header lines, 1,100 idle
 sockets against a server whose processes may open 512 descriptors each (1,024 for 2
 workers), an event flood and non-finite manifests. The well-behaved clients must see no
 error and lose no write; their latency is reported for both phases.
@@ -37,9 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import percentile  # benchmarks/benchlib.py, next to this script
-from services import LocalServer
 
+from benchmarks.harness import HOSTILE
+from benchmarks.harness.benchlib import percentile
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.servers import LocalServer
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 
 ROOT = Path(__file__).resolve().parent
@@ -199,10 +201,10 @@ async def run(url: str, clients: int, seconds: float, max_requests: int, seed_n:
 
 async def hostile_process(url: str, tenants: Tenants, seconds: float,
                           into: dict[str, Any]) -> None:
-    """benchmarks/hostile.py in its own process: another tenant, not our event loop."""
+    """benchmarks/harness/hostile.py in its own process: another tenant, not our event loop."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "hostile.json"
-        cmd = [sys.executable, str(ROOT / "hostile.py"), "--url", url, "--namespace",
+        cmd = [sys.executable, str(HOSTILE), "--url", url, "--namespace",
                HOSTILE_NAMESPACE, "--seconds", str(seconds), "--idle-sockets",
                str(tenants.idle_sockets), "--out", str(out)]
         if tenants.hostile:
@@ -276,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     result["server_workers"] = args.workers if server is not None else None
     result["server_nofile"] = args.server_nofile if server is not None else None
     print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_record(make_record("load_test", given_argv(argv), [result]), args.out, indent=2)
     return 0 if result["errors"] == 0 and not result["writes_lost_or_corrupt"] else 1
 
 

@@ -1,7 +1,7 @@
 """One tenant posts events under N distinct model names; what does a /metrics scrape cost?
 
-    python benchmarks/metrics_flood.py            # budgets as configured (the defaults)
-    python benchmarks/metrics_flood.py --models 2000 --unbounded   # budgets lifted: as before
+    python -m benchmarks metrics_flood            # budgets as configured (the defaults)
+    python -m benchmarks metrics_flood --models 2000 --unbounded   # budgets lifted: as before
 
 Runs a loopback server (auth off, event rate limit off), posts `--models` events each with
 a new model name (auth off: all in namespace `default`), then scrapes /metrics
@@ -19,12 +19,14 @@ import tempfile
 from pathlib import Path
 
 import httpx
-from benchlib import text_table, write_json
 from prometheus_client.parser import text_string_to_metric_families
-from services import LocalServer
+
+from benchmarks.harness.benchlib import text_table
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.servers import LocalServer
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", type=int, default=2000)
     ap.add_argument("--unbounded", action="store_true", help="lift both budgets (as before)")
@@ -57,9 +59,9 @@ def main(argv: list[str]) -> int:
     print(text_table(["models posted", "budgets", "bytes", "lines", "series per namespace"],
                      [[str(args.models), "lifted" if args.unbounded else "default",
                        str(found["scrape_bytes"]), str(found["scrape_lines"]), str(series)]]))
-    write_json(args.out, found)
+    write_record(make_record("metrics_flood", given_argv(argv), [found]), args.out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """Compile overlapped with the data loader: does a start cost max(compile, data), not the sum?
 
-    python benchmarks/overlap_bench.py --models mlp --repeats 3 --loader-s 5
-    python benchmarks/overlap_bench.py --quick
+    python -m benchmarks overlap_bench --models mlp --repeats 3 --loader-s 5
+    python -m benchmarks overlap_bench --quick
 
 A trainer whose DataLoader workers take `--loader-s` seconds to yield their first batch
 (`train_job.py --loader-s`: each worker sleeps in its worker_init_fn), timed from process
@@ -25,11 +25,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import benchlib  # benchmarks/benchlib.py, next to this script
-from benchlib import fmt_num, log, median_of_present
-from jobs import Machine, nothing_loaded, run_job
-from results_md import write_section
-from services import LocalServer
+from benchmarks.harness import benchlib
+from benchmarks.harness.benchlib import fmt_num, log, median_of_present
+from benchmarks.harness.machines import Machine, nothing_loaded, run_job
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.results_md import write_section
+from benchmarks.harness.servers import LocalServer
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "results" / "overlap.json"
@@ -181,7 +182,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = given_argv(argv)
     args = parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -193,12 +195,13 @@ def main(argv: Sequence[str]) -> int:
                              args.steps, args.timeout)
     rows = summarize(jobs, models, scenarios)
     print(table(rows, markdown=False))
-    report = {"date": benchlib.utc_now(), "argv": list(argv), "loader_s": args.loader_s,
-              "repeats": args.repeats, "goal": GOAL,
-              "scenarios": {k: v[2] for k, v in SCENARIOS.items() if k in scenarios},
-              "machine": benchlib.machine_info({"torch": "torch"}), "summary": rows,
-              "jobs": jobs}
-    benchlib.write_json(args.out, report)
+    report = make_record(
+        "overlap_bench", argv, rows,
+        goals=[f"a start with a slow loader and warm_up <= {GOAL}x max(compile, loader)"],
+        machine=benchlib.machine_info({"torch": "torch"}),
+        loader_s=args.loader_s, repeats=args.repeats,
+        scenarios={k: v[2] for k, v in SCENARIOS.items() if k in scenarios}, jobs=jobs)
+    write_record(report, args.out)
     log(f"wrote {args.out}")
     if args.write_results:
         write_section("overlap", "\n".join([

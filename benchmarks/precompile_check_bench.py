@@ -1,16 +1,17 @@
 """What the publisher's check of precompiled Dynamo output costs, model by model.
 
-    python benchmarks/precompile_check_bench.py --models mlp,transformer,dlrm,conv
-    python benchmarks/precompile_check_bench.py --corpus gpt2,llama,bert,resnet,vit,t5
+    python -m benchmarks precompile_check_bench --models mlp,transformer,dlrm,conv
+    python -m benchmarks precompile_check_bench --corpus gpt2,llama,bert,resnet,vit,t5
 
 Each model runs in a fresh process with its own Inductor cache: compiled with precompiled
 Dynamo on (the client's patches in place, as `enable()` puts them), one training step,
 torch's Mega-Cache saved, then the check a publish runs in its background thread
 (`precompile_verify.verify`: a child process loads every precompile artifact fresh and
-compares its graphs with the traced ones). Prints one JSON line per model: the child's
-wall seconds, how many artifacts were checked and why any failed. `--corpus` takes the
-transformers models of tests/corpus_job.py (in train mode, so their dropout graphs are
-compared by shapes and dtypes only).
+compares its graphs with the traced ones). Prints one JSON line per model (the child's
+wall seconds, how many artifacts were checked and why any failed) and writes them as the
+record's rows (`--out`, default benchmarks/results/precompile_check.json). `--corpus` takes
+the transformers models of benchmarks/harness/corpus_job.py (in train mode, so their
+dropout graphs are compared by shapes and dtypes only).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-TESTS = BENCH_DIR.parent / "tests"
+from benchmarks.harness.record import RESULTS, given_argv, make_record, write_record
 
 
 def one(name: str, corpus: bool) -> dict[str, object]:
@@ -39,8 +39,7 @@ def one(name: str, corpus: bool) -> dict[str, object]:
 
     assert precompile.turn_on(ClientConfig()) == ""
     if corpus:
-        sys.path.insert(0, str(TESTS))
-        from corpus_job import CORPUS
+        from benchmarks.harness.corpus_job import CORPUS
 
         torch.manual_seed(0)
         model, batch = CORPUS[name]()
@@ -48,8 +47,7 @@ def one(name: str, corpus: bool) -> dict[str, object]:
         compiled = torch.compile(model)
         compiled(**batch).loss.backward()
     else:
-        sys.path.insert(0, str(BENCH_DIR))
-        from models import build
+        from benchmarks.harness.models import build
 
         model, make_batch, loss_fn = build(name)
         inputs, target = make_batch(0)
@@ -63,15 +61,17 @@ def one(name: str, corpus: bool) -> dict[str, object]:
             "check_s": round(time.monotonic() - started, 2), "failed": failed}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mlp,transformer,dlrm,conv")
-    parser.add_argument("--corpus", default="", help="tests/corpus_job.py models instead")
+    parser.add_argument("--corpus", default="", help="harness/corpus_job.py models instead")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS / "precompile_check.json")
+    args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(one(args.one, bool(args.corpus))), flush=True)
-        return
+        return 0
+    rows = []
     names = (args.corpus or args.models).split(",")
     for name in names:
         with tempfile.TemporaryDirectory(prefix="precompile-check-") as tmp:
@@ -82,9 +82,13 @@ def main() -> None:
                 cmd += ["--corpus", "1"]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
             lines = proc.stdout.strip().splitlines()
-            print(lines[-1] if proc.returncode == 0 and lines else json.dumps(
-                {"model": name, "error": proc.stderr.strip().splitlines()[-1:]}), flush=True)
+            row = json.loads(lines[-1]) if proc.returncode == 0 and lines else \
+                {"model": name, "error": proc.stderr.strip().splitlines()[-1:]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    write_record(make_record("precompile_check_bench", given_argv(argv), rows), args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

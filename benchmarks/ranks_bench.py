@@ -1,7 +1,7 @@
 """Every rank warm: a job whose ranks compile different things against one whose ranks are
 the same, cold, on new machines, and restarted after one rank is SIGKILLed.
 
-    python benchmarks/ranks_bench.py [--ranks 2] [--out benchmarks/results/ranks.json]
+    python -m benchmarks ranks_bench [--ranks 2] [--out benchmarks/results/ranks.json]
 
 Each job is `torchrun --nproc-per-node RANKS stage_job.py` over gloo on this machine,
 zero-code, default settings, every rank on a machine of its own (its own Inductor cache,
@@ -28,13 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import STAGE_JOB
+from benchmarks.harness.machines import GxxCounter, clean_env
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.servers import LocalServer, free_port
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from jobs import GxxCounter, clean_env  # noqa: E402
-from services import LocalServer, free_port  # noqa: E402
-
-STAGE_JOB = HERE / "stage_job.py"
 
 
 def puts(url: str) -> dict[str, float]:
@@ -94,13 +93,12 @@ def job(url: str, root: Path, model: str, ranks: int, stages: str, kill: bool
             "entry_puts": after["entry"] - before["entry"]}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2, choices=(2, 3, 4))
     parser.add_argument("--out", type=Path, default=HERE / "results" / "ranks.json")
-    args = parser.parse_args()
-    out: dict[str, Any] = {"command": " ".join(["python", *sys.argv]), "ranks": args.ranks,
-                           "jobs": []}
+    args = parser.parse_args(argv)
+    out: dict[str, Any] = {"ranks": args.ranks, "jobs": []}
     with tempfile.TemporaryDirectory() as tmp:
         server = LocalServer(Path(tmp) / "data").start()
         try:
@@ -133,8 +131,8 @@ def main() -> int:
         f"| {j['job']} | {j['scenario']} | {j['job_to_first_step_s']} | "
         f"{j['blob_puts']:.0f} | {j['entry_puts']:.0f} |" for j in out["jobs"]]
     print("\n".join(table) + "\n\n" + "\n".join(jobs))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    write_record(make_record("ranks_bench", given_argv(argv), out["jobs"], ranks=args.ranks),
+                 args.out, indent=2)
     return 0
 
 

@@ -21,8 +21,8 @@ not training) and wall. For `megacache` the server's ETT of the job (`GET
 
 Results: tables on stdout, JSON (`--out`, default benchmarks/results/recovery.json).
 
-    python benchmarks/recovery_bench.py                 # mlp, 3 kills, 3 repeats
-    python benchmarks/recovery_bench.py --quick         # 1 kill, 1 repeat: the script works
+    python -m benchmarks recovery_bench                 # mlp, 3 kills, 3 repeats
+    python -m benchmarks recovery_bench --quick         # 1 kill, 1 repeat: the script works
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ def trainer() -> None:
     fact("started", at0=STARTED)
     import torch  # the client (zero-code) enables itself right after this import
 
-    sys.path.insert(0, str(BENCH))
-    from models import build
+    from benchmarks.harness.models import build
 
     try:
         from megacache_client import checkpoint_saved
@@ -114,18 +113,17 @@ if __name__ == "__main__" and "--trainer" in sys.argv:
 
 # -- the driver ---------------------------------------------------------------------------------
 import httpx  # noqa: E402
-from benchlib import (  # noqa: E402
+
+from benchmarks.harness.benchlib import (  # noqa: E402
     BENCH_DIR,
     fmt_num,
     log,
-    machine_info,
     median,
     text_table,
-    utc_now,
-    write_json,
 )
-from jobs import GxxCounter, Machine, clean_env  # noqa: E402
-from services import LocalServer  # noqa: E402
+from benchmarks.harness.machines import GxxCounter, Machine, clean_env  # noqa: E402
+from benchmarks.harness.record import given_argv, make_record, write_record  # noqa: E402
+from benchmarks.harness.servers import LocalServer  # noqa: E402
 
 
 def read_truth(path: Path) -> list[dict[str, Any]]:
@@ -225,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     low, high = (float(x) for x in args.kill_range.split(","))
     rng = random.Random(args.seed)
     runs: dict[str, list[dict[str, Any]]] = {w: [] for w in WAYS}
-    from benchlib import temp_root
+    from benchmarks.harness.benchlib import temp_root
 
     with temp_root("megacache-recovery-", args.keep) as root:
         gxx = GxxCounter(root / "bin")
@@ -243,11 +241,12 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     summary = summarise(runs)
     print(report(summary))
-    write_json(args.out, {"generated": utc_now(), "machine": machine_info(),
-                          "args": {k: str(v) for k, v in vars(args).items()},
-                          "summary": summary,
-                          "runs": {w: [{k: v for k, v in run.items() if k != "attempts"}
-                                       for run in rs] for w, rs in runs.items()}})
+    rows = [{"way": way, **row} for way, row in summary["ways"].items()]
+    write_record(make_record(
+        "recovery_bench", given_argv(argv), rows,
+        server_minus_clock=summary["server_minus_clock"],
+        runs={w: [{k: v for k, v in run.items() if k != "attempts"} for run in rs]
+              for w, rs in runs.items()}), args.out)
     log(f"wrote {args.out}")
     return 0
 

@@ -32,8 +32,8 @@ spread over the last 13 days (inside raw-event retention: GC has nothing to prun
   Redis index's own `bulk_load` (the keys `put`/`record_blob` write, in large pipelines);
   events as rollup hashes written in pipelines (the same keys `add_event` writes).
 
-    python benchmarks/scale_bench.py --sizes 10000,100000,300000 --write-results
-    python benchmarks/scale_bench.py --quick     # 2k entries: checks the script works
+    python -m benchmarks scale_bench --sizes 10000,100000,300000 --write-results
+    python -m benchmarks scale_bench --quick     # 2k entries: checks the script works
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import (  # benchmarks/benchlib.py, next to this script
+
+from benchmarks.harness import LOOKUP_LOAD
+from benchmarks.harness.benchlib import (
     generated_by,
     image_link,
     log,
@@ -71,17 +73,15 @@ from benchlib import (  # benchmarks/benchlib.py, next to this script
     pyplot,
     save_figure,
     temp_root,
-    utc_now,
-    write_json,
 )
-from results_md import write_section  # benchmarks/results_md.py, next to this script
-from services import (  # benchmarks/services.py
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.results_md import write_section
+from benchmarks.harness.servers import (
     LocalRedis,
     LocalSeaweedS3,
     LocalServer,
     redis_server_exe,
 )
-
 from megacache_client.wire.events import Event
 from megacache_client.wire.manifest import (
     BlobRef,
@@ -646,7 +646,7 @@ class Lookups:
         keys, out = Path(self._tmp.name) / "keys", Path(self._tmp.name) / "out"
         keys.write_text("".join(e.key + "\n" for e in self.sample))
         self._proc = subprocess.Popen(
-            [sys.executable, str(HERE / "lookup_load.py"), self.server.url, str(keys), str(out)],
+            [sys.executable, str(LOOKUP_LOAD), self.server.url, str(keys), str(out)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         if self._proc.stdout.readline().strip() != "ready":
@@ -958,7 +958,7 @@ def _jobs_line(rows: list[dict[str, Any]]) -> str:
 
 def markdown(result: dict[str, Any], command: str) -> str:
     m = result["machine"]
-    missed = result["goals_missed"]
+    missed = result["goals"]
     return "\n".join([
         "# Store at scale",
         "",
@@ -1039,13 +1039,16 @@ def parse(argv: list[str] | None = None) -> Args:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop children on the way out
-    command = " ".join(sys.argv[1:] if argv is None else argv)
+    argv = given_argv(argv)
+    command = " ".join(argv)
     rows: list[dict[str, Any]] = []
     if args.from_json:
         runs = [json.loads(p.read_text()) for p in args.from_json]
         rows = [r for run in runs for r in run["rows"]]
-        command = "; python benchmarks/scale_bench.py ".join(
-            run["command"].removeprefix("python benchmarks/scale_bench.py ") for run in runs)
+        command = "; python -m benchmarks scale_bench ".join(
+            " ".join(run["argv"]) if "argv" in run  # a record; before it, a command line
+            else run["command"].removeprefix("python benchmarks/scale_bench.py ")
+            for run in runs)
         args.n_fast, args.n_slow = runs[0]["n_fast"], runs[0]["n_slow"]
     else:
         with workdir(args.workdir) as root:
@@ -1054,11 +1057,11 @@ def main(argv: list[str] | None = None) -> int:
     measured_on = machine()
     if args.from_json and "git_commit" in runs[0]["machine"]:
         measured_on = runs[0]["machine"]  # the commit and machine that measured the rows
-    result = {"date": utc_now(), "machine": measured_on, "command": command,
-              "n_fast": args.n_fast, "n_slow": args.n_slow, "notes": args.notes, "rows": rows}
     missed = goals(rows)
-    result["goals_missed"] = missed
-    write_json(args.out, result, indent=2)
+    result = make_record("scale_bench", argv, rows, goals=missed, machine=measured_on,
+                         measured_with=command, n_fast=args.n_fast, n_slow=args.n_slow,
+                         notes=args.notes)
+    write_record(result, args.out, indent=2)
     print(table(rows))
     print("\n" + "\n".join(["goals missed:", *missed] if missed else ["all goals met"]))
     if args.chart is not None:

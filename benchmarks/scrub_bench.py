@@ -1,7 +1,7 @@
 """What the background scrub costs lookups: entry-lookup latency with the scrub off and on.
 
-    python benchmarks/scrub_bench.py --write-results
-    python benchmarks/scrub_bench.py --quick     # small store, few lookups: checks it works
+    python -m benchmarks scrub_bench --write-results
+    python -m benchmarks scrub_bench --quick     # small store, few lookups: checks it works
 
 One store (SQLite + local disk) of `--blobs` blobs of `--blob-mib` MiB, each named by an
 entry, is served by a fresh server per phase, the phases alternating `--rounds` times so
@@ -26,21 +26,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import (
+
+from benchmarks.harness.benchlib import (
     generated_by,
     log,
-    machine_info,
     machine_line,
     markdown_table,
     percentile,
     temp_root,
     text_table,
-    utc_now,
-    write_json,
 )
-from results_md import write_section
-from services import LocalServer
-
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.results_md import write_section
+from benchmarks.harness.servers import LocalServer
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 from megacache_client.wire.schema import parse
 
@@ -143,10 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows]
     print(text_table(header, cells))
     print(f"p99 with the scrub on / off: {ratio:.2f}x" if ratio else "p99 ratio: n/a")
-    report = {"date": utc_now(), "argv": sys.argv[1:] if argv is None else argv,
-              "machine": machine_info(), "rate": args.rate, "blobs": args.blobs,
-              "blob_mib": args.blob_mib, "rows": rows, "p99_ratio": ratio}
-    write_json(args.out, report)
+    report = make_record("scrub_bench", given_argv(argv), rows, rate=args.rate,
+                         blobs=args.blobs, blob_mib=args.blob_mib, p99_ratio=ratio)
+    write_record(report, args.out)
     if args.write_results:
         lines = ["## The scrub's cost on lookups", "", *generated_by("scrub_bench.py",
                                                                       report["argv"]),

@@ -1,8 +1,8 @@
 """Blob and entry throughput of megacache-server, side by side with nginx and Redis.
 
-    python benchmarks/server_bench.py              # full run, ~6 min; writes results + RESULTS.md
-    python benchmarks/server_bench.py --quick      # smoke test: 1 MiB, 1 and 16 readers
-    python benchmarks/server_bench.py --sizes 64MiB --readers 16 --repeats 5
+    python -m benchmarks server_bench              # full run, ~6 min; writes results + RESULTS.md
+    python -m benchmarks server_bench --quick      # smoke test: 1 MiB, 1 and 16 readers
+    python -m benchmarks server_bench --sizes 64MiB --readers 16 --repeats 5
 
 What a job start looks like to the cache: every rank asks for the same bundle at once. For
 each blob size and reader count, N connections fetch the same blob in a loop for a few
@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchlib import (
+from benchmarks.harness.benchlib import (
     BENCH_DIR,
     LOOPBACK,
     REPO,
@@ -52,18 +52,29 @@ from benchlib import (
     parse_list,
     parse_size,
     temp_root,
-    utc_now,
-    write_json,
 )
-from results_md import write_section
-from serverbench.fixtures import create_entry, make_blob, put_fixture
-from serverbench.gets import run_gets
-from serverbench.lookups import LOOKUP_CLIENTS, run_lookups
-from serverbench.measure import Bench
-from serverbench.puts import put_targets, run_puts
-from serverbench.report import goals, render_goals, render_section, render_tables, write_chart
-from serverbench.services import WORKERS, nginx_service, ours_service, py_spy, redis_service
-from services import redis_server_exe
+from benchmarks.harness.record import make_record, write_record
+from benchmarks.harness.results_md import write_section
+from benchmarks.harness.servers import redis_server_exe
+from benchmarks.serverbench.fixtures import create_entry, make_blob, put_fixture
+from benchmarks.serverbench.gets import run_gets
+from benchmarks.serverbench.lookups import LOOKUP_CLIENTS, run_lookups
+from benchmarks.serverbench.measure import Bench
+from benchmarks.serverbench.puts import put_targets, run_puts
+from benchmarks.serverbench.report import (
+    goals,
+    render_goals,
+    render_section,
+    render_tables,
+    write_chart,
+)
+from benchmarks.serverbench.services import (
+    WORKERS,
+    nginx_service,
+    ours_service,
+    py_spy,
+    redis_service,
+)
 
 DEFAULT_OUT = BENCH_DIR / "results" / "server.json"
 
@@ -174,18 +185,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     with temp_root("server_bench.", args.keep_temp) as root:
         measured = run_benchmark(args, root)
-    report: dict[str, Any] = {
-        "date": utc_now(), "argv": argv, "machine": server_machine_info(), "workers": WORKERS,
-        "log_level": "warning", "repeats": args.repeats, "duration_s": args.duration,
-        "put_duration_s": args.put_duration, **measured,
-    }
+    tables = {job: measured.pop(job) for job in ("get", "put", "lookup")}
+    report = make_record(
+        "server_bench", argv, tables, machine=server_machine_info(), workers=WORKERS,
+        log_level="warning", repeats=args.repeats, duration_s=args.duration,
+        put_duration_s=args.put_duration, **measured)
     report["goals"] = goals(report)
     print(render_tables(report))
     print()
     print(render_goals(report))
     chart: Path | None = None
     if args.out is not None:
-        write_json(args.out, report)
+        write_record(report, args.out)
         chart = args.out.with_suffix(".png")
         if not write_chart(report, chart):
             chart = None
@@ -193,9 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_results_md:
         write_section("server", render_section(report, chart))
         log("wrote the server section of benchmarks/RESULTS.md")
-    errors = sum(r[t]["errors"] for r in report["get"] + report["put"]
+    errors = sum(r[t]["errors"] for r in tables["get"] + tables["put"]
                  for t in ("ours", "nginx", "redis") if t in r)
-    errors += sum(r["errors"] for r in report["lookup"])
+    errors += sum(r["errors"] for r in tables["lookup"])
     if errors:
         log(f"{errors} failed requests: see {args.out}")
     return 1 if errors else 0

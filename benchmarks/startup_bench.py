@@ -16,7 +16,7 @@ packages through plain path lines, so they differ only in the hook:
 Runs are interleaved (one of each variant per round) so machine noise hits all alike; the
 figure that counts is the median difference to `no hook` within this one run.
 
-    python benchmarks/startup_bench.py [--rounds 40] [--out results/startup.json] [--write-results]
+    python -m benchmarks startup_bench [--rounds 40] [--out results/startup.json] [--write-results]
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import machine_info, markdown_table, utc_now, write_json  # next to this script
-from results_md import write_section  # benchmarks/results_md.py, next to this script
+from benchmarks.harness.benchlib import markdown_table
+from benchmarks.harness.record import given_argv, make_record, write_record
+from benchmarks.harness.results_md import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_MS = 5.0
@@ -104,9 +105,9 @@ def run(rounds: int) -> dict:
                      "min_ms": round(min(ms), 2), "added_ms": round(med - base, 2),
                      "vs_no_hook": round(med / base, 3)})
     added = next(r["added_ms"] for r in rows if r["variant"] == "hook")
-    return {"benchmark": "startup", "command": "python -c pass, MEGACACHE_URL set",
+    return {"measures": "python -c pass, MEGACACHE_URL set",
             "goal_added_ms": GOAL_MS, "hook_added_ms": added, "goal_met": added <= GOAL_MS,
-            "rows": rows, "machine": machine_info(), "date": utc_now()}
+            "rows": rows}
 
 
 def table(result: dict) -> str:
@@ -117,23 +118,27 @@ def table(result: dict) -> str:
          for r in result["rows"]))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40, help="runs of each variant")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "startup.json")
     parser.add_argument("--write-results", action="store_true",
                         help="also replace the startup section of RESULTS.md")
-    args = parser.parse_args()
-    result = run(args.rounds)
-    write_json(args.out, result, indent=2)
+    args = parser.parse_args(argv)
+    measured = run(args.rounds)
+    result = make_record(
+        "startup_bench", given_argv(argv), measured.pop("rows"),
+        goals=[{"goal": f"the hook adds <= {GOAL_MS} ms", "met": measured["goal_met"]}],
+        **measured)
+    write_record(result, args.out, indent=2)
     print(table(result))
     verdict = "met" if result["goal_met"] else "MISSED"
     print(f"\nhook adds {result['hook_added_ms']:+.1f} ms (median) to `python -c pass` with "
           f"MEGACACHE_URL set; goal <= {GOAL_MS:g} ms: {verdict}. JSON: {args.out}")
     if args.write_results:
         write_section("startup", "## Interpreter start-up with the zero-code hook\n\n"
-                      f"`python benchmarks/startup_bench.py --rounds {args.rounds}` "
+                      f"`python -m benchmarks startup_bench --rounds {args.rounds}` "
                       f"({result['date']}, {result['machine']['cores']} CPUs, Python "
                       f"{result['machine']['python']}): `python -c pass` with "
                       "MEGACACHE_URL set, interleaved runs.\n\n" + table(result) + "\n")

@@ -1,9 +1,9 @@
 """The client on each torch a user may bring: one venv per torch version, the demo and the
 compile benchmark in each, one table.
 
-    python benchmarks/torch_matrix.py                        # 2.9.1, 2.13.0, 2.14.1
-    python benchmarks/torch_matrix.py --versions 2.14.1 --models mlp --write-docs
-    python benchmarks/torch_matrix.py --use 2.13.0=.venv/bin/python   # an existing venv
+    python -m benchmarks torch_matrix                        # 2.9.1, 2.13.0, 2.14.1
+    python -m benchmarks torch_matrix --versions 2.14.1 --models mlp --write-docs
+    python -m benchmarks torch_matrix --use 2.13.0=.venv/bin/python   # an existing venv
 
 Each version gets a venv under ~/.cache/megacache-torch-matrix/venv-<version> (made once,
 then reused): `pip install -e <this repo>[server] torch==<version>`, PyPI's default build
@@ -27,6 +27,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness.record import make_record, write_record
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -127,12 +129,12 @@ def demo_row(version: str, demo: dict[str, Any]) -> dict[str, Any]:
 
 def bench_rows(version: str, bench: dict[str, Any],
                new_machine: str = NEW_MACHINE) -> list[dict[str, Any]]:
-    if "summary" not in bench:
+    if "rows" not in bench:
         return [{"torch": version, "model": "compile_bench", "source": "compile_bench",
                  "error": bench.get("error", "no result")}]
     rows = []
-    by = {(r["model"], r["scenario"]): r for r in bench["summary"]}
-    for model in dict.fromkeys(r["model"] for r in bench["summary"]):
+    by = {(r["model"], r["scenario"]): r for r in bench["rows"]}
+    for model in dict.fromkeys(r["model"] for r in bench["rows"]):
         cold, warm, new = (by.get((model, s)) or {} for s in ("cold", "warm-local",
                                                                 new_machine))
         jobs = {s: [j for j in bench["jobs"] if j["model"] == model and j["scenario"] == s
@@ -200,16 +202,23 @@ def notes(rows: Sequence[dict[str, Any]], versions: dict[str, dict[str, Any]]) -
     return out
 
 
+def machine_of(report: dict[str, Any]) -> str:
+    """The machine line of the matrix: its architecture and cores (a record's machine, or
+    the string a run before the one record format wrote)."""
+    m = report["machine"]
+    return m if isinstance(m, str) else f"{m['os']}, {m['cores']} cores"
+
+
 def write_docs(report: dict[str, Any]) -> None:
     """Replace the matrix section of docs/benchmarks.md (between its markers)."""
     text = DOCS.read_text()
     section = "\n".join([
         BEGIN, "",
-        "Measured by `benchmarks/torch_matrix.py` (one venv per torch version, PyPI's "
+        "Measured by `python -m benchmarks torch_matrix` (one venv per torch version, PyPI's "
         "default build), command:", "",
-        "```bash", *[f"python benchmarks/torch_matrix.py {' '.join(c)}".rstrip()
+        "```bash", *[f"python -m benchmarks torch_matrix {' '.join(c)}".rstrip()
                      for c in report.get("commands", [report["argv"]])], "```", "",
-        f"{report['date']}, {report['machine']}; medians of {report['repeats']} repeat(s) "
+        f"{report['date']}, {machine_of(report)}; medians of {report['repeats']} repeat(s) "
         f"of {report['steps']} steps; time to first step in seconds, from process start. "
         "`new machine`: empty Inductor, Triton, TMPDIR and node caches, warm from megacache "
         f"(compile_bench's `{report.get('new_machine', 'megacache')}` scenario); "
@@ -277,7 +286,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               args.steps, args.timeout, args.new_machine),
                            args.new_machine)
         log(f"torch {version}: done")
-    import platform
 
     if args.merge and args.out.exists():
         earlier = json.loads(args.out.read_text())
@@ -289,14 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands = [c for c in earlier.get("commands", []) if c != argv] + [argv]
     else:
         commands = [argv]
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": argv,
-              "commands": commands,
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "repeats": args.repeats, "steps": args.steps, "versions": versions,
-              "new_machine": args.new_machine,
-              "rows": rows, "runs": str(work)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    report = make_record("torch_matrix", argv, rows, commands=commands,
+                         repeats=args.repeats, steps=args.steps, versions=versions,
+                         new_machine=args.new_machine, runs=str(work))
+    write_record(report, args.out)
     print(markdown(rows))
     print("\n".join(notes(rows, versions)))
     if args.write_docs:

@@ -204,7 +204,7 @@ for run in cold warm; do
   started="$(now)"
   # shellcheck disable=SC2046  # machine's words are NAME=value assignments for env
   env $(machine) MEGACACHE_MODEL="$model" MEGACACHE_CODE="$code" \
-    "$python" benchmarks/train_job.py --model mlp --steps 2 --megacache env \
+    "$python" benchmarks/harness/train_job.py --model mlp --steps 2 --megacache env \
       --result "$work/$run.json" >"$work/$run.log" 2>&1 \
     || { tail -n 30 "$work/$run.log" >&2; fail "the $run trainer failed"; }
   if [ "$run" = cold ]; then cold_s="$(since "$started")"; else warm_s="$(since "$started")"; fi

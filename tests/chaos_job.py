@@ -118,7 +118,8 @@ def main() -> int:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         import torch.distributed as dist
-        from gloo_group import init_group  # benchmarks/, on PYTHONPATH
+
+        from benchmarks.harness.gloo_group import init_group
 
         init_group()
     stop_here("before_first_step")

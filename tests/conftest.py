@@ -14,15 +14,11 @@ from typing import NoReturn, TextIO, TypeVar
 
 import httpx
 import pytest
+from helpers import ServerProcess
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-
-from helpers import ServerProcess  # noqa: E402
-from services import LocalRedis, LocalSeaweedS3, leftover_groups  # noqa: E402
-
-from megacache_server.store.index.base import Index  # noqa: E402
-from megacache_server.store.index.sqlite import SqliteIndex  # noqa: E402
+from benchmarks.harness.servers import LocalRedis, LocalSeaweedS3, leftover_groups
+from megacache_server.store.index.base import Index
+from megacache_server.store.index.sqlite import SqliteIndex
 
 _names = itertools.count()
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from jobs import GxxCounter, JobRun, Machine, run_job
-from services import LOOPBACK, LocalServer, free_port
 
+from benchmarks.harness.machines import GxxCounter, JobRun, Machine, run_job
+from benchmarks.harness.servers import LOOPBACK, LocalServer, free_port
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 from megacache_client.wire.schema import parse
 from megacache_server.store.index.base import Index

@@ -8,14 +8,11 @@ hook); the script only prints torch's own cache counters as one JSON line.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by path, as users do
-from job_counters import cache_counters  # noqa: E402  (tests/job_counters.py)
 from transformers import GPT2Config, GPT2LMHeadModel
+
+from benchmarks.harness.job_counters import cache_counters  # noqa: E402
 
 
 def main() -> None:

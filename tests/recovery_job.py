@@ -31,8 +31,9 @@ os.environ["GXX_LOG"] = str(MACHINE / "gxx.log")
 
 import httpx  # noqa: E402
 import torch  # noqa: E402  (the client enables itself right after this import)
-from job_counters import cache_counters  # noqa: E402
 from torchrun_job import TinyNet  # noqa: E402
+
+from benchmarks.harness.job_counters import cache_counters  # noqa: E402
 
 
 def published(url: str, model: str) -> bool:

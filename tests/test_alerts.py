@@ -27,8 +27,10 @@ import pytest
 import yaml
 from conftest import ensure_tools, need
 from helpers import ServerProcess, free_port
-from jobs import Machine, clean_env
 from test_monitoring import exported_after_traffic, metric_names
+
+from benchmarks.harness import ETT_CAUSES_JOB
+from benchmarks.harness.machines import Machine, clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "docker" / "prometheus" / "megacache.rules.yml"
@@ -103,7 +105,7 @@ def test_a_real_prometheus_scraping_a_real_server_fires_while_a_job_runs(
     (tmp_path / "truth").mkdir()
     (tmp_path / "ckpt").mkdir()
     job = subprocess.Popen(
-        [sys.executable, str(ROOT / "benchmarks" / "ett_causes_job.py")],
+        [sys.executable, str(ETT_CAUSES_JOB)],
         env={**clean_env(), **machine.env(), "MEGACACHE_URL": server.url, "RUN": "1",
              "OMP_NUM_THREADS": "1", "MEGACACHE_MODE": "read-only", "STEPS": "100",
              "CKPT_EVERY": "50", "FAIL_AT": "0", "STEP_S": "0.1",

@@ -1,4 +1,4 @@
-"""The benchmarks' shared helpers (benchmarks/benchlib.py) and the server benchmark's wire
+"""The benchmarks' shared helpers (benchmarks/harness/benchlib.py) and the server benchmark's wire
 framing: pure functions and real processes, no timing."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from benchlib import (
+
+from benchmarks.harness.benchlib import (
     MiB,
     machine_info,
     markdown_table,
@@ -25,8 +26,8 @@ from benchlib import (
     wait_port,
     write_json,
 )
-from serverbench.wire import ProtocolError, parse_head
-from services import free_port
+from benchmarks.harness.servers import free_port
+from benchmarks.serverbench.wire import ProtocolError, parse_head
 
 
 def test_sizes_parse_with_binary_units_and_refuse_the_rest():

@@ -3,13 +3,18 @@ They check that the scripts work, never how fast anything is."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 from conftest import ensure_tools, need
+
+from benchmarks.harness.record import FIELDS, make_record, write_record
 
 pytestmark = pytest.mark.e2e
 
@@ -29,6 +34,126 @@ def assert_chart(path: Path, figsize: tuple[float, float], dpi: int) -> None:
     assert colours is not None and len(colours) > 1, f"{path} is blank"
 
 
+def benchmark_modules() -> list[str]:
+    """The benchmarks as the file system has them: benchmarks/*.py but the package's own."""
+    return sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")
+                  if not p.name.startswith("__"))
+
+
+def test_the_runner_lists_every_benchmark_with_what_it_answers() -> None:
+    """`python -m benchmarks --list` names each module of benchmarks/ once, with the opening
+    of its docstring; each has the `main(argv)` the runner calls; no helper of the harness
+    is listed."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "--list"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    listed = dict(line.split(None, 1) for line in run.stdout.splitlines())
+    assert sorted(listed) == benchmark_modules()
+    assert {"compile_bench", "server_bench", "nightly"} <= set(listed)
+    assert not set(listed) & {"machines", "servers", "models", "benchlib", "train_job"}
+    for name, what in listed.items():
+        assert what.strip() and "(no docstring)" not in what, name
+        tree = ast.parse((ROOT / "benchmarks" / f"{name}.py").read_text())
+        main = next((f for f in tree.body if isinstance(f, ast.FunctionDef)
+                     and f.name == "main"), None)
+        assert main is not None and len(main.args.args) == 1, f"{name}: no main(argv)"
+        assert main.args.defaults, f"{name}: main(argv) needs argv=None (run as a script)"
+    assert "[--quick --write-results]" in listed["compile_bench"]
+
+
+def test_the_runner_refuses_a_name_that_is_no_benchmark() -> None:
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "machines"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "no benchmark 'machines'" in run.stderr, run.stderr
+    assert "compile_bench" in run.stderr  # the names it would take
+
+
+def test_the_nightly_command_runs_the_nightly_tier_and_only_it() -> None:
+    """`python -m benchmarks nightly` (the command docs/benchmarks.md gives) selects the
+    tests marked nightly, which every plain pytest run leaves out; pytest's own options
+    pass through (here: collect, do not run)."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "nightly", "--collect-only",
+                          "tests/test_corpus.py"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    collected = [line for line in run.stdout.splitlines() if "::" in line]
+    assert collected and all("::test_precompile_off_nightly[" in c for c in collected), \
+        collected
+    plain = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                            "tests/test_corpus.py"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert not set(collected) & set(plain.stdout.splitlines())  # left out of a plain run
+
+
+def test_a_quick_benchmark_runs_through_the_runner_and_writes_the_one_record(
+        tmp_path: Path) -> None:
+    """`python -m benchmarks NAME --quick` passes the benchmark its own options and the
+    JSON it writes opens with the record's fields, filled."""
+    need("torch")
+    out = tmp_path / "dataloader.json"
+    argv = ["--quick", "--out", str(out)]
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "dataloader_bench", *argv],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert list(record)[:len(FIELDS)] == list(FIELDS)
+    assert record["benchmark"] == "dataloader_bench" and record["argv"] == argv
+    assert datetime.fromisoformat(record["date"]).tzinfo is not None
+    assert record["machine"]["cores"] > 0 and record["machine"]["git_commit"]
+    import torch
+
+    assert record["torch"] == torch.__version__
+    assert record["goals"] == []
+    ways = {row["way"]: row for row in record["rows"]}
+    assert len(ways) == 3 and all(row["ns_per_batch"] > 0 for row in ways.values()), ways
+    assert "runs_ns" in record  # the benchmark's own field, after the common ones
+
+
+def test_the_record_keeps_its_own_fields_its_own(tmp_path: Path) -> None:
+    """A benchmark's field may not shadow a common one, and what is written is a record."""
+    record = make_record("x_bench", ["--quick"], [{"a": 1}], goals=["g"], machine={"m": 1},
+                         extra=2)
+    assert record["benchmark"] == "x_bench" and record["extra"] == 2
+    assert record["machine"] == {"m": 1} and record["goals"] == ["g"]
+    with pytest.raises(ValueError, match="torch"):
+        make_record("x_bench", [], [], torch="2.0")
+    with pytest.raises(ValueError, match="missing"):
+        write_record({"benchmark": "x_bench", "rows": []}, tmp_path / "x.json")
+    assert write_record(record, tmp_path / "x.json") == tmp_path / "x.json"
+    assert json.loads((tmp_path / "x.json").read_text()) == record
+
+
+def test_every_benchmark_writes_json_through_the_one_helper() -> None:
+    """A benchmark that writes its results file by hand would bring back the many
+    formats: each module that writes JSON does it with write_record."""
+    by_hand = []
+    for name in benchmark_modules():
+        source = (ROOT / "benchmarks" / f"{name}.py").read_text()
+        if re.search(r"write_json\(|\bout\b\S*\.write_text\(json\.dumps", source):
+            by_hand.append(name)  # its results file (`--out`), by hand
+    assert not by_hand, f"write a record with benchmarks.harness.record: {by_hand}"
+
+
+def test_the_harness_is_one_way_and_edits_no_path() -> None:
+    """The tests use the benchmarks' harness, never the other way round: nothing under
+    benchmarks/ imports a module of tests/, and neither side puts a directory on sys.path
+    (the harness is the package `benchmarks.harness`)."""
+    test_modules = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"tests"}
+    found = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level \
+                else []
+            found += [f"{path.relative_to(ROOT)} imports {n}" for n in names
+                      if n.split(".")[0] in test_modules]
+    for path in [*(ROOT / "benchmarks").rglob("*.py"), ROOT / "tests" / "conftest.py"]:
+        if "sys.path.insert" in path.read_text() or "sys.path.append" in path.read_text():
+            found.append(f"{path.relative_to(ROOT)} edits sys.path")
+    assert not found, found
+
+
 def test_compile_bench_quick_writes_valid_json(tmp_path: Path):
     need("torch")
     out = tmp_path / "compile.json"
@@ -37,7 +162,7 @@ def test_compile_bench_quick_writes_valid_json(tmp_path: Path):
                          timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
-    rows = {(r["model"], r["scenario"]): r for r in result["summary"]}
+    rows = {(r["model"], r["scenario"]): r for r in result["rows"]}
     assert set(rows) == {("mlp", "cold"), ("mlp", "megacache")}
     for row in rows.values():
         assert row["ok"] == row["runs"] == 1
@@ -58,13 +183,13 @@ def test_server_bench_quick_writes_tables_json_and_chart(tmp_path: Path):
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [(r["size_mib"], r["readers"]) for r in report["get"]] == [(1, 1), (1, 16)]
-    for row in report["get"] + report["put"]:
+    assert [(r["size_mib"], r["readers"]) for r in report["rows"]["get"]] == [(1, 1), (1, 16)]
+    for row in report["rows"]["get"] + report["rows"]["put"]:
         for target in ("ours", "nginx"):
             assert row[target]["errors"] == 0 and row[target]["mb_s"] > 0
             assert len(row[target]["runs"]) == 1
-    assert {r["target"] for r in report["lookup"]} == {"ours", "healthz", "nginx"}
-    assert all(r["errors"] == 0 and r["requests_s"] > 0 for r in report["lookup"])
+    assert {r["target"] for r in report["rows"]["lookup"]} == {"ours", "healthz", "nginx"}
+    assert all(r["errors"] == 0 and r["requests_s"] > 0 for r in report["rows"]["lookup"])
     assert report["machine"]["git_commit"] and report["manifest_bytes"] > 0
     assert [g["met"] for g in report["goals"]][0] is None  # 64 MiB x16 is not in --quick
     assert_chart(out.with_suffix(".png"), (15, 4.8), dpi=110)  # serverbench/report.py
@@ -170,8 +295,7 @@ def _job(scenario: str, ttfs: float, outcome: str | None, fx_hit: int) -> dict:
 def test_compile_bench_claims_no_ratio_for_a_run_that_loaded_nothing():
     """A megacache job that missed (faster than cold anyway: a warm OS file cache) gets no
     ratio, a note saying what was missed and why, and a missed goal."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import compile_bench
+    from benchmarks import compile_bench
 
     jobs = [_job("cold", 20.0, None, 0), _job("warm-local", 5.0, None, 2),
             _job("megacache", 15.0, "miss", 0)]
@@ -196,8 +320,7 @@ def test_recovery_bench_reads_a_killed_job_s_own_clock() -> None:
     """The job's figures by its own clock, on a hand-made two-attempt time line: started at
     0, first step at 10, saves ending at 20 and 30 (1 s each), killed at 34; restarted, its
     first step at 44, a save ending at 60 (1 s), the end at 70."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import recovery_bench
+    from benchmarks import recovery_bench
 
     def facts(*rows: tuple[str, float, dict[str, float]]) -> list[dict[str, float | str]]:
         return [{"fact": name, "at": at, **extra} for name, at, extra in rows]
@@ -217,11 +340,10 @@ def test_recovery_bench_reads_a_killed_job_s_own_clock() -> None:
 
 
 def test_budget_bench_splits_a_start_and_rates_it_against_eager() -> None:
-    """Hand-made jobs of a zero-code script (tests/corpus_job.py's marks, no client call):
+    """Hand-made jobs of a zero-code script (harness/corpus_job.py's marks, no client call):
     the parts come from the marks, the ratios from the medians, rows nobody has are left
     out, and a new machine's g++ builds are reported (the worst of its runs)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import budget_bench
+    from benchmarks import budget_bench
 
     def job(kind: str, repeat: int, step1: float, wall: float, gxx: int) -> dict:
         marks = {"torch_imported_s": 2.0, "built_s": 3.0, "optimizer_s": 3.0,
@@ -248,13 +370,14 @@ def test_budget_bench_splits_a_start_and_rates_it_against_eager() -> None:
 
 
 def test_the_corpus_job_trains_eager_as_the_floor(tmp_path: Path) -> None:
-    """`tests/corpus_job.py NAME STEPS --eager` (budget_bench --hf's floor) trains without
+    """`harness/corpus_job.py NAME STEPS --eager` (budget_bench --hf's floor) trains without
     torch.compile: nothing compiled, and the time to the end of step 1 is reported."""
     need("torch", "the corpus job trains a torch model")
     need("transformers", "the corpus is transformers models")
-    from jobs import Machine, run_job
+    from benchmarks.harness import CORPUS_JOB
+    from benchmarks.harness.machines import Machine, run_job
 
-    run = run_job(Machine(tmp_path), str(ROOT / "tests" / "corpus_job.py"), "vit", "2",
+    run = run_job(Machine(tmp_path), str(CORPUS_JOB), "vit", "2",
                   "--eager", env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
                   runner=[sys.executable], timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -64,7 +64,8 @@ def test_a_trainer_whose_server_is_down_builds_nothing_to_publish(tmp_path: Path
     snapshots nothing, packs nothing and starts no precompile check (each of which only
     the server could use), and says why; the trainer ends as it would without a URL."""
     from conftest import need
-    from jobs import Machine, run_job
+
+    from benchmarks.harness.machines import Machine, run_job
 
     need("torch", "the trainer compiles a real model")
     run = run_job(Machine(tmp_path / "node"), "--model", "mlp", "--steps", "3",
@@ -186,7 +187,8 @@ def test_a_server_that_comes_back_gets_the_compile_of_a_trainer_that_started_wit
 
     from conftest import need
     from helpers import ServerProcess
-    from jobs import TRAIN_JOB, Machine, clean_env
+
+    from benchmarks.harness.machines import TRAIN_JOB, Machine, clean_env
 
     need("torch", "the trainer compiles a real model")
     server = ServerProcess(tmp_path / "data")

@@ -35,7 +35,8 @@ from typing import Any
 import pytest
 from conftest import need
 from helpers import ServerProcess, free_port
-from jobs import GxxCounter, Machine, clean_env
+
+from benchmarks.harness.machines import GxxCounter, Machine, clean_env
 
 pytestmark = pytest.mark.e2e
 

@@ -21,7 +21,8 @@ import httpx
 import pytest
 from conftest import need
 from helpers import ServerProcess, free_port
-from jobs import TRAIN_JOB, GxxCounter, JobRun, Machine, clean_env, run_job
+
+from benchmarks.harness.machines import TRAIN_JOB, GxxCounter, JobRun, Machine, clean_env, run_job
 
 pytestmark = pytest.mark.e2e
 

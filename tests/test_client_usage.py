@@ -24,7 +24,8 @@ import httpx
 import pytest
 from conftest import need
 from helpers import ServerProcess, free_port
-from jobs import TRAIN_JOB, GxxCounter, JobRun, Machine, run_job
+
+from benchmarks.harness.machines import TRAIN_JOB, GxxCounter, JobRun, Machine, run_job
 
 pytestmark = pytest.mark.e2e
 

@@ -33,7 +33,8 @@ import pytest
 from conftest import ensure_tools, environment_missing
 from filelock import FileLock
 from helpers import free_port, make_fingerprint, make_manifest, sha256
-from services import STARTED_GROUPS
+
+from benchmarks.harness.servers import STARTED_GROUPS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.container]
 

@@ -1,7 +1,7 @@
 """Third-party models on new machines, zero-code, with precompiled Dynamo on and off.
 
 A default is a promise to every trainer, so the models here are ones nobody on this
-project wrote (`transformers` architectures built from tiny configs, tests/corpus_job.py),
+project wrote (`transformers` architectures from tiny configs, benchmarks/harness/corpus_job.py),
 run the way a user runs them: an unmodified script, `torch.compile(model)`, and only
 `MEGACACHE_*` variables set (the autoload hook does the rest). For each model one cold
 machine compiles with precompiled Dynamo on and publishes; then two new machines start
@@ -24,12 +24,13 @@ import httpx
 import pytest
 from conftest import need
 from helpers import ServerProcess
-from jobs import GxxCounter, JobRun, Machine, run_job
+
+from benchmarks.harness import CORPUS_JOB
+from benchmarks.harness.corpus_job import CORPUS
+from benchmarks.harness.machines import GxxCounter, JobRun, Machine, run_job
 
 HERE = Path(__file__).resolve().parent
-JOB = HERE / "corpus_job.py"
-sys.path.insert(0, str(HERE))
-from corpus_job import CORPUS  # noqa: E402
+JOB = CORPUS_JOB
 
 pytestmark = pytest.mark.e2e
 

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 from conftest import need
-from ett_causes import CASES, TIMED, run_case
 from helpers import ServerProcess
+
+from benchmarks.ett_causes import CASES, TIMED, run_case
 
 pytestmark = pytest.mark.e2e
 

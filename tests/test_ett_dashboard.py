@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ensure_tools
-from dashboard_shot import dump_dom
 from helpers import ServerProcess
 
+from benchmarks.dashboard_shot import dump_dom
 from megacache_client.wire import routes
 
 

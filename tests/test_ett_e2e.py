@@ -34,7 +34,8 @@ from typing import Any
 import pytest
 from conftest import need
 from helpers import ServerProcess, ett_of, free_port
-from jobs import Machine, run_job
+
+from benchmarks.harness.machines import Machine, run_job
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,8 @@ import httpx
 import pytest
 from conftest import need
 from helpers import ServerProcess
-from jobs import Machine, run_job
+
+from benchmarks.harness.machines import Machine, run_job
 
 pytestmark = pytest.mark.e2e
 

@@ -21,7 +21,8 @@ import httpx
 import pytest
 from conftest import BACKENDS, _configured, backend_args, environment_missing, started
 from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
-from services import LocalRedis, LocalSeaweedS3
+
+from benchmarks.harness.servers import LocalRedis, LocalSeaweedS3
 
 pytestmark = pytest.mark.e2e  # crashes and outages of real server processes and their storage
 

@@ -13,10 +13,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import frameworks_ett
 import pytest
 from conftest import need
 from helpers import ServerProcess
+
+from benchmarks import frameworks_ett
 
 
 @pytest.fixture(scope="module")

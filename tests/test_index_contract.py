@@ -15,8 +15,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from helpers import run
-from services import LocalRedis
 
+from benchmarks.harness.servers import LocalRedis
 from megacache_client.wire.events import Event
 from megacache_client.wire.schema import parse_json
 from megacache_server.errors import PreconditionFailed

@@ -21,7 +21,7 @@ def test_short_load_run_loses_nothing(tmp_path: Path):
                           "--clients", "30", "--seconds", "5", "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    result = json.loads(out.read_text())
+    [result] = json.loads(out.read_text())["rows"]
     assert result["errors"] == 0, result["error_kinds"]
     assert result["writes_acknowledged"] > 0
     assert result["writes_lost_or_corrupt"] == []

@@ -10,10 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ensure_tools
-from dashboard_shot import dump_dom, screenshot, seed
 from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.dashboard_shot import dump_dom, screenshot, seed
 
 
 def ensure_chromium() -> None:

@@ -58,7 +58,7 @@ def test_sdist_carries_what_the_wheel_needs(dists: tuple[Path, Path]):
     with tarfile.open(sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
     assert {"megacache_autoload.pth", "megacache_autoload.py", "LICENSE", "pyproject.toml",
-            "megacache_client/wire/version.py", "benchmarks/services.py"} <= names
+            "megacache_client/wire/version.py", "benchmarks/harness/servers.py"} <= names
 
 
 def test_wheel_contents_and_metadata(dists: tuple[Path, Path]):

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import need
 from helpers import ServerProcess, functions_job
-from jobs import GxxCounter, JobRun, Machine, run_job
+
+from benchmarks.harness.machines import GxxCounter, JobRun, Machine, run_job
 
 pytestmark = pytest.mark.e2e
 

@@ -25,12 +25,13 @@ from typing import Any
 import pytest
 from conftest import need
 from helpers import ServerProcess, free_port
-from jobs import GxxCounter, Machine, clean_env
+
+from benchmarks.harness import STAGE_JOB
+from benchmarks.harness.machines import GxxCounter, Machine, clean_env
 
 pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).resolve().parent
-STAGE_JOB = HERE.parent / "benchmarks" / "stage_job.py"
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ import httpx
 import pytest
 from conftest import need
 from helpers import ServerProcess, ett_of, free_port
-from jobs import GxxCounter, Machine, clean_env, run_job
+
+from benchmarks.harness.machines import GxxCounter, Machine, clean_env, run_job
 
 pytestmark = pytest.mark.e2e
 

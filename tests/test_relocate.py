@@ -17,8 +17,8 @@ import httpx
 import pytest
 from conftest import need
 from helpers import ServerProcess
-from jobs import GxxCounter, JobRun, Machine, run_job
 
+from benchmarks.harness.machines import GxxCounter, JobRun, Machine, run_job
 from megacache_client.config import ClientConfig
 from megacache_client.steps.fetch import skip_reason
 from megacache_client.torch import relocate

@@ -202,8 +202,9 @@ def test_replays_in_stats_dashboard_and_metrics(events_server: ServerProcess):
 
 @pytest.mark.e2e
 def test_the_dashboard_page_shows_replays_per_model(tmp_path: Path):
-    from dashboard_shot import dump_dom
     from test_observability import ensure_chromium
+
+    from benchmarks.dashboard_shot import dump_dom
 
     ensure_chromium()
     server = ServerProcess(tmp_path / "data").start()

@@ -19,10 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ensure_tools, need
-from dashboard_shot import dump_dom
 from helpers import ServerProcess, free_port
-from jobs import GxxCounter, Machine, run_job
 from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.dashboard_shot import dump_dom
+from benchmarks.harness.machines import GxxCounter, Machine, run_job
 
 pytestmark = pytest.mark.e2e
 

@@ -11,8 +11,8 @@ import hashlib
 from typing import Any
 
 import pytest
-from services import LocalSeaweedS3
 
+from benchmarks.harness.servers import LocalSeaweedS3
 from megacache_server.store.blobstore import s3_listing
 from megacache_server.store.blobstore.s3 import S3BlobStore
 

@@ -22,8 +22,8 @@ import httpx
 import pytest
 from conftest import need
 from helpers import ForwardingProxy, ServerProcess
-from jobs import GxxCounter, JobRun, Machine, run_job
 
+from benchmarks.harness.machines import GxxCounter, JobRun, Machine, run_job
 from megacache_client.wire.events import Event
 from megacache_client.wire.schema import SchemaError, parse, parse_json
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import ServerProcess
-from services import LocalRedis
 
+from benchmarks.harness.servers import LocalRedis
 from megacache_client.wire.events import Event
 from megacache_client.wire.progress import ProgressRecord
 from megacache_client.wire.text import is_text

@@ -22,9 +22,9 @@ from typing import cast
 
 import pytest
 from conftest import need
-from jobs import Machine, run_job
 from progress_peer import ProgressPeer, recording
 
+from benchmarks.harness.machines import Machine, run_job
 from megacache_client.config import ClientConfig, ConfigError
 from megacache_client.ett import sender as p
 from megacache_client.ett.sender import Progress, ProgressQueue

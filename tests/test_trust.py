@@ -19,9 +19,9 @@ import httpx
 import pytest
 from conftest import BACKENDS, _configured, backend_args, need
 from helpers import ServerProcess, functions_job, make_fingerprint, make_manifest, sha256
-from jobs import GxxCounter, Machine
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.harness.machines import GxxCounter, Machine
 from megacache_client.config import ClientConfig
 from megacache_client.job import JobIdentity
 from megacache_client.results import LoadResult, Snapshot, Track

@@ -21,8 +21,8 @@ import httpx
 import pytest
 from conftest import need
 from helpers import ServerProcess, sha256
-from jobs import GxxCounter, JobRun, Machine, run_job
 
+from benchmarks.harness.machines import GxxCounter, JobRun, Machine, run_job
 from megacache_client.torch.packs import write_pack
 from megacache_client.wire.manifest import BlobRef, Manifest, sha256_file
 

@@ -11,9 +11,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchlib import MiB
-from services import LocalServer
-
+from benchmarks.harness.benchlib import MiB
+from benchmarks.harness.servers import LocalServer
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest
 
 from .wire import connect, put_head, read_response, send_file

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
-from benchlib import LOOPBACK, MiB, log, ratio
+from benchmarks.harness.benchlib import LOOPBACK, MiB, log, ratio
 
 from .fixtures import Blob, redis_set
 from .measure import Bench, Tally, settle, summarize_runs

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchlib import log, median
+from benchmarks.harness.benchlib import log, median
 
 from .measure import Bench, settle
 from .services import Service

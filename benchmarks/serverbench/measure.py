@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchlib import log, median
+from benchmarks.harness.benchlib import log, median
 
 from .services import Service
 

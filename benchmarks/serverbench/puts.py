@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchlib import MiB, log, ratio
+from benchmarks.harness.benchlib import MiB, log, ratio
 
 from .fixtures import Blob
 from .measure import Bench, Tally, settle, summarize_runs

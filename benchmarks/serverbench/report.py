@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchlib import (
+from benchmarks.harness.benchlib import (
     MiB,
     fmt_num,
     generated_by,
@@ -33,9 +33,9 @@ LOOKUP_LABELS = {
 
 def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The two goals the numbers are for; `met` is None where the run did not measure it."""
-    get_row = next((r for r in report["get"]
+    get_row = next((r for r in report["rows"]["get"]
                     if r["size"] == GOAL_SIZE and r["readers"] == GOAL_READERS), None)
-    ours_lookup = next((r for r in report["lookup"] if r["target"] == "ours"), None)
+    ours_lookup = next((r for r in report["rows"]["lookup"] if r["target"] == "ours"), None)
     return [
         {"goal": f"GET {GOAL_SIZE // MiB} MiB x{GOAL_READERS} readers >= "
                  f"{GOAL_RATIO:g} x nginx",
@@ -63,11 +63,12 @@ def render_tables(report: dict[str, Any]) -> str:
           if all(x is not None for x in r["ratio_runs"]) else "-",
           fmt_num(r["redis"]["mb_s"]) if "redis" in r else "-",
           _cores(r["ours"]["runs"]), _cores(r["nginx"]["runs"])]
-         for r in report["get"]])
+         for r in report["rows"]["get"]])
     puts = markdown_table(
         ["size", "uploaders", "ours PUT MB/s", "nginx DAV PUT MB/s", "ours/nginx"],
         [[f"{r['size_mib']} MiB", str(r["uploaders"]), fmt_num(r["ours"]["mb_s"]),
-          fmt_num(r["nginx"]["mb_s"]), fmt_num(r["ratio"], "{:.2f}")] for r in report["put"]])
+          fmt_num(r["nginx"]["mb_s"]), fmt_num(r["ratio"], "{:.2f}")]
+         for r in report["rows"]["put"]])
     lookups = markdown_table(
         ["lookup", "clients", "req/s", "p50 ms", "p99 ms", "min-max p99 ms", "server cores"],
         [[LOOKUP_LABELS.get(r["target"], r["target"]), str(r["clients"]),
@@ -75,7 +76,7 @@ def render_tables(report: dict[str, Any]) -> str:
           fmt_num(r["p99_ms"], "{:.2f}"),
           "-".join(f"{f(x['p99_ms'] for x in r['runs']):.1f}" for f in (min, max)),
           _cores(r["runs"])]
-         for r in report["lookup"]])
+         for r in report["rows"]["lookup"]])
     return "\n\n".join([gets, puts, lookups])
 
 
@@ -93,17 +94,18 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
         return False
     fig, (ax_get, ax_put, ax_lat) = plt.subplots(
         1, 3, figsize=(15, 4.8), gridspec_kw={"width_ratios": [3, 1, 1]})
-    grouped_bars(ax_get, [f"{r['size_mib']} MiB\nx{r['readers']}" for r in report["get"]],
-                 {name: [r[name]["mb_s"] if name in r else 0.0 for r in report["get"]]
+    grouped_bars(ax_get, [f"{r['size_mib']} MiB\nx{r['readers']}" for r in report["rows"]["get"]],
+                 {name: [r[name]["mb_s"] if name in r else 0.0 for r in report["rows"]["get"]]
                   for name in ("ours", "nginx", "redis")
-                  if any(name in r for r in report["get"])})
+                  if any(name in r for r in report["rows"]["get"])})
     ax_get.set_ylabel("MB/s (median of repeats)")
     ax_get.set_title("GET: N readers of the same blob")
-    grouped_bars(ax_put, [f"{r['size_mib']} MiB\nx{r['uploaders']}" for r in report["put"]],
-                 {name: [r[name]["mb_s"] for r in report["put"]] for name in ("ours", "nginx")})
+    put_rows = report["rows"]["put"]
+    grouped_bars(ax_put, [f"{r['size_mib']} MiB\nx{r['uploaders']}" for r in put_rows],
+                 {name: [r[name]["mb_s"] for r in put_rows] for name in ("ours", "nginx")})
     ax_put.set_title("PUT (nginx: DAV, no hash/fsync)")
     grouped_bars(ax_lat, ["p50", "p99"], {r["target"]: [r["p50_ms"], r["p99_ms"]]
-                                          for r in report["lookup"]})
+                                          for r in report["rows"]["lookup"]})
     ax_lat.axhline(GOAL_P99_MS, color="red", linestyle="--", linewidth=1, label="p99 goal")
     ax_lat.set_ylabel("ms")
     ax_lat.set_title(f"entry lookup, {LOOKUP_CLIENTS} clients")

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchlib import LOOPBACK, log, poll_until, wait_port
-from services import LocalRedis, LocalServer, free_port
+from benchmarks.harness.benchlib import LOOPBACK, log, poll_until, wait_port
+from benchmarks.harness.servers import LocalRedis, LocalServer, free_port
 
 WORKERS = 2  # uvicorn workers: docker/Dockerfile's MEGACACHE_WORKERS; nginx gets as many
 

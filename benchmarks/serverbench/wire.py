@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from benchlib import LOOPBACK
+from benchmarks.harness.benchlib import LOOPBACK
 
 Protocol = Literal["http", "resp"]
 

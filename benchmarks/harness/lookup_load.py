@@ -6,7 +6,7 @@ process does meanwhile (its main thread polling the GC lock, its own garbage col
 GIL), and its tail would be the benchmark's, not the server's. Here the client is a small
 process that does nothing else, as a trainer's lookups come from a process of their own.
 
-    python benchmarks/lookup_load.py URL KEYS_FILE OUT_FILE
+    python benchmarks/harness/lookup_load.py URL KEYS_FILE OUT_FILE
 
 KEYS_FILE holds one entry key per line. The process prints `ready` once its first lookup is
 answered, then looks up keys at random until stdin is closed, and writes to OUT_FILE one

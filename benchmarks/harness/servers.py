@@ -1,7 +1,7 @@
 """Services in child processes on free loopback ports: megacache-server, Redis, SeaweedFS.
 
-For the demo, the benchmarks and the tests (tests/conftest.py puts this directory on
-sys.path); not part of the installed package. The server is started exactly as a user
+For the demo, the benchmarks and the tests (`from benchmarks.harness.servers import ...`);
+not part of the installed package. The server is started exactly as a user
 starts it (`python -m megacache_server ...`), never in-process, so what they measure is
 what users run. Each child leads its own process group, and stopping it signals the whole
 group, so no worker it spawned outlives it.

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-TRAIN_JOB = Path(__file__).resolve().parent / "train_job.py"
+from benchmarks.harness import TRAIN_JOB
+
 BUILD_OUTPUT = re.compile(r" -o \S+\.(so|gch)(\s|$)")
 """g++ calls that write a kernel/probe `.so` or a precompiled header: real builds. Inductor
 also preprocesses its header (`-E`) to key the `.gch` and asks `--version`; those are cheap."""

@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 
 DEFAULT_VENV = Path("/tmp/mc-otherpath/venv")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TORCH_PIN = "torch==2.13.0"
 CLIENT_DEPS = ("httpx", "zstandard", "filelock", "pydantic")
 

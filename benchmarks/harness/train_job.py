@@ -1,6 +1,7 @@
 """One small training job in this process: what a trainer does, measured.
 
-    python benchmarks/train_job.py --model mlp --steps 3 --megacache explicit --result r.json
+    python benchmarks/harness/train_job.py --model mlp --steps 3 --megacache explicit \
+        --result r.json
 
 `--megacache off` compiles with torch alone; `explicit` calls `megacache_client.enable()`;
 `env` relies on the autoload hook (MEGACACHE_URL set, no code). Timings are from process
@@ -21,8 +22,6 @@ import sys  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> int:
@@ -57,8 +56,9 @@ def main() -> int:
                         help="torch alone: turn torch._dynamo.config.caching_precompile on")
     args = parser.parse_args()
 
-    import models
     import torch
+
+    from benchmarks.harness import models
 
     marks = {"torch_imported_s": time.time() - PROCESS_START}
     session = None

@@ -1,6 +1,6 @@
 """Third-party models nobody here wrote, trained a few steps with `torch.compile(model)`.
 
-    python tests/corpus_job.py resnet [steps] [--eager]
+    python benchmarks/harness/corpus_job.py resnet [steps] [--eager]
 
 The script knows nothing about megacache: the cache is switched on from outside (the
 autoload hook and `MEGACACHE_*` variables), as a user would. Each model is a Hugging Face
@@ -22,13 +22,11 @@ PROCESS_START = time.time()
 import json  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by path, as users do
-from job_counters import cache_counters  # noqa: E402  (tests/job_counters.py)
+from benchmarks.harness.job_counters import cache_counters  # noqa: E402
 
 Batch = dict[str, torch.Tensor]
 

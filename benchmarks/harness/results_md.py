@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
+RESULTS_MD = Path(__file__).resolve().parent.parent / "RESULTS.md"
 
 
 def markers(name: str) -> tuple[str, str]:

@@ -53,8 +53,9 @@ if os.environ.get("STAGE_DEBUG"):
 
 import torch  # noqa: E402  (the client enables itself right after this import)
 import torch.distributed as dist  # noqa: E402
-from gloo_group import init_group  # noqa: E402
 from torch import nn  # noqa: E402
+
+from benchmarks.harness.gloo_group import init_group  # noqa: E402
 
 STAGES = os.environ.get("STAGES", "differ")
 STEPS = int(os.environ.get("STEPS", "3"))
