@@ -635,6 +635,56 @@ def test_surrogates_and_controls_in_every_text_field_are_refused(
             _clear_4xx(status, headers, content, _method(route), 400, 422)
 
 
+def object_paths(cls: type, doc: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted paths of every JSON object in `doc` (a valid body of `cls`): `doc`
+    itself (""), its nested schemas and its dict fields, by `cls`'s own fields; a dict
+    field `doc` lacks is added to it, empty, so that it is attacked too."""
+    found = [prefix.rstrip(".")]
+    for name, hint in _hints(cls).items():
+        for arm in _arms(hint):
+            kind, value = _kind(arm), doc.get(name)
+            if kind == "dict" and value is None:
+                value = doc[name] = {}
+            if kind == "dict" and isinstance(value, dict):
+                found.append(prefix + name)
+            elif kind == "schema" and isinstance(value, dict):
+                found += object_paths(arm, value, f"{prefix}{name}.")
+            elif kind == "list" and isinstance(value, list):
+                (item,) = typing.get_args(arm)
+                for i, v in enumerate(value):
+                    for inner in _arms(item):
+                        if _kind(inner) == "schema" and isinstance(v, dict):
+                            found += object_paths(inner, v, f"{prefix}{name}.{i}.")
+    return list(dict.fromkeys(found))
+
+
+@pytest.mark.parametrize("route", [r for r in BODY_ROUTES if CASES[r].body in SCHEMAS],
+                         ids=lambda r: f"{r[0]} {r[1]}")
+def test_a_key_that_is_not_text_anywhere_in_a_body_is_a_clean_422(
+        world: World, route: tuple[str, str]) -> None:
+    """#58: a lone surrogate as a JSON key (of meta, artifact counts, env, hw, config,
+    producer, or a field name no schema has) gave a 500 with a traceback: the 422 echoed
+    the key and could not be encoded. Every object of every JSON body, by its schema, gets
+    such a key: a 422 (or 400) whose body is JSON naming the key escaped."""
+    case = CASES[route]
+    own = json.loads(_own_body(world, case))
+    paths = object_paths(SCHEMAS[case.body], own)
+    assert "" in paths, paths
+    for where in paths:
+        doc = json.loads(json.dumps(own))
+        node = doc
+        for part in where.split(".") if where else ():
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        node["__BADKEY__"] = "x"
+        body = json.dumps(doc).replace('"__BADKEY__"', '"k\\ud800\\u202e"').encode()
+        status, headers, content, _ = _send(world, route, token=world.token_for(case.scope),
+                                            body=body)
+        _clear_4xx(status, headers, content, _method(route), 400, 422)
+        text = content.decode()  # pydantic's bodies: refused as JSON, by position
+        assert status == 400 or "\\\\ud800\\\\u202e" in text or "column" in text, \
+            (where, content[:300])
+
+
 def _own_body(w: World, case: Case) -> bytes:
     """A body of the attacker's own namespace, valid but for the number under attack."""
     if case.body == "manifest":
