@@ -87,7 +87,8 @@ class BlobRef(Schema):
     raw_size: Annotated[Size53 | None, Doc("size after decompression")] = None
     raw_sha256: Annotated[Hex64 | None, Doc("sha256 after decompression")] = None
     meta: Annotated[dict[ShortText, Annotated[str, Size(0, 4096), Text()]],
-                    Size(0, SMALL_DICT_ENTRIES), Doc("role-specific facts the consumer checks before using the blob")] = \
+                    Size(0, SMALL_DICT_ENTRIES),
+                    Doc("role-specific facts the consumer checks before using the blob")] = \
         dataclasses.field(default_factory=dict)
 
 

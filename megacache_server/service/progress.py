@@ -97,14 +97,16 @@ class Progress:
                      limit: int = MAX_ETT_JOBS,
                      views: list[JobView] | None = None) -> list[ett.JobSplit]:
         """The splits of the caller's jobs that reported since `since`, the latest first;
-        compile seconds from `views` (the events' job attempts) where given. Read through
+        compile seconds from `views` (the events' job attempts) where given; the operator's
+        (every namespace) are each namespace's latest `limit`, never the latest `limit`
+        across all (one tenant's flood would erase the others' series). Read through
         `SplitCache`: a refresh costs the attempts that changed since the last one, and a
         namespace's reads go one at a time."""
         scope = principal.namespace
         await self.beats.flush()  # what this process was sent; other processes' within a flush
         async with self.cache.lane(scope):
             stamps = await self.index.recent_progress_stamps(namespace=scope, since=since,
-                                                             limit=limit)
+                                                             limit=limit, per_namespace=True)
             if views is None:
                 views = await self.index.recent_jobs(namespace=scope, limit=min(limit, 500))
             by_job = {(v.namespace, v.job_id): v for v in views}
