@@ -250,6 +250,7 @@ def hostile(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         tmp_path_factory.mktemp("hostile") / "data", *args, "--auth",
         "--max-blob-size", str(MAX_BLOB), log_level="info",
         env={**env, "MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_REPORT_BURST": "1000",
+             "MEGACACHE_VIEW_BURST": "1000",
              "MEGACACHE_ETT_ROLL_S": "0.5",
              "MEGACACHE_UPLOAD_IDLE_TIMEOUT_S": "5", "MEGACACHE_MIN_UPLOAD_GRACE_S": "3"}),
         request.param, args).start()

@@ -49,14 +49,21 @@ Key = tuple[str, str]
 
 class Lane:
     """One namespace's view reads (`async with lane:`): one at a time, and at most
-    VIEW_SHARE of the time."""
+    VIEW_SHARE of the time. Re-entered by the task that holds it (a view's whole request
+    holds its lane, `service.views`, and the splits it reads take it again) at no cost."""
 
     def __init__(self) -> None:
         self._lock = asyncio.Lock()
         self._next_at = 0.0
         self._began = 0.0
+        self._owner: asyncio.Task[object] | None = None
+        self._depth = 0
 
     async def __aenter__(self) -> None:
+        task = asyncio.current_task()
+        if task is not None and task is self._owner:
+            self._depth += 1
+            return
         await self._lock.acquire()
         try:
             wait = self._next_at - time.monotonic()
@@ -65,11 +72,16 @@ class Lane:
         except BaseException:  # cancelled while waiting: the next reader goes
             self._lock.release()
             raise
+        self._owner, self._depth = task, 1
         self._began = time.monotonic()
 
     async def __aexit__(self, *_: object) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
         now = time.monotonic()
         self._next_at = now + (now - self._began) * (1 / VIEW_SHARE - 1)
+        self._owner = None
         self._lock.release()
 
 
