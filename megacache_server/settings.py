@@ -101,6 +101,9 @@ class Settings(BaseSettings):
         "second, across every worker and replica (0: no limit)")
     progress_burst: float = Field(
         500, ge=1, description="job progress batches a token may post at once")
+    split_cache_bytes: ByteSize = Field(
+        ByteSize(64 * 1024**2), description="memory a server process keeps jobs' ETT splits "
+        "in between reads of the views over many jobs (the least recently read go first)")
     view_rate: float = Field(
         10, ge=0, description="views (listings, a job's ETT, stats, the dashboard, jobs, the "
         "trend, the quarantine, /metrics) one token may read per second, across every worker "

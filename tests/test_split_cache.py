@@ -93,6 +93,51 @@ def test_what_the_cache_keeps_is_bounded_by_attempts(make_index: Callable[[], In
     run(make_index, body)
 
 
+def test_what_the_cache_keeps_is_bounded_in_bytes(make_index: Callable[[], Index]) -> None:
+    """#58: the bound was attempts only (100,000: ~1.6 GB of RSS with attempts of 56
+    records); a kept job now counts its measured bytes (`kept_bytes`), and the bytes bound
+    holds whatever the attempts bound allows."""
+    from megacache_server.service.split_cache import kept_bytes
+
+    async def body(index: Index) -> None:
+        await fill(index)
+        cap = 3 * kept_bytes(ATTEMPTS) + 100
+        cache = SplitCache(index, max_bytes=cap)
+        assert (await read(index, cache))[0] == JOBS * ATTEMPTS
+        assert 0 < cache.held_bytes <= cap and cache.held == 3 * ATTEMPTS
+        assert (await read(index, cache))[0] == (JOBS - 3) * ATTEMPTS
+
+    run(make_index, body)
+
+
+def test_a_lane_is_reentered_by_the_task_that_holds_it() -> None:
+    """A view's request holds its namespace's lane (`service.views`) and the splits it
+    reads take it again: the same task passes at once; another task still waits."""
+    import asyncio
+
+    from megacache_server.service import split_cache
+
+    async def body() -> None:
+        lane = split_cache.Lane()
+        order: list[str] = []
+
+        async def other() -> None:
+            async with lane:
+                order.append("other")
+
+        async with lane:
+            task = asyncio.create_task(other())
+            await asyncio.sleep(0.01)
+            async with lane:
+                order.append("inner")
+            await asyncio.sleep(0.01)
+            order.append("outer")
+        await asyncio.wait_for(task, 2.0)
+        assert order == ["inner", "outer", "other"]
+
+    asyncio.run(body())
+
+
 def test_a_namespace_s_views_take_at_most_their_share_of_the_time() -> None:
     """`Lane`: a namespace's reads go one at a time, and after a read that took `d`, its
     next one waits `d * (1/VIEW_SHARE - 1)` (capped): a tenant reading in a loop gets at

@@ -44,7 +44,7 @@ class Progress:
         self.quotas = quotas
         self.beats = beats or Beats(index, 0, 1)
         """Heartbeat-only batches go through it (`service.beats`)."""
-        self.cache = SplitCache(index)
+        self.cache = SplitCache(index, max_bytes=int(quotas.settings.split_cache_bytes))
         """Jobs' splits as last read, for the views over many jobs."""
 
     async def add_progress(self, principal: Principal, job: str, body: bytes) -> int:

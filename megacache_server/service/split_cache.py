@@ -11,8 +11,10 @@ per job, the split of the attempts before the last (`ett.Prefix`, under their st
 which attempts changed, reads only those, and joins (`ett.join`). A job whose older
 attempts changed (rare: a late record) is read whole, once.
 
-What is kept is bounded by attempts (`MAX_KEPT_ATTEMPTS`, the least recently read jobs go
-first), and reads of one namespace go through its `Lane`: one at a time, and at most
+What is kept is bounded in bytes (`MEGACACHE_SPLIT_CACHE_BYTES`, 64 MiB; each kept job
+counted at `JOB_BYTES` + `ATTEMPT_BYTES` an attempt, measured: #58) and in attempts
+(`MAX_KEPT_ATTEMPTS`), the least recently read jobs first; and reads of one namespace go
+through its `Lane`: one at a time, and at most
 `VIEW_SHARE` of the process's time: a tenant reloading its dashboard from many tabs in a
 loop queues behind itself, not in front of everyone's lookups.
 """
@@ -33,7 +35,16 @@ from megacache_server.store.index.base import Index
 from megacache_server.store.index.progress import AttemptProgress, JobProgress, JobStamps
 
 MAX_KEPT_ATTEMPTS = 100_000
-"""Attempts whose splits this process keeps between reads (~1 KB each)."""
+"""Attempts whose splits this process keeps between reads (at most; the bytes bound first)."""
+MAX_KEPT_BYTES = 64 * 1024 * 1024
+"""The bytes the kept splits may take, by the estimate below (`MEGACACHE_SPLIT_CACHE_BYTES`)."""
+ATTEMPT_BYTES = 8 * 1024
+JOB_BYTES = 8 * 1024
+"""What a kept job takes: measured with tracemalloc over jobs whose attempts hold 55
+records each (start, training, 26 heartbeats, 26 checkpoint saves, an end), 6.4 KB a job
+and 7.4 KB an attempt (a job of 64 attempts: 478 KB), rounded up. The docstring once said
+~1 KB an attempt: the 100,000-attempt bound was then ~0.75 GB (RSS, with the allocator's
+share: ~1.6 GB)."""
 LIVE_CACHE_S = 15.0
 """A live job's split is reused this long (it stops being live by the clock, not by a
 write)."""
@@ -99,14 +110,18 @@ class _Kept:
 class SplitCache:
     """The splits of a namespace's jobs, read incrementally (see the module)."""
 
-    def __init__(self, index: Index, max_attempts: int = MAX_KEPT_ATTEMPTS) -> None:
+    def __init__(self, index: Index, max_attempts: int = MAX_KEPT_ATTEMPTS,
+                 max_bytes: int = MAX_KEPT_BYTES) -> None:
         self.index = index
         self.max_attempts = max_attempts
+        self.max_bytes = max_bytes
         self._kept: OrderedDict[Key, _Kept] = OrderedDict()
         self._mutex = threading.Lock()
         """Two namespaces' reads (and the operator's, over all) build in threads at once."""
         self.held = 0
         """Attempts the kept splits stand for."""
+        self.held_bytes = 0
+        """What the kept splits take, by `kept_bytes`."""
         self._lanes: dict[str | None, Lane] = {}
         self.read_attempts = 0
         """Attempt summaries read from the index and decoded, in all (what a read costs)."""
@@ -182,11 +197,22 @@ class SplitCache:
     def _keep(self, key: Key, kept: _Kept) -> None:
         with self._mutex:
             old = self._kept.pop(key, None)
-            self.held += kept.stamps.attempts - (old.stamps.attempts if old is not None else 0)
+            if old is not None:
+                self.held -= old.stamps.attempts
+                self.held_bytes -= kept_bytes(old.stamps.attempts)
+            self.held += kept.stamps.attempts
+            self.held_bytes += kept_bytes(kept.stamps.attempts)
             self._kept[key] = kept
-            while self.held > self.max_attempts and len(self._kept) > 1:
+            while (self.held > self.max_attempts or self.held_bytes > self.max_bytes) \
+                    and len(self._kept) > 1:
                 _, gone = self._kept.popitem(last=False)
                 self.held -= gone.stamps.attempts
+                self.held_bytes -= kept_bytes(gone.stamps.attempts)
+
+
+def kept_bytes(attempts: int) -> int:
+    """What a kept job of `attempts` attempts takes (`ATTEMPT_BYTES`, `JOB_BYTES`)."""
+    return JOB_BYTES + ATTEMPT_BYTES * attempts
 
 
 def _key(compile_s: dict[int, float]) -> tuple[tuple[int, float], ...]:
