@@ -21,7 +21,7 @@ the route table: a GET route that is not a plain lookup and is not declared fail
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from megacache_server.service.auth import Principal
 from megacache_server.service.ratelimit import Limit, admit
@@ -63,3 +63,30 @@ def fitting(pieces: Sequence[bytes], cap: int = VIEW_ANSWER_BYTES) -> int:
         if used > cap and n > 0:
             return n
     return len(pieces)
+
+
+FIRST_PAGE = 64
+"""Entries a listing reads first; it reads more only while what it read stays under the
+byte bound (a thousand 60 KB manifests read whole for a 4 MiB answer were 60 MB of index
+reads an answer)."""
+
+
+async def page(fetch: Callable[[int], Awaitable[list[bytes]]], offset: int, limit: int,
+               cap: int = VIEW_ANSWER_BYTES) -> tuple[list[bytes], int | None]:
+    """A page of a listing: the items after `offset`, at most `limit` of them and `cap`
+    bytes, and the offset of the next page (None: none cut). `fetch(n)` gives the first
+    `n` items; it is asked again for more (by the sizes read so far) only while the page
+    is short of both bounds."""
+    want = offset + limit
+    n = min(want, offset + FIRST_PAGE)
+    while True:
+        got = await fetch(n)
+        pieces = got[offset:]
+        size = sum(len(p) + 1 for p in pieces)
+        if len(got) < n or n >= want or size > cap:
+            break
+        each = size / len(pieces) if pieces else 1024
+        n = min(want, max(2 * n, offset + int(cap / max(each, 1.0)) + 2))
+    pieces = pieces[:limit]
+    cut = fitting(pieces, cap)
+    return pieces[:cut], offset + cut if cut < len(pieces) else None

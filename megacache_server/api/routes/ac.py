@@ -16,7 +16,7 @@ from megacache_server.errors import PayloadTooLarge, error_responses
 from megacache_server.service import provenance
 from megacache_server.service.signing import signature_headers
 from megacache_server.service.tenant import Precondition, StoredEntry, TenantCache
-from megacache_server.service.views import VIEW_ANSWER_BYTES, fitting
+from megacache_server.service.views import page
 
 router = APIRouter(prefix="/v1/ac", tags=["ac"],
                    responses=error_responses(400, 401, 403, 422, 431, 503))
@@ -98,12 +98,13 @@ async def list_entries(
     """Entries newest first, filtered by model, by env / hw component digests and by who
     wrote them (`writers`); at most 4 MiB of them an answer (`next_offset`: where the next
     page starts)."""
-    entries = await cache.list_entries(namespace=namespace, model=model, env=env, hw=hw,
-                                       limit=min(offset + limit, 1000), writers=writers)
-    pieces = [e.manifest_json for e in entries[offset:]]
-    n = fitting(pieces, VIEW_ANSWER_BYTES)
-    more = b',"next_offset":%d' % (offset + n) if n < len(pieces) else b""
-    return _json(b'{"entries":[' + b",".join(pieces[:n]) + b"]" + more + b"}")
+    async def first(n: int) -> list[bytes]:
+        return [e.manifest_json for e in await cache.list_entries(
+            namespace=namespace, model=model, env=env, hw=hw, limit=n, writers=writers)]
+
+    pieces, after = await page(first, offset, min(limit, 1000 - offset))
+    more = b',"next_offset":%d' % after if after is not None else b""
+    return _json(b'{"entries":[' + b",".join(pieces) + b"]" + more + b"}")
 
 
 @router.delete("/{key}", status_code=204, responses=error_responses(404))
