@@ -102,7 +102,7 @@ class Settings(BaseSettings):
     progress_burst: float = Field(
         500, ge=1, description="job progress batches a token may post at once")
     split_cache_bytes: ByteSize = Field(
-        ByteSize(64 * 1024**2), description="memory a server process keeps jobs' ETT splits "
+        ByteSize(192 * 1024**2), description="memory a server process keeps jobs' ETT splits "
         "in between reads of the views over many jobs (the least recently read go first)")
     view_rate: float = Field(
         10, ge=0, description="views (listings, a job's ETT, stats, the dashboard, jobs, the "

@@ -94,18 +94,34 @@ def test_what_the_cache_keeps_is_bounded_by_attempts(make_index: Callable[[], In
 
 
 def test_what_the_cache_keeps_is_bounded_in_bytes(make_index: Callable[[], Index]) -> None:
-    """#58: the bound was attempts only (100,000: ~1.6 GB of RSS with attempts of 56
-    records); a kept job now counts its measured bytes (`kept_bytes`), and the bytes bound
-    holds whatever the attempts bound allows."""
-    from megacache_server.service.split_cache import kept_bytes
+    """#58: the bound was attempts only (100,000: up to ~0.75 GB with attempts of 55
+    records); a kept job now counts its measured bytes (`kept_bytes`: attempts and
+    segments), and the bytes bound holds whatever the attempts bound allows. Full of jobs
+    read just now, it keeps them and no new one (a view over more jobs than fit re-splits
+    only those that do not, not all of them: least-recently-used would keep none); a job
+    not read for `RECENT_S` makes room."""
+    from megacache_server.service import split_cache
 
     async def body(index: Index) -> None:
         await fill(index)
-        cap = 3 * kept_bytes(ATTEMPTS) + 100
+        whole = SplitCache(index)
+        await read(index, whole)
+        sizes = [k.size for k in whole._kept.values()]
+        assert sum(sizes) == whole.held_bytes and min(sizes) >= split_cache.kept_bytes(
+            ATTEMPTS, 2 * ATTEMPTS)  # a start and training each, at least
+        cap = sum(sizes[:3]) + 100
         cache = SplitCache(index, max_bytes=cap)
         assert (await read(index, cache))[0] == JOBS * ATTEMPTS
         assert 0 < cache.held_bytes <= cap and cache.held == 3 * ATTEMPTS
+        kept = set(cache._kept)
         assert (await read(index, cache))[0] == (JOBS - 3) * ATTEMPTS
+        assert set(cache._kept) == kept  # the same three: a scan does not flush them
+        for k in cache._kept.values():
+            k.read_at -= split_cache.RECENT_S + 1  # not read for a while: room is made
+        stamps = await index.recent_progress_stamps(namespace="t", since=0, limit=1000)
+        others = [s for s in stamps if s[:2] not in kept][:3]
+        await cache.splits(others, compile_s)
+        assert set(cache._kept) == {s[:2] for s in others} and cache.held_bytes <= cap
 
     run(make_index, body)
 

@@ -11,12 +11,16 @@ per job, the split of the attempts before the last (`ett.Prefix`, under their st
 which attempts changed, reads only those, and joins (`ett.join`). A job whose older
 attempts changed (rare: a late record) is read whole, once.
 
-What is kept is bounded in bytes (`MEGACACHE_SPLIT_CACHE_BYTES`, 64 MiB; each kept job
-counted at `JOB_BYTES` + `ATTEMPT_BYTES` an attempt, measured: #58) and in attempts
-(`MAX_KEPT_ATTEMPTS`), the least recently read jobs first; and reads of one namespace go
-through its `Lane`: one at a time, and at most
-`VIEW_SHARE` of the process's time: a tenant reloading its dashboard from many tabs in a
-loop queues behind itself, not in front of everyone's lookups.
+What is kept is bounded in bytes (`MEGACACHE_SPLIT_CACHE_BYTES`, 192 MiB; each kept job
+counted by `kept_bytes`, measured: #58) and in attempts (`MAX_KEPT_ATTEMPTS`). Full, it
+makes room from the least recently read jobs not read for `RECENT_S`, and keeps no new one
+while every kept job is in use: a view over more jobs than fit (a namespace's 1,000 jobs
+of 64 attempts of 55 records: ~470 MB) then re-splits the ones that do not fit at each
+read, not all of them (least-recently-used eviction under a cyclic scan larger than the
+cache keeps nothing a scan reads again). Reads of one namespace go through its `Lane`:
+one at a time, and at most `VIEW_SHARE` of the process's time: a tenant reloading its
+dashboard from many tabs in a loop queues behind itself, not in front of everyone's
+lookups.
 """
 
 from __future__ import annotations
@@ -36,15 +40,18 @@ from megacache_server.store.index.progress import AttemptProgress, JobProgress, 
 
 MAX_KEPT_ATTEMPTS = 100_000
 """Attempts whose splits this process keeps between reads (at most; the bytes bound first)."""
-MAX_KEPT_BYTES = 64 * 1024 * 1024
-"""The bytes the kept splits may take, by the estimate below (`MEGACACHE_SPLIT_CACHE_BYTES`)."""
-ATTEMPT_BYTES = 8 * 1024
-JOB_BYTES = 8 * 1024
-"""What a kept job takes: measured with tracemalloc over jobs whose attempts hold 55
-records each (start, training, 26 heartbeats, 26 checkpoint saves, an end), 6.4 KB a job
-and 7.4 KB an attempt (a job of 64 attempts: 478 KB), rounded up. The docstring once said
-~1 KB an attempt: the 100,000-attempt bound was then ~0.75 GB (RSS, with the allocator's
-share: ~1.6 GB)."""
+MAX_KEPT_BYTES = 192 * 1024 * 1024
+"""The bytes the kept splits may take, by `kept_bytes` (`MEGACACHE_SPLIT_CACHE_BYTES`):
+a namespace's 1,000 jobs of 64 short attempts (~170 MB) fit."""
+JOB_BYTES = 4096
+ATTEMPT_BYTES = 2048
+SEGMENT_BYTES = 128
+"""What a kept job takes, measured with tracemalloc over 100 jobs of 64 attempts: 1.74 KB
+an attempt of 2 segments (start, training), 2.04 KB of 4, 7.43 KB of 54 (26 heartbeats and
+26 checkpoint saves): ~1.5 KB an attempt and ~110 B a segment, rounded up. The docstring
+once said ~1 KB an attempt: the 100,000-attempt bound was then up to ~0.75 GB."""
+RECENT_S = 30.0
+"""A kept job read this recently is in use: room is not made by dropping it."""
 LIVE_CACHE_S = 15.0
 """A live job's split is reused this long (it stops being live by the clock, not by a
 write)."""
@@ -105,6 +112,8 @@ class _Kept:
     last: AttemptProgress
     split: ett.JobSplit
     split_at: float
+    size: int = 0
+    read_at: float = 0.0
 
 
 class SplitCache:
@@ -192,27 +201,41 @@ class SplitCache:
         with self._mutex:
             if key in self._kept:
                 self._kept.move_to_end(key)
+                kept.read_at = time.monotonic()
         return kept.split
 
     def _keep(self, key: Key, kept: _Kept) -> None:
         with self._mutex:
             old = self._kept.pop(key, None)
             if old is not None:
-                self.held -= old.stamps.attempts
-                self.held_bytes -= kept_bytes(old.stamps.attempts)
+                self._drop(old)
+            kept.size = kept_bytes(kept.stamps.attempts, len(kept.split.segments))
+            kept.read_at = time.monotonic()
             self.held += kept.stamps.attempts
-            self.held_bytes += kept_bytes(kept.stamps.attempts)
+            self.held_bytes += kept.size
             self._kept[key] = kept
-            while (self.held > self.max_attempts or self.held_bytes > self.max_bytes) \
-                    and len(self._kept) > 1:
-                _, gone = self._kept.popitem(last=False)
-                self.held -= gone.stamps.attempts
-                self.held_bytes -= kept_bytes(gone.stamps.attempts)
+            idle = kept.read_at - RECENT_S
+            while self._over() and len(self._kept) > 1:
+                first = next(iter(self._kept.values()))
+                if first.read_at > idle and first is not kept:  # in use: keep no new one
+                    self._kept.pop(key)
+                    self._drop(kept)
+                    break
+                self._kept.popitem(last=False)
+                self._drop(first)
+
+    def _over(self) -> bool:
+        return self.held > self.max_attempts or self.held_bytes > self.max_bytes
+
+    def _drop(self, gone: _Kept) -> None:
+        self.held -= gone.stamps.attempts
+        self.held_bytes -= gone.size
 
 
-def kept_bytes(attempts: int) -> int:
-    """What a kept job of `attempts` attempts takes (`ATTEMPT_BYTES`, `JOB_BYTES`)."""
-    return JOB_BYTES + ATTEMPT_BYTES * attempts
+def kept_bytes(attempts: int, segments: int) -> int:
+    """What a kept job of `attempts` attempts and `segments` segments takes (measured:
+    `JOB_BYTES`, `ATTEMPT_BYTES`, `SEGMENT_BYTES`)."""
+    return JOB_BYTES + ATTEMPT_BYTES * attempts + SEGMENT_BYTES * segments
 
 
 def _key(compile_s: dict[int, float]) -> tuple[tuple[int, float], ...]:
