@@ -101,6 +101,14 @@ class Settings(BaseSettings):
         "second, across every worker and replica (0: no limit)")
     progress_burst: float = Field(
         500, ge=1, description="job progress batches a token may post at once")
+    split_cache_bytes: ByteSize = Field(
+        ByteSize(192 * 1024**2), description="memory a server process keeps jobs' ETT splits "
+        "in between reads of the views over many jobs (the least recently read go first)")
+    view_rate: float = Field(
+        10, ge=0, description="views (listings, a job's ETT, stats, the dashboard, jobs, the "
+        "trend, the quarantine, /metrics) one token may read per second, across every worker "
+        "and replica (0: no limit; auth off: none)")
+    view_burst: float = Field(60, ge=1, description="views a token may read at once")
     progress_flush_s: float = Field(
         1.0, ge=0, le=60, description="seconds a server process buffers heartbeat-only "
         "progress batches before writing them all in one index transaction (0: each batch "

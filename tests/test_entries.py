@@ -209,16 +209,17 @@ def test_a_large_manifest_is_validated_as_a_small_one(client: httpx.Client):
     same answers, a valid one stored byte for byte, a bad value found where it is."""
     data = os.urandom(32)
     _upload(client, data)
-    env = {f"var{i}": f"value-{i}" for i in range(1500)}
-    m = make_manifest({"megacache": data}, make_fingerprint(code="large", env=env))
+    big = {f"var{i}": f"value-{i}-" + "v" * 240 for i in range(64)}  # each at its cap
+    m = make_manifest({"megacache": data}, make_fingerprint(code="large", env=big, hw=big,
+                                                            config=big))
     assert len(m.to_json()) > 32 * 1024
     assert _put(client, m).status_code == 201
     assert client.get(f"/v1/ac/{m.key}").content == m.to_json()
     body = json.loads(m.to_json())
-    body["fingerprint"]["env"]["var700"] = 1e400  # JSON's way to spell infinity
+    body["fingerprint"]["env"]["var40"] = 1e400  # JSON's way to spell infinity
     r = client.put(f"/v1/ac/{m.key}", content=json.dumps(body).replace("Infinity", "1e400"))
     assert r.status_code == 422, r.text
-    assert r.json()["error"]["errors"][0]["loc"] == ["fingerprint", "env", "var700"]
+    assert r.json()["error"]["errors"][0]["loc"] == ["fingerprint", "env", "var40"]
 
 
 def test_not_json_is_422(client: httpx.Client):

@@ -144,8 +144,10 @@ SCHEMAS: dict[str, type] = {
     "report_entry": EntryReport}
 """The class each JSON body parses as, where the server parses it: the attacks on its fields
 come from these (`schema_fields`), not from a hand list."""
-TEXTS = ('"a\\ud800b"', '"a\\u001b[2Jb"', '"a\\nb"', '"a\\rb"', '"a\\u0000b"')
-"""What a text field is replaced with, as raw JSON text: a lone surrogate, ESC, LF, CR, NUL."""
+TEXTS = ('"a\\ud800b"', '"a\\u001b[2Jb"', '"a\\nb"', '"a\\rb"', '"a\\u0000b"',
+         '"a\\u202eb"')
+"""What a text field is replaced with, as raw JSON text: a lone surrogate, ESC, LF, CR, NUL,
+a right-to-left override (#58)."""
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -250,6 +252,7 @@ def hostile(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         tmp_path_factory.mktemp("hostile") / "data", *args, "--auth",
         "--max-blob-size", str(MAX_BLOB), log_level="info",
         env={**env, "MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_REPORT_BURST": "1000",
+             "MEGACACHE_VIEW_BURST": "1000",
              "MEGACACHE_ETT_ROLL_S": "0.5",
              "MEGACACHE_UPLOAD_IDLE_TIMEOUT_S": "5", "MEGACACHE_MIN_UPLOAD_GRACE_S": "3"}),
         request.param, args).start()
@@ -633,6 +636,88 @@ def test_surrogates_and_controls_in_every_text_field_are_refused(
             status, headers, content, _ = _send(world, route, token=token, body=body)
             assert status in (400, 422), (where, raw, status, content[:300])
             _clear_4xx(status, headers, content, _method(route), 400, 422)
+
+
+def object_paths(cls: type, doc: dict[str, Any], prefix: str = "",
+                 dicts: list[str] | None = None) -> list[str]:
+    """The dotted paths of every JSON object in `doc` (a valid body of `cls`): `doc`
+    itself (""), its nested schemas and its dict fields (also added to `dicts`), by
+    `cls`'s own fields; a dict field `doc` lacks is added to it, empty, so that it is
+    attacked too."""
+    found = [prefix.rstrip(".")]
+    for name, hint in _hints(cls).items():
+        for arm in _arms(hint):
+            kind, value = _kind(arm), doc.get(name)
+            if kind == "dict" and value is None:
+                value = doc[name] = {}
+            if kind == "dict" and isinstance(value, dict):
+                found.append(prefix + name)
+                if dicts is not None:
+                    dicts.append(prefix + name)
+            elif kind == "schema" and isinstance(value, dict):
+                found += object_paths(arm, value, f"{prefix}{name}.", dicts)
+            elif kind == "list" and isinstance(value, list):
+                (item,) = typing.get_args(arm)
+                for i, v in enumerate(value):
+                    for inner in _arms(item):
+                        if _kind(inner) == "schema" and isinstance(v, dict):
+                            found += object_paths(inner, v, f"{prefix}{name}.{i}.", dicts)
+    return list(dict.fromkeys(found))
+
+
+@pytest.mark.parametrize("route", [r for r in BODY_ROUTES if CASES[r].body in SCHEMAS],
+                         ids=lambda r: f"{r[0]} {r[1]}")
+def test_a_key_that_is_not_text_anywhere_in_a_body_is_a_clean_422(
+        world: World, route: tuple[str, str]) -> None:
+    """#58: a lone surrogate as a JSON key (of meta, artifact counts, env, hw, config,
+    producer, or a field name no schema has) gave a 500 with a traceback: the 422 echoed
+    the key and could not be encoded. Every object of every JSON body, by its schema, gets
+    such a key: a 422 (or 400) whose body is JSON naming the key escaped."""
+    case = CASES[route]
+    own = json.loads(_own_body(world, case))
+    paths = object_paths(SCHEMAS[case.body], own)
+    assert "" in paths, paths
+    for where in paths:
+        doc = json.loads(json.dumps(own))
+        node = doc
+        for part in where.split(".") if where else ():
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        node["__BADKEY__"] = "x"
+        body = json.dumps(doc).replace('"__BADKEY__"', '"k\\ud800\\u202e"').encode()
+        status, headers, content, _ = _send(world, route, token=world.token_for(case.scope),
+                                            body=body)
+        _clear_4xx(status, headers, content, _method(route), 400, 422)
+        text = content.decode()  # pydantic's bodies: refused as JSON, by position
+        assert status == 400 or "\\\\ud800\\\\u202e" in text or "column" in text, \
+            (where, content[:300])
+
+
+def test_a_manifest_dict_over_its_entries_or_a_value_over_its_length_is_422(
+        world: World) -> None:
+    """#58: sizes are bounded where they enter. Every dict of the manifest, by its schema
+    (blob meta, env, hw, config, artifact counts, producer), with 65 entries, and every
+    string value with 4,097 characters (over every cap), is a clear 422."""
+    route = ("PUT", "/v1/ac/{key}")
+    own = json.loads(_own_body(world, CASES[route]))
+    dicts: list[str] = []
+    object_paths(Manifest, own, dicts=dicts)
+    assert {"fingerprint.config", "fingerprint.env", "blobs.0.meta", "producer",
+            "artifact_counts"} <= set(dicts), dicts
+    for where in dicts:
+        for entries, value in ((65, 1 if where == "artifact_counts" else "v"),
+                               (1, "x" * 4097)):
+            doc = json.loads(json.dumps(own))
+            node = doc
+            for part in where.split("."):
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            node.clear()
+            node.update({f"k{i}": value for i in range(entries)})
+            status, headers, content, _ = _send(world, route, body=json.dumps(doc).encode(),
+                                                token=world.token_for("write"))
+            _clear_4xx(status, headers, content, "PUT", 422)
+            if where == "artifact_counts" and entries == 1:
+                continue  # a count, not text: refused by its type
+            assert "should have at most" in content.decode(), (where, content[:300])
 
 
 def _own_body(w: World, case: Case) -> bytes:

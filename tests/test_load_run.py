@@ -40,3 +40,5 @@ def test_short_load_run_loses_nothing(tmp_path: Path):
     assert sum(hostile["outcomes"].get(k, 0) for k in verdicts) > 0
     assert any(k.startswith("event: ") for k in hostile["outcomes"])
     assert any(k.startswith("non-finite manifest: ") for k in hostile["outcomes"])
+    surrogates = {k for k in hostile["outcomes"] if k.startswith("surrogate-key manifest: ")}
+    assert surrogates == {"surrogate-key manifest: 422"}, hostile["outcomes"]  # #58: no 500

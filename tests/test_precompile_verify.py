@@ -6,6 +6,7 @@ is bytes no torch can load, so the verdict is a failure and no round follows it.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -63,7 +64,8 @@ def test_a_refusal_on_the_artifact_stands_for_the_next_machine_that_traces_it(
     kept, note, refused = precompile.verified_for_shipping({KIND: [art]}, set(), wait=True)
     assert kept[KIND] == [] and "not verified" in note and refused == {"k-refused"}
     meta = precompile.producer_meta(kept, refused)
-    assert meta == {precompile.META_REFUSED: "k-refused"}
+    assert meta.keys() == {precompile.META_REFUSED, precompile.META_REFUSED_AT}
+    assert meta[precompile.META_REFUSED] == "k-refused"
 
     children: list[object] = []
     monkeypatch.setattr(precompile_verify, "_run_child",
@@ -76,6 +78,24 @@ def test_a_refusal_on_the_artifact_stands_for_the_next_machine_that_traces_it(
     assert [a.key for a in kept[KIND]] == ["k-fresh"] and "producer" in note
     assert refused == {"k-refused"}
     assert [[a.key for a in todo] for todo in children] == [["k-fresh"]]  # one child, fresh only
+
+
+def test_a_refusal_expires_a_day_after_it_was_made_and_carrying_it_never_renews_it() -> None:
+    """#58: any writer could mark keys refused and deny precompiled Dynamo to every consumer
+    for good (each republish carried the mark on). A refusal counts a day from when it was
+    first made (a bundle that carries it says that time), and not at all without one."""
+    from megacache_client.torch import precompile
+
+    made = time.time() - 3600
+    meta = precompile.producer_meta({}, {"k"}, made)
+    assert precompile.refused_by([meta]) == {"k"}
+    assert precompile.refused_since([meta]) == int(made)
+    carried = precompile.producer_meta({}, precompile.refused_by([meta]),
+                                       precompile.refused_since([meta]))
+    assert carried == meta  # the time it was first made, not now's
+    assert precompile.refused_by([meta], now=made + 86400 + 1) == frozenset()
+    assert precompile.refused_by([{precompile.META_REFUSED: "k"}]) == frozenset()
+    assert precompile.refused_by([{**meta, precompile.META_REFUSED_AT: "soon"}]) == frozenset()
 
 
 def test_a_check_whose_process_failed_refuses_nothing_for_others(

@@ -217,6 +217,10 @@ def test_many_folds_in_one_write_and_summaries_read_by_stamp(
         before = dict(((ns, j), seen) for ns, j, seen in await index.recent_progress_stamps(
             namespace=None, since=0, limit=100))
         assert len(before) == 10
+        shares = await index.recent_progress_stamps(namespace=None, since=0, limit=2,
+                                                    per_namespace=True)  # #58: a share each
+        assert sorted((ns, j) for ns, j, _ in shares) == [
+            ("a", "j3"), ("a", "j4"), ("b", "j3"), ("b", "j4")], shares
         await index.add_progress_many([progress.Fold("b", "j0", 0, None, [beat(T0 + 60, 2)],
                                                      T0 + 200, 1)])
         after = await index.recent_progress_stamps(namespace=None, since=0, limit=100)

@@ -100,6 +100,10 @@ MANIFEST_CASES: dict[str, Callable[[Doc], None]] = {
     "created not a date": _set(("created_at",), "yesterday"),
     "created as a number": _set(("created_at",), 1764590400),
     "producer value too long": _set(("producer", "host_class"), "x" * 257),
+    # #58: every dict bounded in entries where it enters
+    "33 meta entries": _set(("blobs", 0, "meta"), {f"k{i}": "v" for i in range(33)}),
+    "33 artifact counts": _set(("artifact_counts",), {f"k{i}": 1 for i in range(33)}),
+    "33 producer entries": _set(("producer",), {f"k{i}": "v" for i in range(33)}),
 }
 """Documents the two validators must judge alike. A fingerprint change alters the key, so
 fingerprint cases are below, on the Fingerprint alone."""
@@ -117,6 +121,11 @@ FINGERPRINT_CASES: dict[str, tuple[str, Any]] = {
     "model empty": ("model", ""),
     "model too long": ("model", "m" * 257),
     "code a number": ("code", 7),
+    # #58: a 63 KB config string made a listing of 1,000 entries 60 MiB
+    "valid longest value": ("config", {"x": "v" * 256}),
+    "value too long": ("config", {"x": "v" * 257}),
+    "valid 64 entries": ("env", {f"k{i}": i for i in range(64)}),
+    "65 entries": ("hw", {f"k{i}": i for i in range(65)}),
 }
 
 

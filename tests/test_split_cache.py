@@ -93,6 +93,67 @@ def test_what_the_cache_keeps_is_bounded_by_attempts(make_index: Callable[[], In
     run(make_index, body)
 
 
+def test_what_the_cache_keeps_is_bounded_in_bytes(make_index: Callable[[], Index]) -> None:
+    """#58: the bound was attempts only (100,000: up to ~0.75 GB with attempts of 55
+    records); a kept job now counts its measured bytes (`kept_bytes`: attempts and
+    segments), and the bytes bound holds whatever the attempts bound allows. Full of jobs
+    read just now, it keeps them and no new one (a view over more jobs than fit re-splits
+    only those that do not, not all of them: least-recently-used would keep none); a job
+    not read for `RECENT_S` makes room."""
+    from megacache_server.service import split_cache
+
+    async def body(index: Index) -> None:
+        await fill(index)
+        whole = SplitCache(index)
+        await read(index, whole)
+        sizes = [k.size for k in whole._kept.values()]
+        assert sum(sizes) == whole.held_bytes and min(sizes) >= split_cache.kept_bytes(
+            ATTEMPTS, 2 * ATTEMPTS)  # a start and training each, at least
+        cap = sum(sizes[:3]) + 100
+        cache = SplitCache(index, max_bytes=cap)
+        assert (await read(index, cache))[0] == JOBS * ATTEMPTS
+        assert 0 < cache.held_bytes <= cap and cache.held == 3 * ATTEMPTS
+        kept = set(cache._kept)
+        assert (await read(index, cache))[0] == (JOBS - 3) * ATTEMPTS
+        assert set(cache._kept) == kept  # the same three: a scan does not flush them
+        for k in cache._kept.values():
+            k.read_at -= split_cache.RECENT_S + 1  # not read for a while: room is made
+        stamps = await index.recent_progress_stamps(namespace="t", since=0, limit=1000)
+        others = [s for s in stamps if s[:2] not in kept][:3]
+        await cache.splits(others, compile_s)
+        assert set(cache._kept) == {s[:2] for s in others} and cache.held_bytes <= cap
+
+    run(make_index, body)
+
+
+def test_a_lane_is_reentered_by_the_task_that_holds_it() -> None:
+    """A view's request holds its namespace's lane (`service.views`) and the splits it
+    reads take it again: the same task passes at once; another task still waits."""
+    import asyncio
+
+    from megacache_server.service import split_cache
+
+    async def body() -> None:
+        lane = split_cache.Lane()
+        order: list[str] = []
+
+        async def other() -> None:
+            async with lane:
+                order.append("other")
+
+        async with lane:
+            task = asyncio.create_task(other())
+            await asyncio.sleep(0.01)
+            async with lane:
+                order.append("inner")
+            await asyncio.sleep(0.01)
+            order.append("outer")
+        await asyncio.wait_for(task, 2.0)
+        assert order == ["inner", "outer", "other"]
+
+    asyncio.run(body())
+
+
 def test_a_namespace_s_views_take_at_most_their_share_of_the_time() -> None:
     """`Lane`: a namespace's reads go one at a time, and after a read that took `d`, its
     next one waits `d * (1/VIEW_SHARE - 1)` (capped): a tenant reading in a loop gets at

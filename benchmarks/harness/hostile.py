@@ -114,20 +114,37 @@ def nonfinite_body(data: bytes, namespace: str, n: int) -> tuple[str, bytes]:
     return m.key, m.to_json().replace(b'"lr":0.5', b'"lr":' + token.encode())
 
 
+def surrogate_key_body(data: bytes, namespace: str, n: int) -> tuple[str, bytes]:
+    """A manifest whose config, env, hw, producer or blob meta holds a key that is a lone
+    surrogate (a JSON `\\ud800` escape): issue 58's 500 with a traceback, now a 422."""
+    import json
+
+    key, body = nonfinite_body(data, namespace, n)
+    doc = json.loads(body.replace(b"NaN", b"0.5").replace(b"-Infinity", b"0.5")
+                     .replace(b"Infinity", b"0.5"))
+    node = (doc["fingerprint"]["config"], doc["fingerprint"]["env"], doc["fingerprint"]["hw"],
+            doc.setdefault("producer", {}), doc["blobs"][0].setdefault("meta", {}))[n % 5]
+    node["__K__"] = "1"
+    return key, json.dumps(doc).replace('"__K__"', '"k\\ud800"').encode()
+
+
 async def nonfinite_manifests(client: httpx.AsyncClient, namespace: str, deadline: float,
                               tally: HostileTally) -> None:
+    """Manifests with non-finite numbers and, every other one, a key that is not text."""
     data = os.urandom(1024)
     digest = hashlib.sha256(data).hexdigest()
     n = 0
     while time.monotonic() < deadline:
+        kind = "non-finite manifest" if n % 2 == 0 else "surrogate-key manifest"
         try:
             await client.put(f"/v1/cas/{digest}", content=data)
-            key, body = nonfinite_body(data, namespace, n)
+            key, body = (nonfinite_body if n % 2 == 0 else surrogate_key_body)(
+                data, namespace, n // 2)
             r = await client.put(f"/v1/ac/{key}", content=body,
                                  headers={"content-type": "application/json"})
-            tally.count(f"non-finite manifest: {r.status_code}")
+            tally.count(f"{kind}: {r.status_code}")
         except httpx.HTTPError as exc:
-            tally.count(f"non-finite manifest: {type(exc).__name__}")
+            tally.count(f"{kind}: {type(exc).__name__}")
         n += 1
         await asyncio.sleep(0.02)
 

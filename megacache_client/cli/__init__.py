@@ -354,8 +354,9 @@ def _key(remote: RemoteCache, value: str) -> str:
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """Columns as wide as their widest cell; a column of figures is right-aligned, so its
-    digits line up (blank and "-" cells count as figures)."""
-    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
+    digits line up (blank and "-" cells count as figures). A cell is the server's text:
+    escaped (a right-to-left override would reorder the row, an ESC repaint the terminal)."""
+    cells = [list(map(str, header))] + [[escape(c, 256) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     right = [all(_figure(r[i]) for r in cells[1:]) and len(cells) > 1
              for i in range(len(header))]

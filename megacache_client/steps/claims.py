@@ -329,7 +329,8 @@ def _merged_bundle(node: NodeCache, ref: BlobRef, theirs: torch_env.Artifacts,
     whose refusals it keeps)."""
     meta = {k: v for k, v in ref.meta.items() if k.startswith("precompile_")} \
         if theirs.get(precompile.ARTIFACT_TYPE) \
-        else precompile.producer_meta(artifacts, precompile.refused_by([ours]))
+        else precompile.producer_meta(artifacts, precompile.refused_by([ours]),
+                                      precompile.refused_since([ours]))
     bindings, _ = ranks.render(ranks.merged(ref.meta, ours))  # ours: only what we add
     if bindings:
         meta[ranks.META] = bindings

@@ -51,6 +51,7 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
     artifacts: torch_env.Artifacts | None = None
     note = ""
     refused: frozenset[str] = frozenset()
+    refused_at: float | None = None
     withheld = {k for t in tracks if t.load.outcome == "hit" for k in t.load.withheld}
     theirs = _withheld_precompile_meta(tracks)
     if theirs is not None:  # another rank's Dynamo output stays; ours does not join it
@@ -64,11 +65,12 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
         # consumer that traces it would publish again (the verdict is kept per content,
         # and the loaded entry's producer's refusals stand without a check)
         hits = [t.load for t in tracks if t.load.outcome == "hit"]
+        metas = [load.bundle.ref.meta for load in hits if load.bundle is not None]
+        refused_at = precompile.refused_since(metas)  # carried on, never renewed
         artifacts, unverified, refused = precompile.verified_for_shipping(
             artifacts, {k for load in hits for kind, k in load.loaded_keys
                         if kind == precompile.ARTIFACT_TYPE},
-            refused_before=precompile.refused_by(
-                load.bundle.ref.meta for load in hits if load.bundle is not None),
+            refused_before=precompile.refused_by(metas),
             wait=wait_verify, on_verdicts=on_verdicts)
         note = note or unverified
         keys = torch_env.keys_of(artifacts)
@@ -90,7 +92,8 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
     artifacts, bindings = _bind_to_rank(ranks.less(artifacts, withheld), loaded, tracks)
     artifacts = torch_env.merged(loaded, artifacts)
     counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()}
-    meta = precompile.producer_meta(artifacts, refused) if theirs is None else theirs
+    meta = precompile.producer_meta(artifacts, refused, refused_at) if theirs is None \
+        else theirs
     return Snapshot(torch_env.to_bytes(artifacts), counts, kernels,
                     torch_env.compile_seconds(), lacking, new_keys, kernel_ids,
                     {**meta, **({ranks.META: bindings} if bindings else {})}), note

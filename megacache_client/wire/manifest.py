@@ -35,12 +35,24 @@ Hex64 = Annotated[str, Match(HEX64_PATTERN)]
 NAMESPACE_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 """A namespace: what fingerprints, tokens and listings are scoped by."""
 FiniteFloat = Annotated[float, Finite()]
-Scalar = str | int | FiniteFloat | bool | None
-"""A fingerprint value. NaN and infinities are refused: JSON cannot carry them, so a server
+VALUE_CAP = 256
+"""The longest string a fingerprint component or the producer holds, in characters. The
+largest the client sends is 37 (`hw.cxx`, the compiler's version line; torch.compile's
+options enter `config` as a digest): a 63 KB string in `config` made each listing of a
+thousand entries 60 MiB (#58)."""
+COMPONENT_ENTRIES = 64
+"""Entries of one fingerprint component (env, hw, config): the client sends 5, 5 and 9."""
+SMALL_DICT_ENTRIES = 32
+"""Entries of a blob's meta, the artifact counts and the producer: the client sends at most
+~16 meta entries (build facts and precompile's), ~10 counts and 2 producer entries."""
+Scalar = Annotated[str, Size(0, VALUE_CAP), Text()] | int | FiniteFloat | bool | None
+"""A fingerprint value: a string is text by the one rule (wire/text.py) of at most
+VALUE_CAP characters. NaN and infinities are refused: JSON cannot carry them, so a server
 that accepted one would store a `null` that fails validation on every later read."""
 ShortText = Annotated[str, Size(1, 256), Text()]
 """A name (model, code, torch version, a component's or meta key): text by the one rule
 (wire/text.py)."""
+Component = Annotated[dict[ShortText, Scalar], Size(0, COMPONENT_ENTRIES)]
 Size53 = Annotated[int, Range(0, 2**53)]
 """A byte size or count: JSON numbers are exact to 2**53."""
 
@@ -75,6 +87,7 @@ class BlobRef(Schema):
     raw_size: Annotated[Size53 | None, Doc("size after decompression")] = None
     raw_sha256: Annotated[Hex64 | None, Doc("sha256 after decompression")] = None
     meta: Annotated[dict[ShortText, Annotated[str, Size(0, 4096), Text()]],
+                    Size(0, SMALL_DICT_ENTRIES),
                     Doc("role-specific facts the consumer checks before using the blob")] = \
         dataclasses.field(default_factory=dict)
 
@@ -86,9 +99,9 @@ class Fingerprint(Schema):
     namespace: Annotated[str, Match(NAMESPACE_PATTERN)] = "default"
     model: ShortText
     code: ShortText
-    env: dict[ShortText, Scalar] = dataclasses.field(default_factory=dict)
-    hw: dict[ShortText, Scalar] = dataclasses.field(default_factory=dict)
-    config: dict[ShortText, Scalar] = dataclasses.field(default_factory=dict)
+    env: Component = dataclasses.field(default_factory=dict)
+    hw: Component = dataclasses.field(default_factory=dict)
+    config: Component = dataclasses.field(default_factory=dict)
 
     def key(self) -> str:
         """The fingerprint key: sha256 of the canonical JSON of format + components."""
@@ -114,11 +127,12 @@ class Manifest(Schema):
     fingerprint: Fingerprint
     torch_version: ShortText
     triton_version: Annotated[str, Size(0, 256), Text()] | None = None
-    artifact_counts: dict[ShortText, Size53] = dataclasses.field(default_factory=dict)
+    artifact_counts: Annotated[dict[ShortText, Size53], Size(0, SMALL_DICT_ENTRIES)] = \
+        dataclasses.field(default_factory=dict)
     cold_compile_s: Annotated[float, Range(0, 7 * 24 * 3600)]
     created_at: datetime = dataclasses.field(default_factory=_now)
-    producer: dict[ShortText, Annotated[str, Size(0, 256), Text()]] = \
-        dataclasses.field(default_factory=dict)
+    producer: Annotated[dict[ShortText, Annotated[str, Size(0, VALUE_CAP), Text()]],
+                        Size(0, SMALL_DICT_ENTRIES)] = dataclasses.field(default_factory=dict)
 
     def validate(self) -> None:
         expected = self.fingerprint.key()

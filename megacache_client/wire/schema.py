@@ -26,7 +26,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Literal, TypeVar, Union
 
-from megacache_client.wire.text import text_error
+from megacache_client.wire.text import escape_foreign, is_text, text_error
 
 T = TypeVar("T")
 Check = Callable[[Any, tuple[str | int, ...]], Any]
@@ -38,18 +38,28 @@ class SchemaError(ValueError):
     """A value that does not match the schema; `errors` in pydantic's shape (loc, msg, type)."""
 
     def __init__(self, loc: tuple[str | int, ...], msg: str, kind: str) -> None:
-        self.errors: list[dict[str, Any]] = [{"loc": list(loc), "msg": msg, "type": kind}]
+        self.errors: list[dict[str, Any]] = [{"loc": [shown_step(s) for s in loc],
+                                              "msg": msg, "type": kind}]
         super().__init__(msg)
 
     def at(self, depth: int, step: str | int) -> SchemaError:
         """This error, `step` deeper than where it was raised: containers do not build a
         location for every item they check, only for the one that failed."""
-        self.errors[0]["loc"].insert(depth, step)
+        self.errors[0]["loc"].insert(depth, shown_step(step))
         return self
 
     def __str__(self) -> str:
         error = self.errors[0]
         return f"{'.'.join(str(p) for p in error['loc']) or 'value'}: {error['msg']}"
+
+
+def shown_step(step: Any) -> Any:
+    """A step of an error's location as an answer may carry it: a key that is not text
+    (a lone surrogate, a control character) escaped (`\\ud800`), so the 422 naming it can
+    be encoded (#58: it was a 500 with a traceback); indexes and text keys as they are."""
+    if isinstance(step, str) and not is_text(step, cap=256):
+        return escape_foreign(step, 256)
+    return step
 
 
 class Rule:

@@ -17,10 +17,15 @@ TEXT_CAP = 1024
 
 _BAD_CATEGORIES = frozenset({"Cc", "Cs", "Co", "Cn", "Zl", "Zp"})
 """Control (C0, C1, DEL), surrogate, private use, unassigned, line and paragraph separators."""
+BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+"""Embeddings, overrides and isolates: a right-to-left override (U+202E) in a model name
+or a fingerprint value reorders what a table shows after it (#58: `gpt-\u202eevil` reached
+the CLI raw), so they are refused like controls and escaped where shown."""
 
 
 def _bad(ch: str) -> bool:
-    return unicodedata.category(ch) in _BAD_CATEGORIES and ch != "\t"
+    return (unicodedata.category(ch) in _BAD_CATEGORIES and ch != "\t") \
+        or ch in BIDI_CONTROLS
 
 
 def text_error(value: str, cap: int = TEXT_CAP) -> str | None:
@@ -31,7 +36,7 @@ def text_error(value: str, cap: int = TEXT_CAP) -> str | None:
     for i, ch in enumerate(value):
         if _bad(ch):
             return (f"String should be printable text: character {i} is U+{ord(ch):04X}"
-                    " (a control character, surrogate or non-character)")
+                    " (a control character, surrogate, bidi control or non-character)")
     return None
 
 

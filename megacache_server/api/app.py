@@ -20,6 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from megacache_client.wire.events import Event
 from megacache_client.wire.manifest import Manifest
 from megacache_client.wire.progress import ProgressBatch
+from megacache_client.wire.schema import shown_step
+from megacache_client.wire.text import escape_foreign
 from megacache_server import __version__
 from megacache_server.api import supervisor
 from megacache_server.api.docs import add_offline_docs
@@ -168,11 +170,15 @@ def app_from_env() -> FastAPI:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        try:
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        except UnicodeEncodeError:  # an error that echoes what UTF-8 cannot carry (#58)
+            return JSONResponse(_encodable(exc.body()), status_code=exc.status,
+                                headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+        errors = [{"loc": [shown_step(s) for s in e["loc"]], "msg": e["msg"], "type": e["type"]}
                   for e in exc.errors()]
         hex_params = [e["loc"][1] for e in exc.errors()
                       if tuple(e["loc"][:1]) in (("path",), ("query",))
@@ -197,6 +203,22 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 HEX_PARAMS = ("digest", "key", "env", "hw")
+
+
+def _encodable(value: Any) -> Any:
+    """`value` with every string, key or value, that UTF-8 cannot encode escaped: the
+    last guard that keeps a 4xx a 4xx whatever its message quotes."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return escape_foreign(value, 1024)
+        return value
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_encodable(v) for v in value]
+    return value
 
 
 def _openapi_with_models(app: FastAPI) -> None:

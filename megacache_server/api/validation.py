@@ -10,6 +10,7 @@ import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
+from megacache_client.wire.schema import shown_step
 from megacache_server.errors import (
     BadRequest,
     LengthRequired,
@@ -92,7 +93,7 @@ async def small_json_body(request: Request, model: type[M], limit: int) -> M:
     try:
         return model.model_validate_json(bytes(raw))
     except ValidationError as exc:
-        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+        errors = [{"loc": [shown_step(s) for s in e["loc"]], "msg": e["msg"], "type": e["type"]}
                   for e in exc.errors()]
         raise Unprocessable("request body is invalid", code="invalid_request",
                             errors=errors) from None

@@ -1,9 +1,10 @@
 """ETT as Prometheus families, per namespace, from the splits of the jobs the server keeps
-(`progress.MAX_ETT_JOBS` that reported last): seconds by category, ETT%, and histograms of
-time to start (per job), time to recover (per recovery), checkpoint blocking per save
-(checkpoint save time) and of the training lost per failure (unsaved training time): the
-figures of the job's ETT, `/v1/stats`, the dashboard and `megacache jobs`, by the same
-definitions (`ett.report_figures`).
+(each namespace's own `progress.MAX_ETT_JOBS` that reported last, never the latest across
+all: #58): seconds by category, ETT%, and histograms of time to start (per job), time
+to recover (per recovery), checkpoint blocking per save (checkpoint save time) and of
+the training lost per failure (unsaved training time): the figures of the job's ETT,
+`/v1/stats`, the dashboard and `megacache jobs`, by the same definitions
+(`ett.report_figures`).
 
 The seconds are each kept job's whole split at scrape time: they grow as jobs run, and a
 failure moves seconds from training to lost_progress; a job dropped from the kept set

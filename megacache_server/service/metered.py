@@ -11,6 +11,7 @@ The server builds its cache with both (`api.app`); the CLI and the GC child coun
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from prometheus_client import Counter
@@ -193,6 +194,9 @@ class MeteredTenantCache:
 
     async def figures(self) -> Figures:
         return await self.inner.figures()
+
+    def viewing(self) -> AbstractAsyncContextManager[None]:
+        return self.inner.viewing()
 
 
 def _count_report(verdict: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from megacache_server.service.quotas import Quotas
 from megacache_server.service.split_cache import SplitCache
 from megacache_server.store.index.base import Index, JobView
 from megacache_server.store.index.ett_rollups import HOURLY_KEEP_DAYS, PERIODS
+from megacache_server.store.index.progress import JobProgress
 
 MAX_ETT_JOBS = 1000
 """Jobs an ETT report over a window reads (those that reported last)."""
@@ -43,7 +44,7 @@ class Progress:
         self.quotas = quotas
         self.beats = beats or Beats(index, 0, 1)
         """Heartbeat-only batches go through it (`service.beats`)."""
-        self.cache = SplitCache(index)
+        self.cache = SplitCache(index, max_bytes=int(quotas.settings.split_cache_bytes))
         """Jobs' splits as last read, for the views over many jobs."""
 
     async def add_progress(self, principal: Principal, job: str, body: bytes) -> int:
@@ -74,37 +75,24 @@ class Progress:
         if found is None:
             raise NotFound(f"no progress reported for job {job!r}", code="job_not_found")
         view = await self.index.job_view(principal.home, job)
-        now = time.time()
-        done = ett.split(found, compile_s=compile_seconds(view), now=now)
-        row = {**done.row(), "advice": ett_report.advice([done]),
-               "advice_why": ett_report.no_advice_why([done]),
-               "timeline": [[round(a, 3), round(b, 3), c] for a, b, c in done.segments]}
-        events = {a.attempt: a for a in view.attempts} if view is not None else {}
-        for attempt in row["attempts"]:  # what the cache did for it, where ranks reported
-            a = events.get(attempt["attempt"])
-            attempt["cache"] = None if a is None else {
-                "outcome": a.outcome, "compile_s": a.compile_s, "tts_s": a.tts_s,
-                "ranks": a.reports}
-        if since_s is not None:
-            seconds = ett.clip(done.segments, now - since_s, now)
-            row["window"] = {"since": now - since_s, "until": now,
-                             "wall_s": round(sum(seconds.values()), 3),
-                             "ett_pct": ett.ett_pct(seconds),
-                             "seconds": {k: round(v, 3) for k, v in seconds.items()}}
-        return row
+        # a job of many attempts is milliseconds of Python: split in a worker, never on the
+        # event loop every other tenant's lookups wait on (#58)
+        return await to_thread.run_sync(_job_row, found, view, since_s)
 
     async def splits(self, principal: Principal, *, since: float,
                      limit: int = MAX_ETT_JOBS,
                      views: list[JobView] | None = None) -> list[ett.JobSplit]:
         """The splits of the caller's jobs that reported since `since`, the latest first;
-        compile seconds from `views` (the events' job attempts) where given. Read through
+        compile seconds from `views` (the events' job attempts) where given; the operator's
+        (every namespace) are each namespace's latest `limit`, never the latest `limit`
+        across all (one tenant's flood would erase the others' series). Read through
         `SplitCache`: a refresh costs the attempts that changed since the last one, and a
         namespace's reads go one at a time."""
         scope = principal.namespace
         await self.beats.flush()  # what this process was sent; other processes' within a flush
         async with self.cache.lane(scope):
             stamps = await self.index.recent_progress_stamps(namespace=scope, since=since,
-                                                             limit=limit)
+                                                             limit=limit, per_namespace=True)
             if views is None:
                 views = await self.index.recent_jobs(namespace=scope, limit=min(limit, 500))
             by_job = {(v.namespace, v.job_id): v for v in views}
@@ -144,6 +132,30 @@ class Progress:
         found = await to_thread.run_sync(ett_report.window, splits, start, now)
         del found["since"], found["until"]  # the same answer until a job reports again
         return found
+
+
+def _job_row(found: JobProgress, view: JobView | None, since_s: float | None
+             ) -> dict[str, Any]:
+    """GET /v1/jobs/{job}/ett's answer: the job's split with its advice, timeline, what the
+    cache did for each attempt and, with `since_s`, the split of that window."""
+    now = time.time()
+    done = ett.split(found, compile_s=compile_seconds(view), now=now)
+    row = {**done.row(), "advice": ett_report.advice([done]),
+           "advice_why": ett_report.no_advice_why([done]),
+           "timeline": [[round(a, 3), round(b, 3), c] for a, b, c in done.segments]}
+    events = {a.attempt: a for a in view.attempts} if view is not None else {}
+    for attempt in row["attempts"]:  # what the cache did for it, where ranks reported
+        a = events.get(attempt["attempt"])
+        attempt["cache"] = None if a is None else {
+            "outcome": a.outcome, "compile_s": a.compile_s, "tts_s": a.tts_s,
+            "ranks": a.reports}
+    if since_s is not None:
+        seconds = ett.clip(done.segments, now - since_s, now)
+        row["window"] = {"since": now - since_s, "until": now,
+                         "wall_s": round(sum(seconds.values()), 3),
+                         "ett_pct": ett.ett_pct(seconds),
+                         "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+    return row
 
 
 def compile_seconds(view: JobView | None) -> dict[int, float]:

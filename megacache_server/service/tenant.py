@@ -9,6 +9,7 @@ see (`auth.Principal`); in the server each is wrapped in `metered.MeteredTenantC
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,6 +29,7 @@ from megacache_server.service.progress import Progress
 from megacache_server.service.provenance import ProducerClaims
 from megacache_server.service.quarantine import Quarantine
 from megacache_server.service.quotas import Quotas
+from megacache_server.service.views import Views
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import Claim, Precondition, Resolution, StoredEntry
 from megacache_server.store.storage import Storage
@@ -83,6 +85,9 @@ class TenantCache(Protocol):
     async def jobs(self, *, limit: int) -> list[dict[str, Any]]: ...
     async def dashboard(self, *, hours: float) -> dict[str, Any]: ...
     async def figures(self) -> Figures: ...
+    def viewing(self) -> AbstractAsyncContextManager[None]:
+        """Held while a view is made: the caller's view budget (`service.views`)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ class Parts:
     quarantine: Quarantine
     events: Events
     progress: Progress
+    views: Views
 
     @classmethod
     def build(cls, settings: Settings, storage: Storage, collector: Collector) -> Parts:
@@ -108,7 +114,8 @@ class Parts:
             storage.index, settings.progress_flush_s, settings.progress_buffer_entries,
             settings.progress_namespace_attempts))
         return cls(settings, blobs, entries, Jobs(storage.index, entries, quotas), quarantine,
-                   Events(settings, storage, quotas, quarantine, progress), progress)
+                   Events(settings, storage, quotas, quarantine, progress), progress,
+                   Views(settings, storage.index, progress.cache.lane))
 
 
 class BoundCache:
@@ -210,3 +217,6 @@ class BoundCache:
 
     async def figures(self) -> Figures:
         return await self.parts.events.figures(self.principal)
+
+    def viewing(self) -> AbstractAsyncContextManager[None]:
+        return self.parts.views.spend(self.principal)

@@ -53,6 +53,13 @@ from megacache_client.torch.precompile.patches import (
     tolerate_unresolvable_frames,
     tolerate_unsaveable_guards,
 )
+from megacache_client.torch.precompile.refusals import (  # noqa: F401  (the package's API)
+    META_REFUSED,
+    META_REFUSED_AT,
+    refusal_meta,
+    refused_by,
+    refused_since,
+)
 from megacache_client.wire.manifest import BlobRef
 
 log = logging.getLogger("megacache")
@@ -64,9 +71,6 @@ META_IDS = "precompile_unique_ids"
 META_VERIFIED = "precompile_verified"
 """The keys of the bundle's precompile artifacts its producer verified in a child process
 (`verify.py`), comma-separated: a consumer loads no other."""
-META_REFUSED = "precompile_refused"
-"""Keys of the producer's precompile artifacts its check refused on the artifact itself
-(`verify.settled`): a consumer that traces one again leaves it out unchecked."""
 MAX_IDS = 10**9
 
 
@@ -224,11 +228,6 @@ def for_shipping(artifacts: torch_env.Artifacts, compiled: dict[str, list[str]]
         f"{_names(bad)} would not be defined on a new machine")
 
 
-def refused_by(metas: Iterable[dict[str, str]]) -> frozenset[str]:
-    """The precompile keys the producers of these bundles refused (`META_REFUSED`)."""
-    return frozenset(k for meta in metas for k in meta.get(META_REFUSED, "").split(",") if k)
-
-
 def verified_for_shipping(artifacts: torch_env.Artifacts, loaded: set[str], *,
                           refused_before: frozenset[str] = frozenset(), wait: bool = True,
                           on_verdicts: Callable[[], None] | None = None
@@ -380,14 +379,16 @@ def shared_key(compiled: dict[str, list[str]]) -> str:
     return ""
 
 
-def producer_meta(artifacts: torch_env.Artifacts, refused: Iterable[str] = ()
-                  ) -> dict[str, str]:
+def producer_meta(artifacts: torch_env.Artifacts, refused: Iterable[str] = (),
+                  refused_at: float | None = None) -> dict[str, str]:
     """What the bundle blob records about its precompile artifacts, for consumers to check.
     Every precompile artifact a bundle holds is a verified one (`verified_for_shipping`
     leaves the others out; loaded ones were verified by their producer), so all are named
-    verified; `refused` names those the check refused (`META_REFUSED`)."""
+    verified; `refused` names those the check refused (`META_REFUSED`), first made
+    `refused_at` (now; `refusals`: they expire)."""
     keys = sorted(a.key for a in artifacts.get(ARTIFACT_TYPE, []))
-    said = {META_REFUSED: _joined(sorted(set(refused)), MAX_META)} if refused else {}
+    gone = set(refused)
+    said = refusal_meta(gone, _joined(sorted(gone), MAX_META), refused_at)
     if not keys:
         return said
     from torch._dynamo import bytecode_transformation

@@ -9,12 +9,14 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from megacache_client.wire import headers as wire_headers
 from megacache_client.wire.manifest import HEX64_PATTERN
 from megacache_client.wire.writers import MAX_POLICY_CHARS
+from megacache_server.api.budget import budgeted
 from megacache_server.api.deps import Admin, Reader, Writer
 from megacache_server.api.validation import request_body, require_content_length
 from megacache_server.errors import PayloadTooLarge, error_responses
 from megacache_server.service import provenance
 from megacache_server.service.signing import signature_headers
 from megacache_server.service.tenant import Precondition, StoredEntry, TenantCache
+from megacache_server.service.views import page
 
 router = APIRouter(prefix="/v1/ac", tags=["ac"],
                    responses=error_responses(400, 401, 403, 422, 431, 503))
@@ -73,7 +75,10 @@ async def get_entry(key: Key, request: Request, cache: Reader) -> Response:
 
 @router.get("", responses={200: {"description": "entries, newest first", "content": {
     "application/json": {"schema": {"type": "object", "required": ["entries"], "properties": {
-        "entries": {"type": "array", "items": {"$ref": MANIFEST_REF}}}}}}}})
+        "entries": {"type": "array", "items": {"$ref": MANIFEST_REF}},
+        "next_offset": {"type": "integer", "description": "the answer was cut at its byte "
+                        "bound: the `offset` of the next page"}}}}}}, **error_responses(429)})
+@budgeted
 async def list_entries(
     cache: Reader,
     namespace: Annotated[str | None, Query(max_length=64)] = None,
@@ -83,16 +88,23 @@ async def list_entries(
     hw: Annotated[str | None, Query(pattern=HEX64_PATTERN,
                                     description="component_digest(hw)")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+    offset: Annotated[int, Query(ge=0, le=999, description=(
+        "entries to skip (a page's `next_offset`); offset + limit reads at most 1,000"))] = 0,
     writers: Annotated[str | None, Query(
         max_length=MAX_POLICY_CHARS,
         description="a trusted-writers policy (MEGACACHE_TRUSTED_WRITERS): only entries "
                     "whose provenance passes it")] = None,
 ) -> Response:
     """Entries newest first, filtered by model, by env / hw component digests and by who
-    wrote them (`writers`)."""
-    entries = await cache.list_entries(namespace=namespace, model=model, env=env, hw=hw,
-                                       limit=limit, writers=writers)
-    return _json(b'{"entries":[' + b",".join(e.manifest_json for e in entries) + b"]}")
+    wrote them (`writers`); at most 4 MiB of them an answer (`next_offset`: where the next
+    page starts)."""
+    async def first(n: int) -> list[bytes]:
+        return [e.manifest_json for e in await cache.list_entries(
+            namespace=namespace, model=model, env=env, hw=hw, limit=n, writers=writers)]
+
+    pieces, after = await page(first, offset, min(limit, 1000 - offset))
+    more = b',"next_offset":%d' % after if after is not None else b""
+    return _json(b'{"entries":[' + b",".join(pieces) + b"]" + more + b"}")
 
 
 @router.delete("/{key}", status_code=204, responses=error_responses(404))

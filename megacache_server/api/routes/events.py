@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
+from megacache_server.api.budget import budgeted
 from megacache_server.api.deps import Reader, Writer
 from megacache_server.api.validation import request_body, require_content_length
 from megacache_server.errors import error_responses
@@ -28,7 +29,8 @@ async def post_event(request: Request, cache: Writer) -> JSONResponse:
     return JSONResponse({"status": "recorded"}, status_code=202)
 
 
-@router.get("/stats")
+@router.get("/stats", responses=error_responses(429))
+@budgeted
 async def get_stats(
     cache: Reader,
     since_hours: Annotated[float | None, Query(gt=0, le=24 * 3650)] = None,
@@ -38,7 +40,8 @@ async def get_stats(
     return await cache.stats(since=time.time() - since_hours * 3600 if since_hours else None)
 
 
-@router.get("/jobs")
+@router.get("/jobs", responses=error_responses(429))
+@budgeted
 async def get_jobs(
     cache: Reader,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,

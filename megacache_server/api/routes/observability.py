@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import HTMLResponse, Response
 
+from megacache_server.api.budget import budgeted
 from megacache_server.api.deps import Reader, tenant
 from megacache_server.api.request_metrics import CONTENT_TYPE_LATEST, render_process_metrics
 from megacache_server.errors import error_responses
@@ -18,7 +19,9 @@ router = APIRouter(tags=["observability"])
 
 
 @router.get("/metrics", response_class=Response,
-            responses={200: {"content": {"text/plain": {}}}, **error_responses(401, 403, 503)})
+            responses={200: {"content": {"text/plain": {}}},
+                       **error_responses(401, 403, 429, 503)})
+@budgeted
 async def metrics(cache: Annotated[TenantCache, Depends(tenant("metrics"))]) -> Response:
     """Prometheus metrics: the cache's running totals of the caller's namespace, and for
     callers who may see the whole server (`Principal.sees_server`) the HTTP traffic of every
@@ -32,7 +35,8 @@ async def metrics(cache: Annotated[TenantCache, Depends(tenant("metrics"))]) -> 
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/dashboard", responses=error_responses(401, 403, 422, 503))
+@router.get("/v1/dashboard", responses=error_responses(401, 403, 422, 429, 503))
+@budgeted
 async def dashboard_data(
     cache: Reader,
     hours: Annotated[float, Query(gt=0, le=24 * 366)] = 24 * 7,

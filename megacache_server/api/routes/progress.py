@@ -10,6 +10,7 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse
 
 from megacache_client.wire.events import JOB_ID_PATTERN
+from megacache_server.api.budget import budgeted
 from megacache_server.api.deps import Reader, Writer
 from megacache_server.api.validation import request_body, require_content_length
 from megacache_server.errors import PayloadTooLarge, error_responses
@@ -40,7 +41,8 @@ async def post_progress(job: Job, request: Request, cache: Writer) -> JSONRespon
     return JSONResponse({"status": "recorded", "records": n}, status_code=202)
 
 
-@router.get("/{job}/ett", responses=error_responses(404))
+@router.get("/{job}/ett", responses=error_responses(404, 429))
+@budgeted
 async def get_ett(
     job: Job, cache: Reader,
     since: Annotated[float | None, Query(gt=0, le=400 * 86400, description=(
@@ -55,7 +57,8 @@ trend_router = APIRouter(prefix="/v1/ett", tags=["jobs"], responses=error_respon
     401, 403, 422, 431, 503))
 
 
-@trend_router.get("/trend")
+@trend_router.get("/trend", responses=error_responses(429))
+@budgeted
 async def get_ett_trend(
     cache: Reader,
     days: Annotated[float, Query(gt=0, le=400, description="how far back")] = 30,

@@ -24,6 +24,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from megacache_client.wire.events import JOB_ID_PATTERN
 from megacache_client.wire.manifest import HEX64_PATTERN
 from megacache_client.wire.text import check_text
+from megacache_server.api.budget import budgeted
 from megacache_server.api.deps import Reader
 from megacache_server.api.validation import small_json_body
 from megacache_server.errors import error_responses
@@ -88,7 +89,9 @@ async def report_entry(key: Key, request: Request, cache: Reader) -> Response:
     return Response(json.dumps(verdict), media_type="application/json")
 
 
-@router.get("/v1/quarantine", responses={200: {"description": "records, newest first"}})
+@router.get("/v1/quarantine", responses={200: {"description": "records, newest first"},
+                                         **error_responses(429)})
+@budgeted
 async def quarantine(cache: Reader,
                      limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Response:
     """Blobs quarantined and entries withdrawn that touch the caller's namespace."""

@@ -50,10 +50,14 @@ class ProgressStore(ABC):
 
     @abstractmethod
     async def recent_progress_stamps(self, *, namespace: str | None, since: float,
-                                     limit: int) -> list[tuple[str, str, float]]:
+                                     limit: int, per_namespace: bool = False
+                                     ) -> list[tuple[str, str, float]]:
         """(namespace, job, last_seen) of what `recent_progress` would return, without the
         summaries: a reader that kept a job's summary from a read at the same last_seen
-        need not read it again (every write of a job sets its last_seen)."""
+        need not read it again (every write of a job sets its last_seen). With
+        `per_namespace` (and namespace None), each namespace's own latest `limit`: the
+        operator's views give each tenant its share, and one tenant that posts a thousand
+        jobs cannot push another's out (#58)."""
 
     @abstractmethod
     async def jobs_progress(self, jobs: list[tuple[str, str, float]]) -> list[JobProgress]:

@@ -168,7 +168,8 @@ class RedisProgress(RedisConnection, ProgressStore):
         return await self._do(op)
 
     async def recent_progress_stamps(self, *, namespace: str | None, since: float,
-                                     limit: int) -> list[tuple[str, str, float]]:
+                                     limit: int, per_namespace: bool = False
+                                     ) -> list[tuple[str, str, float]]:
         async def op() -> list[tuple[str, str, float]]:
             spaces = [namespace] if namespace is not None else sorted(
                 text(n) or "" for n in await self.r.smembers(self.keys.progress_namespaces()))
@@ -179,7 +180,7 @@ class RedisProgress(RedisConnection, ProgressStore):
                                                         since, start=0, num=limit,
                                                         withscores=True)]
             found.sort(key=lambda t: (-t[2], t[0], t[1]))
-            return found[:limit]
+            return found if per_namespace else found[:limit]
 
         return await self._do(op)
 

@@ -51,9 +51,17 @@ class SqliteProgress(SqliteConnection, ProgressStore):
         return await self._run(op)
 
     async def recent_progress_stamps(self, *, namespace: str | None, since: float,
-                                     limit: int) -> list[tuple[str, str, float]]:
+                                     limit: int, per_namespace: bool = False
+                                     ) -> list[tuple[str, str, float]]:
         where, args = filters(namespace=namespace)
         where = (where + " AND" if where else " WHERE") + " last_seen >= ?"
+        if per_namespace and namespace is None:
+            rows = await self._rows(
+                "SELECT namespace, job, last_seen FROM (SELECT namespace, job, last_seen, "
+                "ROW_NUMBER() OVER (PARTITION BY namespace ORDER BY last_seen DESC, job) AS n "
+                f"FROM progress_jobs{where}) WHERE n <= ? "
+                "ORDER BY last_seen DESC, namespace, job", (*args, since, limit))
+            return [(ns, job, seen) for ns, job, seen in rows]
         rows = await self._rows(f"SELECT namespace, job, last_seen FROM progress_jobs{where} "
                                 "ORDER BY last_seen DESC, namespace, job LIMIT ?",
                                 (*args, since, limit))
