@@ -39,7 +39,8 @@ from benchmarks.harness.benchlib import (
 from benchmarks.harness.record import given_argv, make_record, write_record
 from benchmarks.harness.servers import LocalServer
 from megacache_client.wire.progress import CAUSES, ProgressRecord
-from megacache_server.service import ett, ett_trend
+from megacache_server.service.ett import split as ett
+from megacache_server.service.ett import trend as ett_trend
 from megacache_server.store.index.base import Index
 from megacache_server.store.index.ett_rollups import Roll
 from megacache_server.store.index.progress import JobProgress, merge

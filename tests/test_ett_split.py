@@ -1,4 +1,4 @@
-"""The split of a job's wall time (`service.ett`), on hand-made timelines whose answers are
+"""The split of a job's wall time (`service.ett.split`), on hand-made timelines whose answers are
 worked out by hand here: every category, failures, lost progress, recovery, and a lying
 trainer that cannot push ETT past 100% or any category below zero."""
 
@@ -9,7 +9,8 @@ import random
 import pytest
 
 from megacache_client.wire.progress import ProgressRecord
-from megacache_server.service import ett, ett_report
+from megacache_server.service.ett import report as ett_report
+from megacache_server.service.ett import split as ett
 from megacache_server.store.index.progress import MAX_SAVES, JobProgress, merge
 
 T0 = 1_800_000_000.0

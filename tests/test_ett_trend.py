@@ -24,8 +24,10 @@ import httpx
 from helpers import ServerProcess, run
 
 from megacache_client.wire.progress import ProgressRecord
-from megacache_server.service import ett, ett_trend
-from megacache_server.service.ett_roller import Roller
+from megacache_server.service.ett import causes as ett_causes
+from megacache_server.service.ett import split as ett
+from megacache_server.service.ett import trend as ett_trend
+from megacache_server.service.ett.roller import Roller
 from megacache_server.store.index.base import Index
 from megacache_server.store.index.ett_rollups import COUNTERS, Contribution, Roll, add
 from megacache_server.store.index.rollups import DAY, HOUR
@@ -102,7 +104,7 @@ async def check(index: Index, jobs: list[str]) -> None:
         got = sums(rows)
         for category, seconds in want.items():
             assert abs(got.get(f"s_{category}", 0.0) - seconds) < 1e-3, (category, got, want)
-        causes = ett.add_causes(s.totals.by_cause for s in splits)
+        causes = ett_causes.add_causes(s.totals.by_cause for s in splits)
         for cause, (n, lost, recovery) in causes.items():
             assert got[f"f_{cause}"] == n and abs(got[f"u_{cause}"] - lost) < 1e-3
             assert abs(got.get(f"r_{cause}", 0.0) - recovery) < 1e-3

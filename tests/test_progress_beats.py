@@ -1,4 +1,4 @@
-"""Heartbeats coalesced per server process (`service/beats.py`): the same summary as the
+"""Heartbeats coalesced per server process (`service/ett/beats.py`): the same summary as the
 index's fold of every batch, a bounded buffer, and on a real server (each backend) seen at
 once by the process that was sent them, by a second worker within the flush interval, and
 kept through a clean stop (SIGTERM)."""
@@ -20,7 +20,7 @@ from helpers import ServerProcess
 
 from megacache_client.wire import routes
 from megacache_client.wire.progress import PhaseSpan, ProgressRecord
-from megacache_server.service.beats import Beats
+from megacache_server.service.ett.beats import Beats
 from megacache_server.store.index.progress import AttemptProgress, Fold, merge
 
 

@@ -1,5 +1,5 @@
 """Views over many jobs cost what changed, not the history (issue 47, item 2): the split
-cache (`service.split_cache`) on every index backend reads an attempt's summary again
+cache (`service.ett.split_cache`) on every index backend reads an attempt's summary again
 only when that attempt was written, gives what a split of the whole job gives, and keeps
 a bounded number of attempts."""
 
@@ -11,8 +11,8 @@ from collections.abc import Callable
 from helpers import run
 
 from megacache_client.wire.progress import ProgressRecord
-from megacache_server.service import ett
-from megacache_server.service.split_cache import SplitCache
+from megacache_server.service.ett import split as ett
+from megacache_server.service.ett.split_cache import SplitCache
 from megacache_server.store.index.base import Index
 
 T0 = 1_800_000_000.0
@@ -100,7 +100,7 @@ def test_what_the_cache_keeps_is_bounded_in_bytes(make_index: Callable[[], Index
     read just now, it keeps them and no new one (a view over more jobs than fit re-splits
     only those that do not, not all of them: least-recently-used would keep none); a job
     not read for `RECENT_S` makes room."""
-    from megacache_server.service import split_cache
+    from megacache_server.service.ett import split_cache
 
     async def body(index: Index) -> None:
         await fill(index)
@@ -131,7 +131,7 @@ def test_a_lane_is_reentered_by_the_task_that_holds_it() -> None:
     reads take it again: the same task passes at once; another task still waits."""
     import asyncio
 
-    from megacache_server.service import split_cache
+    from megacache_server.service.ett import split_cache
 
     async def body() -> None:
         lane = split_cache.Lane()
@@ -161,7 +161,7 @@ def test_a_namespace_s_views_take_at_most_their_share_of_the_time() -> None:
     waits frees the lane."""
     import asyncio
 
-    from megacache_server.service import split_cache
+    from megacache_server.service.ett import split_cache
 
     async def body() -> None:
         lane = split_cache.Lane()

@@ -2,7 +2,7 @@
 
 Rank 0's telemetry (`telemetry.py`) installs these with its hooks and sends the spans with
 its `training` record (the first step's); the server paints them over the attempt's time to
-start or to recover (`service.ett_components`), adding what it sees from outside (the
+start or to recover (`service.ett.components`), adding what it sees from outside (the
 allocation's wait, a restart's, the compile seconds, checkpoint restores). Each span is
 timed where torch lets a client see it:
 

@@ -3,7 +3,7 @@
 ETT% = the share of a job's wall time that is training. The client (rank 0 of each attempt)
 sends batches of `ProgressRecord`s in the background to `POST /v1/jobs/{job}/progress`; the
 server keeps them per job and attempt and splits the job's wall time into the categories
-below (`megacache_server.service.ett`). Shared by both sides so they cannot disagree.
+below (`megacache_server.service.ett.split`). Shared by both sides so they cannot disagree.
 
 The records are facts with timestamps (unix seconds, the trainer's clock), never figures the
 server takes on trust: the server clamps every interval to the attempt's observed span, so a

@@ -32,12 +32,12 @@ from megacache_server.api.request_metrics import RequestMetrics
 from megacache_server.api.route_table import allowed_methods
 from megacache_server.api.routes.ac import router as ac_router
 from megacache_server.api.routes.cas import router as cas_router
+from megacache_server.api.routes.ett import router as progress_router
+from megacache_server.api.routes.ett import trend_router
 from megacache_server.api.routes.events import router as events_router
 from megacache_server.api.routes.health import router as health_router
 from megacache_server.api.routes.jobs import router as jobs_router
 from megacache_server.api.routes.observability import router as observe_router
-from megacache_server.api.routes.progress import router as progress_router
-from megacache_server.api.routes.progress import trend_router
 from megacache_server.api.routes.trust import router as trust_router
 from megacache_server.errors import ApiError, BadRequest, error_body
 from megacache_server.service.cache import Cache
@@ -46,7 +46,7 @@ from megacache_server.service.collector import (
     LocalCollector,
     SubprocessCollector,
 )
-from megacache_server.service.ett_roller import Roller
+from megacache_server.service.ett.roller import Roller
 from megacache_server.service.metered import MeteredCollector, MeteredTenantCache
 from megacache_server.service.signing import check_signing_key
 from megacache_server.service.trust import Scrubber

@@ -13,11 +13,12 @@ from anyio import to_thread
 from megacache_client.wire.events import Event
 from megacache_client.wire.schema import SchemaError, parse_json
 from megacache_server.errors import Unprocessable
-from megacache_server.service import ett_report, reports
+from megacache_server.service import reports
 from megacache_server.service.auth import Principal
-from megacache_server.service.ett import JobSplit
+from megacache_server.service.ett import report as ett_report
+from megacache_server.service.ett.intake import Progress
+from megacache_server.service.ett.split import JobSplit
 from megacache_server.service.metric_budget import within_budget
-from megacache_server.service.progress import Progress
 from megacache_server.service.quarantine import Quarantine
 from megacache_server.service.quotas import Quotas
 from megacache_server.settings import Settings

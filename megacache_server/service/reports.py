@@ -12,7 +12,7 @@ from dataclasses import asdict, fields
 from typing import Any
 
 from megacache_client.wire.events import REPLAYS
-from megacache_server.service.ett import JobSplit
+from megacache_server.service.ett.split import JobSplit
 from megacache_server.store.index import rollups
 from megacache_server.store.index.base import EntryInfo, Index, JobView, ModelStats
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from megacache_server.service.auth import Principal
-from megacache_server.service.beats import Beats
 from megacache_server.service.blobs import Blobs
 from megacache_server.service.collector import Collector
 from megacache_server.service.entries import Entries, EntryWrite
+from megacache_server.service.ett.beats import Beats
+from megacache_server.service.ett.intake import Progress
 from megacache_server.service.events import Events, Figures
 from megacache_server.service.jobs import (
     DEFAULT_CLAIM_LEASE_S,
@@ -25,7 +26,6 @@ from megacache_server.service.jobs import (
     FallbackRule,
     Jobs,
 )
-from megacache_server.service.progress import Progress
 from megacache_server.service.provenance import ProducerClaims
 from megacache_server.service.quarantine import Quarantine
 from megacache_server.service.quotas import Quotas

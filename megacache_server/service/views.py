@@ -24,8 +24,8 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from megacache_server.service.auth import Principal
+from megacache_server.service.ett.split_cache import Lane
 from megacache_server.service.ratelimit import Limit, admit
-from megacache_server.service.split_cache import Lane
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import RateStore
 

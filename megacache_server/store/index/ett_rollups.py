@@ -5,7 +5,7 @@ into lost progress, back to the last checkpoint), so the fleet's ETT per hour ca
 added up once and for all as the cache's events are. Instead each job's part of each hour
 (`Contribution`: its seconds by category, its failures by cause and what they cost, its
 starts and recoveries as histogram buckets) is kept beside the rollups, and a roll
-(`service.ett_roller`) replaces a job's contribution with its new one, adding the
+(`service.ett.roller`) replaces a job's contribution with its new one, adding the
 difference to the hourly and daily rows of its (namespace, model): `row_deltas`. The
 rows then hold, at any moment, the sum of the contributions of every job rolled, whatever
 their history, and a trend of 30 days reads 30 daily rows per model, not 20,000 jobs.

@@ -2,7 +2,7 @@
 attempt, and the one rule that folds a batch of records into it, shared by every backend.
 
 A trainer heartbeats every few seconds for weeks; the index keeps none of those records,
-only what the split (`service.ett`) needs: the attempt's first process start, allocation
+only what the split (`service.ett.split`) needs: the attempt's first process start, allocation
 start, first training step (with the spans of the way to it the process saw), first and
 last heartbeat, the latest `MAX_SAVES` checkpoint saves (older ones as a count, a sum and
 histogram buckets), the latest `MAX_LOADS` loads (the same), its end and why, and what a

@@ -35,7 +35,7 @@ class ProgressStore(ABC):
                                 namespace_attempts: int | None = None) -> None:
         """`add_progress` for each of `folds` (other attempts, other jobs, other namespaces)
         in one transaction or pipeline: what a server's coalesced heartbeats are written
-        with (`service.beats`)."""
+        with (`service.ett.beats`)."""
 
     @abstractmethod
     async def job_progress(self, namespace: str, job: str) -> JobProgress | None:

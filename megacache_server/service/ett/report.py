@@ -15,16 +15,15 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from megacache_server.service.ett import (
+from megacache_server.service.ett.causes import add_causes, cause_rows
+from megacache_server.service.ett.components import COMPONENTS
+from megacache_server.service.ett.split import (
     CATEGORIES,
     JobSplit,
-    add_causes,
-    cause_rows,
     ett_pct,
     report_figures,
     total,
 )
-from megacache_server.service.ett_components import COMPONENTS
 
 
 def window(splits: Iterable[JobSplit], since: float, until: float) -> dict[str, Any]:
@@ -61,7 +60,7 @@ def window(splits: Iterable[JobSplit], since: float, until: float) -> dict[str, 
 
 def causes(jobs: list[JobSplit]) -> list[dict[str, Any]]:
     """The jobs' failures by cause: how many, the training they threw away, the recovery
-    they cost (`ett.by_cause`)."""
+    they cost (`split.by_cause`)."""
     return cause_rows(add_causes(j.totals.by_cause for j in jobs))
 
 

@@ -17,9 +17,9 @@ import contextlib
 import logging
 import time
 
-from megacache_server.service import ett_trend
-from megacache_server.service.progress import compile_seconds
-from megacache_server.service.split_cache import SplitCache
+from megacache_server.service.ett import trend as ett_trend
+from megacache_server.service.ett.intake import compile_seconds
+from megacache_server.service.ett.split_cache import SplitCache
 from megacache_server.store.index import rollups
 from megacache_server.store.index.base import Index, JobView
 from megacache_server.store.index.ett_rollups import Roll

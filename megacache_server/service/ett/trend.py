@@ -19,7 +19,7 @@ import operator
 from typing import Any
 
 from megacache_client.wire.progress import CAUSES
-from megacache_server.service.ett import CATEGORIES, JobSplit, Segment, ett_pct
+from megacache_server.service.ett.split import CATEGORIES, JobSplit, Segment, ett_pct
 from megacache_server.store.index import rollups
 from megacache_server.store.index.ett_rollups import (
     COUNTERS,

@@ -21,11 +21,13 @@ from megacache_client.wire.events import JOB_ID_PATTERN
 from megacache_client.wire.progress import MAX_AGE_S, MAX_SKEW_S, ProgressBatch
 from megacache_client.wire.schema import SchemaError, parse_json
 from megacache_server.errors import NotFound, Unprocessable
-from megacache_server.service import ett, ett_report, ett_trend
 from megacache_server.service.auth import Principal
-from megacache_server.service.beats import Beats
+from megacache_server.service.ett import report as ett_report
+from megacache_server.service.ett import split as ett
+from megacache_server.service.ett import trend as ett_trend
+from megacache_server.service.ett.beats import Beats
+from megacache_server.service.ett.split_cache import SplitCache
 from megacache_server.service.quotas import Quotas
-from megacache_server.service.split_cache import SplitCache
 from megacache_server.store.index.base import Index, JobView
 from megacache_server.store.index.ett_rollups import HOURLY_KEEP_DAYS, PERIODS
 from megacache_server.store.index.progress import JobProgress
@@ -43,7 +45,7 @@ class Progress:
         self.index = index
         self.quotas = quotas
         self.beats = beats or Beats(index, 0, 1)
-        """Heartbeat-only batches go through it (`service.beats`)."""
+        """Heartbeat-only batches go through it (`service.ett.beats`)."""
         self.cache = SplitCache(index, max_bytes=int(quotas.settings.split_cache_bytes))
         """Jobs' splits as last read, for the views over many jobs."""
 

@@ -25,7 +25,7 @@ So the categories sum to the wall time, none is negative, and ETT% = training / 
 never pass 100: a trainer that lies about its times can only move its own job's seconds
 between categories, within the span its records cover. An attempt failed when a later one
 exists or it ended with reason `failed`; a live attempt has not failed. A failed attempt's
-cause (`cause_of`) is what its end said, else what a later attempt learnt of it, else
+cause (`causes.cause_of`) is what its end said, else what a later attempt learnt of it, else
 `lost` (no end, nothing later from its node); its unsaved training is its lost_progress,
 its recovery the next attempt's time to recover. Each start and recovery is split into
 its components (`ett_components`).
@@ -45,8 +45,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from megacache_client.wire.progress import CAUSES
-from megacache_server.service import ett_components
+from megacache_server.service.ett import components as ett_components
+from megacache_server.service.ett.causes import cause_of, cause_rows
 from megacache_server.store.index.progress import AttemptProgress, JobProgress
 
 CATEGORIES = ("training", "data_wait", "startup", "compile", "checkpoint_save",
@@ -211,39 +211,6 @@ def by_cause(attempts: list[AttemptSplit]) -> dict[str, tuple[int, float, float]
         out[a.cause or "unknown"] = (n + 1, lost + a.seconds["lost_progress"],
                                      recovery + (later or 0.0))
     return out
-
-
-def add_causes(parts: Any) -> dict[str, tuple[int, float, float]]:
-    """`by_cause` summed over jobs (or windows)."""
-    out: dict[str, tuple[int, float, float]] = {}
-    for part in parts:
-        for cause, (n, lost, recovery) in part.items():
-            m, l0, r0 = out.get(cause, (0, 0.0, 0.0))
-            out[cause] = (m + n, l0 + lost, r0 + recovery)
-    return out
-
-
-def cause_rows(causes: dict[str, tuple[int, float, float]]) -> list[dict[str, Any]]:
-    """`by_cause` as rows, in the order of `CAUSES`."""
-    return [{"cause": c, "failures": causes[c][0], "unsaved_training_s": _r(causes[c][1]),
-             "recovery_s": _r(causes[c][2])} for c in CAUSES if c in causes]
-
-
-def cause_of(a: AttemptProgress, failed: bool) -> tuple[str | None, str | None]:
-    """Why a failed attempt failed, and what names it: what its end said, else what a
-    later attempt learnt of it (killed: its lifeline), else `lost`: no end record and
-    nothing later from its node. Never a guess: `unknown` where nothing says."""
-    if not failed:
-        return None, None
-    if a.end_reason == "failed" and a.end_cause:
-        return a.end_cause, a.end_detail
-    if a.failure is not None:
-        return a.failure[0], a.failure[1]
-    if a.end_reason == "failed":
-        return "unknown", a.end_detail
-    if a.end_reason is not None:
-        return "unknown", f"it ended {a.end_reason}, and the job ran again"
-    return "lost", "no end record and nothing later from its node"
 
 
 def report_figures(seconds: dict[str, float], time_to_start_s: float | None,

@@ -1,6 +1,6 @@
 """`/v1/jobs/{job}/progress` and `/v1/jobs/{job}/ett`: what a trainer's rank 0 reports of
-its job's time, and the job's Effective Training Time split from it (`service.progress`,
-`service.ett`; docs/ett.md)."""
+its job's time, and the job's Effective Training Time split from it (`service.ett.intake`,
+`service.ett.split`; docs/ett.md)."""
 
 from __future__ import annotations
 

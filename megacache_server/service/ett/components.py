@@ -46,7 +46,7 @@ def components(a: AttemptProgress, lo: float, train: float, *, recovering: bool,
                compile_s: float) -> dict[str, Any]:
     """The components of [lo, train] (time to start, or to recover from `lo`), in seconds,
     and the process groups the attempt made."""
-    from megacache_server.service.ett import _paint  # one painter for both splits
+    from megacache_server.service.ett.split import _paint  # one painter for both splits
 
     spans: list[Interval] = []
     if a.start_at is not None:

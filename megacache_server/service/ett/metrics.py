@@ -22,8 +22,9 @@ from __future__ import annotations
 import math
 
 from megacache_client.wire.progress import CAUSES
-from megacache_server.service.ett import CATEGORIES, JobSplit, add_causes, ett_pct, total
-from megacache_server.service.ett_components import COMPONENTS
+from megacache_server.service.ett.causes import add_causes
+from megacache_server.service.ett.components import COMPONENTS
+from megacache_server.service.ett.split import CATEGORIES, JobSplit, ett_pct, total
 from megacache_server.service.metric_budget import OTHER
 from megacache_server.store.index.progress import SAVE_BUCKETS
 from megacache_server.store.index.rollups import BUCKETS

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from anyio import to_thread
 
-from megacache_server.service import ett
+from megacache_server.service.ett import split as ett
 from megacache_server.store.index.base import Index
 from megacache_server.store.index.progress import AttemptProgress, JobProgress, JobStamps
 
