@@ -41,6 +41,7 @@ CALLS: dict[str, Callable[[RemoteCache, Path], Any]] = {
     "claim": lambda r, _: r.claim(KEY, holder="h", lease_s=60),
     "release_claim": lambda r, _: r.release_claim(KEY, holder="h"),
     "whoami": lambda r, _: r.whoami(),
+    "reachable": lambda r, _: r.reachable(),
     "list_entries": lambda r, _: r.list_entries(model="mlp"),
     "put_entry": lambda r, _: r.put_entry(make_manifest({"megacache": b"x"},
                                                         make_fingerprint())),
@@ -125,6 +126,8 @@ def test_no_call_follows_a_redirect_the_server_did_not_vouch_for(name: str,
     if name == "download_blob":
         assert isinstance(outcome, RedirectRefused), outcome
         assert "did not announce" in str(outcome)
+    elif name == "reachable":  # a health check sent elsewhere: no server here, not followed
+        assert outcome is False, outcome
     elif name != "has_blob":  # a HEAD answer has no verdict to refuse; a 302 is no 200
         assert isinstance(outcome, TransportError | ValueError) or outcome in (None, "")
     assert peer.requests and "mc_secret-token" in peer.requests[0]
