@@ -88,7 +88,10 @@ if [ "$current" != "$recipe/$cas" ]; then
   # PyPI as it does here; pip reads the system store instead of its own certifi bundle.
   if [ "${#local_cas[@]}" -gt 0 ]; then
     cp "${local_cas[@]}" "$rootfs/usr/local/share/ca-certificates/"
-    chroot "$rootfs" update-ca-certificates >/dev/null 2>&1 || die "update-ca-certificates failed in the base"
+    # once more on failure (seen once under load, not reproduced), then say what it said
+    chroot "$rootfs" update-ca-certificates >"$state/ca.log" 2>&1 \
+      || chroot "$rootfs" update-ca-certificates >"$state/ca.log" 2>&1 \
+      || { tail -n 20 "$state/ca.log" >&2; die "update-ca-certificates failed in the base (log: $state/ca.log)"; }
   fi
   printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > "$rootfs/etc/pip.conf"
   # Debian's python3 is "externally managed" (PEP 668): the image's pip installs into a venv,
