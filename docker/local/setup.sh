@@ -88,15 +88,15 @@ if [ "$current" != "$recipe/$cas" ]; then
   # PyPI as it does here; pip reads the system store instead of its own certifi bundle.
   if [ "${#local_cas[@]}" -gt 0 ]; then
     cp "${local_cas[@]}" "$rootfs/usr/local/share/ca-certificates/"
-    # once more on failure (seen once under load, not reproduced), then say what it said
-    chroot "$rootfs" update-ca-certificates >"$state/ca.log" 2>&1 \
-      || chroot "$rootfs" update-ca-certificates >"$state/ca.log" 2>&1 \
+    # the chroot has none of the host's temp dirs: a TMPDIR of the caller's (the test
+    # suite gives each process its own) made its mktemp fail
+    TMPDIR=/tmp chroot "$rootfs" update-ca-certificates >"$state/ca.log" 2>&1 \
       || { tail -n 20 "$state/ca.log" >&2; die "update-ca-certificates failed in the base (log: $state/ca.log)"; }
   fi
   printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > "$rootfs/etc/pip.conf"
   # Debian's python3 is "externally managed" (PEP 668): the image's pip installs into a venv,
   # which is first on PATH and reachable as python/pip, as in python:3.12-slim.
-  chroot "$rootfs" python3 -m venv /opt/venv
+  TMPDIR=/tmp chroot "$rootfs" python3 -m venv /opt/venv
   ln -sf /opt/venv/bin/python "$rootfs/usr/local/bin/python"
   ln -sf /opt/venv/bin/pip "$rootfs/usr/local/bin/pip"
   # what an image never reads: package lists and archives, docs, man pages, translations
