@@ -5,6 +5,7 @@ tests/test_fair_reads.py walks the route table for `BUDGETED`."""
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -25,5 +26,10 @@ def budgeted(endpoint: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R
         async with cache.viewing():
             return await endpoint(*args, **kwargs)
 
+    # the signature with its annotations evaluated where the endpoint was written: FastAPI
+    # releases that do not unwrap resolve string annotations in this module, which has
+    # none of the route's names (`Response`)
+    within_budget.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+        endpoint, eval_str=True)
     setattr(within_budget, BUDGETED, True)
     return within_budget
