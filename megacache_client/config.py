@@ -90,7 +90,7 @@ class ClientConfig:
     the process's exit, as before (a killed process then leaves nothing behind)."""
     max_publishes: int = 4
     """Publish rounds one process may run (settled points and the exit together)."""
-    term_grace_s: float = 5.0
+    term_grace_s: float = 20.0
     """On SIGTERM, how long the client may finish a publish under way and send the job's
     last progress before the signal goes on to the trainer's (or the default) handler
     (`steps/preemption.py`); 0 hands it on at once. Below the launcher's own grace
