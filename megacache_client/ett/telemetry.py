@@ -97,6 +97,8 @@ class Telemetry:
         self.sigterm_at: float | None = None
         """When SIGTERM reached the process: however it then ends, it was preempted."""
         self._stopping = threading.Event()
+        self._looked = threading.Lock()
+        """Held once the earlier attempts' last signs were looked for (once a process)."""
         self._handle: Any = None
         self._previous_hook: Any = None
 
@@ -121,7 +123,26 @@ class Telemetry:
             self.loop_thread = threading.get_ident()
             self.restored(None)
             self.emit(records.training_record, self.first_step, self.phases.first_step())
-            self.progress.arm()
+            self._arm()
+
+    def _arm(self) -> None:
+        """The process trains: send its time line, and look for the last signs of earlier
+        attempts now, in a thread of its own (a short attempt may end before the next
+        beat; what it found would then never be sent)."""
+        if self.lifeline is not None and not self._looked.locked():
+            threading.Thread(target=self._look_for_orphans, name="megacache-orphans",
+                             daemon=True).start()
+        self.progress.arm()
+
+    def _look_for_orphans(self) -> None:
+        """Once a process: the earlier attempts' last signs, queued before this attempt's
+        records (a trainer reports what earlier attempts on its node left)."""
+        if self.lifeline is None or not self._looked.acquire(blocking=False):
+            return
+        for s in self.lifeline.orphans():
+            self.progress.earlier += [
+                (s.attempt, records.heartbeat_record(s.at, s.step)),
+                (s.attempt, records.failure_record(s.at, s.cause, s.detail))]
 
     def _trains_on(self) -> None:
         """A step after a `SystemExit` the trainer caught, or long after a SIGTERM it
@@ -144,7 +165,7 @@ class Telemetry:
               step: int | None) -> None:
         self.emit(records.checkpoint_save_record, at, self.step if step is None else step,
                   blocking_s, background_s)
-        self.progress.arm()
+        self._arm()
 
     def restoring(self, at: float, blocking_s: float, step: int | None) -> None:
         """One call of a restore made of several (a framework's): added up, sent once."""
@@ -162,25 +183,19 @@ class Telemetry:
         """A restore: the step it resumes from is the trainer's to say (this process's
         count is not it), None when unknown."""
         self.emit(records.checkpoint_load_record, at, blocking_s, step)
-        self.progress.arm()
+        self._arm()
 
     def _beat(self) -> None:
         """Every `heartbeat_s` a heartbeat to the server; every `LIFELINE_S`, while the
         process trains, its lifeline on the node renewed."""
         tick = min(LIFELINE_S, self.heartbeat_s)
         due = time.monotonic() + self.heartbeat_s
-        looked = False
         while not self._stopping.wait(tick):
             if not _rank_zero():
                 self.stop("not rank 0 of the process group")
                 return
             if self.lifeline is not None and self.progress.armed:
-                if not looked:  # a trainer: it reports what earlier attempts left
-                    looked = True
-                    for s in self.lifeline.orphans():
-                        self.progress.earlier += [
-                            (s.attempt, records.heartbeat_record(s.at, s.step)),
-                            (s.attempt, records.failure_record(s.at, s.cause, s.detail))]
+                self._look_for_orphans()
                 self.lifeline.renew(time.time(), self.step)
             if time.monotonic() >= due:
                 due += self.heartbeat_s
