@@ -59,7 +59,11 @@ def job(url: str, root: Path, model: str, ranks: int, stages: str, kill: bool
     gxx = GxxCounter(root / "bin")
     env = clean_env() | gxx.env(root / "unused.log") | {
         "MEGACACHE_URL": url, "MEGACACHE_MODEL": model, "OMP_NUM_THREADS": "1",
-        "RESULT_DIR": str(results), "MACHINES": str(root / "machines"), "STAGES": stages}
+        "RESULT_DIR": str(results), "MACHINES": str(root / "machines"), "STAGES": stages,
+        # torchrun's agent and anything else not on a rank's machine: under this job's
+        # root too (its torchelastic_* dirs, an Inductor cache), removed with it
+        "TMPDIR": str(root / "tmp"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
+    (root / "tmp").mkdir(parents=True)
     if kill:
         env["KILL_RANK"] = str(ranks - 1)
     before = puts(url)
