@@ -143,7 +143,7 @@ class Publisher:
                 log.debug("megacache: publish round: %s", down)
                 self._say(tracks, down)
                 if self.closed:  # the last round: this run's compile is not published
-                    self.warn(f"{down.split(':')[0]} at exit: this run's compile was not "
+                    self.warn("cache server unreachable at exit: this run's compile was not "
                               "published")
                 return False
             self._verdicts_since = False
