@@ -17,7 +17,7 @@ from conftest import BACKENDS, backend_args
 from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
 
 from megacache_client.wire.manifest import Manifest, component_digest
-from megacache_server.service import eviction
+from megacache_server.service.housekeeping import eviction
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import NewEntry, Precondition
 from megacache_server.store.storage import Storage, build_storage

@@ -1,6 +1,6 @@
 """#58: no read costs another tenant, no tenant erases another's view: the operator's
 `/metrics` gives each namespace its own share of jobs, and every read that can cost more
-than a lookup is budgeted (`service.views`), which the route table is held to."""
+than a lookup is budgeted (`service.limits.views`), which the route table is held to."""
 
 from __future__ import annotations
 

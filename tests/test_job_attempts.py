@@ -168,7 +168,7 @@ def test_histogram_text_parses_whatever_the_model_name():
     from prometheus_client.parser import text_string_to_metric_families
 
     from megacache_client.wire.text import escape_foreign
-    from megacache_server.service.metrics import _job_histograms
+    from megacache_server.service.observability.metrics import _job_histograms
     from megacache_server.store.index.base import ModelStats
 
     m = ModelStats("ns", 'a "model"\\ with\na newline')

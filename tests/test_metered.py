@@ -1,6 +1,6 @@
-"""The metrics decorators (megacache_server/service/metered.py): a call a route makes is
-counted once, what the cache's parts ask each other on its way is not, and every other call
-is handed on unchanged."""
+"""The metrics decorators (megacache_server/service/observability/metered.py): a call a route
+makes is counted once, what the cache's parts ask each other on its way is not, and every
+other call is handed on unchanged."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from helpers import make_fingerprint, make_manifest, sha256
 from prometheus_client import REGISTRY
 
 from megacache_server.errors import NotFound
-from megacache_server.service.auth import ANONYMOUS
-from megacache_server.service.cache import Cache
-from megacache_server.service.collector import LocalCollector
-from megacache_server.service.metered import MeteredCollector, MeteredTenantCache
+from megacache_server.service.caching.cache import Cache
+from megacache_server.service.housekeeping.collector import LocalCollector
+from megacache_server.service.observability.metered import MeteredCollector, MeteredTenantCache
+from megacache_server.service.security.auth import ANONYMOUS
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import Precondition
 from megacache_server.store.storage import build_storage

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from megacache_server.service import metrics
-from megacache_server.service.metric_budget import OTHER, within_budget
+from megacache_server.service.observability import metrics
+from megacache_server.service.observability.metric_budget import OTHER, within_budget
 from megacache_server.store.index.base import ModelStats
 
 

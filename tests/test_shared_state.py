@@ -22,7 +22,7 @@ from helpers import ServerProcess, make_fingerprint, make_manifest, sha256, uplo
 
 from megacache_client.wire import headers
 from megacache_client.wire.signing import signature_valid
-from megacache_server.service.signing import write_new_key
+from megacache_server.service.security.signing import write_new_key
 
 MiB = 1024 * 1024
 SHARED_ENV = {"MEGACACHE_TOKEN_CACHE_S": "0", "MEGACACHE_NAMESPACE_PENDING_BYTES": "4MiB",

@@ -127,7 +127,7 @@ def test_what_the_cache_keeps_is_bounded_in_bytes(make_index: Callable[[], Index
 
 
 def test_a_lane_is_reentered_by_the_task_that_holds_it() -> None:
-    """A view's request holds its namespace's lane (`service.views`) and the splits it
+    """A view's request holds its namespace's lane (`service.limits.views`) and the splits it
     reads take it again: the same task passes at once; another task still waits."""
     import asyncio
 

@@ -43,7 +43,7 @@ def test_escape_foreign_leaves_one_printable_line() -> None:
 def test_metrics_label_values_carry_no_raw_cr_nul_or_esc() -> None:
     from prometheus_client.core import GaugeMetricFamily
 
-    from megacache_server.service import metrics
+    from megacache_server.service.observability import metrics
     family = GaugeMetricFamily("megacache_t", "t", labels=["model"])
     family.add_metric(["m\r\x00\x1b[2J\ud800x"], 1.0)
     text = metrics._render([family]).decode()

@@ -40,16 +40,16 @@ from megacache_server.api.routes.jobs import router as jobs_router
 from megacache_server.api.routes.observability import router as observe_router
 from megacache_server.api.routes.trust import router as trust_router
 from megacache_server.errors import ApiError, BadRequest, error_body
-from megacache_server.service.cache import Cache
-from megacache_server.service.collector import (
+from megacache_server.service.caching.cache import Cache
+from megacache_server.service.ett.roller import Roller
+from megacache_server.service.housekeeping.collector import (
     Collector,
     LocalCollector,
     SubprocessCollector,
 )
-from megacache_server.service.ett.roller import Roller
-from megacache_server.service.metered import MeteredCollector, MeteredTenantCache
-from megacache_server.service.signing import check_signing_key
-from megacache_server.service.trust import Scrubber
+from megacache_server.service.observability.metered import MeteredCollector, MeteredTenantCache
+from megacache_server.service.security.signing import check_signing_key
+from megacache_server.service.security.trust import Scrubber
 from megacache_server.settings import Settings
 from megacache_server.store.storage import Storage, build_storage
 

@@ -1,4 +1,4 @@
-"""`budgeted`: how a route declares it serves a view (`service.views`: rate per token, its
+"""`budgeted`: how a route declares it serves a view (`service.limits.views`: rate per token, its
 namespace's lane, a bounded answer). A GET route that is not a plain lookup must carry it:
 tests/test_fair_reads.py walks the route table for `BUDGETED`."""
 
@@ -9,7 +9,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from megacache_server.service.tenant import TenantCache
+from megacache_server.service.caching.tenant import TenantCache
 
 R = TypeVar("R")
 BUDGETED = "__megacache_view__"

@@ -7,9 +7,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from megacache_server.service.auth import Scope
-from megacache_server.service.cache import Cache
-from megacache_server.service.tenant import TenantCache
+from megacache_server.service.caching.cache import Cache
+from megacache_server.service.caching.tenant import TenantCache
+from megacache_server.service.security.auth import Scope
 
 
 def cache_of(request: Request) -> Cache:

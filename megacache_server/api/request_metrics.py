@@ -4,9 +4,9 @@ rendering of them.
 Per-request numbers (requests, latency, bytes) are counted in each worker process; with
 several uvicorn workers they go through prometheus_client's multiprocess mode (the CLI
 sets PROMETHEUS_MULTIPROC_DIR before workers start). Cache-level numbers come from
-`service.metrics`, read from the index's running totals at scrape time, so they are the
-same whichever worker or replica answers; what a worker served is counted by the
-decorators of `service.metered`.
+`service.observability.metrics`, read from the index's running totals at scrape time, so
+they are the same whichever worker or replica answers; what a worker served is counted by
+the decorators of `service.observability.metered`.
 """
 
 from __future__ import annotations

@@ -39,10 +39,10 @@ from megacache_server import __version__
 from megacache_server.api import supervisor
 from megacache_server.cli.serve import opened_storage, serve, storage_problem
 from megacache_server.errors import ApiError
-from megacache_server.service.auth import ANONYMOUS, new_token, parse_duration
-from megacache_server.service.cache import Cache
-from megacache_server.service.collector import GC_NICE
-from megacache_server.service.signing import signer_for, write_new_key
+from megacache_server.service.caching.cache import Cache
+from megacache_server.service.housekeeping.collector import GC_NICE
+from megacache_server.service.security.auth import ANONYMOUS, new_token, parse_duration
+from megacache_server.service.security.signing import signer_for, write_new_key
 from megacache_server.settings import Settings
 from megacache_server.store.storage import local_paths, removed_on_failure
 

@@ -13,10 +13,10 @@ from megacache_server.api.budget import budgeted
 from megacache_server.api.deps import Admin, Reader, Writer
 from megacache_server.api.validation import request_body, require_content_length
 from megacache_server.errors import PayloadTooLarge, error_responses
-from megacache_server.service import provenance
-from megacache_server.service.signing import signature_headers
-from megacache_server.service.tenant import Precondition, StoredEntry, TenantCache
-from megacache_server.service.views import page
+from megacache_server.service.caching.tenant import Precondition, StoredEntry, TenantCache
+from megacache_server.service.limits.views import page
+from megacache_server.service.security import provenance
+from megacache_server.service.security.signing import signature_headers
 
 router = APIRouter(prefix="/v1/ac", tags=["ac"],
                    responses=error_responses(400, 401, 403, 422, 431, 503))

@@ -12,7 +12,7 @@ from megacache_server.api.deps import Reader, Writer
 from megacache_server.api.ranges import parse_range
 from megacache_server.api.validation import request_body, require_content_length
 from megacache_server.errors import NotFound, error_responses
-from megacache_server.service.signing import redirect_headers
+from megacache_server.service.security.signing import redirect_headers
 
 router = APIRouter(prefix="/v1/cas", tags=["cas"],
                    responses=error_responses(400, 401, 403, 431, 503))

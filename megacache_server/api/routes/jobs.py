@@ -6,7 +6,7 @@
 - claim: one publisher per key across the fleet; the others skip the upload.
 
 Bodies are small JSON objects read with a hard size limit; their values are checked by the
-cache service (`service.jobs`), which owns the rules.
+cache service (`service.caching.resolutions`), which owns the rules.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from megacache_client.wire.writers import MAX_POLICY_CHARS
 from megacache_server.api.deps import Reader, Writer
 from megacache_server.api.validation import small_json_body
 from megacache_server.errors import NotFound, error_responses
-from megacache_server.service import provenance
-from megacache_server.service.jobs import (
+from megacache_server.service.caching.resolutions import (
     DEFAULT_CLAIM_LEASE_S,
     DEFAULT_RESOLUTION_TTL_S,
     FallbackRule,
 )
-from megacache_server.service.signing import signature_headers
+from megacache_server.service.security import provenance
+from megacache_server.service.security.signing import signature_headers
 
 router = APIRouter(prefix="/v1/ac", tags=["jobs"],
                    responses=error_responses(400, 401, 403, 413, 422, 431, 503))
@@ -40,7 +40,7 @@ MAX_BODY = 4096
 
 class FallbackRequest(BaseModel):
     """The client's fallback rule, applied once for the whole job attempt (see
-    `Jobs.resolve`): the newest entry of this model with these component digests, by a
+    `Resolutions.resolve`): the newest entry of this model with these component digests, by a
     writer the consumer's trusted-writers policy (`writers`) trusts, when it sends one."""
 
     model_config = ConfigDict(extra="forbid", strict=True)

@@ -12,8 +12,8 @@ from megacache_server.api.budget import budgeted
 from megacache_server.api.deps import Reader, tenant
 from megacache_server.api.request_metrics import CONTENT_TYPE_LATEST, render_process_metrics
 from megacache_server.errors import error_responses
-from megacache_server.service.metrics import cache_metrics
-from megacache_server.service.tenant import TenantCache
+from megacache_server.service.caching.tenant import TenantCache
+from megacache_server.service.observability.metrics import cache_metrics
 
 router = APIRouter(tags=["observability"])
 

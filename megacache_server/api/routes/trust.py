@@ -10,7 +10,7 @@
   trusted-writers policy checks before it publishes over an entry it refused.
 
 Reading is enough to report (trainers are read-only); what a caller may report on is what it
-may read (404 otherwise, as GET). Rules live in the cache service (`service.quarantine`).
+may read (404 otherwise, as GET). Rules live in the cache service (`service.security.quarantine`).
 """
 
 from __future__ import annotations

@@ -21,13 +21,13 @@ from megacache_client.wire.events import JOB_ID_PATTERN
 from megacache_client.wire.progress import MAX_AGE_S, MAX_SKEW_S, ProgressBatch
 from megacache_client.wire.schema import SchemaError, parse_json
 from megacache_server.errors import NotFound, Unprocessable
-from megacache_server.service.auth import Principal
 from megacache_server.service.ett import report as ett_report
 from megacache_server.service.ett import split as ett
 from megacache_server.service.ett import trend as ett_trend
 from megacache_server.service.ett.beats import Beats
 from megacache_server.service.ett.split_cache import SplitCache
-from megacache_server.service.quotas import Quotas
+from megacache_server.service.limits.quotas import Quotas
+from megacache_server.service.security.auth import Principal
 from megacache_server.store.index.base import Index, JobView
 from megacache_server.store.index.ett_rollups import HOURLY_KEEP_DAYS, PERIODS
 from megacache_server.store.index.progress import JobProgress
@@ -38,8 +38,9 @@ TOP_LOST = 10
 """Jobs the trend lists by lost time (lost progress and recovery)."""
 
 
-class Progress:
-    """Recording job progress, and splitting jobs' time from it."""
+class ProgressIntake:
+    """The intake of jobs' progress (`POST /v1/jobs/{job}/progress`): recording it, and
+    splitting jobs' time from it for the ETT views."""
 
     def __init__(self, index: Index, quotas: Quotas, beats: Beats | None = None) -> None:
         self.index = index

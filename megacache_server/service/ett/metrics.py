@@ -25,7 +25,7 @@ from megacache_client.wire.progress import CAUSES
 from megacache_server.service.ett.causes import add_causes
 from megacache_server.service.ett.components import COMPONENTS
 from megacache_server.service.ett.split import CATEGORIES, JobSplit, ett_pct, total
-from megacache_server.service.metric_budget import OTHER
+from megacache_server.service.observability.metric_budget import OTHER
 from megacache_server.store.index.progress import SAVE_BUCKETS
 from megacache_server.store.index.rollups import BUCKETS
 

@@ -68,7 +68,7 @@ Key = tuple[str, str]
 class Lane:
     """One namespace's view reads (`async with lane:`): one at a time, and at most
     VIEW_SHARE of the time. Re-entered by the task that holds it (a view's whole request
-    holds its lane, `service.views`, and the splits it reads take it again) at no cost."""
+    holds its lane, `service.limits.views`, and the splits it reads take it again) at no cost."""
 
     def __init__(self) -> None:
         self._lock = asyncio.Lock()

@@ -32,8 +32,8 @@ class StoredEntry(EntryInfo):
     manifest_json: bytes = b""
     etag: str = ""
     provenance: str = ""
-    """Who wrote this version (`service.provenance`, canonical JSON); "" for entries written
-    before provenance was recorded."""
+    """Who wrote this version (`service.security.provenance`, canonical JSON); "" for entries
+    written before provenance was recorded."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class NewEntry:
 
 
 def sequenced(provenance: str, sequence: int) -> str:
-    """`provenance` (canonical JSON, as `service.provenance` writes it) with `sequence`
+    """`provenance` (canonical JSON, as `service.security.provenance` writes it) with `sequence`
     set: what an entry version is stored and served with ("" stays "")."""
     if not provenance:
         return ""

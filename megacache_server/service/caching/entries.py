@@ -13,10 +13,10 @@ from megacache_client.wire.manifest import Manifest, component_digest
 from megacache_client.wire.schema import SchemaError, parse_json
 from megacache_client.wire.writers import WriterPolicy
 from megacache_server.errors import NotFound, Unprocessable
-from megacache_server.service import provenance
-from megacache_server.service.auth import Principal
-from megacache_server.service.blobs import Blobs
-from megacache_server.service.quotas import Quotas
+from megacache_server.service.caching.blobs import Blobs
+from megacache_server.service.limits.quotas import Quotas
+from megacache_server.service.security import provenance
+from megacache_server.service.security.auth import Principal
 from megacache_server.store.index.base import Index, NewEntry, Precondition, StoredEntry
 
 MAX_SCANNED = 1000
@@ -48,7 +48,7 @@ class Entries:
                         claims: provenance.ProducerClaims | None = None) -> EntryWrite:
         """Validate and store a manifest, exactly the bytes validated. Every blob it names
         must be stored and visible to the writer (424 if not). The entry records who wrote
-        it (`service.provenance`): this caller's token, and what the producer `claims`.
+        it (`service.security.provenance`): this caller's token, and what the producer `claims`.
 
         Listings and fallbacks order entries by when they were made, the manifest's
         `created_at` clamped to the server's clock: a producer's clock (or a writer's lie)

@@ -1,6 +1,7 @@
-"""Client runs in, and what they add up to out, each within the caller's namespace: an event
-is recorded in the namespace of the token that sent it (never one the body names), and
-stats, jobs, the dashboard and /metrics read only the caller's namespace (all, auth off)."""
+"""Client runs in (`EventIntake`), and what they add up to out (`EventReader`), each within
+the caller's namespace: an event is recorded in the namespace of the token that sent it
+(never one the body names), and stats, jobs, the dashboard and /metrics read only the
+caller's namespace (all, auth off)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ from anyio import to_thread
 from megacache_client.wire.events import Event
 from megacache_client.wire.schema import SchemaError, parse_json
 from megacache_server.errors import Unprocessable
-from megacache_server.service import reports
-from megacache_server.service.auth import Principal
 from megacache_server.service.ett import report as ett_report
-from megacache_server.service.ett.intake import Progress
+from megacache_server.service.ett.intake import ProgressIntake
 from megacache_server.service.ett.split import JobSplit
-from megacache_server.service.metric_budget import within_budget
-from megacache_server.service.quarantine import Quarantine
-from megacache_server.service.quotas import Quotas
+from megacache_server.service.limits.quotas import Quotas
+from megacache_server.service.observability import reports
+from megacache_server.service.observability.metric_budget import within_budget
+from megacache_server.service.security.auth import Principal
+from megacache_server.service.security.quarantine import Quarantine
 from megacache_server.settings import Settings
-from megacache_server.store.index.base import MAX_QUARANTINE_RECORDS, ModelStats
+from megacache_server.store.index.base import MAX_QUARANTINE_RECORDS, Index, ModelStats
 from megacache_server.store.storage import Storage
 
 
@@ -54,17 +55,12 @@ class Figures:
     """The ETT split of the jobs that reported progress last (`progress.MAX_ETT_JOBS`)."""
 
 
-class Events:
-    """Recording client runs, and the reports made of them."""
+class EventIntake:
+    """The write side: recording client runs, each within its quota of events."""
 
-    def __init__(self, settings: Settings, storage: Storage, quotas: Quotas,
-                 quarantine: Quarantine, progress: Progress) -> None:
-        self.settings = settings
-        self.progress = progress
-        self.storage = storage
-        self.index = storage.index
+    def __init__(self, index: Index, quotas: Quotas) -> None:
+        self.index = index
         self.quotas = quotas
-        self.quarantine = quarantine
 
     async def add_event(self, principal: Principal, body: bytes) -> None:
         """Record one run in the caller's namespace."""
@@ -75,6 +71,19 @@ class Events:
             raise Unprocessable("event does not match the schema", code="invalid_event",
                                 errors=exc.errors) from None
         await self.index.add_event(principal.home, event)
+
+
+class EventReader:
+    """The read side: the reports made of the runs recorded (stats, jobs, the dashboard,
+    the figures of /metrics), with the ETT split of the jobs that reported progress."""
+
+    def __init__(self, settings: Settings, storage: Storage, quarantine: Quarantine,
+                 progress: ProgressIntake) -> None:
+        self.settings = settings
+        self.progress = progress
+        self.storage = storage
+        self.index = storage.index
+        self.quarantine = quarantine
 
     async def stats(self, principal: Principal, *, since: float | None) -> dict[str, Any]:
         found = await reports.stats(self.index, scope=principal.namespace, since=since)

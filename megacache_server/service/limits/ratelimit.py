@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from megacache_server.errors import TooManyRequests
-from megacache_server.service.auth import Principal
+from megacache_server.service.security.auth import Principal
 from megacache_server.store.index.base import RateStore
 
 

@@ -23,9 +23,9 @@ from prometheus_client.utils import floatToGoString
 from megacache_client.wire.events import REPLAYS
 from megacache_client.wire.text import escape_foreign
 from megacache_server import __version__
+from megacache_server.service.caching.tenant import TenantCache
 from megacache_server.service.ett.metrics import ett_families
-from megacache_server.service.events import Figures
-from megacache_server.service.tenant import TenantCache
+from megacache_server.service.observability.events import Figures
 from megacache_server.store.index import rollups
 from megacache_server.store.index.base import ModelStats
 

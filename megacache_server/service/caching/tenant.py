@@ -13,23 +13,23 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from megacache_server.service.auth import Principal
-from megacache_server.service.blobs import Blobs
-from megacache_server.service.collector import Collector
-from megacache_server.service.entries import Entries, EntryWrite
-from megacache_server.service.ett.beats import Beats
-from megacache_server.service.ett.intake import Progress
-from megacache_server.service.events import Events, Figures
-from megacache_server.service.jobs import (
+from megacache_server.service.caching.blobs import Blobs
+from megacache_server.service.caching.entries import Entries, EntryWrite
+from megacache_server.service.caching.resolutions import (
     DEFAULT_CLAIM_LEASE_S,
     DEFAULT_RESOLUTION_TTL_S,
     FallbackRule,
-    Jobs,
+    Resolutions,
 )
-from megacache_server.service.provenance import ProducerClaims
-from megacache_server.service.quarantine import Quarantine
-from megacache_server.service.quotas import Quotas
-from megacache_server.service.views import Views
+from megacache_server.service.ett.beats import Beats
+from megacache_server.service.ett.intake import ProgressIntake
+from megacache_server.service.housekeeping.collector import Collector
+from megacache_server.service.limits.quotas import Quotas
+from megacache_server.service.limits.views import Views
+from megacache_server.service.observability.events import EventIntake, EventReader, Figures
+from megacache_server.service.security.auth import Principal
+from megacache_server.service.security.provenance import ProducerClaims
+from megacache_server.service.security.quarantine import Quarantine
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import Claim, Precondition, Resolution, StoredEntry
 from megacache_server.store.storage import Storage
@@ -39,7 +39,8 @@ __all__ = ["BoundCache", "Parts", "Precondition", "StoredEntry", "TenantCache"]
 
 class TenantCache(Protocol):
     """Every call a route makes, as one caller. Each is the method of the same name on the
-    part that owns it (`Blobs`, `Entries`, `Jobs`, `Quarantine`, `Events`, `Progress`),
+    part that owns it (`Blobs`, `Entries`, `Resolutions`, `Quarantine`, `EventIntake`,
+    `EventReader`, `ProgressIntake`),
     where its rules are documented, with the caller's principal added."""
 
     @property
@@ -86,7 +87,7 @@ class TenantCache(Protocol):
     async def dashboard(self, *, hours: float) -> dict[str, Any]: ...
     async def figures(self) -> Figures: ...
     def viewing(self) -> AbstractAsyncContextManager[None]:
-        """Held while a view is made: the caller's view budget (`service.views`)."""
+        """Held while a view is made: the caller's view budget (`service.limits.views`)."""
         ...
 
 
@@ -98,10 +99,11 @@ class Parts:
     settings: Settings
     blobs: Blobs
     entries: Entries
-    jobs: Jobs
+    resolutions: Resolutions
     quarantine: Quarantine
-    events: Events
-    progress: Progress
+    event_intake: EventIntake
+    event_reader: EventReader
+    progress: ProgressIntake
     views: Views
 
     @classmethod
@@ -110,11 +112,12 @@ class Parts:
         blobs = Blobs(settings, storage, quotas)
         entries = Entries(storage.index, blobs, quotas)
         quarantine = Quarantine(settings, storage, blobs, entries, quotas)
-        progress = Progress(storage.index, quotas, Beats(
+        progress = ProgressIntake(storage.index, quotas, Beats(
             storage.index, settings.progress_flush_s, settings.progress_buffer_entries,
             settings.progress_namespace_attempts))
-        return cls(settings, blobs, entries, Jobs(storage.index, entries, quotas), quarantine,
-                   Events(settings, storage, quotas, quarantine, progress), progress,
+        return cls(settings, blobs, entries, Resolutions(storage.index, entries, quotas),
+                   quarantine, EventIntake(storage.index, quotas),
+                   EventReader(settings, storage, quarantine, progress), progress,
                    Views(settings, storage.index, progress.cache.lane))
 
 
@@ -166,18 +169,19 @@ class BoundCache:
     async def resolve(self, key: str, *, job: str, attempt: int,
                       ttl_s: float = DEFAULT_RESOLUTION_TTL_S,
                       fallback: FallbackRule | None = None) -> Resolution:
-        return await self.parts.jobs.resolve(self.principal, key, job=job, attempt=attempt,
+        return await self.parts.resolutions.resolve(self.principal, key, job=job, attempt=attempt,
                                              ttl_s=ttl_s, fallback=fallback)
 
     async def resolution_provenance(self, done: Resolution) -> str:
-        return await self.parts.jobs.resolution_provenance(done)
+        return await self.parts.resolutions.resolution_provenance(done)
 
     async def claim(self, key: str, *, holder: str,
                     lease_s: float = DEFAULT_CLAIM_LEASE_S) -> Claim:
-        return await self.parts.jobs.claim(self.principal, key, holder=holder, lease_s=lease_s)
+        return await self.parts.resolutions.claim(self.principal, key, holder=holder,
+                                                  lease_s=lease_s)
 
     async def release_claim(self, key: str, *, holder: str) -> None:
-        await self.parts.jobs.release_claim(self.principal, key, holder=holder)
+        await self.parts.resolutions.release_claim(self.principal, key, holder=holder)
 
     async def report_blob(self, digest: str, *, kind: str, entry_key: str | None,
                           detail: str) -> dict[str, Any]:
@@ -193,7 +197,7 @@ class BoundCache:
         return await self.parts.quarantine.quarantines(self.principal, limit=limit)
 
     async def add_event(self, body: bytes) -> None:
-        await self.parts.events.add_event(self.principal, body)
+        await self.parts.event_intake.add_event(self.principal, body)
 
     async def add_progress(self, job: str, body: bytes) -> int:
         return await self.parts.progress.add_progress(self.principal, job, body)
@@ -207,16 +211,16 @@ class BoundCache:
                                                model=model)
 
     async def stats(self, *, since: float | None) -> dict[str, Any]:
-        return await self.parts.events.stats(self.principal, since=since)
+        return await self.parts.event_reader.stats(self.principal, since=since)
 
     async def jobs(self, *, limit: int) -> list[dict[str, Any]]:
-        return await self.parts.events.jobs(self.principal, limit=limit)
+        return await self.parts.event_reader.jobs(self.principal, limit=limit)
 
     async def dashboard(self, *, hours: float) -> dict[str, Any]:
-        return await self.parts.events.dashboard(self.principal, hours=hours)
+        return await self.parts.event_reader.dashboard(self.principal, hours=hours)
 
     async def figures(self) -> Figures:
-        return await self.parts.events.figures(self.principal)
+        return await self.parts.event_reader.figures(self.principal)
 
     def viewing(self) -> AbstractAsyncContextManager[None]:
         return self.parts.views.spend(self.principal)

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from megacache_server.errors import ApiError, ServiceUnavailable
-from megacache_server.service import auth, fsck
-from megacache_server.service.auth import Principal, Scope
-from megacache_server.service.collector import Collector, LocalCollector
-from megacache_server.service.eviction import GcPlan, GcResult
-from megacache_server.service.tenant import BoundCache, Parts, TenantCache
+from megacache_server.service.caching.tenant import BoundCache, Parts, TenantCache
+from megacache_server.service.housekeeping import fsck
+from megacache_server.service.housekeeping.collector import Collector, LocalCollector
+from megacache_server.service.housekeeping.eviction import GcPlan, GcResult
+from megacache_server.service.security import auth
+from megacache_server.service.security.auth import Principal, Scope
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import TokenRecord
 from megacache_server.store.storage import Storage

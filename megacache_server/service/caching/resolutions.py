@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 
 from megacache_server.errors import Conflict, NotFound, Unprocessable
-from megacache_server.service.auth import Principal
-from megacache_server.service.entries import Entries, parse_policy
-from megacache_server.service.quotas import Quotas
+from megacache_server.service.caching.entries import Entries, parse_policy
+from megacache_server.service.limits.quotas import Quotas
+from megacache_server.service.security.auth import Principal
 from megacache_server.store.index.base import (
     MAX_CLAIM_LEASE_S,
     MAX_RESOLUTION_TTL_S,
@@ -49,7 +49,7 @@ class FallbackRule:
     writers: str | None = None
 
 
-class Jobs:
+class Resolutions:
     """Resolutions of keys per job attempt, and publish claims per key."""
 
     def __init__(self, index: Index, entries: Entries, quotas: Quotas) -> None:

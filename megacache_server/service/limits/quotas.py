@@ -17,9 +17,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from megacache_server.errors import InsufficientStorage
-from megacache_server.service.auth import Principal
-from megacache_server.service.collector import Collector
-from megacache_server.service.ratelimit import Limit, admit
+from megacache_server.service.housekeeping.collector import Collector
+from megacache_server.service.limits.ratelimit import Limit, admit
+from megacache_server.service.security.auth import Principal
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import Index
 

@@ -12,12 +12,12 @@ import time
 from typing import Any
 
 from megacache_server.errors import NotFound
-from megacache_server.service import trust
-from megacache_server.service.auth import Principal
-from megacache_server.service.blobs import Blobs
-from megacache_server.service.entries import Entries
-from megacache_server.service.jobs import require_id
-from megacache_server.service.quotas import Quotas
+from megacache_server.service.caching.blobs import Blobs
+from megacache_server.service.caching.entries import Entries
+from megacache_server.service.caching.resolutions import require_id
+from megacache_server.service.limits.quotas import Quotas
+from megacache_server.service.security import trust
+from megacache_server.service.security.auth import Principal
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import QuarantineRecord, StoredEntry
 from megacache_server.store.storage import Storage

@@ -23,9 +23,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-from megacache_server.service.auth import Principal
 from megacache_server.service.ett.split_cache import Lane
-from megacache_server.service.ratelimit import Limit, admit
+from megacache_server.service.limits.ratelimit import Limit, admit
+from megacache_server.service.security.auth import Principal
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import RateStore
 

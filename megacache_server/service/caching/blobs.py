@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 from megacache_client.wire.manifest import Manifest
 from megacache_server.errors import FailedDependency, Unprocessable
-from megacache_server.service.auth import Principal
-from megacache_server.service.quotas import Quotas
+from megacache_server.service.limits.quotas import Quotas
+from megacache_server.service.security.auth import Principal
 from megacache_server.settings import Settings
 from megacache_server.store.storage import Storage
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from megacache_client.wire import headers as wire_headers
 from megacache_server.errors import Unprocessable
-from megacache_server.service.auth import Principal
+from megacache_server.service.security.auth import Principal
 from megacache_server.store.index.base import canonical
 
 VERSION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}")

@@ -24,8 +24,8 @@ import time
 from typing import Protocol
 
 from megacache_server.errors import ServiceUnavailable
-from megacache_server.service import eviction
-from megacache_server.service.eviction import GcPlan, GcResult
+from megacache_server.service.housekeeping import eviction
+from megacache_server.service.housekeeping.eviction import GcPlan, GcResult
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import Index
 from megacache_server.store.storage import Storage

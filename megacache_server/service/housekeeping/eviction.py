@@ -17,7 +17,7 @@ Rules, in order:
 `plan()` only reads, from the index's columns (never a manifest), page by page, so a
 plan over a million entries neither holds them all in memory nor stalls the event loop;
 `apply()` acts on a plan, in batches. Callers take the GC lock: `LocalCollector` in
-`megacache_server.service.collector`.
+`megacache_server.service.housekeeping.collector`.
 """
 
 from __future__ import annotations

@@ -17,18 +17,18 @@ from typing import Any
 from prometheus_client import Counter
 
 from megacache_server.errors import Conflict, NotFound
-from megacache_server.service.auth import Principal
-from megacache_server.service.collector import Collector
-from megacache_server.service.entries import EntryWrite
-from megacache_server.service.events import Figures
-from megacache_server.service.eviction import GcResult
-from megacache_server.service.jobs import (
+from megacache_server.service.caching.entries import EntryWrite
+from megacache_server.service.caching.resolutions import (
     DEFAULT_CLAIM_LEASE_S,
     DEFAULT_RESOLUTION_TTL_S,
     FallbackRule,
 )
-from megacache_server.service.provenance import ProducerClaims
-from megacache_server.service.tenant import TenantCache
+from megacache_server.service.caching.tenant import TenantCache
+from megacache_server.service.housekeeping.collector import Collector
+from megacache_server.service.housekeeping.eviction import GcResult
+from megacache_server.service.observability.events import Figures
+from megacache_server.service.security.auth import Principal
+from megacache_server.service.security.provenance import ProducerClaims
 from megacache_server.settings import Settings
 from megacache_server.store.index.base import Claim, Precondition, Resolution, StoredEntry
 
