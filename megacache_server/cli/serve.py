@@ -7,27 +7,31 @@ Prometheus directory, and picks the header-bounding HTTP protocol where it can.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 from megacache_client.wire.exitcodes import ExitCode
 from megacache_server import __version__
 from megacache_server.api import supervisor
 from megacache_server.api.logs import configure_logging
+from megacache_server.cli.runner import CommandFailed, configured, storage_problem
 from megacache_server.settings import Settings
-from megacache_server.store.storage import (
-    Storage,
-    build_storage,
-    local_paths,
-    removed_on_failure,
-)
 
 log = logging.getLogger("megacache.server")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`serve` (and the bare command): refused with CONFIG when the settings would expose
+    the cache (`Settings.exposure_problem`), before anything is opened."""
+    settings = configured(args)
+    problem = settings.exposure_problem()
+    if problem:
+        raise CommandFailed(ExitCode.CONFIG, problem)
+    return serve(settings)
 
 
 def serve(settings: Settings) -> ExitCode:
@@ -74,19 +78,6 @@ def _http_protocol() -> str:
     return "megacache_server.api.connection_guard:BoundedHttpToolsProtocol"
 
 
-async def storage_problem(settings: Settings, *, with_blobs: bool = True) -> str | None:
-    """Why the configured index or blob store cannot be used now, or None. Storage found
-    unusable leaves nothing created on disk (no empty data dir beside a dead index)."""
-    try:
-        with removed_on_failure(local_paths(settings, with_blobs=with_blobs)):
-            async with opened_storage(settings, with_blobs=with_blobs) as storage:
-                for part in (storage.blobs, storage.index) if with_blobs else (storage.index,):
-                    await part.ping()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def _metrics_dir(settings: Settings) -> Path | None:
     """Several workers share Prometheus counters through files in one directory.
 
@@ -113,15 +104,3 @@ def _metrics_dir(settings: Settings) -> Path | None:
 def _export(settings: Settings) -> None:
     """Hand the merged settings to uvicorn worker processes."""
     os.environ.update(settings.environment())
-
-
-@contextlib.asynccontextmanager
-async def opened_storage(settings: Settings, *, with_blobs: bool = True
-                         ) -> AsyncIterator[Storage]:
-    """The configured storage, opened for a maintenance command and closed after it."""
-    storage = build_storage(settings, with_blobs=with_blobs)
-    await storage.open()
-    try:
-        yield storage
-    finally:
-        await storage.close()
