@@ -31,6 +31,8 @@ from megacache_server.service.housekeeping.collector import GC_NICE
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: each command names its `cmd_*` function (`fn`), which `main`
+    calls."""
     parser = argparse.ArgumentParser(
         prog="megacache-server", epilog=EPILOG,
         description="Remote compile cache for PyTorch 2 (content-addressed Mega-Cache bundles). "
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit code (a `CommandFailed` said on stderr, not raised)."""
     args = build_parser().parse_args(argv)  # a bad command line exits 2 (USAGE) here
     try:
         return int(args.fn(args))

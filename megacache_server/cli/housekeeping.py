@@ -17,6 +17,8 @@ from megacache_server.service.security.auth import ANONYMOUS
 
 @on_storage
 async def cmd_gc(cache: Cache, args: argparse.Namespace) -> int:
+    """`gc`: a report for a person, or one JSON line for the server that runs it as a child
+    (`--json`), at a lower CPU priority when asked (`--nice`)."""
     if args.nice > 0:
         os.nice(args.nice)
     if args.json:
@@ -64,6 +66,7 @@ async def gc_json(cache: Cache) -> int:
 
 @on_storage
 async def cmd_fsck(cache: Cache, args: argparse.Namespace) -> int:
+    """`fsck`: PROBLEM (1) when index and blob store disagree, unless it repaired them."""
     report = await cache.check(repair=args.repair, verify=args.verify)
     for line in report.lines():
         print(line)
@@ -72,6 +75,7 @@ async def cmd_fsck(cache: Cache, args: argparse.Namespace) -> int:
 
 @on_storage
 async def cmd_pin(cache: Cache, args: argparse.Namespace) -> int:
+    """`pin` and `unpin` (`args.pinned`): as the operator, who sees every namespace."""
     if not is_hex64(args.key):
         raise CommandFailed(ExitCode.PROBLEM, f"no entry {args.key}")
     await cache.bound(ANONYMOUS).set_pinned(args.key, args.pinned)

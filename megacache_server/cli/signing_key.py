@@ -29,6 +29,7 @@ def cmd_key_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_key_public(args: argparse.Namespace) -> int:
+    """The public key of a private key file, to give clients again."""
     try:
         public = signer_for(args.key_file).public_key
     except (OSError, SigningError) as exc:

@@ -17,6 +17,7 @@ from megacache_server.service.security.auth import new_token, parse_duration
 
 @on_index
 async def cmd_token_create(cache: Cache, args: argparse.Namespace) -> int:
+    """The secret on stdout (for a script to take), what it may do on stderr."""
     scopes = tuple(s.strip() for s in args.scopes.split(",") if s.strip())
     try:
         lifetime = parse_duration(args.expires) if args.expires else None
@@ -33,6 +34,7 @@ async def cmd_token_create(cache: Cache, args: argparse.Namespace) -> int:
 
 @on_index
 async def cmd_token_list(cache: Cache, args: argparse.Namespace) -> int:
+    """Every token's id, name, scopes, namespace and state; never a secret."""
     now = time.time()
     rows = [(t.token_id, t.name, ",".join(t.scopes), t.namespace,
              "revoked" if t.revoked else "expired" if t.expired(now) else
@@ -52,6 +54,7 @@ def _columns(rows: Sequence[Sequence[str]]) -> None:
 
 @on_index
 async def cmd_token_revoke(cache: Cache, args: argparse.Namespace) -> int:
+    """PROBLEM when there is no such token, so a typo is not taken for a revocation."""
     if not await cache.revoke_token(args.token_id):
         raise CommandFailed(ExitCode.PROBLEM, f"no token {args.token_id}")
     print(f"revoked {args.token_id}")
