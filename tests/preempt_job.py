@@ -10,8 +10,8 @@ MODE says how it is stopped; it writes $READY once it has trained, then waits:
   as a framework's would be: it writes $MARKER and exits with code 3;
 - stuck: its main thread sits in native code (a long key derivation, which never returns
   to the interpreter early) when SIGTERM comes, as a rank waiting on a dead peer does;
-- outage: saves a checkpoint every 0.5 s (SAVES of them; $READY after the third), then
-  ends; the test takes the server down and up meanwhile.
+- outage: saves a checkpoint every 0.5 s (SAVES of them; $READY after the third; the count
+  so far in $SAVED after each), then ends; the test takes the server down and up meanwhile.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main() -> None:
             time.sleep(0.5)
             opt.step()
             megacache_client.checkpoint_saved(0.05)
+            Path(os.environ["SAVED"]).write_text(str(n))
             if n == 3:
                 ready()
         return

@@ -14,7 +14,17 @@ from helpers import ServerProcess, make_fingerprint, make_manifest, sha256
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.dashboard_shot import dump_dom, screenshot, seed
+from benchmarks.dashboard_shot import (
+    REGENERATE,
+    SHOT,
+    dump_dom,
+    recorded_digest,
+    screenshot,
+    seed,
+    shot_wanted,
+    static_digest,
+    wait_for_trend,
+)
 
 
 def ensure_chromium() -> None:
@@ -82,16 +92,25 @@ def test_metrics_add_up_across_workers(tmp_path: Path):
 
 @pytest.mark.e2e
 def test_dashboard_shows_what_the_api_says(tmp_path: Path):
+    """Also the one place the README's screenshot is taken: `python -m benchmarks
+    dashboard_shot` runs this test with MEGACACHE_DASHBOARD_SHOT set to where it goes."""
     ensure_chromium()
-    server = ServerProcess(tmp_path / "data").start()
+    shot = shot_wanted() or tmp_path / "dashboard.png"
+    server = ServerProcess(tmp_path / "data", env={"MEGACACHE_ETT_ROLL_S": "0.5"}).start()
     try:
         seed(server.url)
+        wait_for_trend(server.url)
         api = httpx.get(f"{server.url}/v1/dashboard").json()
         dom = dump_dom(server.url + "/", tmp_path / "chromium")
-        screenshot(server.url + "/", tmp_path / "dashboard.png", tmp_path / "chromium")
+        screenshot(server.url + "/", shot, tmp_path / "chromium")
     finally:
         server.stop()
     assert 'data-loaded="true"' in dom, dom[:2000]
+    assert recorded_digest(shot) == static_digest()
+    ett = api["ett"]  # the ETT tiles the README describes, filled
+    assert ett["jobs"] == 84 and ett["live"] >= 1 and ett["time_to_recover"]["n"] > 0
+    tile = re.search(r'data-testid="ett-pct"[^>]*>([^<]*)<', dom)
+    assert tile and tile.group(1) == f"{ett['ett_pct']:.1f}%", tile
 
     def shown(testid: str) -> str:
         found = re.search(rf'data-testid="{testid}"[^>]*>([^<]*)<', dom)
@@ -134,7 +153,17 @@ def test_dashboard_shows_what_the_api_says(tmp_path: Path):
                                   f"{a['seconds']:.1f} s"]
     for miss in api["top_misses"][:3]:
         assert miss["reason"].replace("'", "&#39;")[:40] in dom.replace("'", "&#39;")
-    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    assert shot.stat().st_size > 10_000
+
+
+def test_the_committed_screenshot_is_of_the_current_dashboard() -> None:
+    """The README's screenshot records the digest of the dashboard files it was taken of:
+    a changed dashboard with an old screenshot fails here, fast (no browser)."""
+    recorded = recorded_digest(SHOT)
+    assert recorded == static_digest(), (
+        f"{SHOT.relative_to(SHOT.parents[2])} was taken of other dashboard files "
+        f"(recorded {recorded}, now {static_digest()}): regenerate it with `{REGENERATE}` "
+        "(runs the browser test that takes it; needs chromium) and commit it")
 
 
 def test_json_access_log(tmp_path: Path):

@@ -140,6 +140,14 @@ def start(cache_url: str, tmp_path: Path, mode: str, job: str, **env: str
     return proc, ready
 
 
+def saves(path: Path) -> int:
+    """The checkpoints the outage job has saved so far (0 before its first count)."""
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):  # not yet written, or caught mid-write
+        return 0
+
+
 def burning(pid: int) -> bool:
     """Whether the process's main thread is running (state R), not waiting."""
     stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
@@ -211,10 +219,15 @@ def test_a_short_outage_near_the_end_loses_no_save_and_not_the_end(
     server = ServerProcess(tmp_path / "data").start()
     try:
         job = name(tmp_path, "outage")
-        proc, _ = start(server.url, tmp_path, "outage", job, SAVES="20")
-        server.stop()  # down after the third save for ~4-5 s; the job ends ~5 s later
+        saved = tmp_path / "saved"
+        proc, _ = start(server.url, tmp_path, "outage", job, SAVES="20", SAVED=str(saved))
+        server.stop()  # down after the third save
         down = time.monotonic()
-        time.sleep(2.0)
+        before = saves(saved)
+        deadline = down + 60  # the event the outage is for: saves made while it is down
+        while saves(saved) < before + 2 and proc.poll() is None:
+            assert time.monotonic() < deadline, "the job saved nothing during the outage"
+            time.sleep(0.05)
         server.start()
         up = time.monotonic()
         alive_after_the_outage = proc.poll() is None

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import re
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
+
+from megacache_client.wire.text import is_text
 
 SECRET_PARAM = re.compile(r"((?:^|[?&;])\s*(?:token|access_token)\s*=)[^&;\s\"]*",
                           re.IGNORECASE)
@@ -28,7 +30,6 @@ BEARER = re.compile(r"mc[^A-Za-z0-9]?[0-9a-f]{16}[^A-Za-z0-9]?[A-Za-z0-9_-]{20,}
 word boundary: `=mc_…` has none)."""
 MAX_DECODES = 8
 """Rounds of %-decoding: a token encoded more often than this is not a usable token."""
-CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def decoded(text: str) -> str:
@@ -47,7 +48,16 @@ def redact(text: str) -> str:
     masked = BEARER.sub("mc_…redacted", SECRET_PARAM.sub(r"\1redacted", plain))
     if masked == plain:
         return text
-    return CONTROL.sub(lambda m: f"%{ord(m.group()):02X}", masked)
+    return "".join(_escaped(ch) for ch in masked)
+
+
+def _escaped(ch: str) -> str:
+    """`ch` %-escaped (its UTF-8) when a log line must not carry it raw: a control (a decoded
+    `%0A` forges a line), and whatever else the text rule refuses (a decoded `%C2%85` or
+    `%E2%80%A8` breaks a line for readers that split on them, `%E2%80%AE` reorders it)."""
+    if " " <= ch != "\x7f" and is_text(ch):
+        return ch
+    return quote(ch, safe="", errors="surrogatepass")
 
 
 class RedactTokens(logging.Filter):
