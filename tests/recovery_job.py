@@ -82,9 +82,9 @@ def main() -> None:
             print(f"rank 0 killed after step {step}; published before the kill: "
                   f"{published(url, model_name)}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if ATTEMPT == 0 and RANK == 1:  # the next step would wait for rank 0, which died
-            if not threading.Event().wait(300):  # ended by torchrun's SIGTERM
-                raise SystemExit("attempt 0: rank 1 was never stopped")
+        # rank 1's next step would wait for rank 0, which died: torchrun's SIGTERM ends it
+        if ATTEMPT == 0 and RANK == 1 and not threading.Event().wait(300):
+            raise SystemExit("attempt 0: rank 1 was never stopped")
         time.sleep(0.05)
 
 
