@@ -8,6 +8,7 @@ server for the republish sequence.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -166,18 +167,24 @@ def test_a_republish_keeps_what_it_loaded(cache, gxx, tmp_path, precompile):
 
 # -- verified by the publisher's child-process check -------------------------------------
 
-def precompile_job(machine: Machine, gxx: GxxCounter, url: str, kind: str) -> JobRun:
-    """`tests/precompile_job.py` on `machine`, precompiled Dynamo at its default (on)."""
-    run = run_job(machine, kind, runner=[sys.executable, str(HERE / "precompile_job.py")],
+def precompile_job(machine: Machine, gxx: GxxCounter, url: str, kind: str,
+                   end: str = "exit") -> JobRun:
+    """`tests/precompile_job.py` on `machine`, precompiled Dynamo at its default (on);
+    `end="killed"`: SIGKILLed once the check's background round ended (no exit round)."""
+    run = run_job(machine, kind, end, runner=[sys.executable, str(HERE / "precompile_job.py")],
                   env={"MEGACACHE_URL": url}, gxx=gxx, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    expected = -signal.SIGKILL if end == "killed" else 0
+    assert run.returncode == expected, run.stderr[-4000:]
     return run
 
 
 def test_a_verified_entry_lets_a_new_machine_skip_tracing(cache, gxx, tmp_path):
     """The producer's child check passes: the entry names the artifact verified, and a new
-    machine's first step runs it without Dynamo tracing anything."""
-    cold = precompile_job(Machine(tmp_path / "m1"), gxx, cache.url, "plain")
+    machine's first step runs it without Dynamo tracing anything. The producer ships it in
+    the background: its settled point's round ships the rest of the compile with the
+    artifact pending, and the round the verdicts start adds it. The producer is then
+    SIGKILLed, so no exit round (which waits for the check) can have shipped it."""
+    cold = precompile_job(Machine(tmp_path / "m1"), gxx, cache.url, "plain", "killed")
     assert cold.result["published"] and cold.result["traced_graphs"] >= 1, cold.result
     assert cold.result["check_s"] > 0, cold.result  # the child really ran
     new = precompile_job(Machine(tmp_path / "m2"), gxx, cache.url, "plain")
