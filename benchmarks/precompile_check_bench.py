@@ -33,8 +33,7 @@ def one(name: str, corpus: bool) -> dict[str, object]:
     import torch
 
     from megacache_client.config import ClientConfig
-    from megacache_client.torch import env as torch_env
-    from megacache_client.torch import precompile
+    from megacache_client.torch import megacache_io, precompile
     from megacache_client.torch.precompile import verify as precompile_verify
 
     assert precompile.turn_on(ClientConfig()) == ""
@@ -52,8 +51,8 @@ def one(name: str, corpus: bool) -> dict[str, object]:
         model, make_batch, loss_fn = build(name)
         inputs, target = make_batch(0)
         loss_fn(torch.compile(model)(*inputs), target).backward()
-    saved = torch_env.save_bundle(precompile=True)
-    artifacts = torch_env.read_artifacts(saved[0]) if saved else None
+    saved = megacache_io.save_bundle(precompile=True)
+    artifacts = megacache_io.read_artifacts(saved[0]) if saved else None
     items = (artifacts or {}).get(precompile.ARTIFACT_TYPE, [])
     started = time.monotonic()
     failed = precompile_verify.verify(artifacts or {}, precompile.ARTIFACT_TYPE)

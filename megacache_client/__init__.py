@@ -32,13 +32,14 @@ if TYPE_CHECKING:
         warm_up,
     )
     from megacache_client.config import ClientConfig
-    from megacache_client.lifecycle import MegacacheError, Session
+    from megacache_client.errors import MegacacheError
+    from megacache_client.lifecycle import Session
     from megacache_client.wire.version import __version__
 
 _WHERE = {"cached": "api", "checkpoint": "api", "checkpoint_loaded": "api",
           "checkpoint_saved": "api", "disable": "api", "enable": "api", "session": "api",
           "warm_up": "api", "WarmUp": "api",
-          "ClientConfig": "config", "MegacacheError": "lifecycle", "Session": "lifecycle",
+          "ClientConfig": "config", "MegacacheError": "errors", "Session": "lifecycle",
           "__version__": "wire.version"}
 
 __all__ = ["ClientConfig", "MegacacheError", "Session", "WarmUp", "cached", "checkpoint",

@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from megacache_client.config import ClientConfig
+from megacache_client.errors import MegacacheError
 from megacache_client.ett import telemetry
 from megacache_client.ett.telemetry import checkpoint, checkpoint_loaded, checkpoint_saved
 from megacache_client.lifecycle import Session
-from megacache_client.results import MegacacheError
 from megacache_client.steps import preemption
 from megacache_client.steps.prefetch import Prefetcher
 from megacache_client.torch import hook, supported

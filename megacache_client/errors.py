@@ -1,7 +1,9 @@
-"""What can go wrong talking to the server, as exception types the session sorts into outcomes.
+"""The client's exception types: what can go wrong talking to the server, as types the
+session sorts into outcomes, and the one error a trainer may see (`MegacacheError`).
 
 `CorruptBlobError` (and its kind) mean the cache held bad bytes: the run reports `invalid`.
 Everything else that is a `TransportError` means the server could not be used: `error`.
+Neither reaches the trainer: only `MEGACACHE_MODE=required` raises, and then `MegacacheError`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ def exc_text(exc: BaseException) -> str:
     """An exception as a reason or a log line says it: its type and message, escaped
     (`wire.escape`): a network exception's message may quote what a server sent."""
     return escape(f"{type(exc).__name__}: {exc}".rstrip(": "), 1000)
+
+
+class MegacacheError(RuntimeError):
+    """Raised only in `required` mode, when the cache could not be used: the public one
+    (`megacache_client.MegacacheError`)."""
 
 
 class TransportError(Exception):

@@ -30,9 +30,10 @@ import time
 from typing import Any
 
 from megacache_client.config import ClientConfig
+from megacache_client.errors import MegacacheError
 from megacache_client.job import JobIdentity
 from megacache_client.publisher import Publisher
-from megacache_client.results import LoadResult, MegacacheError, PublishResult, Snapshot, Track
+from megacache_client.results import LoadResult, PublishResult, Snapshot, Track
 from megacache_client.steps.claims import claim_holder
 from megacache_client.steps.fetch import await_prefetch, failure_reason, fetch_blobs, find_entry
 from megacache_client.steps.fingerprint import compute as compute_fingerprint
@@ -67,7 +68,7 @@ from megacache_client.transport.nodecache import NodeCache
 from megacache_client.wire.events import Event, Outcome
 from megacache_client.wire.manifest import Fingerprint
 
-__all__ = ["LoadResult", "MegacacheError", "PublishResult", "Session", "Snapshot", "Track"]
+__all__ = ["LoadResult", "PublishResult", "Session", "Snapshot", "Track"]
 
 log = logging.getLogger("megacache")
 

@@ -21,7 +21,7 @@ from megacache_client.config import ClientConfig
 from megacache_client.results import PublishResult, Track
 from megacache_client.steps.publish import shipped, snapshot, upload
 from megacache_client.steps.settle import Settler
-from megacache_client.torch import env as torch_env
+from megacache_client.torch import megacache_io
 from megacache_client.torch.precompile import verify as precompile_verify
 from megacache_client.transport.client import Deadline, RemoteCache, breaker_for
 from megacache_client.transport.nodecache import NodeCache
@@ -135,7 +135,7 @@ class Publisher:
         send (False: a later settled point may try again)."""
         with self._round_lock:
             tracks = self.tracks()
-            recorded = torch_env.artifacts_recorded()
+            recorded = megacache_io.artifacts_recorded()
             if self._nothing_new(recorded):
                 return True
             down = self.unreachable()
@@ -204,7 +204,7 @@ class Publisher:
         if self.closed or self.settler is not None or not self.config.publish_early \
                 or not self.may_publish():
             return
-        self.settler = Settler(torch_env.artifacts_recorded, self.round,
+        self.settler = Settler(megacache_io.artifacts_recorded, self.round,
                                max_rounds=self.config.max_publishes)
         try:
             from torch.optim.optimizer import register_optimizer_step_post_hook

@@ -38,10 +38,6 @@ class Admitted:
     path: Path
 
 
-class MegacacheError(RuntimeError):
-    """Raised only in `required` mode, when the cache could not be used."""
-
-
 @dataclass
 class LoadResult:
     outcome: Outcome | None = None

@@ -34,10 +34,10 @@ MODEL, CODE = "fleet-model", "fleet-v1"
 
 BUNDLE = textwrap.dedent("""
     import sys, torch
-    from megacache_client.torch import env as torch_env
+    from megacache_client.torch import megacache_io
     scale = float(sys.argv[2])
     torch.compile(lambda x: (x * scale).sin())(torch.ones(4))
-    raw, _ = torch_env.save_bundle()
+    raw, _ = megacache_io.save_bundle()
     open(sys.argv[1], "wb").write(raw)
 """)
 
@@ -360,7 +360,7 @@ def test_a_skipped_publisher_adds_what_the_claimants_entry_lacks(server, bundles
     import torch
 
     from megacache_client.steps.fingerprint import compute
-    from megacache_client.torch import env as torch_env
+    from megacache_client.torch import megacache_io
 
     model = "fleet-follow"
     with torch._dynamo.config.patch(caching_precompile=True):  # keyed as a trainer's
@@ -369,8 +369,8 @@ def test_a_skipped_publisher_adds_what_the_claimants_entry_lacks(server, bundles
     claim = httpx.post(f"{server.url}/v1/ac/{key}/claim",
                        json={"holder": "test-claimant", "lease_s": 120})
     assert claim.status_code == 200, claim.text
-    v1, v2 = (torch_env.read_artifacts(b.read_bytes()) for b in bundles)
-    keys = [{(kind, k) for kind, ks in torch_env.keys_of(a).items() for k in ks}
+    v1, v2 = (megacache_io.read_artifacts(b.read_bytes()) for b in bundles)
+    keys = [{(kind, k) for kind, ks in megacache_io.keys_of(a).items() for k in ks}
             for a in (v1, v2)]
     assert keys[0] and keys[1] and not keys[1] <= keys[0]  # the premise: other graphs
 
@@ -393,9 +393,9 @@ def test_a_skipped_publisher_adds_what_the_claimants_entry_lacks(server, bundles
         "added to the claimant's entry what this run compiled and it lacked: " \
         f"{len(keys[1] - keys[0])} artifact(s)" in added.reason, added.reason
     entry, raw = entry_bundle(server.url, key, tmp_path / "reader")
-    merged = torch_env.read_artifacts(raw)
+    merged = megacache_io.read_artifacts(raw)
     assert merged is not None
-    held = {(kind, k) for kind, ks in torch_env.keys_of(merged).items() for k in ks}
+    held = {(kind, k) for kind, ks in megacache_io.keys_of(merged).items() for k in ks}
     assert held == keys[0] | keys[1]
     assert [b.role for b in entry.blobs] == ["megacache"]
 

@@ -21,6 +21,7 @@ from megacache_client.config import ClientConfig
 from megacache_client.lifecycle import Session
 from megacache_client.steps.shipping import build_manifest, bundle_blob, upload_blobs
 from megacache_client.torch import env as torch_env
+from megacache_client.torch import megacache_io
 from megacache_client.transport.breaker import CircuitBreaker
 from megacache_client.transport.client import RemoteCache
 from megacache_client.transport.nodecache import NodeCache
@@ -83,7 +84,7 @@ def publish(server: ServerProcess, node_dir: Path, fp: Fingerprint) -> str:
     """An entry for `fp` as a producer on that GPU would write it."""
     config = ClientConfig(url=server.url, node_cache_dir=node_dir)
     node = NodeCache(node_dir)
-    blob = bundle_blob(node, torch_env.to_bytes({}))  # a Mega-Cache torch reads
+    blob = bundle_blob(node, megacache_io.to_bytes({}))  # a Mega-Cache torch reads
     manifest = build_manifest(fp, [blob], {"inductor": 3, "autotune": 2}, 40.0)
     with RemoteCache(config, CircuitBreaker()) as remote:
         upload_blobs(remote, node, [blob])

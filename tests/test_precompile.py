@@ -35,7 +35,7 @@ PRODUCER = textwrap.dedent("""
     from collections import OrderedDict
     import torch
     from megacache_client.torch import precompile
-    from megacache_client.torch import env as torch_env
+    from megacache_client.torch import megacache_io
 
     torch._dynamo.config.caching_precompile = True
     precompile.record_installed_globals()
@@ -48,8 +48,8 @@ PRODUCER = textwrap.dedent("""
         return d
 
     torch.compile(f)(torch.ones(3))
-    raw, _ = torch_env.save_bundle()
-    artifacts = torch_env.read_artifacts(raw)
+    raw, _ = megacache_io.save_bundle()
+    artifacts = megacache_io.read_artifacts(raw)
     kept, note = precompile.for_shipping(artifacts, {})
     open(sys.argv[2], "wb").write(raw)
     print(json.dumps({"unrestorable": precompile.unrestorable(artifacts), "note": note,
@@ -61,11 +61,11 @@ CONSUMER = textwrap.dedent("""
     from collections import OrderedDict
     import torch
     from megacache_client.torch import precompile
-    from megacache_client.torch import env as torch_env
+    from megacache_client.torch import megacache_io
     from megacache_client.wire.manifest import BlobRef
 
     torch._dynamo.config.caching_precompile = True
-    artifacts = torch_env.read_artifacts(open(sys.argv[1], "rb").read())
+    artifacts = megacache_io.read_artifacts(open(sys.argv[1], "rb").read())
     # the producer's own meta checks pass: this test is about what the bytecode needs
     ref = BlobRef(digest="0" * 64, size=1, role="megacache", meta={
         precompile.META_TORCH: torch.__version__, precompile.META_PYTHON:

@@ -135,11 +135,11 @@ COLLECTIVE_JOB = """
 import json, os, sys, torch, torch.distributed as dist
 dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:%d")
 import torch.distributed._functional_collectives as funcol
-from megacache_client.torch import env as torch_env, ranks
+from megacache_client.torch import megacache_io, ranks
 def gathered(x): return funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
 def local(x): return x.relu() * 3
 torch.compile(gathered)(torch.ones(4)); torch.compile(local)(torch.ones(4))
-arts = torch_env.read_artifacts(torch.compiler.save_cache_artifacts()[0])
+arts = megacache_io.read_artifacts(torch.compiler.save_cache_artifacts()[0])
 print(json.dumps({"all": {k: len(v) for k, v in arts.items()},
                   "bound": sorted(k for k, _ in ranks.bound(arts, "0/2"))}))
 """

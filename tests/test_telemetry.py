@@ -27,7 +27,7 @@ from progress_peer import ProgressPeer, recording
 from benchmarks.harness.machines import Machine, run_job
 from megacache_client.config import ClientConfig, ConfigError
 from megacache_client.ett import sender as p
-from megacache_client.ett.sender import Progress, ProgressQueue
+from megacache_client.ett.sender import ProgressQueue, ProgressSender
 from megacache_client.job import JobIdentity, allocation_start
 from megacache_client.wire.progress import MAX_RECORDS, PhaseSpan, ProgressRecord
 
@@ -128,7 +128,7 @@ def config(url: str, tmp_path: Path, **kw: object) -> ClientConfig:
 
 def test_batches_reach_the_peer_whole_and_in_order(tmp_path: Path) -> None:
     with recording() as peer:
-        sender = Progress(config(peer.url, tmp_path), "job-1", 3, model=lambda: "mlp").start()
+        sender = ProgressSender(config(peer.url, tmp_path), "job-1", 3, model=lambda: "mlp").start()
         sender.put(p.start_record(NOW))
         sender.put_all(beat(i) for i in range(1, MAX_RECORDS + 10))
         assert sender.flush(10)
@@ -143,14 +143,14 @@ def test_batches_reach_the_peer_whole_and_in_order(tmp_path: Path) -> None:
 def test_a_refused_batch_is_dropped_and_a_server_without_the_route_stops_it(
         tmp_path: Path) -> None:
     with recording(status=422) as peer:
-        sender = Progress(config(peer.url, tmp_path), "job-1", 0).start()
+        sender = ProgressSender(config(peer.url, tmp_path), "job-1", 0).start()
         sender.put(beat(1))
         assert sender.flush(10) and sender.refused == 1 and not sender.stopped
         sender.put(beat(2))  # still sending
         assert sender.flush(10) and sender.refused == 2
         sender.stop("test")
     with recording(status=404) as peer:
-        sender = Progress(config(peer.url, tmp_path), "job-1", 0).start()
+        sender = ProgressSender(config(peer.url, tmp_path), "job-1", 0).start()
         sender.put(beat(1))
         assert sender.flush(10) and "refused progress" in sender.stopped
         sender.put(beat(2))
@@ -163,7 +163,7 @@ def test_a_server_from_before_the_causes_still_gets_the_start_and_the_end(
     batch without them: it loses the why and the where, not the first step or the end."""
     spans = [PhaseSpan(phase="distributed", at=NOW, seconds=0.5, count=2)]
     with recording(older=True) as peer:
-        sender = Progress(config(peer.url, tmp_path), "job-1", 0).start()
+        sender = ProgressSender(config(peer.url, tmp_path), "job-1", 0).start()
         sender.put_all([p.start_record(NOW), p.training_record(NOW + 1, spans),
                         p.end_record(NOW + 2, "failed", "oom", "torch.OutOfMemoryError")])
         assert sender.flush(10) and sender.refused == 0, peer.invalid
@@ -173,7 +173,7 @@ def test_a_server_from_before_the_causes_still_gets_the_start_and_the_end(
         assert "phases" not in kinds["training"] and peer.invalid  # refused once, then sent
         sender.stop("test")
     with recording() as peer:  # today's server: all of it
-        sender = Progress(config(peer.url, tmp_path), "job-1", 0).start()
+        sender = ProgressSender(config(peer.url, tmp_path), "job-1", 0).start()
         sender.put(p.end_record(NOW + 2, "failed", "oom", "torch.OutOfMemoryError"))
         assert sender.flush(10)
         (end,) = [r for r in peer.records() if r["kind"] == "end"]
@@ -190,7 +190,7 @@ def dead_url() -> str:
 
 
 def test_a_dead_server_keeps_the_records_for_later_and_blocks_no_one(tmp_path: Path) -> None:
-    sender = Progress(config(dead_url(), tmp_path), "job-1", 0, retry_s=30).start()
+    sender = ProgressSender(config(dead_url(), tmp_path), "job-1", 0, retry_s=30).start()
     began = time.monotonic()
     for i in range(100):
         sender.put(beat(i))

@@ -192,12 +192,12 @@ def test_a_bidi_control_in_a_fingerprint_value_is_refused_and_escaped_in_tables(
         bidi: str, capsys: pytest.CaptureFixture[str]) -> None:
     """#58: a right-to-left override in a fingerprint value passed the text rule and
     reached the CLI's tables raw, reordering what the row shows."""
-    from megacache_client.cli import _table
+    from megacache_client.cli.common import table
     from megacache_client.wire.manifest import Fingerprint
     from megacache_client.wire.schema import SchemaError, parse
 
     with pytest.raises(SchemaError, match="U\\+"):
         parse(Fingerprint, {"model": "m", "code": "c", "hw": {"gpu": f"A{bidi}100"}})
-    _table(["model"], [[f"gpt-{bidi}evil"]])
+    table(["model"], [[f"gpt-{bidi}evil"]])
     shown = capsys.readouterr().out
     assert bidi not in shown and "gpt-\\u" in shown, shown

@@ -1,19 +1,19 @@
 """`megacache jobs`: where each job's wall time went, why its attempts failed, where its
 starts and recoveries went, and the namespace over time (`--trend`), as tables.
 
-The server answers (`GET /v1/jobs`, `/v1/jobs/{job}/ett`, `/v1/ett/trend`); this only
-draws them (`cli/__init__.py` fetches, and hands its table printer in). Seconds are shown to a
-tenth, and under a second in milliseconds: a 0.047 s checkpoint save is `47ms`, never a
-bare `0.0`.
+The server answers (`GET /v1/jobs`, `/v1/jobs/{job}/ett`, `/v1/ett/trend`); this fetches
+and draws them. Seconds are shown to a tenth, and under a second in milliseconds: a 0.047 s
+checkpoint save is `47ms`, never a bare `0.0`.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
-Table = Callable[[Sequence[str], Sequence[Sequence[Any]]], None]
+from megacache_client.cli.common import config, remote, table
 
 SPLIT = (("training", "train"), ("data_wait", "data wait"), ("startup", "start"),
          ("compile", "compile"),
@@ -29,7 +29,25 @@ PARTS = (("allocation_wait", "alloc"), ("restart_wait", "restart"), ("imports", 
 """The components of a start or a recovery (the server's `ett_components`), short."""
 
 
-def jobs_table(found: list[dict[str, Any]], table: Table) -> None:
+def cmd_jobs(args: argparse.Namespace) -> int:
+    with remote(config(args)) as server:
+        if args.trend:
+            found: Any = server.ett_trend(days=args.days, period=args.period,
+                                          **({"model": args.model} if args.model else {}))
+        else:
+            found = server.job_ett(args.job) if args.job else server.jobs(limit=args.limit)
+    if args.json:
+        print(json.dumps(found, indent=2))
+    elif args.trend:
+        trend_tables(found)
+    elif args.job:
+        job_tables(found)
+    else:
+        jobs_table(found)
+    return 0
+
+
+def jobs_table(found: list[dict[str, Any]]) -> None:
     """The jobs that reported last: ETT%, the report's figures, failures and their causes."""
     rows = [(j["job_id"], j["ett"].get("model") or "-", tenths(j["ett"]["ett_pct"]),
              seconds(j["ett"]["wall_s"]), *(seconds(j["ett"].get(k)) for k, _ in REPORT),
@@ -39,7 +57,7 @@ def jobs_table(found: list[dict[str, Any]], table: Table) -> None:
            "causes"), rows)
 
 
-def job_tables(found: dict[str, Any], table: Table) -> None:
+def job_tables(found: dict[str, Any]) -> None:
     """One job: each attempt's split and how it ended; why the failed ones failed; where
     each start and recovery went, by component."""
     rows = [(a["attempt"], tenths(a["ett_pct"]), *split(a["seconds"]),
@@ -67,7 +85,7 @@ def job_tables(found: dict[str, Any], table: Table) -> None:
                 a["components"]["process_groups"]) for a in bars])
 
 
-def trend_tables(found: dict[str, Any], table: Table) -> None:
+def trend_tables(found: dict[str, Any]) -> None:
     """The namespace per day (or hour): ETT%, lost and recovery seconds, failures by cause,
     time to start and to recover; then the jobs that lost the most."""
     fmt = "%Y-%m-%d" if found["period"] == "day" else "%Y-%m-%d %H:00"

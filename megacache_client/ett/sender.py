@@ -1,7 +1,7 @@
 """The progress step: a job's time line (`wire.progress`), sent in the background.
 
 Rank 0 of a job attempt records facts (`ett/telemetry.py` hooks them: the start, the
-first optimizer step, heartbeats, checkpoints, the end) and `Progress.put`s them here. One
+first optimizer step, heartbeats, checkpoints, the end) and `ProgressSender.put`s them here. One
 thread, never the trainer's, sends them in batches of up to `MAX_RECORDS` through the
 client's one transport (`RemoteCache`: its deadline and retries apply; a breaker of its own,
 not the node's, which stays open 30 s). Each batch ends with a sign of life at its send time
@@ -180,7 +180,7 @@ class ProgressQueue:
 
 
 # -- the sender -----------------------------------------------------------------------------
-class Progress:
+class ProgressSender:
     """A job attempt's progress: `put` from any thread, sent by one daemon thread."""
 
     def __init__(self, config: ClientConfig, job: str, attempt: int,
@@ -219,7 +219,7 @@ class Progress:
         self._remote: RemoteCache | None = None
         """One client for the sender's life (one connection kept), a deadline per batch."""
 
-    def start(self) -> Progress:
+    def start(self) -> ProgressSender:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="megacache-progress",
                                             daemon=True)

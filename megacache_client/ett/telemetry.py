@@ -52,7 +52,7 @@ from megacache_client.ett import causes
 from megacache_client.ett import sender as records
 from megacache_client.ett.lifeline import LIFELINE_S, Lifeline
 from megacache_client.ett.phases import Phases
-from megacache_client.ett.sender import Progress
+from megacache_client.ett.sender import ProgressSender
 from megacache_client.job import JobIdentity, allocation_start
 from megacache_client.job import ended as job_ended
 from megacache_client.wire.progress import Cause, ProgressRecord, Reason
@@ -71,9 +71,9 @@ _active: Telemetry | None = None
 
 
 class Telemetry:
-    """One process's progress: counters the hooks touch, records `Progress` sends."""
+    """One process's progress: counters the hooks touch, records `ProgressSender` sends."""
 
-    def __init__(self, progress: Progress, heartbeat_s: float,
+    def __init__(self, progress: ProgressSender, heartbeat_s: float,
                  lifeline: Lifeline | None = None, phases: Phases | None = None,
                  job: JobIdentity | None = None) -> None:
         self.progress = progress
@@ -304,7 +304,7 @@ def start(config: ClientConfig, job: JobIdentity, started: float,
             return _active
         if not (config.enabled and config.telemetry) or job.job_id is None or job.rank != 0:
             return None
-        progress = Progress(config, job.job_id, job.attempt, model, armed=False)
+        progress = ProgressSender(config, job.job_id, job.attempt, model, armed=False)
         lifeline = Lifeline(config.node_cache_dir, job.job_id, job.attempt)
         telemetry = Telemetry(progress, config.heartbeat_s, lifeline,
                               Phases(started, imported), job)

@@ -32,8 +32,7 @@ from megacache_client.steps.shipping import (
     upload_and_write,
     upload_blobs,
 )
-from megacache_client.torch import env as torch_env
-from megacache_client.torch import precompile, ranks, relocate
+from megacache_client.torch import megacache_io, precompile, ranks, relocate
 from megacache_client.torch.packs import MAX_KERNEL_PACKS, PackError, pack_kind
 from megacache_client.transport.client import RemoteCache, TransportError, UntrustedWriterError
 from megacache_client.transport.nodecache import NodeCache
@@ -256,15 +255,15 @@ def _add_lacking(f: Follow, track: Track, other: str, served: ServedEntry) -> bo
         res.reason = (f"{_skip_note(other)}; the claimant's entry already has everything "
                       "this run compiled")
         return True
-    artifacts = torch_env.merged(theirs, new) if any(new.values()) else None
-    if artifacts is not None and len(torch_env.to_bytes(artifacts)) > f.config.max_raw_bytes:
+    artifacts = megacache_io.merged(theirs, new) if any(new.values()) else None
+    if artifacts is not None and len(megacache_io.to_bytes(artifacts)) > f.config.max_raw_bytes:
         res.reason = (f"{_skip_note(other)}; adding this run's graphs would take the entry's "
                       f"bundle past MEGACACHE_MAX_RAW_BYTES ({f.config.max_raw_bytes}): "
                       "not added (this rank compiles them on every new machine)")
         log.warning("megacache: %s", res.reason)
         return True
     extra = _extra_blobs(f, entry, kernels)
-    counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()} \
+    counts = {kind: len(ks) for kind, ks in megacache_io.keys_of(artifacts).items()} \
         if artifacts is not None else dict(entry.artifact_counts)
     adding = {(kind, a.key) for kind, items in new.items() for a in items}
     bundle = _merged_bundle(f.node, ref, theirs, artifacts, ranks.restricted(f.snap.meta, adding)
@@ -290,7 +289,7 @@ def _add_lacking(f: Follow, track: Track, other: str, served: ServedEntry) -> bo
     return True
 
 
-def _bundle_artifacts(f: Follow, entry: ServedEntry, ref: BlobRef) -> torch_env.Artifacts:
+def _bundle_artifacts(f: Follow, entry: ServedEntry, ref: BlobRef) -> megacache_io.Artifacts:
     """The entry's bundle as torch's artifacts: fetched into the node cache (verified
     against its digest, once per node), admitted by the gate and read as the load reads
     it (torch deserialises it: it is the claimant's code)."""
@@ -299,31 +298,32 @@ def _bundle_artifacts(f: Follow, entry: ServedEntry, ref: BlobRef) -> torch_env.
     return _artifacts_of(read_bundle(admitted, f.config.max_raw_bytes))
 
 
-def _artifacts_of(raw: bytes) -> torch_env.Artifacts:
-    artifacts = torch_env.read_artifacts(raw)
+def _artifacts_of(raw: bytes) -> megacache_io.Artifacts:
+    artifacts = megacache_io.read_artifacts(raw)
     if artifacts is None:
         raise PackError("torch could not read a Mega-Cache bundle")
     return artifacts
 
 
-def _lacking(theirs: torch_env.Artifacts, ours: torch_env.Artifacts) -> torch_env.Artifacts:
+def _lacking(theirs: megacache_io.Artifacts, ours: megacache_io.Artifacts
+             ) -> megacache_io.Artifacts:
     """Our artifacts the entry's bundle lacks (compared by type and key), when some are
     compiled graphs: a rank that compiled the same graphs as the entry's producer (data
     parallel) adds nothing, not even its own automatic-dynamic profile or Dynamo output.
     Our precompiled Dynamo entries join only a bundle without any (two processes numbered
     theirs and ours, and their ids could clash in one bundle)."""
-    have = {(kind, k) for kind, ks in torch_env.keys_of(theirs).items() for k in ks}
+    have = {(kind, k) for kind, ks in megacache_io.keys_of(theirs).items() for k in ks}
     new = {kind: [a for a in items if (kind, a.key) not in have]
            for kind, items in ours.items()}
     if not ranks.graphs_in((kind, a.key) for kind, items in new.items() for a in items):
         return {}  # riders alone (`ranks.RIDERS`): nothing worth an upload
     if theirs.get(precompile.ARTIFACT_TYPE):
-        new = torch_env.without(new, precompile.ARTIFACT_TYPE)
+        new = megacache_io.without(new, precompile.ARTIFACT_TYPE)
     return new
 
 
-def _merged_bundle(node: NodeCache, ref: BlobRef, theirs: torch_env.Artifacts,
-                   artifacts: torch_env.Artifacts, ours: dict[str, str]) -> BlobRef:
+def _merged_bundle(node: NodeCache, ref: BlobRef, theirs: megacache_io.Artifacts,
+                   artifacts: megacache_io.Artifacts, ours: dict[str, str]) -> BlobRef:
     """The merged artifacts as a bundle blob; its precompile meta is the claimant's when
     the precompiled entries are theirs (`_lacking`), else ours (`ours`: our snapshot's,
     whose refusals it keeps)."""
@@ -334,7 +334,7 @@ def _merged_bundle(node: NodeCache, ref: BlobRef, theirs: torch_env.Artifacts,
     bindings, _ = ranks.render(ranks.merged(ref.meta, ours))  # ours: only what we add
     if bindings:
         meta[ranks.META] = bindings
-    return bundle_blob(node, torch_env.to_bytes(artifacts), meta)
+    return bundle_blob(node, megacache_io.to_bytes(artifacts), meta)
 
 
 def _kernel_roles(entry: Manifest) -> list[str]:

@@ -23,7 +23,7 @@ from megacache_client.errors import blamed_on
 from megacache_client.results import LoadResult
 from megacache_client.steps.prefetched import Prefetching, PrefetchResult
 from megacache_client.torch import env as torch_env
-from megacache_client.torch import precompile, ranks, relocate, vec_isa
+from megacache_client.torch import megacache_io, precompile, ranks, relocate, vec_isa
 from megacache_client.torch.packs import (
     PackError,
     decompress_bytes,
@@ -147,13 +147,13 @@ def load_bundle(bundle: Admitted, result: LoadResult, cap: int,
         with blamed_on("decompress", ref.digest, entry.key):
             ready = read_bundle(bundle, cap)
     with blamed_on("load", None, entry.key):  # every blob verified: the entry is at fault
-        artifacts = _torch_loads(torch_env.read_artifacts, ready)
+        artifacts = _torch_loads(megacache_io.read_artifacts, ready)
         if artifacts is None:
             raise PackError("torch refused the bundle (load_cache_artifacts returned None)")
         result.withheld = ranks.withheld(artifacts, ref.meta, ranks.position())
         artifacts = ranks.less(artifacts, result.withheld)
         artifacts, result.precompile = precompile.for_loading(artifacts, result.outcome, ref)
-        keys = _torch_loads(torch_env.populate, artifacts)
+        keys = _torch_loads(megacache_io.populate, artifacts)
     if keys.get(precompile.ARTIFACT_TYPE):
         precompile.reserve_ids(ref)
     if result.precompile:

@@ -19,7 +19,7 @@ from megacache_client.results import Snapshot, Track
 from megacache_client.steps import claims, shipping
 from megacache_client.steps.load import KERNEL_SUFFIXES, read_bundle
 from megacache_client.torch import env as torch_env
-from megacache_client.torch import precompile, ranks, relocate
+from megacache_client.torch import megacache_io, precompile, ranks, relocate
 from megacache_client.transport.client import RemoteCache
 from megacache_client.transport.nodecache import NodeCache
 from megacache_client.wire.manifest import BlobRef
@@ -42,13 +42,13 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
     compare by path-free identity: a consumer whose torch is elsewhere holds the entry's
     kernels under other names, and must not publish them back as new (thrash).
     """
-    saved = torch_env.save_bundle(precompile=precompile_keys is not None)
+    saved = megacache_io.save_bundle(precompile=precompile_keys is not None)
     if saved is None:
         for track in tracks:
             track.publish.reason = "torch recorded no cache artifacts"
         return None, ""
     raw, keys = saved
-    artifacts: torch_env.Artifacts | None = None
+    artifacts: megacache_io.Artifacts | None = None
     note = ""
     refused: frozenset[str] = frozenset()
     refused_at: float | None = None
@@ -73,7 +73,7 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
             refused_before=precompile.refused_by(metas),
             wait=wait_verify, on_verdicts=on_verdicts)
         note = note or unverified
-        keys = torch_env.keys_of(artifacts)
+        keys = megacache_io.keys_of(artifacts)
     kernels = shipping.find_files(torch_env.inductor_cache_dir(), KERNEL_SUFFIXES,
                                   exclude=("triton", "locks"))
     ids = relocate.recorder().ids_for(kernels)
@@ -87,14 +87,14 @@ def snapshot(precompile_keys: dict[str, list[str]] | None, tracks: Sequence[Trac
         artifacts, note = _shippable(raw, precompile_keys)
         note = note if theirs is None else note or "another rank's precompiled Dynamo kept"
     if theirs is not None:
-        artifacts = torch_env.without(artifacts, precompile.ARTIFACT_TYPE)
+        artifacts = megacache_io.without(artifacts, precompile.ARTIFACT_TYPE)
     loaded = _loaded_artifacts(tracks, node, cap)
     artifacts, bindings = _bind_to_rank(ranks.less(artifacts, withheld), loaded, tracks)
-    artifacts = torch_env.merged(loaded, artifacts)
-    counts = {kind: len(ks) for kind, ks in torch_env.keys_of(artifacts).items()}
+    artifacts = megacache_io.merged(loaded, artifacts)
+    counts = {kind: len(ks) for kind, ks in megacache_io.keys_of(artifacts).items()}
     meta = precompile.producer_meta(artifacts, refused, refused_at) if theirs is None \
         else theirs
-    return Snapshot(torch_env.to_bytes(artifacts), counts, kernels,
+    return Snapshot(megacache_io.to_bytes(artifacts), counts, kernels,
                     torch_env.compile_seconds(), lacking, new_keys, kernel_ids,
                     {**meta, **({ranks.META: bindings} if bindings else {})}), note
 
@@ -110,8 +110,8 @@ def _withheld_precompile_meta(tracks: Sequence[Track]) -> dict[str, str] | None:
     return None
 
 
-def _bind_to_rank(ours: torch_env.Artifacts, loaded: torch_env.Artifacts,
-                  tracks: Sequence[Track]) -> tuple[torch_env.Artifacts, str]:
+def _bind_to_rank(ours: megacache_io.Artifacts, loaded: megacache_io.Artifacts,
+                  tracks: Sequence[Track]) -> tuple[megacache_io.Artifacts, str]:
     """Our artifacts less those whose rank binding does not fit the bundle's meta, and the
     bindings of the bundle to write: the loaded bundles' (other ranks' stay theirs) and
     ours at this rank's position (`ranks.bound`: only what this process compiled)."""
@@ -132,10 +132,10 @@ def _bind_to_rank(ours: torch_env.Artifacts, loaded: torch_env.Artifacts,
 
 
 def _shippable(raw: bytes, precompile_keys: dict[str, list[str]] | None
-               ) -> tuple[torch_env.Artifacts, str]:
+               ) -> tuple[megacache_io.Artifacts, str]:
     """torch's Mega-Cache bytes as artifacts to ship, and why its precompiled Dynamo output
     is not among them ("" when it is)."""
-    artifacts = torch_env.read_artifacts(raw)
+    artifacts = megacache_io.read_artifacts(raw)
     if artifacts is None:
         raise ValueError("torch could not read its own Mega-Cache bytes")
     return precompile.for_shipping(artifacts, precompile_keys or {})
@@ -151,7 +151,7 @@ def shipped(snap: Snapshot, done: Sequence[Track]) -> None:
 
 
 def _loaded_artifacts(tracks: Sequence[Track], node: NodeCache, cap: int
-                      ) -> torch_env.Artifacts:
+                      ) -> megacache_io.Artifacts:
     """What this process loaded from exact hits, read again from the node cache.
 
     torch's save holds only what this process recorded, and a graph served by a
@@ -159,7 +159,7 @@ def _loaded_artifacts(tracks: Sequence[Track], node: NodeCache, cap: int
     a republish built from the save alone would drop every graph the run loaded but did
     not compile. Fallback entries are left out: they are another code version's.
     """
-    out: torch_env.Artifacts = {}
+    out: megacache_io.Artifacts = {}
     seen: set[str] = set()
     for track in tracks:
         bundle = track.load.bundle
@@ -169,9 +169,9 @@ def _loaded_artifacts(tracks: Sequence[Track], node: NodeCache, cap: int
         seen.add(ref.digest)
         if not NodeCache.was_verified(bundle.path, ref.digest, ref.size):
             continue  # changed on disk since it was admitted
-        artifacts = torch_env.read_artifacts(read_bundle(bundle, cap)) or {}
+        artifacts = megacache_io.read_artifacts(read_bundle(bundle, cap)) or {}
         kept = _loaded_with(tracks, ref) | {k for t in tracks for k in t.load.withheld}
-        out = torch_env.merged(out, ranks.only(artifacts, kept))
+        out = megacache_io.merged(out, ranks.only(artifacts, kept))
     return out
 
 

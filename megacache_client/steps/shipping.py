@@ -29,7 +29,7 @@ from megacache_client.torch.packs import (
     read_index,
     write_pack,
 )
-from megacache_client.transport.client import Progress, RemoteCache
+from megacache_client.transport.client import ByteProgress, RemoteCache
 from megacache_client.transport.nodecache import NodeCache
 from megacache_client.wire.manifest import BlobRef, Fingerprint, Manifest, sha256_file, sha256_hex
 from megacache_client.wire.text import as_text
@@ -165,7 +165,7 @@ def build_manifest(fp: Fingerprint, blobs: list[BlobRef], counts: dict[str, int]
 
 
 def upload_blobs(remote: RemoteCache, node: NodeCache, blobs: list[BlobRef],
-                 progress: Progress | None = None) -> int:
+                 progress: ByteProgress | None = None) -> int:
     """Upload the blobs the server lacks (HEAD before PUT); returns the bytes sent."""
     sent = 0
     for blob in blobs:

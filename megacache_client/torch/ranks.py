@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from megacache_client.job import JobIdentity
-from megacache_client.torch import env as torch_env
+from megacache_client.torch import megacache_io
 
 META = "rank_bound"
 MAX_META = 4096
@@ -56,7 +56,7 @@ def position(job: JobIdentity | None = None) -> str:
     return f"{job.rank}/{job.world_size}"
 
 
-def bound(artifacts: torch_env.Artifacts, where: str) -> set[Key]:
+def bound(artifacts: megacache_io.Artifacts, where: str) -> set[Key]:
     """The artifacts of this process that only its own position may load."""
     alone = where.endswith("/1")
     out: set[Key] = set()
@@ -104,7 +104,7 @@ def render(bindings: Mapping[str, Iterable[str]]) -> tuple[str, set[str]]:
     return ";".join(parts), left
 
 
-def withheld(artifacts: torch_env.Artifacts, meta: Mapping[str, str], where: str) -> set[Key]:
+def withheld(artifacts: megacache_io.Artifacts, meta: Mapping[str, str], where: str) -> set[Key]:
     """The artifacts of a bundle bound to any position other than `where` (a key bound to
     two positions is withheld too: a bundle holds one artifact per key, whichever rank's
     it is)."""
@@ -134,13 +134,13 @@ def merged(*metas: Mapping[str, str], ours: Iterable[Key] = (), where: str = ""
     return out
 
 
-def only(artifacts: torch_env.Artifacts, keys: set[Key]) -> torch_env.Artifacts:
+def only(artifacts: megacache_io.Artifacts, keys: set[Key]) -> megacache_io.Artifacts:
     """The artifacts of `keys`."""
     return {kind: [a for a in items if (kind, a.key) in keys] for kind, items in
             artifacts.items()}
 
 
-def less(artifacts: torch_env.Artifacts, keys: set[Key]) -> torch_env.Artifacts:
+def less(artifacts: megacache_io.Artifacts, keys: set[Key]) -> megacache_io.Artifacts:
     """The artifacts not of `keys`."""
     return {kind: [a for a in items if (kind, a.key) not in keys] for kind, items in
             artifacts.items()}

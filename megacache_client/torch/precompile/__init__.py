@@ -40,6 +40,7 @@ from typing import Any
 
 from megacache_client.config import ClientConfig
 from megacache_client.torch import env as torch_env
+from megacache_client.torch import megacache_io
 from megacache_client.torch.precompile import store as dynamo_store
 from megacache_client.torch.precompile.patches import (
     _INSTALLED,
@@ -150,7 +151,7 @@ def quiet_dropped_guards() -> None:
         guards.addFilter(_DroppedGuards())
 
 
-def unrestorable(artifacts: torch_env.Artifacts) -> dict[str, list[str]]:
+def unrestorable(artifacts: megacache_io.Artifacts) -> dict[str, list[str]]:
     """The precompile artifacts a fresh process could not run: key -> the globals their
     bytecode loads that nothing would put in place there.
 
@@ -178,8 +179,8 @@ def unrestorable(artifacts: torch_env.Artifacts) -> dict[str, list[str]]:
     return bad
 
 
-def for_loading(artifacts: torch_env.Artifacts, outcome: str | None, bundle: BlobRef
-                ) -> tuple[torch_env.Artifacts, str]:
+def for_loading(artifacts: megacache_io.Artifacts, outcome: str | None, bundle: BlobRef
+                ) -> tuple[megacache_io.Artifacts, str]:
     """The artifacts this run may hand to torch, and why any precompiled ones were left out.
 
     All of them are left out where `refusal` says so; otherwise each entry the producer did
@@ -192,26 +193,26 @@ def for_loading(artifacts: torch_env.Artifacts, outcome: str | None, bundle: Blo
         return artifacts, ""
     refused = refusal(outcome, bundle)
     if refused:
-        return torch_env.without(artifacts, ARTIFACT_TYPE), \
+        return megacache_io.without(artifacts, ARTIFACT_TYPE), \
             f"precompiled Dynamo output not loaded: {refused}"
     verified = set(bundle.meta.get(META_VERIFIED, "").split(","))
     unverified = {a.key for a in artifacts[ARTIFACT_TYPE] if a.key not in verified}
     note = ""
     if unverified:
-        artifacts = torch_env.without(artifacts, ARTIFACT_TYPE, unverified)
+        artifacts = megacache_io.without(artifacts, ARTIFACT_TYPE, unverified)
         n = len(unverified)
         note = (f"{n} precompiled Dynamo entr{'y' if n == 1 else 'ies'} not loaded: not "
                 "verified by the producer (traced here instead)")
     bad = unrestorable(artifacts)
     if not bad:
         return artifacts, note
-    return torch_env.without(artifacts, ARTIFACT_TYPE, set(bad)), "; ".join(filter(None, (
+    return megacache_io.without(artifacts, ARTIFACT_TYPE, set(bad)), "; ".join(filter(None, (
         note, f"{len(bad)} precompiled Dynamo entr{'y' if len(bad) == 1 else 'ies'} not "
         f"loaded: {_names(bad)} would not be defined here")))
 
 
-def for_shipping(artifacts: torch_env.Artifacts, compiled: dict[str, list[str]]
-                 ) -> tuple[torch_env.Artifacts, str]:
+def for_shipping(artifacts: megacache_io.Artifacts, compiled: dict[str, list[str]]
+                 ) -> tuple[megacache_io.Artifacts, str]:
     """The artifacts this process may publish, and why any precompiled ones were left out:
     all of them when compiled callables share a precompile key (`shared_key`), and each
     entry a new machine could not run (`unrestorable`)."""
@@ -219,19 +220,19 @@ def for_shipping(artifacts: torch_env.Artifacts, compiled: dict[str, list[str]]
         return artifacts, ""
     shared = shared_key(compiled)
     if shared:
-        return torch_env.without(artifacts, ARTIFACT_TYPE), shared
+        return megacache_io.without(artifacts, ARTIFACT_TYPE), shared
     bad = unrestorable(artifacts)
     if not bad:
         return artifacts, ""
-    return torch_env.without(artifacts, ARTIFACT_TYPE, set(bad)), (
+    return megacache_io.without(artifacts, ARTIFACT_TYPE, set(bad)), (
         f"{len(bad)} precompiled Dynamo entr{'y' if len(bad) == 1 else 'ies'} not shipped: "
         f"{_names(bad)} would not be defined on a new machine")
 
 
-def verified_for_shipping(artifacts: torch_env.Artifacts, loaded: set[str], *,
+def verified_for_shipping(artifacts: megacache_io.Artifacts, loaded: set[str], *,
                           refused_before: frozenset[str] = frozenset(), wait: bool = True,
                           on_verdicts: Callable[[], None] | None = None
-                          ) -> tuple[torch_env.Artifacts, str, frozenset[str]]:
+                          ) -> tuple[megacache_io.Artifacts, str, frozenset[str]]:
     """The artifacts this process may publish now that its own precompile artifacts were
     put to the child-process check (`verify.py`), why any failed ("" = none), and
     the keys refused on the artifact itself (for the bundle's `META_REFUSED`).
@@ -259,7 +260,7 @@ def verified_for_shipping(artifacts: torch_env.Artifacts, loaded: set[str], *,
     left_out = set(failed) | pending
     if not left_out:
         return artifacts, "", refused
-    kept = torch_env.without(artifacts, ARTIFACT_TYPE, left_out)
+    kept = megacache_io.without(artifacts, ARTIFACT_TYPE, left_out)
     if not failed:
         return kept, "", refused
     n = len(failed)
@@ -379,7 +380,7 @@ def shared_key(compiled: dict[str, list[str]]) -> str:
     return ""
 
 
-def producer_meta(artifacts: torch_env.Artifacts, refused: Iterable[str] = (),
+def producer_meta(artifacts: megacache_io.Artifacts, refused: Iterable[str] = (),
                   refused_at: float | None = None) -> dict[str, str]:
     """What the bundle blob records about its precompile artifacts, for consumers to check.
     Every precompile artifact a bundle holds is a verified one (`verified_for_shipping`

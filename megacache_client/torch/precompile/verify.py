@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from megacache_client.torch import env as torch_env
+from megacache_client.torch import megacache_io
 from megacache_client.torch.precompile.patches import CAPTURED
 
 log = logging.getLogger("megacache")
@@ -79,13 +80,13 @@ def under_way() -> bool:
         return bool(_CHECKS)
 
 
-def verify(artifacts: torch_env.Artifacts, kind: str) -> dict[str, str]:
+def verify(artifacts: megacache_io.Artifacts, kind: str) -> dict[str, str]:
     """Each artifact of type `kind` that failed the check: key -> why, waiting for the
     checks (the benchmark's and the exit's way)."""
     return check(artifacts, kind, wait=True).failed
 
 
-def check(artifacts: torch_env.Artifacts, kind: str, *, wait: bool,
+def check(artifacts: megacache_io.Artifacts, kind: str, *, wait: bool,
           on_verdicts: Callable[[], None] | None = None) -> Verdicts:
     """Verdicts on the artifacts of type `kind`. Those without a verdict nor a check under
     way are checked together in one child process, in a thread of its own; a child that
