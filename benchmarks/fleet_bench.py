@@ -37,7 +37,7 @@ over all ranks; for the cold fleet, bundle uploads (ranks that sent bytes, and P
 /v1/cas answered 201 by the servers).
 
     python -m benchmarks fleet_bench --nodes 8,32,128 --ranks 2 --write-results
-    python -m benchmarks fleet_bench --quick     # N = 4, 8: checks the script works
+    python -m benchmarks fleet_bench --quick     # N = 2, 4: checks the script works
 """
 
 from __future__ import annotations
@@ -660,7 +660,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-nodes", type=int, default=1,
                    help="nodes that import torch and load the bundle into it (the others "
                         "stop at the placed files)")
-    p.add_argument("--quick", action="store_true", help="N = 4, 8: checks the script works")
+    p.add_argument("--quick", action="store_true", help="N = 2, 4: checks the script works")
     p.add_argument("--out", type=Path, default=RESULTS / "fleet_bench.json")
     p.add_argument("--write-results", action="store_true",
                    help="also write benchmarks/RESULTS.md's fleet section")
@@ -668,7 +668,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--node", type=Path, help=argparse.SUPPRESS)  # a node process's spec
     args = p.parse_args(argv)
     if args.quick:
-        args.nodes = [4, 8]
+        args.nodes = [2, 4]
     return args
 
 

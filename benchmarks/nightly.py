@@ -5,9 +5,10 @@
 
 pyproject.toml's addopts deselect `-m nightly` from every plain pytest run, so these tests
 run only when asked: today the corpus of tests/test_corpus.py on new machines with
-precompiled Dynamo off for the four models CI runs with it on only. It is a test tier,
-not a measurement: the exit status is pytest's, the record is pytest's own report. Run
-from the repository's root in the venv of the Quick start (about 25 min on 2 cores).
+precompiled Dynamo off for the four models CI runs with it on only, and the chaos run of
+tests/test_chaos.py with 100 stops (CI runs 10). It is a test tier, not a measurement: the
+exit status is pytest's, the record is pytest's own report. Run from the repository's root
+in the venv of the Quick start (about 70 min on 2 cores).
 """
 
 from __future__ import annotations
