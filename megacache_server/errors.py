@@ -7,9 +7,13 @@ statuses and codes is one file.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
+
+from megacache_client.wire.schema import SchemaError, parse_json
+
+T = TypeVar("T")
 
 
 class ErrorDetail(BaseModel):
@@ -112,6 +116,16 @@ class RangeNotSatisfiable(ApiError):
 
 class Unprocessable(ApiError):
     status, code = 422, "unprocessable"
+
+    @classmethod
+    def parsed(cls, model: type[T], body: bytes, what: str, code: str) -> T:
+        """`body` as `model` (the wire contract's strict JSON), or this error naming `what`
+        and carrying the schema's findings: what every intake of a client's body says."""
+        try:
+            return parse_json(model, body)
+        except SchemaError as exc:
+            raise cls(f"{what} does not match the schema", code=code,
+                      errors=exc.errors) from None
 
 
 class FailedDependency(ApiError):

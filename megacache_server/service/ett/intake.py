@@ -19,7 +19,6 @@ from anyio import to_thread
 
 from megacache_client.wire.events import JOB_ID_PATTERN
 from megacache_client.wire.progress import MAX_AGE_S, MAX_SKEW_S, ProgressBatch
-from megacache_client.wire.schema import SchemaError, parse_json
 from megacache_server.errors import NotFound, Unprocessable
 from megacache_server.service.ett import report as ett_report
 from megacache_server.service.ett import split as ett
@@ -54,11 +53,7 @@ class ProgressIntake:
         """Record a batch for `job` in the caller's namespace; how many records it held."""
         _check_job(job)
         await self.quotas.admit_progress(principal)
-        try:
-            batch = parse_json(ProgressBatch, body)
-        except SchemaError as exc:
-            raise Unprocessable("progress does not match the schema", code="invalid_progress",
-                                errors=exc.errors) from None
+        batch = Unprocessable.parsed(ProgressBatch, body, "progress", "invalid_progress")
         now = time.time()
         for i, record in enumerate(batch.records):
             for name in ("at", "allocation_start"):

@@ -12,7 +12,6 @@ from typing import Any
 from anyio import to_thread
 
 from megacache_client.wire.events import Event
-from megacache_client.wire.schema import SchemaError, parse_json
 from megacache_server.errors import Unprocessable
 from megacache_server.service.ett import report as ett_report
 from megacache_server.service.ett.intake import ProgressIntake
@@ -65,11 +64,7 @@ class EventIntake:
     async def add_event(self, principal: Principal, body: bytes) -> None:
         """Record one run in the caller's namespace."""
         await self.quotas.admit_event(principal)
-        try:
-            event = parse_json(Event, body)
-        except SchemaError as exc:
-            raise Unprocessable("event does not match the schema", code="invalid_event",
-                                errors=exc.errors) from None
+        event = Unprocessable.parsed(Event, body, "event", "invalid_event")
         await self.index.add_event(principal.home, event)
 
 
