@@ -110,3 +110,24 @@ def test_parse_head_frames_http_and_resp():
     assert parse_head("resp", b"$10", 200) is None
     with pytest.raises(ProtocolError, match="not a bulk string"):
         parse_head("resp", b"-ERR nope\r\n", 200)
+
+
+def test_the_gxx_counter_is_invisible_to_the_compiler_it_counts(tmp_path: Path):
+    """Torch keys its ISA probe libraries by `g++ -v`, which names how the driver was run:
+    a counted process must see what an uncounted one sees, or a counted restart rebuilds
+    the probes an uncounted cold start published (and the count is of our making)."""
+    from benchmarks.harness.machines import GxxCounter, clean_env
+
+    counter = GxxCounter(tmp_path / "bin dir")
+    log = tmp_path / "gxx.log"
+    plain = subprocess.run(["g++", "-v"], capture_output=True, text=True, env=clean_env())
+    counted = subprocess.run(["g++", "-v"], capture_output=True, text=True,
+                             env=clean_env() | counter.env(log))
+    assert counted.returncode == plain.returncode == 0
+    assert counted.stderr == plain.stderr
+    source = tmp_path / "probe.cpp"
+    source.write_text("extern \"C\" int probe() { return 1; }\n")
+    built = subprocess.run(["g++", "-shared", "-fPIC", "-o", str(tmp_path / "probe.so"),
+                            str(source)], env=clean_env() | counter.env(log))
+    assert built.returncode == 0 and (tmp_path / "probe.so").is_file()
+    assert GxxCounter.builds(log) == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -44,23 +45,25 @@ class GxxCounter:
     """A `g++` first on PATH that logs each call to a per-job file, then runs the real one.
 
     `gcc` is wrapped the same way (same log) where there is one: on a GPU, Triton builds
-    the C launcher of each kernel signature with it (CPU jobs never call it)."""
+    the C launcher of each kernel signature with it (CPU jobs never call it).
+
+    The wrapper must be invisible to what it counts: it runs the real compiler by its own
+    name on PATH without the wrapper's dir, as an unwrapped call would. Torch keys its ISA
+    probe libraries by `g++ -v`, whose `COLLECT_GCC=` line is the name the driver was run
+    by: a wrapper that ran `/usr/bin/g++` gave counted processes other probe keys than
+    uncounted ones, so a counted restart rebuilt the probes an uncounted cold start had
+    published (the chaos run's "11 g++ builds on a fresh node")."""
 
     def __init__(self, bin_dir: Path) -> None:
-        real = shutil.which("g++")
-        if real is None:
+        if shutil.which("g++") is None:
             raise RuntimeError("g++ not found: Inductor's CPU backend needs it")
         self.bin_dir = bin_dir
         bin_dir.mkdir(parents=True, exist_ok=True)
-        for name, path in (("g++", real), ("gcc", shutil.which("gcc"))):
-            if path is None:
+        for name in ("g++", "gcc"):
+            if shutil.which(name) is None:
                 continue
             wrapper = bin_dir / name
-            wrapper.write_text(
-                "#!/bin/sh\n"
-                'case "$*" in *--version*|*-dumpversion*) ;; '
-                '*) [ -n "$GXX_LOG" ] && echo "$*" >> "$GXX_LOG";; esac\n'
-                f'exec "{path}" "$@"\n')
+            wrapper.write_text(wrapper_script(name, bin_dir))
             wrapper.chmod(0o755)
 
     def env(self, log: Path) -> dict[str, str]:
@@ -71,6 +74,20 @@ class GxxCounter:
     def builds(log: Path) -> int:
         calls = log.read_text().splitlines() if log.exists() else []
         return sum(1 for call in calls if BUILD_OUTPUT.search(call))
+
+
+def wrapper_script(name: str, bin_dir: Path) -> str:
+    """A shell script that logs its call to $GXX_LOG (not `--version` asks) and then runs
+    `name` from PATH less `bin_dir`, so the compiler sees the argv[0] and PATH an unwrapped
+    call gives it."""
+    return ("#!/bin/sh\n"
+            'case "$*" in *--version*|*-dumpversion*) ;; '
+            '*) [ -n "$GXX_LOG" ] && echo "$*" >> "$GXX_LOG";; esac\n'
+            f"ours={shlex.quote(str(bin_dir))}\n"
+            'set -f; saved_ifs=$IFS; IFS=:; rest=""\n'
+            'for dir in $PATH; do [ "$dir" = "$ours" ] || rest="${rest:+$rest:}$dir"; done\n'
+            'IFS=$saved_ifs; PATH=$rest; export PATH; set +f\n'
+            f'exec {name} "$@"\n')
 
 
 FIND_PTXAS = """
