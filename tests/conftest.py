@@ -3,6 +3,7 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import itertools
+import json
 import os
 import shutil
 import socket
@@ -309,3 +310,21 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         yield
     finally:
         _watch(item.config, IDLE_LIMIT_S)
+
+
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+"""Seconds each test file took in a CI-like run (the per-file sums of `--junitxml`): the
+order the workers take files in. Stale figures cost only balance, never a result."""
+UNKNOWN_FILE_S = 5.0
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering within a file
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first (`--dist loadfile` hands out whole files, in this order with
+    `--no-loadscope-reorder`): pytest-xdist's own order, most tests first, started the
+    chaos run's four tests (6 min) last, and a run waited on one worker for its tail. A
+    sort that keeps each file's tests in their order; files outside the record go after
+    those above UNKNOWN_FILE_S, by name."""
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
+    items.sort(key=lambda item: (-float(seconds.get(item.path.name, UNKNOWN_FILE_S)),
+                                 item.path.name))

@@ -3,7 +3,8 @@
 A default is a promise to every trainer, so the models here are ones nobody on this
 project wrote (`transformers` architectures from tiny configs, benchmarks/harness/corpus_job.py),
 run the way a user runs them: an unmodified script, `torch.compile(model)`, and only
-`MEGACACHE_*` variables set (the autoload hook does the rest). For each model one cold
+`MEGACACHE_*` variables set (the autoload hook does the rest; gpt2's with no
+`MEGACACHE_MODEL`: the client names its entry after the model's class). For each model one cold
 machine compiles with precompiled Dynamo on and publishes; then two new machines start
 from that entry side by side, one with precompiled Dynamo on (the exact entry, Dynamo's
 output included) and one with it off (the default: the same model's entry, Inductor and
@@ -54,11 +55,22 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     assert "Traceback" not in proc.log(), proc.log()
 
 
+NAMED_BY_THE_CLIENT = {"gpt2": "GPT2LMHeadModel"}
+"""Models run without MEGACACHE_MODEL: the client names the entry after the compiled
+module's class (the zero-code default a user gets with only MEGACACHE_URL set)."""
+
+
+def model_name(name: str) -> str:
+    """The entry's model name the corpus job `name` publishes under."""
+    return NAMED_BY_THE_CLIENT.get(name, f"corpus-{name}")
+
+
 def train(machine: Machine, gxx: GxxCounter, url: str, name: str, precompile: str) -> JobRun:
     """The unmodified script on `machine`; megacache only through the environment."""
-    env = {"MEGACACHE_URL": url, "MEGACACHE_MODEL": f"corpus-{name}",
-           "MEGACACHE_PRECOMPILE": precompile, "HF_HUB_OFFLINE": "1",
+    env = {"MEGACACHE_URL": url, "MEGACACHE_PRECOMPILE": precompile, "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1"}
+    if name not in NAMED_BY_THE_CLIENT:
+        env["MEGACACHE_MODEL"] = model_name(name)
     return run_job(machine, str(JOB), name, STEPS, env=env, gxx=gxx,
                    runner=[sys.executable], timeout=900)
 
@@ -87,6 +99,7 @@ def check_new_machines(cache: ServerProcess, gxx: GxxCounter, tmp_path: Path, na
     cold = train(Machine(tmp_path / "cold"), gxx, cache.url, name, "1")
     assert cold.returncode == 0, cold.stderr[-4000:]
     assert cold.gxx_builds and cold.gxx_builds > 0  # it really compiled
+    assert outcomes(cache, name) == {"miss": 1}
 
     with ThreadPoolExecutor(2) as pool:
         runs = dict(zip(modes, pool.map(
@@ -97,7 +110,14 @@ def check_new_machines(cache: ServerProcess, gxx: GxxCounter, tmp_path: Path, na
         assert run.returncode == 0, f"{where} crashed:\n{run.stderr[-4000:]}"
         assert run.result["losses"] == cold.result["losses"], where
         assert run.gxx_builds == 0, f"{where}: {run.gxx_builds} g++ builds"
+        if precompile == "1":  # the producer's setting: torch compiled nothing again
+            assert run.result["fxgraph_miss"] == run.result["aot_miss"] == 0, (where,
+                                                                               run.result)
         assert run.warnings() == [], f"{where}: {run.warnings()}"
+    # the server counted each start: precompiled Dynamo on is the producer's key (a hit),
+    # off is another key of the same model (a fallback to the producer's entry)
+    want = {"miss": 1, "hit": modes.count("1"), "fallback": modes.count("0")}
+    assert outcomes(cache, name) == {k: v for k, v in want.items() if v}
     if "0" in runs:
         assert runs["0"].result["precompile_hit"] == 0
     if "1" in runs:
@@ -136,7 +156,14 @@ def test_precompile_off_nightly(cache, gxx, tmp_path, name):
     check_new_machines(cache, gxx, tmp_path, name, ("0",))
 
 
+def outcomes(cache: ServerProcess, name: str) -> dict[str, int]:
+    """The server's count of each lookup outcome of the model's jobs (zeros left out)."""
+    models = {m["model"]: m for m in httpx.get(cache.url + "/v1/stats").json()["models"]}
+    counts = models.get(model_name(name), {}).get("outcomes", {})
+    return {k: v for k, v in counts.items() if v}
+
+
 def entries(cache: ServerProcess, name: str) -> list[dict]:
-    listing = httpx.get(cache.url + "/v1/ac", params={"model": f"corpus-{name}"})
+    listing = httpx.get(cache.url + "/v1/ac", params={"model": model_name(name)})
     listing.raise_for_status()
     return list(listing.json()["entries"])

@@ -155,3 +155,24 @@ def test_a_hang_the_timeout_cannot_break_ends_with_every_threads_stack(tmp_path:
     assert took < 60, f"the watchdog did not end the hang ({took:.0f} s)"
     assert "Timeout" in run.stderr and "test_stuck_where_no_alarm_reaches" in run.stderr, \
         run.stderr[-2000:]
+
+
+def test_the_workers_take_the_longest_files_first():
+    """The record of each file's seconds names files that exist, and the collection (what
+    `--dist loadfile` hands out, in order, with `--no-loadscope-reorder`) starts with the
+    file it says is longest and keeps each file's tests together."""
+    import json
+    import subprocess
+    import sys
+
+    seconds = json.loads((TESTS / "file_seconds.json").read_text())
+    assert seconds and all((TESTS / name).is_file() for name in seconds), \
+        [name for name in seconds if not (TESTS / name).is_file()]
+    assert "--no-loadscope-reorder" in (ROOT / "pyproject.toml").read_text()
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
+    files = [line.split("::")[0].rsplit("/", 1)[-1] for line in listed.splitlines()
+             if "::" in line]
+    runs = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
+    assert runs[0] == max(seconds, key=seconds.get)
+    assert len(runs) == len(set(runs)), "a file's tests are split"
