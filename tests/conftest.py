@@ -280,7 +280,12 @@ def _watch(config: pytest.Config, seconds: float) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     """Keep a copy of the real stderr for the watchdog (pytest captures fd 2 during a test;
     a dump written there would go with the process). In CI the controller of the run is
-    watched as a whole: a stuck run ends with its stacks printed, not at CI's limit."""
+    watched as a whole: a stuck run ends with its stacks printed, not at CI's limit.
+    pytest-xdist hands out files in the collection's order (`pytest_collection_modifyitems`
+    below), not its own (most tests first); set here, not in addopts, so that a run without
+    xdist (the dependency floors' venv) still parses its options."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     config.stash[_WATCHDOG_OUT] = os.fdopen(os.dup(2), "w")
     if os.environ.get("CI", "").lower() == "true" and not hasattr(config, "workerinput"):
         _watch(config, CI_RUN_LIMIT_S)
@@ -320,11 +325,11 @@ UNKNOWN_FILE_S = 5.0
 
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering within a file
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first (`--dist loadfile` hands out whole files, in this order with
-    `--no-loadscope-reorder`): pytest-xdist's own order, most tests first, started the
-    chaos run's four tests (6 min) last, and a run waited on one worker for its tail. A
-    sort that keeps each file's tests in their order; files outside the record go after
-    those above UNKNOWN_FILE_S, by name."""
+    """The longest files first (`--dist loadfile` hands out whole files, in this order:
+    `pytest_configure` turns xdist's reorder off): pytest-xdist's own order, most tests
+    first, started the chaos run's four tests (6 min) last, and a run waited on one worker
+    for its tail. A sort that keeps each file's tests in their order; files outside the
+    record go after those above UNKNOWN_FILE_S, by name."""
     seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
     items.sort(key=lambda item: (-float(seconds.get(item.path.name, UNKNOWN_FILE_S)),
                                  item.path.name))

@@ -157,10 +157,11 @@ def test_a_hang_the_timeout_cannot_break_ends_with_every_threads_stack(tmp_path:
         run.stderr[-2000:]
 
 
-def test_the_workers_take_the_longest_files_first():
+def test_the_workers_take_the_longest_files_first(pytestconfig: pytest.Config):
     """The record of each file's seconds names files that exist, and the collection (what
-    `--dist loadfile` hands out, in order, with `--no-loadscope-reorder`) starts with the
-    file it says is longest and keeps each file's tests together."""
+    `--dist loadfile` hands out, in order, with xdist's reorder off: conftest's
+    `pytest_configure`) starts with the file it says is longest and keeps each file's tests
+    together; xdist's own reorder is off."""
     import json
     import subprocess
     import sys
@@ -168,7 +169,6 @@ def test_the_workers_take_the_longest_files_first():
     seconds = json.loads((TESTS / "file_seconds.json").read_text())
     assert seconds and all((TESTS / name).is_file() for name in seconds), \
         [name for name in seconds if not (TESTS / name).is_file()]
-    assert "--no-loadscope-reorder" in (ROOT / "pyproject.toml").read_text()
     listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
     files = [line.split("::")[0].rsplit("/", 1)[-1] for line in listed.splitlines()
@@ -176,3 +176,4 @@ def test_the_workers_take_the_longest_files_first():
     runs = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
     assert runs[0] == max(seconds, key=seconds.get)
     assert len(runs) == len(set(runs)), "a file's tests are split"
+    assert getattr(pytestconfig.option, "loadscopereorder", False) is False
