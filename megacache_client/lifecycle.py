@@ -89,6 +89,8 @@ class Session:
                                LoadResult())
         self.node = NodeCache(config.node_cache_dir, config.lock_timeout_s)
         self._closed = False
+        self._retired = False
+        """Another session took this one's place: it neither publishes nor reports."""
         self._warned = False
         self._report_lock = threading.Lock()
         self._sent: list[Event] | None = None
@@ -343,7 +345,7 @@ class Session:
     def retire(self) -> None:
         """Stop without publishing or reporting: another session took this one's place."""
         with self._lock:
-            self._closed = self.publisher.closed = True
+            self._closed = self.publisher.closed = self._retired = True
         self.publisher.stop_settling()
 
     def close(self) -> Event | None:
@@ -361,12 +363,18 @@ class Session:
     def preempted(self, deadline: float) -> None:
         """SIGTERM (`steps/preemption.py`): by `deadline` (monotonic), finish the publish
         under way, or run one if a compile has finished and not shipped, and report the
-        start if it has not gone out; what is not done by then is left."""
-        if self._closed or not self.config.enabled:
+        start if it has not gone out; what is not done by then is left.
+
+        The exit may be under way (`close`): a rank whose collective failed when a peer
+        died raises, and its launcher's SIGTERM comes while the exit publishes. Handing the
+        signal on at once would end that round; so it runs (or is started, when the exit
+        has not got to it yet) and is waited for by the same deadline."""
+        if self._retired or not self.config.enabled:
             return
         if self.clock.first_step_end is not None or self.clock.forward_end is not None:
-            threading.Thread(target=self.report_start, name="megacache-report",
-                             daemon=True).start()
+            if not self._closed:  # the exit reports the start itself
+                threading.Thread(target=self.report_start, name="megacache-report",
+                                 daemon=True).start()
             self.publish()  # after the round under way, if any: only what it lacks
         self.publisher.join(max(0.0, deadline - time.monotonic()), warn=False)
 

@@ -56,7 +56,9 @@ class Publisher:
         self._thread: threading.Thread | None = None
         self._round_lock = threading.Lock()
         """One round at a time (a settled point's, the exit's, SIGTERM's)."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        """Reentrant: SIGTERM's handler may start a round on the main thread while that
+        thread is in `start_round` (the exit's)."""
         self._rounds = 0
         self._settled_at: int | None = None
         """How many artifacts torch had recorded when a round last left no track lacking

@@ -10,6 +10,9 @@ MODE says how it is stopped; it writes $READY once it has trained, then waits:
   as a framework's would be: it writes $MARKER and exits with code 3;
 - stuck: its main thread sits in native code (a long key derivation, which never returns
   to the interpreter early) when SIGTERM comes, as a rank waiting on a dead peer does;
+- crash: trains a compiled model one step, then raises, as a rank does whose collective
+  failed when a peer died; its exit's publish round waits 2 s before it uploads and writes
+  $READY at that point: the launcher's SIGTERM comes while the exit publishes;
 - outage: saves a checkpoint every 0.5 s (SAVES of them; $READY after the third; the count
   so far in $SAVED after each), then ends; the test takes the server down and up meanwhile.
 """
@@ -44,15 +47,33 @@ def ready() -> None:
     READY.write_text(str(time.time()))
 
 
+def slow_exit_upload() -> None:
+    """The exit's upload, held 2 s (the only round: the job stops before a settled point)."""
+    from megacache_client import publisher
+
+    upload = publisher.upload
+
+    def held(*args: object, **kwargs: object) -> object:
+        ready()
+        time.sleep(2.0)
+        return upload(*args, **kwargs)  # type: ignore[arg-type]
+
+    publisher.upload = held  # type: ignore[assignment]
+
+
 def main() -> None:
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    run = torch.compile(model) if os.environ.get("COMPILE") == "1" else model
+    run = torch.compile(model) if os.environ.get("COMPILE") == "1" or MODE == "crash" \
+        else model
     for _ in range(3):
         run(torch.randn(4, 8)).sum().backward()
         opt.step()
         if MODE == "default" and os.environ.get("COMPILE") == "1":
             break  # ready right after the first step
+        if MODE == "crash":
+            slow_exit_upload()
+            raise RuntimeError("Connection closed by peer (a peer rank died)")
     if MODE == "outage":
         for n in range(1, int(os.environ["SAVES"]) + 1):
             time.sleep(0.5)

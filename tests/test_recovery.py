@@ -7,7 +7,8 @@ default settings, against a real server.
   What it finds is what the SIGTERM torchrun sent rank 1 published (`steps/preemption.py`).
   The killed attempt reported its start.
 - SIGTERM: with Python's default action the process still ends by SIGTERM, within the grace,
-  having finished its publish and sent the attempt's end; a trainer's own handler still runs
+  having finished its publish and sent the attempt's end, also when the signal comes while
+  the exit publishes (a rank that raised as its peer died); a trainer's own handler still runs
   (ours hands the signal on); a main thread stuck in native code still ends promptly.
 - A short outage near the end loses no save and not the end.
 """
@@ -186,6 +187,21 @@ def test_sigterm_finishes_the_publish_sends_the_end_and_ends_the_process(
     assert attempt["ended"] == "failed" and attempt["failed"], attempt
     assert (attempt["cause"], attempt["cause_detail"]) == ("preempted", "SIGTERM"), attempt
     assert abs(attempt["end"] - sent) < 1.5, (attempt["end"], sent)
+
+
+def test_sigterm_during_the_exit_s_publish_lets_it_finish(cache: ServerProcess,
+                                                          tmp_path: Path) -> None:
+    """A rank whose collective failed when a peer died raises; its exit publishes, and the
+    launcher's SIGTERM (sent as it saw the peer die) comes meanwhile: the handler waits for
+    that round within the grace, where handing the signal on at once would end it."""
+    job, model = name(tmp_path, "crash"), name(tmp_path, "crash-model")
+    proc, _ = start(cache.url, tmp_path, "crash", job, MEGACACHE_MODEL=model)
+    _, took = terminate(proc)
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, stderr[-3000:])
+    assert took < GRACE_S + 3, (took, stderr[-3000:])
+    entries = httpx.get(f"{cache.url}/v1/ac", params={"model": model}, timeout=10).json()
+    assert entries["entries"], f"the exit's publish was cut short: {stderr[-3000:]}"
 
 
 def test_sigterm_goes_on_to_the_trainer_s_own_handler(cache: ServerProcess,
