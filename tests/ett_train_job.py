@@ -25,6 +25,9 @@ import torch  # noqa: E402  (the client is enabled right after this import)
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch import nn  # noqa: E402
 
+BALLAST = 8_000_000
+"""float32 elements saved and restored with the model (32 MB)."""
+
 
 def main() -> None:
     steps, every = int(os.environ["STEPS"]), int(os.environ["CKPT_EVERY"])
@@ -38,6 +41,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     pending: Future[Any] | None = None
+    ballast = torch.zeros(BALLAST)
     for step in range(1, steps + 1):
         loss = model(torch.randn(32, 256)).pow(2).mean()
         loss.backward()
@@ -51,7 +55,7 @@ def main() -> None:
             raise RuntimeError(f"simulated failure at step {step}")
         if step % every:
             continue
-        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "ballast": ballast}
         at, began = time.time(), time.monotonic()
         if mode == "async":
             if pending is not None:
