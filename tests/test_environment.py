@@ -177,3 +177,23 @@ def test_the_workers_take_the_longest_files_first(pytestconfig: pytest.Config):
     assert runs[0] == max(seconds, key=seconds.get)
     assert len(runs) == len(set(runs)), "a file's tests are split"
     assert getattr(pytestconfig.option, "loadscopereorder", False) is False
+
+
+def test_the_file_seconds_record_is_refreshed_from_a_run_s_junit(tmp_path: Path) -> None:
+    """`tests/file_seconds.py` (the refresh CONTRIBUTING names) sums each file's testcases,
+    classes and parametrised cases included, and writes JSON conftest can read."""
+    import json
+
+    from file_seconds import file_seconds, render
+
+    junit = tmp_path / "run.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_a" name="t1" time="1.4"/>'
+        '<testcase classname="tests.test_a.TestX" name="t2[x]" time="2.4"/>'
+        '<testcase classname="tests.test_b" name="t3" time="9.0"/>'
+        '<testcase classname="" name="collect error" time="3"/>'
+        '</testsuite></testsuites>')
+    seconds = file_seconds(junit)
+    assert list(seconds.items()) == [("test_b.py", 9), ("test_a.py", 4)]
+    assert json.loads(render(seconds)) == seconds
