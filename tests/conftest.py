@@ -3,7 +3,6 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import itertools
-import json
 import os
 import shutil
 import socket
@@ -15,6 +14,7 @@ from typing import NoReturn, TextIO, TypeVar
 
 import httpx
 import pytest
+from file_seconds import recorded  # the file order's record, read and refreshed
 from helpers import ServerProcess
 
 from benchmarks.harness.servers import LocalRedis, LocalSeaweedS3, leftover_groups
@@ -317,19 +317,16 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _watch(item.config, IDLE_LIMIT_S)
 
 
-FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
-"""Seconds each test file took in a CI-like run (the per-file sums of `--junitxml`): the
-order the workers take files in. Stale figures cost only balance, never a result."""
 UNKNOWN_FILE_S = 5.0
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering within a file
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first (`--dist loadfile` hands out whole files, in this order:
-    `pytest_configure` turns xdist's reorder off): pytest-xdist's own order, most tests
-    first, started the chaos run's four tests (6 min) last, and a run waited on one worker
-    for its tail. A sort that keeps each file's tests in their order; files outside the
-    record go after those above UNKNOWN_FILE_S, by name."""
-    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
+    """The longest files first, by `tests/file_seconds.json` (`--dist loadfile` hands out
+    whole files, in this order: `pytest_configure` turns xdist's reorder off):
+    pytest-xdist's own order, most tests first, started the chaos run's four tests (6 min)
+    last, and a run waited on one worker for its tail. A sort that keeps each file's tests
+    in their order; files outside the record go after those above UNKNOWN_FILE_S, by name."""
+    seconds = recorded()
     items.sort(key=lambda item: (-float(seconds.get(item.path.name, UNKNOWN_FILE_S)),
                                  item.path.name))

@@ -17,6 +17,13 @@ from collections import defaultdict
 from pathlib import Path
 
 RECORD = Path(__file__).with_name("file_seconds.json")
+"""Seconds each test file took in a CI-like run (the per-file sums of `--junitxml`): the
+order the workers take files in. Stale figures cost only balance, never a result."""
+
+
+def recorded() -> dict[str, float]:
+    """The record as conftest sorts by it ({} when there is none)."""
+    return json.loads(RECORD.read_text()) if RECORD.is_file() else {}
 
 
 def file_seconds(junit: Path) -> dict[str, int]:
