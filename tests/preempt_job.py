@@ -13,6 +13,9 @@ MODE says how it is stopped; it writes $READY once it has trained, then waits:
 - crash: trains a compiled model one step, then raises, as a rank does whose collective
   failed when a peer died; its exit's publish round waits 2 s before it uploads and writes
   $READY at that point: the launcher's SIGTERM comes while the exit publishes;
+- raise: trains one step (eager), then raises the same way; the POST that carries the
+  attempt's end is held 1.5 s and writes $READY as it starts: the launcher's SIGTERM comes
+  while the end is on its way;
 - outage: saves a checkpoint every 0.5 s (SAVES of them; $READY after the third; the count
   so far in $SAVED after each), then ends; the test takes the server down and up meanwhile.
 """
@@ -61,6 +64,21 @@ def slow_exit_upload() -> None:
     publisher.upload = held  # type: ignore[assignment]
 
 
+def slow_end() -> None:
+    """The POST carrying the attempt's end, held 1.5 s ($READY as it starts)."""
+    from megacache_client.ett.sender import ProgressSender
+
+    post = ProgressSender._post
+
+    def held(self: ProgressSender, batch: object) -> str:
+        if any(r.kind == "end" for r in batch.records):  # type: ignore[attr-defined]
+            ready()
+            time.sleep(1.5)
+        return post(self, batch)  # type: ignore[arg-type]
+
+    ProgressSender._post = held  # type: ignore[method-assign]
+
+
 def main() -> None:
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -71,6 +89,9 @@ def main() -> None:
         opt.step()
         if MODE == "default" and os.environ.get("COMPILE") == "1":
             break  # ready right after the first step
+        if MODE == "raise":
+            slow_end()
+            raise RuntimeError("Connection closed by peer (a peer rank died)")
         if MODE == "crash":
             slow_exit_upload()
             raise RuntimeError("Connection closed by peer (a peer rank died)")

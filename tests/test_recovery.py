@@ -8,7 +8,8 @@ default settings, against a real server.
   The killed attempt reported its start.
 - SIGTERM: with Python's default action the process still ends by SIGTERM, within the grace,
   having finished its publish and sent the attempt's end, also when the signal comes while
-  the exit publishes (a rank that raised as its peer died); a trainer's own handler still runs
+  the exit publishes (a rank that raised as its peer died) or while the exception's end is
+  sent; a trainer's own handler still runs
   (ours hands the signal on); a main thread stuck in native code still ends promptly.
 - A short outage near the end loses no save and not the end.
 """
@@ -202,6 +203,23 @@ def test_sigterm_during_the_exit_s_publish_lets_it_finish(cache: ServerProcess,
     assert took < GRACE_S + 3, (took, stderr[-3000:])
     entries = httpx.get(f"{cache.url}/v1/ac", params={"model": model}, timeout=10).json()
     assert entries["entries"], f"the exit's publish was cut short: {stderr[-3000:]}"
+
+
+def test_sigterm_while_the_end_is_sent_lets_it_arrive(cache: ServerProcess,
+                                                      tmp_path: Path) -> None:
+    """The same rank, its exception's end on its way when the SIGTERM comes: the handler
+    waits for it (bounded), where handing the signal on at once would lose it, and the
+    failure would be dated by the last heartbeat (the ETT of a killed torchrun job's rank)."""
+    job = name(tmp_path, "raise")
+    proc, _ = start(cache.url, tmp_path, "raise", job)
+    raised = time.time()
+    _, took = terminate(proc)
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert proc.returncode == -signal.SIGTERM and took < GRACE_S + 3, (proc.returncode,
+                                                                      stderr[-3000:])
+    (attempt,) = ett_of(cache.url, job)["attempts"]
+    assert attempt["ended"] == "failed", (attempt, stderr[-3000:])
+    assert attempt["cause"] == "exception" and abs(attempt["end"] - raised) < 1.5, attempt
 
 
 def test_sigterm_goes_on_to_the_trainer_s_own_handler(cache: ServerProcess,

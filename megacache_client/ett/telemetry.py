@@ -267,10 +267,17 @@ class Telemetry:
 
     def preempted(self, deadline: float, ending: bool) -> None:
         """SIGTERM: a sign of life now (the attempt's `end`, failed, when the signal is about
-        to end the process), sent within a second or by `deadline`."""
+        to end the process), sent within a second or by `deadline`.
+
+        The end may be on its way already: a rank whose collective failed as a peer died
+        raises, and its launcher's SIGTERM comes while the exception's end is sent. Handing
+        the signal on at once would lose that end (the failure then dated by the last
+        heartbeat, up to 30 s early), so it gets the rest of its own flush's time."""
         wait = max(0.0, min(deadline - time.monotonic(), EXIT_FLUSH_S / 2))
         self.sigterm_at = time.time()
-        if ending:
+        if self.ended is not None and self.progress.armed:
+            self.progress.flush(max(0.0, min(deadline - time.monotonic(), EXIT_FLUSH_S)))
+        elif ending:
             self.end("failed", wait, cause="preempted", detail="SIGTERM")
         elif self.ended is None and self.progress.armed:
             self.emit(self.alive, time.time())
