@@ -232,7 +232,7 @@ def client(server: ServerProcess) -> Iterator[httpx.Client]:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """No server, Redis or SeaweedFS process a test started may outlive the suite. Under
-    pytest-xdist (`-n 3`) each worker checks its own processes and tells the controller,
+    pytest-xdist (`-n 2`) each worker checks its own processes and tells the controller,
     whose exit status is the run's."""
     if session.testsfailed == 0:
         shutil.rmtree(SCRATCH, ignore_errors=True)
