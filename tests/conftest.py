@@ -31,6 +31,23 @@ passing run leaves nothing in the temp dir (pytest's own tmp_path dirs go by its
 policy, pyproject.toml)."""
 os.environ["TMPDIR"] = str(SCRATCH)
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(SCRATCH / "torchinductor"))
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+"""Inductor compiles in the compiling process, here and in every job a test starts
+(`benchmarks.harness.machines.clean_env` passes it on): its default worker pool starts
+processes that import torch in every cold compile, ~7 of a tiny model's ~21 s of CPU on
+these 2 cores (measured: a two-layer MLP, 21.2 s against 14.0 s), which the suite's
+compiles, many and side by side, pay in wall time. Torch's cache keys leave the setting out
+(`compile_threads` is in `_cache_config_ignore_prefix`) and so does the fingerprint. The
+modules that run jobs as a user does (the corpus, machine A/B, the demo) keep torch's pool:
+`torch_s_own_compile_threads`."""
+
+
+@pytest.fixture(scope="module")
+def torch_s_own_compile_threads() -> Iterator[None]:
+    """The module's jobs compile with Inductor's default worker pool, as a user's do."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+        yield
 
 
 def environment_missing(what: str, why: object) -> NoReturn:

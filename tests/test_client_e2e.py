@@ -24,7 +24,7 @@ from helpers import ServerProcess, free_port
 
 from benchmarks.harness.machines import TRAIN_JOB, GxxCounter, JobRun, Machine, clean_env, run_job
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("torch_s_own_compile_threads")]
 
 need("torch", "the client end-to-end tests run real torch.compile")
 

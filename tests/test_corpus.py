@@ -34,7 +34,7 @@ from benchmarks.harness.machines import GxxCounter, JobRun, Machine, run_job
 HERE = Path(__file__).resolve().parent
 JOB = CORPUS_JOB
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("torch_s_own_compile_threads")]
 
 need("torch", "the corpus runs real torch.compile")
 need("transformers", "the corpus is transformers models")

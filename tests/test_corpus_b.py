@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from test_corpus import GROUP_B, cache, check_new_machines, ci_modes, gxx  # noqa: F401
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("torch_s_own_compile_threads")]
 
 
 @pytest.mark.parametrize("name", GROUP_B)

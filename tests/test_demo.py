@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import need
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("torch_s_own_compile_threads")]
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -174,10 +174,15 @@ class JobRun:
         return [ln for ln in self.stderr.splitlines() if ln.startswith("megacache:")]
 
 
+KEPT = ("TORCHINDUCTOR_COMPILE_THREADS",)
+"""Torch settings a job still takes from this process: how many processes compile is the
+host's choice (tests/conftest.py sets 1), not a cache location."""
+
+
 def clean_env() -> dict[str, str]:
     """This process's environment without megacache settings or torch cache locations."""
     drop = ("MEGACACHE_", "TORCHINDUCTOR_", "TRITON_CACHE_DIR", "TORCH_COMPILE_JOB_ID")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    return {k: v for k, v in os.environ.items() if k in KEPT or not k.startswith(drop)}
 
 
 def run_job(machine: Machine, *args: str, env: dict[str, str] | None = None,
