@@ -89,11 +89,8 @@ def main() -> None:
         opt.step()
         if MODE == "default" and os.environ.get("COMPILE") == "1":
             break  # ready right after the first step
-        if MODE == "raise":
-            slow_end()
-            raise RuntimeError("Connection closed by peer (a peer rank died)")
-        if MODE == "crash":
-            slow_exit_upload()
+        if MODE in ("crash", "raise"):
+            (slow_exit_upload if MODE == "crash" else slow_end)()
             raise RuntimeError("Connection closed by peer (a peer rank died)")
     if MODE == "outage":
         for n in range(1, int(os.environ["SAVES"]) + 1):
