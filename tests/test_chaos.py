@@ -19,8 +19,8 @@ point) pairs: any 25 stops in a row cover every pair once; a CI run's 6 are the 
 (each kind and each point once, a fresh node for each setting); `CHAOS_START=<n>` enters the
 cycle elsewhere (entered at 8 it once found the g++ counter changing torch's probe keys:
 `tests/test_benchlib.py`, docs/precompiled-dynamo.md). Inductor compiles in the trainer's
-process (`TORCHINDUCTOR_COMPILE_THREADS=1`: no worker pool to start in each of ~20
-processes).
+process, as in all the suite's jobs (`tests/conftest.py`: no worker pool to start in each
+of ~20 processes).
 """
 
 from __future__ import annotations
@@ -64,8 +64,7 @@ class Ended:
 
 def run(machine: Machine, env: dict[str, str], gxx: GxxCounter | None = None,
         timeout: float = 300) -> Ended:
-    full = clean_env() | machine.env() | {"OMP_NUM_THREADS": "1",
-                                          "TORCHINDUCTOR_COMPILE_THREADS": "1"} | env
+    full = clean_env() | machine.env() | {"OMP_NUM_THREADS": "1"} | env
     log = machine.root / f"gxx-{time.monotonic_ns()}.log"
     if gxx is not None:
         full |= gxx.env(log)
