@@ -1,7 +1,7 @@
 """The nightly tier: the slow extra proofs CI leaves out (`pytest -m nightly`).
 
     python -m benchmarks nightly            # every nightly test
-    python -m benchmarks nightly -k gpt2    # pytest's own options pass through
+    python -m benchmarks nightly -k llama   # pytest's own options pass through
 
 pyproject.toml's addopts deselect `-m nightly` from every plain pytest run, so these tests
 run only when asked: today the corpus of tests/test_corpus.py on new machines with
