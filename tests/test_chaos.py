@@ -104,6 +104,17 @@ def plan(stops: int, seed: int, start: int = 0) -> list[tuple[str, str, float]]:
             for j in ((start + i) % 25 for i in range(stops))]
 
 
+CI_STOPS = 5
+"""The rounds of a CI run (`CHAOS_STOPS` unset): the first five of the cycle."""
+
+
+def round_setting(i: int) -> tuple[str, str]:
+    """(MEGACACHE_PRECOMPILE, COMPILE_STYLE) of round `i`: they alternate, and the two
+    settings are two entries, so two cold starts."""
+    precompile = "1" if i % 2 == 0 else "0"
+    return precompile, "method" if precompile == "1" else "function"
+
+
 def on_a_fresh_node(i: int) -> bool:
     """Round `i` restarts on a fresh node too: rounds 2 and 3 of every five, one of each
     precompile setting (they alternate), each after that setting's first round."""
@@ -175,10 +186,27 @@ def test_entries_torch_left_in_its_own_dynamo_cache_are_ignored_with_one_warning
     assert DROPPED not in ours.stderr and DROPPED in alone.stderr  # torch's noise: out
 
 
+def test_the_ci_run_stops_each_way_at_each_point_and_restarts_each_setting_fresh() -> None:
+    """The CI run's rounds hold each kind of stop once and each point once, and restart
+    each setting on a fresh node after that setting's first round (its entry complete,
+    so that restart must compile nothing)."""
+    rounds = plan(CI_STOPS, seed=0)
+    assert sorted(kind for kind, _, _ in rounds) == sorted(KINDS)
+    assert sorted(point for _, point, _ in rounds) == sorted(POINTS)
+    first: dict[tuple[str, str], int] = {}
+    checked_fresh = set()
+    for i in range(CI_STOPS):
+        setting = round_setting(i)
+        first.setdefault(setting, i)
+        if on_a_fresh_node(i) and i > first[setting]:
+            checked_fresh.add(setting)
+    assert checked_fresh == {("1", "method"), ("0", "function")}, checked_fresh
+
+
 @pytest.mark.timeout(2400)
 def test_any_stop_leaves_the_node_safe_and_the_restart_warm(
         server: ServerProcess, tmp_path: Path) -> None:
-    chaos(server, tmp_path, int(os.environ.get("CHAOS_STOPS", "5")),
+    chaos(server, tmp_path, int(os.environ.get("CHAOS_STOPS", str(CI_STOPS))),
           int(os.environ.get("CHAOS_START", "0")))
 
 
@@ -202,8 +230,7 @@ def chaos(server: ServerProcess, tmp_path: Path, stops: int, start: int = 0) -> 
     """Settings whose entry a restart has completed (its later restarts compile nothing)."""
     tally: dict[str, int] = {}
     for i, (kind, point, delay) in enumerate(plan(stops, seed, start)):
-        precompile = "1" if i % 2 == 0 else "0"
-        style = "method" if precompile == "1" else "function"  # two settings: two cold starts
+        precompile, style = round_setting(i)
         setting = f"p{precompile}-{style}"
         node = Machine(tmp_path / f"node-{setting}")
         env = {"MEGACACHE_URL": server.url, "MEGACACHE_MODEL": f"chaos-{seed}-{setting}",
