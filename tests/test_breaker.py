@@ -68,10 +68,12 @@ def test_a_trainer_whose_server_is_down_builds_nothing_to_publish(tmp_path: Path
     from benchmarks.harness.machines import Machine, run_job
 
     need("torch", "the trainer compiles a real model")
-    run = run_job(Machine(tmp_path / "node"), "--model", "mlp", "--steps", "3",
-                  "--megacache", "env",
-                  env={"MEGACACHE_URL": f"http://127.0.0.1:{free_port()}",
-                       "MEGACACHE_MODEL": "down", "OMP_NUM_THREADS": "1"}, timeout=600)
+    with socket.socket() as held:  # bound, never listening: it refuses, and no server of
+        held.bind(("127.0.0.1", 0))  # another worker can take the port (a free_port() did)
+        run = run_job(Machine(tmp_path / "node"), "--model", "mlp", "--steps", "3",
+                      "--megacache", "env",
+                      env={"MEGACACHE_URL": f"http://127.0.0.1:{held.getsockname()[1]}",
+                           "MEGACACHE_MODEL": "down", "OMP_NUM_THREADS": "1"}, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.mc["outcome"] == "error", run.mc
     assert run.mc["publish_reason"].startswith("cache server unreachable: nothing built"), \
