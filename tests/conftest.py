@@ -15,8 +15,10 @@ from typing import NoReturn, TextIO, TypeVar
 import httpx
 import pytest
 from file_seconds import recorded  # the file order's record, read and refreshed
+from filelock import FileLock
 from helpers import ServerProcess
 
+from benchmarks.harness.machines import build_toolchain
 from benchmarks.harness.servers import LocalRedis, LocalSeaweedS3, leftover_groups
 from megacache_server.store.index.base import Index
 from megacache_server.store.index.sqlite import SqliteIndex
@@ -135,6 +137,21 @@ def module_temp_removed(request: pytest.FixtureRequest,
         if path.is_dir() and not path.is_symlink() \
                 and path.name.rstrip("0123456789") not in SESSION_DIRS:
             shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def toolchain(tmp_path_factory: pytest.TempPathFactory, testrun_uid: str) -> Path:
+    """Torch's CPU toolchain for this host (ISA probe libraries, precompiled header), built
+    once per run and shared by pytest-xdist's workers, for `Machine(..., toolchain=...)`:
+    a producer that starts on it skips ~12 s of g++ that no test of it examines. Tests
+    whose claim is what a machine builds, or what megacache ships it, start without it."""
+    where = tmp_path_factory.getbasetemp().parent / f"toolchain-{testrun_uid}"
+    with FileLock(f"{where}.lock"):
+        if not (where / "built").exists():
+            shutil.rmtree(where, ignore_errors=True)
+            build_toolchain(where)
+            (where / "built").touch()
+    return where
 
 
 @pytest.fixture(scope="session")

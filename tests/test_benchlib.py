@@ -131,3 +131,26 @@ def test_the_gxx_counter_is_invisible_to_the_compiler_it_counts(tmp_path: Path):
                             str(source)], env=clean_env() | counter.env(log))
     assert built.returncode == 0 and (tmp_path / "probe.so").is_file()
     assert GxxCounter.builds(log) == 1
+
+
+@pytest.mark.e2e
+def test_a_new_machine_takes_the_built_toolchain_and_a_used_one_keeps_its_own(
+        toolchain: Path, tmp_path: Path):
+    """The toolchain holds torch's precompiled header and its ISA probe libraries, and
+    nothing of the compile that built the header (its kernel would ship in a producer's
+    kernels pack as if the producer had compiled it). A new machine takes a copy; a machine
+    whose jobs have run keeps what they left (a stopped job's half-built files included)."""
+    from benchmarks.harness.machines import Machine
+
+    (header,) = (toolchain / "tmp").rglob("*.h.gch")
+    probes = sorted((toolchain / "inductor").rglob("*.cpp"))
+    assert probes and all((p.with_suffix(".so")).is_file() for p in probes), probes
+    kernels = [p for p in probes if "cpp_prefix.h" in p.read_text()]
+    assert not kernels, kernels
+    node = Machine(tmp_path / "node", toolchain)
+    copied = node.root / "tmp" / header.relative_to(toolchain / "tmp")
+    assert copied.read_bytes() == header.read_bytes()
+    assert len(list((node.root / "inductor").rglob("*.so"))) == len(probes)
+    copied.write_bytes(b"what a job left")
+    Machine(tmp_path / "node", toolchain)
+    assert copied.read_bytes() == b"what a job left"

@@ -59,7 +59,8 @@ def test_a_refused_connection_opens_the_breaker_at_once(tmp_path: Path):
 
 
 @pytest.mark.e2e
-def test_a_trainer_whose_server_is_down_builds_nothing_to_publish(tmp_path: Path):
+def test_a_trainer_whose_server_is_down_builds_nothing_to_publish(tmp_path: Path,
+                                                                  toolchain: Path):
     """The exit's publish round asks before it builds: with nothing listening at the URL it
     snapshots nothing, packs nothing and starts no precompile check (each of which only
     the server could use), and says why; the trainer ends as it would without a URL."""
@@ -70,7 +71,7 @@ def test_a_trainer_whose_server_is_down_builds_nothing_to_publish(tmp_path: Path
     need("torch", "the trainer compiles a real model")
     with socket.socket() as held:  # bound, never listening: it refuses, and no server of
         held.bind(("127.0.0.1", 0))  # another worker can take the port (a free_port() did)
-        run = run_job(Machine(tmp_path / "node"), "--model", "mlp", "--steps", "3",
+        run = run_job(Machine(tmp_path / "node", toolchain), "--model", "mlp", "--steps", "3",
                       "--megacache", "env",
                       env={"MEGACACHE_URL": f"http://127.0.0.1:{held.getsockname()[1]}",
                            "MEGACACHE_MODEL": "down", "OMP_NUM_THREADS": "1"}, timeout=600)
@@ -180,7 +181,7 @@ def test_client_gives_up_quickly_and_the_breaker_stops_the_hammering(mode: str, 
 
 @pytest.mark.e2e
 def test_a_server_that_comes_back_gets_the_compile_of_a_trainer_that_started_without_it(
-        tmp_path: Path):
+        tmp_path: Path, toolchain: Path):
     """The server is down when the trainer loads (one warning, a cold compile) and up
     before it ends: the exit's round finds it answering and publishes the cold compile."""
     import json
@@ -194,7 +195,7 @@ def test_a_server_that_comes_back_gets_the_compile_of_a_trainer_that_started_wit
 
     need("torch", "the trainer compiles a real model")
     server = ServerProcess(tmp_path / "data")
-    env = clean_env() | Machine(tmp_path / "node").env() | {
+    env = clean_env() | Machine(tmp_path / "node", toolchain).env() | {
         "MEGACACHE_URL": server.url, "MEGACACHE_MODEL": "comes-back", "OMP_NUM_THREADS": "1",
         "MEGACACHE_BREAKER_RESET_S": "1", "MEGACACHE_PRECOMPILE": "0"}
     trainer = subprocess.Popen([sys.executable, str(TRAIN_JOB), "--model", "mlp", "--steps",

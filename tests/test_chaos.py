@@ -130,7 +130,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def test_a_sigtermed_consumer_leaves_nothing_that_crashes_the_next_process(
-        server: ServerProcess, tmp_path: Path) -> None:
+        server: ServerProcess, tmp_path: Path, toolchain: Path) -> None:
     """The issue's reproduction: machine A publishes; machine B, a consumer, is sent SIGTERM
     after its steps; B's next process (this job's restart, and another model's first
     process) compiles a new shape in the same module. Before the fix the SIGTERM'd process
@@ -140,7 +140,7 @@ def test_a_sigtermed_consumer_leaves_nothing_that_crashes_the_next_process(
     need("torch", "the job compiles a real model")
     base = {"MEGACACHE_URL": server.url, "MEGACACHE_MODEL": f"repro-{tmp_path.name[-8:]}",
             "MEGACACHE_JOB_ID": f"repro-{tmp_path.name[-8:]}"}
-    a, b = Machine(tmp_path / "a"), Machine(tmp_path / "b")
+    a, b = Machine(tmp_path / "a", toolchain), Machine(tmp_path / "b")
     first = run(a, base)
     assert first.returncode == 0, first.stderr[-3000:]
     stopped = run(b, base | {"STOP_KIND": "sigterm", "STOP_POINT": "after"})
@@ -163,13 +163,13 @@ torch.compiler.save_cache_artifacts()
 
 
 def test_entries_torch_left_in_its_own_dynamo_cache_are_ignored_with_one_warning(
-        server: ServerProcess, tmp_path: Path) -> None:
+        server: ServerProcess, tmp_path: Path, toolchain: Path) -> None:
     """torch alone (caching precompile on, its Mega-Cache saved) leaves its entry in
     `<inductor cache>/dynamo/`, where an earlier client left its own too: the next
     process with the client on that node reads none of it, says so once, and compiles a
     new shape in the same module without a crash."""
     need("torch", "the job compiles a real model")
-    node = Machine(tmp_path / "node")
+    node = Machine(tmp_path / "node", toolchain)
     alone = subprocess.run([sys.executable, "-c", TORCH_ALONE], capture_output=True,
                            text=True, timeout=600,
                            env=clean_env() | node.env() | {"OMP_NUM_THREADS": "1"})
@@ -205,25 +205,28 @@ def test_the_ci_run_stops_each_way_at_each_point_and_restarts_each_setting_fresh
 
 @pytest.mark.timeout(2400)
 def test_any_stop_leaves_the_node_safe_and_the_restart_warm(
-        server: ServerProcess, tmp_path: Path) -> None:
-    chaos(server, tmp_path, int(os.environ.get("CHAOS_STOPS", str(CI_STOPS))),
+        server: ServerProcess, tmp_path: Path, toolchain: Path) -> None:
+    chaos(server, tmp_path, toolchain, int(os.environ.get("CHAOS_STOPS", str(CI_STOPS))),
           int(os.environ.get("CHAOS_START", "0")))
 
 
 @pytest.mark.nightly
 @pytest.mark.timeout(7200)
-def test_any_stop_nightly(server: ServerProcess, tmp_path: Path) -> None:
+def test_any_stop_nightly(server: ServerProcess, tmp_path: Path, toolchain: Path) -> None:
     """The long run: every (kind, point) pair four times."""
-    chaos(server, tmp_path, 100)
+    chaos(server, tmp_path, toolchain, 100)
 
 
-def chaos(server: ServerProcess, tmp_path: Path, stops: int, start: int = 0) -> None:
-    """`stops` rounds of a stopped trainer and its restarts (the module's docstring)."""
+def chaos(server: ServerProcess, tmp_path: Path, toolchain: Path, stops: int,
+          start: int = 0) -> None:
+    """`stops` rounds of a stopped trainer and its restarts (the module's docstring). The
+    reference run (no megacache) starts on a built toolchain; the nodes do not: a stop
+    during a first compile may come while g++ builds the header."""
     need("torch", "the job compiles a real model")
     seed = int(os.environ.get("CHAOS_SEED", str(random.randrange(10**6))))
     print(f"chaos: {stops} stops from pair {start}, CHAOS_SEED={seed}")
     gxx = GxxCounter(tmp_path / "bin")
-    reference = run(Machine(tmp_path / "reference"), {"MEGACACHE_URL": ""})
+    reference = run(Machine(tmp_path / "reference", toolchain), {"MEGACACHE_URL": ""})
     assert reference.returncode == 0, reference.stderr[-3000:]
     want = reference.result["losses"]
     complete: set[str] = set()
@@ -270,12 +273,12 @@ def chaos(server: ServerProcess, tmp_path: Path, stops: int, start: int = 0) -> 
 
 @pytest.mark.timeout(1200)
 def test_a_torchrun_job_whose_ranks_are_stopped_restarts_on_its_node(
-        server: ServerProcess, tmp_path: Path) -> None:
+        server: ServerProcess, tmp_path: Path, toolchain: Path) -> None:
     """2 ranks under torchrun with 3 restarts: in each failed attempt one rank stops its own
     way (torchrun then sends SIGTERM to the other, as it does); the last attempt trains to
     the end on the same node with the losses of a run without megacache."""
     need("torch", "the job compiles a real model")
-    reference = run(Machine(tmp_path / "reference"), {"MEGACACHE_URL": ""})
+    reference = run(Machine(tmp_path / "reference", toolchain), {"MEGACACHE_URL": ""})
     assert reference.returncode == 0, reference.stderr[-3000:]
     node = Machine(tmp_path / "node")
     results = tmp_path / "results"

@@ -62,10 +62,11 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def producer(cache: ServerProcess, gxx: GxxCounter,
-             tmp_path_factory: pytest.TempPathFactory) -> tuple[Machine, JobRun]:
-    """Machine A compiles cold and publishes."""
-    machine = Machine(tmp_path_factory.mktemp("machine-a"))
+def producer(cache: ServerProcess, gxx: GxxCounter, tmp_path_factory: pytest.TempPathFactory,
+             toolchain: Path) -> tuple[Machine, JobRun]:
+    """Machine A compiles cold and publishes (on a node whose toolchain is built: what it
+    ships a new machine is what the tests below examine)."""
+    machine = Machine(tmp_path_factory.mktemp("machine-a"), toolchain)
     run = run_on(machine, gxx, *job_args(), url=cache.url)
     assert run.mc["outcome"] == "miss", run.mc
     assert run.mc["published"], run.mc

@@ -62,10 +62,10 @@ def run(machine: Machine, gxx: GxxCounter, script: Path, *args: str, env: dict[s
     return job
 
 
-def test_each_compile_style_gets_its_own_key_and_entry(cache, gxx, tmp_path):
+def test_each_compile_style_gets_its_own_key_and_entry(cache, gxx, tmp_path, toolchain):
     """`.compile()` of two models, an EMA copy, a decorated loss and a plain function."""
     job = HERE / "compile_styles_job.py"
-    cold = run(Machine(tmp_path / "a"), gxx, job, env={"MEGACACHE_URL": cache.url})
+    cold = run(Machine(tmp_path / "a", toolchain), gxx, job, env={"MEGACACHE_URL": cache.url})
     tracks = {t["model"]: t for t in cold.result["tracks"]}
     assert sorted(tracks) == ["MLP", "Tower", "loss_fn", "scale"]  # the EMA copy is MLP
     assert len({t["key"] for t in tracks.values()}) == 4
@@ -124,13 +124,13 @@ print(json.dumps({"out": out, "megacache": {"outcome": r.outcome, "reason": r.re
 """A rank that compiles one small function: the test is about the wait, not the compile."""
 
 
-def test_hung_server_costs_each_process_the_deadline_once(hung_server, gxx, tmp_path):
+def test_hung_server_costs_each_process_the_deadline_once(hung_server, gxx, tmp_path, toolchain):
     """Ranks of one node, default read timeout (30 s) and retries: the two that start
     together each give up within the 3 s load deadline, the first to find out opens the
     node's breaker, and a rank starting after that does not wait at all. Each compiles cold
     with exactly one warning, in seconds, not the read timeout times the retries."""
     deadline = 3.0
-    machine = Machine(tmp_path / "node")
+    machine = Machine(tmp_path / "node", toolchain)
 
     def rank(i: int) -> JobRun:
         if i == 2:
@@ -176,8 +176,8 @@ def torchrun(machine: Machine, gxx: GxxCounter, url: str) -> list[dict]:
     return [{**r, "gxx_builds": job.gxx_builds} for r in ranks]
 
 
-def test_torchrun_downloads_once_per_node_and_publishes_once(cache, gxx, tmp_path):
-    cold = torchrun(Machine(tmp_path / "a"), gxx, cache.url)
+def test_torchrun_downloads_once_per_node_and_publishes_once(cache, gxx, tmp_path, toolchain):
+    cold = torchrun(Machine(tmp_path / "a", toolchain), gxx, cache.url)
     key = cold[0]["key"]
     assert {r["key"] for r in cold} == {key} and cold[0]["model"] == "TinyNet", cold
     assert [r["outcome"] for r in cold] == ["miss"] * 4, cold

@@ -93,9 +93,10 @@ guards that need a running frame, every frame left out); a change either way fai
 
 
 def check_new_machines(cache: ServerProcess, gxx: GxxCounter, tmp_path: Path,
-                       name: str) -> None:
-    """One cold machine with precompiled Dynamo on, then a new machine per mode in `MODES`."""
-    cold = train(Machine(tmp_path / "cold"), gxx, cache.url, name, "1")
+                       name: str, toolchain: Path) -> None:
+    """One cold machine with precompiled Dynamo on (its toolchain built: what it ships the
+    new machines is what is examined), then a new machine per mode in `MODES`."""
+    cold = train(Machine(tmp_path / "cold", toolchain), gxx, cache.url, name, "1")
     assert cold.returncode == 0, cold.stderr[-4000:]
     assert cold.gxx_builds and cold.gxx_builds > 0  # it really compiled
     assert outcomes(cache, name) == {"miss": 1}
@@ -130,8 +131,8 @@ MODES = ("1", "0")
 
 
 @pytest.mark.parametrize("name", GROUP_A)
-def test_new_machines_match_the_cold_run(cache, gxx, tmp_path, name):
-    check_new_machines(cache, gxx, tmp_path, name)
+def test_new_machines_match_the_cold_run(cache, gxx, tmp_path, name, toolchain):
+    check_new_machines(cache, gxx, tmp_path, name, toolchain)
 
 
 def test_the_corpus_is_split_between_ci_and_the_nightly_tier():
@@ -141,8 +142,8 @@ def test_the_corpus_is_split_between_ci_and_the_nightly_tier():
 
 @pytest.mark.nightly
 @pytest.mark.parametrize("name", [n for n in sorted(CORPUS) if n not in IN_CI])
-def test_new_machines_match_the_cold_run_nightly(cache, gxx, tmp_path, name):
-    check_new_machines(cache, gxx, tmp_path, name)
+def test_new_machines_match_the_cold_run_nightly(cache, gxx, tmp_path, name, toolchain):
+    check_new_machines(cache, gxx, tmp_path, name, toolchain)
 
 
 def outcomes(cache: ServerProcess, name: str) -> dict[str, int]:

@@ -12,5 +12,5 @@ pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("torch_s_own_compile_thre
 
 
 @pytest.mark.parametrize("name", GROUP_B)
-def test_new_machines_match_the_cold_run_b(cache, gxx, tmp_path, name):  # noqa: F811
-    check_new_machines(cache, gxx, tmp_path, name)
+def test_new_machines_match_the_cold_run_b(cache, gxx, tmp_path, name, toolchain):  # noqa: F811
+    check_new_machines(cache, gxx, tmp_path, name, toolchain)

@@ -26,7 +26,7 @@ def inductor_artifacts(url: str, model: str) -> int:
     return int(found[0]["artifact_counts"].get("inductor", 0)) if found else 0
 
 
-def test_the_exit_skips_its_round_when_nothing_is_new(tmp_path: Path) -> None:
+def test_the_exit_skips_its_round_when_nothing_is_new(tmp_path: Path, toolchain: Path) -> None:
     need("torch", "the job compiles a real model")
     server = ServerProcess(tmp_path / "data").start()
     try:
@@ -35,8 +35,8 @@ def test_the_exit_skips_its_round_when_nothing_is_new(tmp_path: Path) -> None:
                "OMP_NUM_THREADS": "1", "MEGACACHE_PRECOMPILE": "0"}
 
         def job(machine: str, **extra: str) -> dict[str, int]:
-            run = run_job(Machine(tmp_path / machine), runner=[sys.executable,
-                                                             str(HERE / "exit_job.py")],
+            node = Machine(tmp_path / machine, toolchain if machine == "cold" else None)
+            run = run_job(node, runner=[sys.executable, str(HERE / "exit_job.py")],
                           env={**env, **extra}, timeout=600)
             assert run.returncode == 0, run.stderr[-3000:]
             return run.result

@@ -143,10 +143,10 @@ def cache(tmp_path: Path) -> Iterator[ServerProcess]:
 
 
 @pytest.mark.parametrize("precompile", ["1", "0"])
-def test_a_republish_keeps_what_it_loaded(cache, gxx, tmp_path, precompile):
+def test_a_republish_keeps_what_it_loaded(cache, gxx, tmp_path, precompile, toolchain):
     """Machine 1 compiles f; machine 2 loads f, compiles g and republishes; machine 3 only
     runs f: everything comes from the entry, nothing is compiled, nothing is inert."""
-    first = functions_job(Machine(tmp_path / "m1"), gxx, cache.url, "f", precompile)
+    first = functions_job(Machine(tmp_path / "m1", toolchain), gxx, cache.url, "f", precompile)
     assert first.result["published"], first.result
     second = functions_job(Machine(tmp_path / "m2"), gxx, cache.url, "f,g", precompile)
     assert second.result["outcome"] == "hit", second.result  # f came from the entry
@@ -178,13 +178,14 @@ def precompile_job(machine: Machine, gxx: GxxCounter, url: str, kind: str,
     return run
 
 
-def test_a_verified_entry_lets_a_new_machine_skip_tracing(cache, gxx, tmp_path):
+def test_a_verified_entry_lets_a_new_machine_skip_tracing(cache, gxx, tmp_path, toolchain):
     """The producer's child check passes: the entry names the artifact verified, and a new
     machine's first step runs it without Dynamo tracing anything. The producer ships it in
     the background: its settled point's round ships the rest of the compile with the
     artifact pending, and the round the verdicts start adds it. The producer is then
     SIGKILLed, so no exit round (which waits for the check) can have shipped it."""
-    cold = precompile_job(Machine(tmp_path / "m1"), gxx, cache.url, "plain", "killed")
+    cold = precompile_job(Machine(tmp_path / "m1", toolchain), gxx, cache.url, "plain",
+                          "killed")
     assert cold.result["published"] and cold.result["traced_graphs"] >= 1, cold.result
     assert cold.result["check_s"] > 0, cold.result  # the child really ran
     new = precompile_job(Machine(tmp_path / "m2"), gxx, cache.url, "plain")
@@ -198,12 +199,12 @@ def test_a_verified_entry_lets_a_new_machine_skip_tracing(cache, gxx, tmp_path):
 
 
 def test_an_entry_that_fails_the_check_is_not_shipped_and_new_machines_trace(
-        cache, gxx, tmp_path):
+        cache, gxx, tmp_path, toolchain):
     """A real miscompiling Inductor pass (relu made sigmoid after tracing): the child's
     call of the precompiled graph differs from the traced graph's, so the artifact is not
     verified nor shipped; the rest of the bundle is, and a new machine traces Dynamo and
     trains on, unharmed."""
-    cold = precompile_job(Machine(tmp_path / "m1"), gxx, cache.url, "flip")
+    cold = precompile_job(Machine(tmp_path / "m1", toolchain), gxx, cache.url, "flip")
     assert cold.result["published"], cold.result
     assert "not verified" in cold.result["precompile_reason"], cold.result
     assert "differs from the traced graph" in cold.result["precompile_reason"], cold.result

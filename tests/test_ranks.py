@@ -43,10 +43,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def torchrun(server: ServerProcess, tmp: Path, name: str, *, restarts: int = 0,
-             machine: Machine | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+             machine: Machine | None = None, toolchain: Path | None = None,
+             **env: str) -> subprocess.CompletedProcess[str]:
     """A 2-rank job of stage_job.py; results in tmp/results. Without `machine`, each
-    attempt and rank runs on a new machine of its own (under tmp/machines)."""
+    attempt and rank runs on a new machine of its own (under tmp/machines); `toolchain`:
+    the first attempt's start with torch's toolchain built (they produce, nothing more)."""
     (tmp / "results").mkdir(parents=True, exist_ok=True)
+    if machine is None and toolchain is not None:
+        for rank in (0, 1):
+            Machine(tmp / "machines" / "attempt0" / f"rank{rank}", toolchain)
     gxx = GxxCounter(tmp / "bin")
     full = clean_env() | gxx.env(tmp / "gxx-unused.log") | {
         "MEGACACHE_URL": server.url, "MEGACACHE_MODEL": name, "OMP_NUM_THREADS": "1",
@@ -76,9 +81,11 @@ def unique(tmp: Path) -> str:
 
 
 def test_every_stage_starts_warm_after_one_stage_is_killed(server: ServerProcess,
-                                                           tmp_path: Path) -> None:
+                                                           tmp_path: Path,
+                                                           toolchain: Path) -> None:
     need("torch", "the job compiles real models")
-    done = torchrun(server, tmp_path, f"stages-{unique(tmp_path)}", restarts=1, KILL_RANK="1")
+    done = torchrun(server, tmp_path, f"stages-{unique(tmp_path)}", restarts=1,
+                    toolchain=toolchain, KILL_RANK="1")
     assert done.returncode == 0, done.stderr[-5000:]
     assert "rank 1 killed after step 1" in done.stderr, done.stderr[-3000:]
     cold = {rank: result(tmp_path, rank, 0)["losses"] for rank in (0, 1)}  # its first steps
@@ -98,9 +105,10 @@ def test_every_stage_starts_warm_after_one_stage_is_killed(server: ServerProcess
     assert sum(result(tmp_path, r, 1)["precompile_hit"] > 0 for r in (0, 1)) <= 1
 
 
-def test_data_parallel_ranks_upload_once(server: ServerProcess, tmp_path: Path) -> None:
+def test_data_parallel_ranks_upload_once(server: ServerProcess, tmp_path: Path,
+                                        toolchain: Path) -> None:
     need("torch", "the job compiles real models")
-    node = Machine(tmp_path / "node")  # both ranks on one node, as data parallel ranks are
+    node = Machine(tmp_path / "node", toolchain)  # both ranks on one node, as DP ranks are
     done = torchrun(server, tmp_path, f"same-{unique(tmp_path)}", machine=node, STAGES="same")
     assert done.returncode == 0, done.stderr[-5000:]
     ranks = [result(tmp_path, rank) for rank in (0, 1)]
@@ -111,14 +119,15 @@ def test_data_parallel_ranks_upload_once(server: ServerProcess, tmp_path: Path) 
 
 
 def test_a_rank_specific_graph_is_a_miss_never_another_ranks(server: ServerProcess,
-                                                             tmp_path: Path) -> None:
+                                                             tmp_path: Path,
+                                                             toolchain: Path) -> None:
     """Rank 0 alone publishes `x * (get_rank() + 1) + 1`; on new machines rank 1 must not
     run rank 0's precompiled Dynamo output (its guards do not cover the rank) nor its
     graph, and gets x * 2 + 1."""
     need("torch", "the job compiles real models")
     name = f"rankconst-{unique(tmp_path)}"
     cold = torchrun(server, tmp_path / "cold", name, STAGES="rank_constant",
-                    READ_ONLY_RANKS="1")
+                    toolchain=toolchain, READ_ONLY_RANKS="1")
     assert cold.returncode == 0, cold.stderr[-5000:]
     want = {rank: result(tmp_path / "cold", rank)["losses"] for rank in (0, 1)}
     assert want[1] == [4 * (2 * s + 1) for s in range(3)], want

@@ -50,11 +50,13 @@ def name(tmp_path: Path, what: str) -> str:
     return f"{what}-{tmp_path.name[-10:]}-{int(time.time() * 1000) % 10**8}".replace("_", "-")
 
 
-def test_a_killed_rank_leaves_its_compile_behind(cache: ServerProcess, tmp_path: Path) -> None:
+def test_a_killed_rank_leaves_its_compile_behind(cache: ServerProcess, tmp_path: Path,
+                                                 toolchain: Path) -> None:
     need("torch", "the job compiles a real model")
     job, model = name(tmp_path, "killed"), name(tmp_path, "tiny")
     results, machines = tmp_path / "results", tmp_path / "machines"
     results.mkdir()
+    Machine(machines / "attempt0", toolchain)  # the first attempt's node has compiled before
     runner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
               "--max-restarts", "1", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", job,
@@ -96,7 +98,7 @@ def entry_puts(url: str) -> float:
 
 @pytest.mark.parametrize("rounds", [4, 1])
 def test_later_compiles_publish_again_once_each_within_the_cap(
-        tmp_path: Path, rounds: int) -> None:
+        tmp_path: Path, rounds: int, toolchain: Path) -> None:
     """Two waves of compiles: the first settled point publishes the first, the next one
     the second (the union); the exit has nothing new and writes nothing. With a cap of one
     round, the second wave stays unpublished. Precompiled Dynamo is off here: its verified
@@ -107,8 +109,8 @@ def test_later_compiles_publish_again_once_each_within_the_cap(
     server = ServerProcess(tmp_path / "data").start()
     try:
         model = name(tmp_path, "waves")
-        run = run_job(Machine(tmp_path / "node"), runner=[sys.executable,
-                                                          str(HERE / "rounds_job.py")],
+        run = run_job(Machine(tmp_path / "node", toolchain),
+                      runner=[sys.executable, str(HERE / "rounds_job.py")],
                       env={"MEGACACHE_URL": server.url, "MEGACACHE_MODEL": model,
                            "MEGACACHE_MAX_PUBLISHES": str(rounds), "OMP_NUM_THREADS": "1",
                            "MEGACACHE_PRECOMPILE": "0",
@@ -128,10 +130,12 @@ def test_later_compiles_publish_again_once_each_within_the_cap(
 
 
 # -- SIGTERM and outages: one trainer process each ----------------------------------------
-def start(cache_url: str, tmp_path: Path, mode: str, job: str, **env: str
-          ) -> tuple[subprocess.Popen[str], Path]:
+def start(cache_url: str, tmp_path: Path, mode: str, job: str, toolchain: Path | None = None,
+          **env: str) -> tuple[subprocess.Popen[str], Path]:
+    """The trainer started on a new node (`toolchain`: one whose toolchain is built, for a
+    trainer that compiles) and ready."""
     need("torch", "the trainer is torch's")
-    machine = Machine(tmp_path / "node")
+    machine = Machine(tmp_path / "node", toolchain)
     ready = tmp_path / "ready"
     full = {**clean_env(), **machine.env(), "MEGACACHE_URL": cache_url,
             "MEGACACHE_JOB_ID": job, "MODE": mode, "READY": str(ready),
@@ -174,9 +178,9 @@ def terminate(proc: subprocess.Popen[str]) -> tuple[float, float]:
 
 
 def test_sigterm_finishes_the_publish_sends_the_end_and_ends_the_process(
-        cache: ServerProcess, tmp_path: Path) -> None:
+        cache: ServerProcess, tmp_path: Path, toolchain: Path) -> None:
     job, model = name(tmp_path, "term"), name(tmp_path, "term-model")
-    proc, _ = start(cache.url, tmp_path, "default", job, COMPILE="1",
+    proc, _ = start(cache.url, tmp_path, "default", job, toolchain, COMPILE="1",
                     MEGACACHE_MODEL=model)
     sent, took = terminate(proc)
     stderr = proc.stderr.read() if proc.stderr else ""
@@ -191,12 +195,13 @@ def test_sigterm_finishes_the_publish_sends_the_end_and_ends_the_process(
 
 
 def test_sigterm_during_the_exit_s_publish_lets_it_finish(cache: ServerProcess,
-                                                          tmp_path: Path) -> None:
+                                                          tmp_path: Path,
+                                                          toolchain: Path) -> None:
     """A rank whose collective failed when a peer died raises; its exit publishes, and the
     launcher's SIGTERM (sent as it saw the peer die) comes meanwhile: the handler waits for
     that round within the grace, where handing the signal on at once would end it."""
     job, model = name(tmp_path, "crash"), name(tmp_path, "crash-model")
-    proc, _ = start(cache.url, tmp_path, "crash", job, MEGACACHE_MODEL=model)
+    proc, _ = start(cache.url, tmp_path, "crash", job, toolchain, MEGACACHE_MODEL=model)
     _, took = terminate(proc)
     stderr = proc.stderr.read() if proc.stderr else ""
     assert proc.returncode == -signal.SIGTERM, (proc.returncode, stderr[-3000:])

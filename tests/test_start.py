@@ -79,10 +79,11 @@ def run_on(machine: Machine, gxx: GxxCounter, url: str, *extra: str, code: str =
 
 
 @pytest.fixture(scope="module")
-def producer(cache: ServerProcess, gxx: GxxCounter,
-             tmp_path_factory: pytest.TempPathFactory) -> tuple[Machine, JobRun]:
-    """Machine A compiles cold with precompile on and publishes: the cold reference run."""
-    machine = Machine(tmp_path_factory.mktemp("start-a"))
+def producer(cache: ServerProcess, gxx: GxxCounter, tmp_path_factory: pytest.TempPathFactory,
+             toolchain: Path) -> tuple[Machine, JobRun]:
+    """Machine A compiles cold with precompile on and publishes: the cold reference run (on
+    a node whose toolchain is built: what it ships a new machine is what is examined)."""
+    machine = Machine(tmp_path_factory.mktemp("start-a"), toolchain)
     run = run_on(machine, gxx, cache.url)
     assert run.mc["outcome"] == "miss" and run.mc["published"], run.mc
     entry = httpx.get(f"{cache.url}/v1/ac/{run.mc['key']}").json()

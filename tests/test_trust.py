@@ -485,14 +485,14 @@ def rotting(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 @pytest.mark.e2e
 def test_rot_costs_one_process_a_cold_compile_and_the_next_machine_starts_warm(
-        rotting: ServerProcess, tmp_path_factory: pytest.TempPathFactory):
+        rotting: ServerProcess, tmp_path_factory: pytest.TempPathFactory, toolchain: Path):
     """Every stored blob rots. The first new machine warns once, compiles cold and reports
     the rot; the server quarantines it and the machine's republish replaces the entry; the
     next new machine starts warm from it. No fsck, no operator."""
     need("torch", "the sequence loads real bundles into torch")
     tmp = tmp_path_factory.mktemp("machines")
     gxx = GxxCounter(tmp / "bin")
-    producer = functions_job(Machine(tmp / "producer"), gxx, rotting.url, "f")
+    producer = functions_job(Machine(tmp / "producer", toolchain), gxx, rotting.url, "f")
     assert producer.result["published"], producer.result
     stored = rotting.blob_names()
     assert stored

@@ -67,14 +67,14 @@ def _marker_pack(tmp: Path, role: str, names: list[str], like: BlobRef) -> tuple
 
 
 @pytest.fixture(scope="module")
-def poisoned(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
-             ) -> tuple[set[str], str]:
+def poisoned(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory,
+             toolchain: Path) -> tuple[set[str], str]:
     """The untrusted writer's entries; returns their blobs' digests and the consumer token."""
     tmp = tmp_path_factory.mktemp("writer")
     gxx = GxxCounter(tmp / "bin")
     writer = server.token("read,write", namespace=NS, name="trainer-w")
     consumer = server.token("read,write", namespace=NS, name="ci-consumer")
-    real = _job(Machine(tmp / "m"), gxx, server, writer, "v1")  # a real entry to imitate
+    real = _job(Machine(tmp / "m", toolchain), gxx, server, writer, "v1")  # one to imitate
     assert real.mc["published"], real.mc
     h = httpx.Client(base_url=server.url, headers={"authorization": f"Bearer {writer}"},
                      timeout=30)
