@@ -140,12 +140,13 @@ def module_temp_removed(request: pytest.FixtureRequest,
 
 
 @pytest.fixture(scope="session")
-def toolchain(tmp_path_factory: pytest.TempPathFactory, testrun_uid: str) -> Path:
+def toolchain(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     """Torch's CPU toolchain for this host (ISA probe libraries, precompiled header), built
     once per run and shared by pytest-xdist's workers, for `Machine(..., toolchain=...)`:
     a producer that starts on it skips ~12 s of g++ that no test of it examines. Tests
     whose claim is what a machine builds, or what megacache ships it, start without it."""
-    where = tmp_path_factory.getbasetemp().parent / f"toolchain-{testrun_uid}"
+    base = tmp_path_factory.getbasetemp()  # a worker's is in the run's, which is removed
+    where = (base if worker_id == "master" else base.parent) / "toolchain"
     with FileLock(f"{where}.lock"):
         if not (where / "built").exists():
             shutil.rmtree(where, ignore_errors=True)

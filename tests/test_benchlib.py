@@ -154,3 +154,27 @@ def test_a_new_machine_takes_the_built_toolchain_and_a_used_one_keeps_its_own(
     copied.write_bytes(b"what a job left")
     Machine(tmp_path / "node", toolchain)
     assert copied.read_bytes() == b"what a job left"
+
+
+def test_a_new_seaweedfs_whose_port_was_taken_meanwhile_starts_on_new_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Ports picked free can be taken before weed binds them (another process's outgoing
+    connection took one in a CI run): a first start tries new ports, and still fails on
+    anything else."""
+    from conftest import started
+
+    from benchmarks.harness import servers
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks = iter([taken.getsockname()[1]])
+        real = servers.free_port
+        monkeypatch.setattr(servers, "free_port", lambda: next(picks, None) or real())
+        weed = started(servers.LocalSeaweedS3(tmp_path / "s3"), "SeaweedFS (weed)")
+        try:
+            said = (tmp_path / "s3" / "weed.log").read_text()
+            assert any(taken in said for taken in servers.PORT_TAKEN), said
+            assert weed._ready()
+        finally:
+            weed.stop()

@@ -11,7 +11,10 @@ backend pair), whose split of the job's wall time must agree with the trainers' 
   server's `GET /v1/jobs/{job}/ett` to it: within ±1 s or ±5% (whichever is larger) for
   the phases the server dates from heartbeats (time to start, unsaved training time at
   the failure, time to recover, training, wall), within ±0.05 s per checkpoint or ±5% for
-  the checkpoint blocking and restore seconds (both sides time the same call).
+  the checkpoint blocking and restore seconds (both sides time the same call). Each killed
+rank runs on one backend pair (rank 0's on SQLite + disk, rank 1's on Redis + S3): the
+server's side of the split is one code path over the index's protocols, whose contract
+tests run on both (`tests/test_ett_api.py`, `tests/test_progress_store.py`).
 
 The settings are the defaults (a 30 s heartbeat) but for `MEGACACHE_MODE=read-only`: the
 trainers load from the cache and publish nothing, which ETT does not measure (the publish
@@ -180,7 +183,8 @@ def compare(truth: dict[str, Any], ett: dict[str, Any]) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("kill_rank", [0, 1])
+@pytest.mark.parametrize(("server", "kill_rank"), [("sqlite+fs", 0), ("redis+s3", 1)],
+                         indirect=["server"])
 def test_a_killed_torchrun_job_s_split_matches_its_own_clock(server: ServerProcess,
                                                               tmp_path: Path,
                                                               kill_rank: int) -> None:

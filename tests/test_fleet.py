@@ -26,6 +26,8 @@ import pytest
 from conftest import need
 from helpers import ServerProcess
 
+from benchmarks.harness.machines import Machine
+
 pytestmark = pytest.mark.e2e
 
 need("torch", "fleet tests load real Mega-Cache bundles into torch")
@@ -61,13 +63,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Two real bundles of different graphs: two versions of one entry."""
+def bundles(tmp_path_factory: pytest.TempPathFactory, toolchain: Path) -> list[Path]:
+    """Two real bundles of different graphs: two versions of one entry (each compiled on a
+    machine of its own whose toolchain is built: a bundle carries no toolchain)."""
     root = tmp_path_factory.mktemp("bundles")
     made = []
     for version in (1, 2):
         path = root / f"v{version}.bin"
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / f"ind{version}")}
+        env = {**os.environ, **Machine(root / f"m{version}", toolchain).env()}
         env.pop("MEGACACHE_URL", None)
         out = subprocess.run([sys.executable, "-c", BUNDLE, str(path), str(version + 0.5)],
                              capture_output=True, text=True, timeout=600, env=env)

