@@ -297,6 +297,39 @@ def test_steps_checkpoints_and_the_end_reach_the_peer(tmp_path: Path, telemetry_
     assert max(r["step"] for r in recs if r["kind"] == "heartbeat") == 3
 
 
+def test_a_heartbeat_due_as_the_attempt_ends_goes_before_the_end(tmp_path: Path,
+                                                                 telemetry_on) -> None:
+    """The heartbeat thread making a beat when the trainer ends (CI saw it: a failed
+    trainer's last record a heartbeat): the end waits for that beat, and is the last record."""
+    import torch
+
+    with recording() as peer:
+        t = start_here(peer.url, tmp_path, telemetry_on, heartbeat_s=0.05)
+        model = torch.nn.Linear(4, 4)
+        torch.optim.SGD(model.parameters(), lr=0.1).step()  # trains: the sender is armed
+        in_beat, release, beat = threading.Event(), threading.Event(), []
+        alive = t.alive  # type: ignore[attr-defined]
+
+        def held(at: float) -> ProgressRecord:
+            if threading.current_thread().name == "megacache-heartbeat" and not beat:
+                beat.append(threading.current_thread())
+                in_beat.set()
+                release.wait(10)
+            return alive(at)
+
+        t.alive = held  # type: ignore[attr-defined]
+        assert in_beat.wait(10)
+        ender = threading.Thread(target=t.end, args=("finished",))  # type: ignore[attr-defined]
+        ender.start()
+        ender.join(0.3)  # the end meets the beat being made (without the lock: ends first)
+        release.set()
+        ender.join(10)
+        beat[0].join(10)
+        assert t.progress.flush(5)  # type: ignore[attr-defined]
+        kinds = peer.kinds("job-7")
+    assert kinds[-1] == "end" and kinds.count("end") == 1, kinds[-4:]
+
+
 def test_a_process_that_never_trains_sends_nothing(tmp_path: Path, telemetry_on) -> None:
     """torchrun's agent imports torch with the job's variables (no RANK: "rank 0"): its
     start, heartbeats and exit must not enter the job's time line."""

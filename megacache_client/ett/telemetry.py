@@ -97,6 +97,10 @@ class Telemetry:
         self.sigterm_at: float | None = None
         """When SIGTERM reached the process: however it then ends, it was preempted."""
         self._stopping = threading.Event()
+        self._beating = threading.RLock()
+        """Held while a heartbeat is made and queued, and while the end is: a beat the end
+        meets goes before it, none after (re-entrant: an end a signal handler starts
+        while one is under way returns at once)."""
         self._looked = threading.Lock()
         """Held once the earlier attempts' last signs were looked for (once a process)."""
         self._handle: Any = None
@@ -199,7 +203,10 @@ class Telemetry:
                 self.lifeline.renew(time.time(), self.step)
             if time.monotonic() >= due:
                 due += self.heartbeat_s
-                self.emit(self.alive, time.time())
+                with self._beating:
+                    if self._stopping.is_set():  # the end came while this beat was due
+                        return
+                    self.emit(self.alive, time.time())
 
     # -- start and end --------------------------------------------------------------------
     def install(self) -> None:
@@ -253,9 +260,10 @@ class Telemetry:
         if not self.progress.armed:  # never trained: no trainer (a launcher, a helper)
             self.stop("the process never trained")
             return
-        self.emit(self.alive, time.time())  # the last data wait, then the end
-        self.emit(records.end_record, time.time(), reason, cause, detail, exit_code)
-        self._stopping.set()
+        with self._beating:  # the last record sent: no heartbeat after it
+            self._stopping.set()
+            self.emit(self.alive, time.time())  # the last data wait, then the end
+            self.emit(records.end_record, time.time(), reason, cause, detail, exit_code)
         if self.lifeline is not None:
             self.lifeline.end()
         self.progress.flush(wait)
