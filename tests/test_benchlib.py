@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,23 @@ def test_a_new_seaweedfs_whose_port_was_taken_meanwhile_starts_on_new_ones(
             assert weed._ready()
         finally:
             weed.stop()
+
+
+def test_a_stopped_seaweedfs_leaves_no_socket_in_tmp(tmp_path: Path):
+    """weed makes a unix socket per listener in /tmp (its gRPC ones at a fixed path, not
+    TMPDIR) and leaves some at exit: a passing suite must leave nothing there."""
+    from conftest import started
+
+    from benchmarks.harness import servers
+
+    weed = started(servers.LocalSeaweedS3(tmp_path / "s3"), "SeaweedFS (weed)")
+    try:
+        up = time.monotonic() + 10  # its admin and S3 gRPC listeners come after S3's HTTP
+        while not all(s.exists() for s in weed.grpc_sockets) and time.monotonic() < up:
+            time.sleep(0.1)
+        assert any(s.exists() for s in weed.grpc_sockets), weed.grpc_sockets  # weed's names
+    finally:
+        weed.stop()
+    ports = {str(port) for _, port in weed.grpc_ports} | {str(weed.port), str(weed.filer_port)}
+    left = [s for s in Path("/tmp").glob("seaweedfs-*.sock") if s.stem.rsplit("-", 1)[1] in ports]
+    assert left == []

