@@ -99,8 +99,8 @@ class Telemetry:
         self._stopping = threading.Event()
         self._beating = threading.RLock()
         """Held while a heartbeat is made and queued, and while the end is: a beat the end
-        meets goes before it, none after (re-entrant: an end a signal handler starts
-        while one is under way returns at once)."""
+        meets goes before it, none after. Re-entrant: the SIGTERM handler runs on the main
+        thread, which may be holding it (its end then returns at once: `ended` is set)."""
         self._looked = threading.Lock()
         """Held once the earlier attempts' last signs were looked for (once a process)."""
         self._handle: Any = None
